@@ -1,0 +1,1 @@
+"""pdserve.decode — placeholder package, filled by its own issue."""

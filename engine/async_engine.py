@@ -1,0 +1,147 @@
+"""The engine behind the HTTP node: one engine thread steps ``LLMEngine``; asyncio callers stream deltas.
+
+Who calls what, in order:
+
+    server (event loop)                     engine thread
+    -------------------                     -------------
+    generate(ids, params, id) ──"add"──>    drain inbox -> engine.add_request
+                                            engine.step() -> deltas
+    async for delta  <──call_soon_threadsafe── (one asyncio.Queue per request)
+    abort(id) / client gone ──"abort"──>    engine.abort_request (frees its blocks)
+
+Only the engine thread touches ``LLMEngine``; the inbox is the single hand-off point. An exception
+inside a step marks the engine unhealthy and fails every in-flight request with its message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; the node must be restarted."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = config.model_name
+        self.max_model_len = self.engine.max_model_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._fatal: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt_token_ids: list[int], params, request_id: str) -> AsyncIterator[RequestOutput]:
+        self.engine.check_prompt(len(prompt_token_ids), params.max_tokens)
+        if self._fatal:
+            raise EngineDeadError(self._fatal)
+        out_q: asyncio.Queue = asyncio.Queue()
+        self._send(("add", request_id, list(prompt_token_ids), params, asyncio.get_running_loop(), out_q))
+        finished = False
+        try:
+            while not finished:
+                item = await out_q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._send(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        queries, hits = bm.prefix_cache_stats
+        return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting, kv_usage=bm.usage,
+                           prefix_cache_queries=queries, prefix_cache_hits=hits)
+
+    def is_healthy(self) -> bool:
+        return self._fatal is None and self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug or a broken model: fail loudly, never hang the clients
+                logger.exception("engine step failed; failing %d requests", len(self._streams))
+                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                return
+            for out in outputs:
+                self._deliver(out.request_id, out, final=out.finished)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._add(*command[1:])
+            else:
+                self.engine.abort_request(command[1])
+                self._streams.pop(command[1], None)
+
+    def _add(self, request_id, prompt_ids, params, loop, out_q) -> None:
+        self._streams[request_id] = (loop, out_q)
+        try:
+            self.engine.add_request(request_id, prompt_ids, params)
+        except Exception as exc:
+            self._deliver(request_id, exc, final=True)
+
+    def _deliver(self, request_id: str, item, final: bool) -> None:
+        target = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+        if target is not None:
+            loop, out_q = target
+            try:
+                loop.call_soon_threadsafe(out_q.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                logger.debug("dropping output for %s: its event loop is closed", request_id)
+
+    def _fail_all(self, message: str) -> None:
+        self._fatal = message
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDeadError(message), final=True)

@@ -1,0 +1,45 @@
+"""The ``pdserve`` command line: one subcommand per role, flags named like vLLM's.
+
+    pdserve node --model DIR --role both --port 8100      # an OpenAI-compatible engine node
+    pdserve make-tiny-model DIR --arch llama              # random tiny model for tests
+    pdserve download smollm2-135m-instruct                # the demo model, converted locally
+    pdserve kvstore --port 5557                           # the standalone KV store daemon
+
+Each subcommand lives with its package and registers itself here (``register(subparsers)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from pdserve.engine import envs
+
+_SUBCOMMAND_MODULES = (
+    "pdserve.engine.node",
+    "pdserve.engine.tiny_model",
+    "pdserve.engine.download",
+    "pdserve.kvstore.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+    parser.add_argument("--log-level", default=envs.PDSERVE_LOG_LEVEL,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in _SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

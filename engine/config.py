@@ -1,0 +1,79 @@
+"""The node's configuration: one frozen dataclass per concern, composed into ``EngineConfig``.
+
+Built by the CLI (``pdserve node ...``, flags named like vLLM's) or by ``LLM(...)``; read by the
+engine. Values measured at run time (the number of KV blocks) live in ``EngineRuntime``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the flag to change."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 2**20   # --kv-cache-memory-bytes
+    num_gpu_blocks_override: int | None = None  # --num-gpu-blocks-override (exact block count)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two >= 1, got {self.block_size}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError(f"--num-gpu-blocks-override must be >= 2, got {self.num_gpu_blocks_override}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048   # the chunked-prefill size: tokens computed per step
+    max_num_seqs: int = 64
+    max_model_len: int | None = None      # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
+            raise ConfigError("--tensor-parallel-size/--pipeline-parallel-size > 1 are not available yet; use 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    served_model_name: str | None = None
+    seed: int = 0
+    num_threads: int = 1
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_threads < 1:
+            raise ConfigError(f"--num-threads must be >= 1, got {self.num_threads}")
+
+    @property
+    def model_name(self) -> str:
+        from pathlib import Path
+        return self.served_model_name or Path(self.model).name
+
+
+@dataclass(frozen=True)
+class EngineRuntime:
+    """What the engine measured at start-up."""
+    num_blocks: int
+    max_model_len: int
+    bytes_per_block: int

@@ -1,0 +1,38 @@
+"""Every environment variable pdserve reads, parsed once, bad values rejected. Prefix ``PDSERVE_``.
+
+| variable              | meaning                                          | default                    |
+| --------------------- | ------------------------------------------------ | -------------------------- |
+| PDSERVE_CACHE_DIR     | where downloaded models are converted and kept   | ~/.cache/pdserve           |
+| PDSERVE_NUM_THREADS   | torch intra-op threads per process               | 1                          |
+| PDSERVE_LOG_LEVEL     | logging level of pdserve's loggers               | INFO                       |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _level(name: str, default: str) -> str:
+    raw = os.environ.get(name, default).upper()
+    if raw not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ValueError(f"{name}={raw!r} must be one of DEBUG, INFO, WARNING, ERROR")
+    return raw
+
+
+PDSERVE_CACHE_DIR = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+PDSERVE_NUM_THREADS = _int("PDSERVE_NUM_THREADS", 1, 1)
+PDSERVE_LOG_LEVEL = _level("PDSERVE_LOG_LEVEL", "INFO")

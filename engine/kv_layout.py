@@ -1,0 +1,57 @@
+"""The KV cache layout: one descriptor read by the paged cache, the attention and the KV store.
+
+A layer's paged cache is one tensor ``[num_blocks, block_size, *token_shape]`` per
+component. Standard attention (MHA/GQA) has two components, ``k`` and ``v``, each with
+token shape ``[num_kv_heads, head_dim]``. DeepSeek MLA will have one component, the
+latent vector plus its rope part, token shape ``[1, kv_lora_rank + rope_dim]``. Nothing
+outside this module needs to know which one it is: it iterates ``components``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    kind: str                    # "mha" (K and V per KV head) or "mla" (latent)
+    num_layers: int              # layers held by this rank (all layers when not pipelined)
+    num_kv_heads: int            # KV heads held by this rank
+    head_dim: int
+    dtype: torch.dtype
+    first_layer: int = 0         # global index of this rank's first layer (pipeline stages)
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return ("k", "v") if self.kind == "mha" else ("latent",)
+
+    @property
+    def token_shape(self) -> tuple[int, int]:
+        return (self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of KV one token occupies across this rank's layers."""
+        per_component = self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+        return per_component * len(self.components) * self.num_layers
+
+    def block_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, *self.token_shape)
+
+    def allocate(self, num_blocks: int, block_size: int, device: str | torch.device = "cpu"):
+        """One ``{component: tensor[num_blocks, block_size, heads, dim]}`` dict per layer."""
+        shape = self.block_shape(num_blocks, block_size)
+        return [
+            {c: torch.zeros(shape, dtype=self.dtype, device=device) for c in self.components}
+            for _ in range(self.num_layers)
+        ]
+
+    def describe(self) -> str:
+        """Stable text used in model fingerprints (store keys must change when this does)."""
+        return f"{self.kind}:kv_heads={self.num_kv_heads}:head_dim={self.head_dim}:{self.dtype}"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

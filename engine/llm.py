@@ -1,0 +1,66 @@
+"""Offline batch inference: ``LLM(model_dir).generate(prompts, SamplingParams(...))``.
+
+Runs the same ``LLMEngine`` as the HTTP node, in the calling thread, until every prompt finished.
+"""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import CompletionOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, *, dtype: str = "auto", block_size: int = 16,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
+                 kv_cache_memory_bytes: int = 512 * 2**20, num_gpu_blocks_override: int | None = None,
+                 enable_prefix_caching: bool = True, num_threads: int = 1, seed: int = 0):
+        cache = CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                            num_gpu_blocks_override=num_gpu_blocks_override,
+                            enable_prefix_caching=enable_prefix_caching)
+        sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len)
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, seed=seed, num_threads=num_threads,
+                                             cache=cache, scheduler=sched))
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[CompletionOutput]:
+        """prompts: strings or lists of token ids. Returns one CompletionOutput per prompt, in order."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        params = params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        results = {}
+        for prompt, p in zip(prompts, params_list):
+            ids = prompt if _is_token_list(prompt) else self.tokenizer.encode(prompt)
+            rid = self._next_id()
+            results[rid] = CompletionOutput(request_id=rid, prompt_token_ids=list(ids))
+            self.engine.add_request(rid, ids, p)
+        self._run(results, use_tqdm)
+        return list(results.values())
+
+    def _run(self, results: dict[str, CompletionOutput], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(results), desc="generate", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                out = results[delta.request_id]
+                out.token_ids += delta.new_token_ids
+                out.text += delta.new_text
+                out.num_cached_tokens = delta.num_cached_tokens
+                out.logprobs += delta.logprobs or []
+                if delta.finished:
+                    out.finish_reason = delta.finish_reason
+                    bar.update(1)
+        bar.close()
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return f"offline-{self._counter}"
+
+
+def _is_token_list(x) -> bool:
+    return isinstance(x, list) and (not x or isinstance(x[0], int))

@@ -1,0 +1,57 @@
+"""Runs the model for one scheduled step and samples: the only place that touches the KV cache tensors.
+
+Called by ``LLMEngine.step``:  ``sampled = runner.execute(scheduler_output)``  ->  ``{request_id: SampleResult}``.
+Owns the paged KV cache (allocated once from the ``KVLayout``), the per-request sampling generators
+and the sampler call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.input_batch import build_step_inputs
+from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.sampler import sample
+
+
+class ModelRunner:
+    def __init__(self, model, layout: KVLayout, num_blocks: int, block_size: int):
+        self.model = model
+        self.layout = layout
+        self.block_size = block_size
+        self.kv_caches = layout.allocate(num_blocks, block_size)   # per layer {k, v}: [N, bs, Hkv, D]
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output) -> dict:
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return {}
+        inputs = build_step_inputs(scheduled, self.block_size)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)  # [T, D]
+        if not inputs.sample_requests:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])                       # [S, V]
+        reqs = inputs.sample_requests
+        results = sample(logits, [r.sampling_params for r in reqs],
+                         [self._generator(r) for r in reqs], _histories(reqs))
+        return {r.request_id: res for r, res in zip(reqs, results)}
+
+    def _generator(self, req) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None or req.sampling_params.greedy:
+            return None
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = self._generators[req.request_id] = torch.Generator().manual_seed(seed)
+        return gen
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state once the request finished or was aborted."""
+        self._generators.pop(request_id, None)
+
+
+def _histories(reqs) -> list[list[int]] | None:
+    if all(r.sampling_params.repetition_penalty == 1.0 for r in reqs):
+        return None
+    return [r.all_token_ids for r in reqs]

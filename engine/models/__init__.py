@@ -1,0 +1,25 @@
+"""Model code: our own plain-torch decoders over HF checkpoints (no transformers modeling code).
+
+Who calls what:
+
+    loader.load_model(dir)          # pdserve.engine.loader
+      -> ModelConfig.from_dir(dir)  # pdserve.engine.model_config (checks registry.model_class)
+      -> registry.model_class(arch)(config, first_layer, num_layers, shard)
+      -> model.load_weights(WeightSource, tp_rank)
+    model(input_ids, positions, kv_caches, attn_meta) -> hidden [T, D]   # ModelRunner, once per step
+    model.compute_logits(hidden[sample_rows])        -> logits [N, V] float32
+
+Files:
+    registry.py  architecture name (config.json ``architectures[0]``) -> model class
+    llama.py     Llama / Qwen2 / Qwen3 / Mistral: one decoder, per-architecture flags from ModelConfig
+    layers.py    RMSNorm, Linear with explicit shard sizes, fused SiLU-and-mul MLP, embedding
+    rope.py      rotary embeddings (default, linear, dynamic, llama3, yarn), cos/sin in float32
+
+Tensor/pipeline parallelism stays out of the model: layer constructors take this rank's sizes
+(``ShardSizes``) and the model takes a layer range; with the defaults it is the full model.
+"""
+
+from pdserve.engine.models.registry import (UnsupportedArchitectureError, model_class,
+                                            supported_architectures)
+
+__all__ = ["UnsupportedArchitectureError", "model_class", "supported_architectures"]

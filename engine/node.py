@@ -1,0 +1,83 @@
+"""``pdserve node``: build an ``EngineConfig`` from vLLM-style flags and serve it over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from pdserve.engine import envs
+from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("node", help="run one engine node (OpenAI-compatible HTTP server)")
+    p.add_argument("--model", required=True, help="local HF model directory")
+    p.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=envs.PDSERVE_NUM_THREADS,
+                   help="torch intra-op threads (default 1: on small boxes more threads thrash)")
+    _add_engine_flags(p)
+    p.set_defaults(func=run_node)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 2**20)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+
+
+def resolve_model(model: str) -> Path:
+    """A local HF directory as is; a known short name (``smollm2-135m-instruct``) downloaded and converted once."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from pdserve.engine.download import download_model
+
+    return download_model(model)
+
+
+def config_from_args(args) -> EngineConfig:
+    return EngineConfig(
+        model=str(resolve_model(args.model)), dtype=args.dtype, seed=args.seed,
+        served_model_name=args.served_model_name or Path(args.model).name,
+        num_threads=args.num_threads,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                          num_gpu_blocks_override=args.num_gpu_blocks_override,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                pipeline_parallel_size=args.pipeline_parallel_size),
+    )
+
+
+def run_node(args) -> int:
+    import uvicorn
+
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.server import build_app
+
+    if args.role != "both":
+        raise SystemExit(f"--role {args.role} needs the KV store connector, which is not built yet; use --role both")
+    engine = AsyncEngine(config_from_args(args))
+    app = build_app(engine, api_key=args.api_key)
+    logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,158 @@
+"""Turn one step's last-position logits into one token per request.
+
+Called by the model runner once per step, on the rank that holds the final logits:
+
+    results = sample(logits, params, generators, histories)
+
+``logits[i]`` belongs to the request whose ``SamplingParams`` is ``params[i]``;
+``generators[i]`` is that request's ``torch.Generator`` (the engine seeds one from
+``params.seed``) or ``None`` for the global RNG; ``histories[i]`` is its prompt +
+output token ids (read only when ``repetition_penalty != 1``).
+
+Order of the logits transforms (HF ``generate`` order):
+repetition penalty -> temperature -> top_k -> top_p -> min_p -> sample.
+Greedy requests (``temperature == 0`` or ``top_k == 1``) take the argmax after the
+repetition penalty, like HF and vLLM. A batch that is all greedy without penalty
+is one ``argmax`` over the batch: that is the hot path.
+
+Logprobs are from the raw, unprocessed ``log_softmax`` of the logits (vLLM's
+default ``raw_logprobs``), so a greedy and a sampled run report the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    token_id: int
+    logprob: float                                 # raw log_softmax of the chosen token
+    top_logprobs: list[tuple[int, float]] | None   # None unless params.logprobs is set
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None],
+           histories: list[list[int]] | None = None) -> list[SampleResult]:
+    """Pick one token per row of ``logits`` ([N, V]); see the module docstring."""
+    n = logits.shape[0]
+    if len(params) != n or len(generators) != n:
+        raise ValueError(f"sample got {n} logit rows but {len(params)} params and "
+                         f"{len(generators)} generators")
+    logits = logits.float()                                  # [N, V]
+    raw_logprobs = _raw_logprobs(logits, params)             # [N, V] or None
+    processed = _apply_repetition_penalty(logits, params, histories)
+    token_ids = torch.empty(n, dtype=torch.long, device=logits.device)
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(greedy_rows) == n:
+        token_ids = processed.argmax(dim=-1)
+    elif greedy_rows:
+        rows = torch.tensor(greedy_rows, device=logits.device)
+        token_ids[rows] = processed[rows].argmax(dim=-1)
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        probs = _filtered_probs(processed[rows], [params[i] for i in random_rows])
+        token_ids[rows] = _draw(probs, [generators[i] for i in random_rows])
+    return _results(logits, raw_logprobs, token_ids, params)
+
+
+def _raw_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+    """Full log_softmax [N, V] only when some request asked for top logprobs."""
+    if any(p.logprobs for p in params):
+        return torch.log_softmax(logits, dim=-1)
+    return None
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams],
+                              histories: list[list[int]] | None) -> torch.Tensor:
+    """HF semantics: a seen token's logit is divided by the penalty if > 0, else multiplied."""
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if not rows:
+        return logits
+    if histories is None:
+        raise ValueError("repetition_penalty != 1 needs histories (prompt + output token ids)")
+    out = logits.clone()
+    for i in rows:
+        if not histories[i]:
+            continue
+        seen = torch.tensor(sorted(set(histories[i])), dtype=torch.long, device=logits.device)
+        score = out[i, seen]
+        penalty = params[i].repetition_penalty
+        out[i, seen] = torch.where(score < 0, score * penalty, score / penalty)
+    return out
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top_k, top_p, min_p over the sampled rows; returns probs [M, V]."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature.unsqueeze(1)
+    vocab = logits.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(top_k) < vocab:
+        logits = _top_k(logits, torch.tensor(top_k, device=device))
+    if any(p.top_p < 1.0 for p in params):
+        logits = _top_p(logits, torch.tensor([p.top_p for p in params], device=device))
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        probs = _min_p(probs, torch.tensor([p.min_p for p in params], device=device))
+    return probs
+
+
+def _top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits ([M, V], k: [M]); ties at the k-th value are kept."""
+    sorted_desc = logits.sort(dim=-1, descending=True).values
+    kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))        # [M, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability mass reaches p (at least one)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)       # ascending mass [M, V]
+    drop = cum <= (1.0 - p).unsqueeze(1)
+    drop[:, -1] = False                                      # the top token always stays
+    mask = torch.zeros_like(drop).scatter_(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero tokens whose probability is below min_p * the row's top probability."""
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One multinomial draw per row, each with its own generator ([M, V] -> [M])."""
+    if all(g is None for g in generators):
+        return torch.multinomial(probs, 1).squeeze(1)
+    draws = [torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)]
+    return torch.cat(draws)
+
+
+def _results(logits: torch.Tensor, raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor,
+             params: list[SamplingParams]) -> list[SampleResult]:
+    """Chosen-token logprob for every row; top-k raw logprobs for rows that asked."""
+    if raw_logprobs is not None:
+        chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    else:
+        chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+    ids, lps = token_ids.tolist(), chosen.tolist()
+    results = []
+    for i, p in enumerate(params):
+        results.append(SampleResult(ids[i], lps[i], _top(raw_logprobs, i, p.logprobs)))
+    return results
+
+
+def _top(raw_logprobs: torch.Tensor | None, row: int, k: int | None) -> list[tuple[int, float]] | None:
+    if k is None:
+        return None
+    if k == 0 or raw_logprobs is None:
+        return []
+    values, indices = raw_logprobs[row].topk(min(k, raw_logprobs.shape[1]))
+    return list(zip(indices.tolist(), values.tolist()))

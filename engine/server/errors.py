@@ -1,0 +1,106 @@
+"""One OpenAI-style error body for every failure the node reports over HTTP.
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": null, "code": null}}
+
+Handlers raise ``APIError`` (or let pydantic / ``SamplingParams`` raise); ``install_error_handlers``
+(called by ``app.build_app``) turns each kind into this body: validation and bad JSON -> 400,
+``SamplingParamsError`` -> 400, unknown routes -> 404, anything unexpected -> 500.
+Streams that fail after their 200 header send ``error_event`` as their last ``data:`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.engine.sampling_params import SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error with its HTTP status, raised by handlers and turned into the OpenAI body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def error_event(status: int, message: str) -> str:
+    """The SSE line a stream sends when it fails after the 200 header went out."""
+    return f"data: {json.dumps(error_body(status, message))}\n\n"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(SamplingParamsError, _on_sampling_params_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(Exception, _on_unexpected)
+
+
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return error_response(exc.status, exc.message, exc.param, exc.code, headers)
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = describe_validation_errors(exc.errors())
+    return error_response(400, message, param)
+
+
+async def _on_sampling_params_error(request: Request, exc: SamplingParamsError) -> JSONResponse:
+    return error_response(400, str(exc))
+
+
+async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = str(exc.detail) if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
+    return error_response(exc.status_code, message)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """pydantic's error list -> one readable message naming each field, its problem and its value."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+        return f"request body is not valid JSON: {detail}".rstrip(": "), None
+    parts, first_param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        first_param = first_param or param
+        got = f" (got {_short(e['input'])})" if "input" in e and e.get("type") != "missing" else ""
+        parts.append(f"{param or 'body'}: {e.get('msg', 'invalid')}{got}")
+    return "; ".join(parts), first_param
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

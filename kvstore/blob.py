@@ -1,0 +1,85 @@
+"""Shared logic of the tiers that store serialised bytes (Redis, disk).
+
+Who calls it: ``RedisTier`` and ``DiskTier`` subclass it and provide four byte-level
+methods (``_write``, ``_read``, ``_exists``, ``_remove``). This class encodes on put,
+decodes and validates on get, and turns a corrupt object into a miss: logged, counted
+(``checksum_failures``), deleted. Backend errors (connection refused, disk full) are
+counted in ``errors`` and raised, so ``TieredStore`` can mark the tier down.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+
+import torch
+
+from pdserve.kvstore import codec
+from pdserve.kvstore.base import KVStore, StatsDict, TierStats
+from pdserve.kvstore.keys import check_key
+
+log = logging.getLogger(__name__)
+
+
+class BlobTier(KVStore):
+    name = "blob"
+
+    def __init__(self, codec_name: str = "none") -> None:
+        if codec_name not in codec.CODECS:
+            raise ValueError(f"unknown codec {codec_name!r}; choose one of {sorted(codec.CODECS)} (--kv-codec)")
+        self.codec_name = codec_name
+        self._stats = TierStats()
+
+    @abc.abstractmethod
+    def _write(self, blobs: list[tuple[str, bytes]]) -> None: ...
+
+    @abc.abstractmethod
+    def _read(self, keys: list[str]) -> list[bytes | memoryview | None]: ...
+
+    @abc.abstractmethod
+    def _exists(self, keys: list[str]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def _remove(self, keys: list[str]) -> None: ...
+
+    def put(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        blobs = [(check_key(k), codec.encode(t, self.codec_name)) for k, t in items]
+        self._guarded(self._write, blobs)
+        self._stats.add(bytes_in=sum(len(b) for _, b in blobs))
+
+    def get(self, keys: list[str]) -> list[torch.Tensor | None]:
+        blobs = self._guarded(self._read, [check_key(k) for k in keys])
+        out, corrupt = [], []
+        for key, blob in zip(keys, blobs):
+            out.append(None if blob is None else self._decode(key, blob, corrupt))
+        if corrupt:
+            self._guarded(self._remove, corrupt)
+        hits = sum(t is not None for t in out)
+        self._stats.add(hits=hits, misses=len(keys) - hits,
+                        bytes_out=sum(len(b) for b in blobs if b is not None))
+        return out
+
+    def contains(self, keys: list[str]) -> list[bool]:
+        return self._guarded(self._exists, [check_key(k) for k in keys])
+
+    def delete(self, keys: list[str]) -> None:
+        self._guarded(self._remove, [check_key(k) for k in keys])
+
+    def stats(self) -> StatsDict:
+        return {self.name: self._stats.snapshot()}
+
+    def _decode(self, key: str, blob: bytes | memoryview, corrupt: list[str]) -> torch.Tensor | None:
+        try:
+            return codec.decode(blob)
+        except codec.CorruptObject as exc:
+            log.warning("%s tier: object %s is corrupt (%s); counted as a miss and deleted", self.name, key, exc)
+            self._stats.add(checksum_failures=1)
+            corrupt.append(key)
+            return None
+
+    def _guarded(self, fn, arg):
+        try:
+            return fn(arg)
+        except Exception:
+            self._stats.add(errors=1)
+            raise

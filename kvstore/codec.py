@@ -1,0 +1,128 @@
+"""Serialisation of one KV object: a fixed header + raw (optionally compressed) bytes.
+
+Who calls it: the byte-storing tiers (Redis, disk) on put/get. The memory tier keeps
+tensors and never serialises. Never pickle: the format is this header and the bytes.
+
+    offset  size  field
+    0       4     magic  b"PDKV"
+    4       2     format version (FORMAT_VERSION)
+    6       1     codec  (0 none, 1 lz4 over byte-shuffled data)
+    7       1     dtype code (_DTYPES)
+    8       1     ndim (<= 8)
+    9       3     padding
+    12      64    shape, 8 x uint64 (unused dims 0)
+    76      8     payload length (bytes after the header)
+    84      8     raw length (numel * itemsize)
+    92      8     xxh3_64 of bytes 0..91 and the payload
+    100           payload
+
+``decode`` raises ``CorruptObject`` for a bad magic/version/codec/dtype, a truncated
+payload, a checksum mismatch or a size mismatch; tiers turn that into a counted miss.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import lz4.block
+import numpy as np
+import torch
+import xxhash
+
+MAGIC = b"PDKV"
+FORMAT_VERSION = 1
+CODECS = {"none": 0, "lz4": 1}
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
+           torch.uint8, torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2]
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_HEADER = struct.Struct("<4sHBBB3x8QQQQ")
+HEADER_BYTES = _HEADER.size
+MAX_DIMS = 8
+
+
+class CorruptObject(ValueError):
+    """A stored object failed validation; the caller counts a miss and deletes it."""
+
+
+def encode(tensor: torch.Tensor, codec: str = "none") -> bytes:
+    """Header + payload for one CPU tensor (any shape, dtypes in _DTYPES)."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {sorted(CODECS)} (--kv-codec)")
+    if tensor.dtype not in _DTYPE_CODE or tensor.dim() > MAX_DIMS:
+        raise ValueError(f"cannot store dtype {tensor.dtype} with {tensor.dim()} dims (max {MAX_DIMS})")
+    raw = tensor_bytes(tensor)
+    payload = raw if codec == "none" else lz4.block.compress(_shuffle(raw, tensor.element_size()), store_size=False)
+    shape = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
+    fields = (MAGIC, FORMAT_VERSION, CODECS[codec], _DTYPE_CODE[tensor.dtype], tensor.dim(), *shape,
+              len(payload), len(raw))
+    header = _HEADER.pack(*fields, _checksum(_HEADER.pack(*fields, 0), payload))
+    return b"".join((header, payload))
+
+
+def decode(blob: bytes | memoryview) -> torch.Tensor:
+    """The tensor stored in ``blob`` (a fresh, writable tensor), or raise CorruptObject."""
+    view = memoryview(blob)
+    if len(view) < HEADER_BYTES:
+        raise CorruptObject(f"object of {len(view)} bytes is shorter than the {HEADER_BYTES}-byte header")
+    magic, version, codec, dcode, ndim, *rest = _HEADER.unpack_from(view)
+    shape, (payload_len, raw_len, checksum) = rest[:MAX_DIMS], rest[MAX_DIMS:]
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise CorruptObject(f"bad magic/version {magic!r}/{version} (want {MAGIC!r}/{FORMAT_VERSION})")
+    if codec not in CODECS.values() or dcode >= len(_DTYPES) or ndim > MAX_DIMS:
+        raise CorruptObject(f"bad codec {codec}, dtype code {dcode} or ndim {ndim}")
+    payload = view[HEADER_BYTES:]
+    if len(payload) != payload_len:
+        raise CorruptObject(f"payload is {len(payload)} bytes, header says {payload_len} (truncated?)")
+    if _checksum(view[:HEADER_BYTES - 8], payload) != checksum:
+        raise CorruptObject("payload checksum mismatch")
+    dtype, dims = _DTYPES[dcode], tuple(shape[:ndim])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if raw_len != itemsize * _numel(dims):
+        raise CorruptObject(f"raw length {raw_len} does not match shape {dims} of {dtype}")
+    return _to_tensor(payload, codec, raw_len, itemsize).view(dtype).reshape(dims)
+
+
+def _checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:
+    """xxh3_64 over the header fields (checksum slot excluded) and the payload."""
+    h = xxhash.xxh3_64(bytes(header[:HEADER_BYTES - 8]))
+    h.update(payload)
+    return h.intdigest()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor, without a copy when it is already contiguous."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _to_tensor(payload: memoryview, codec: int, raw_len: int, itemsize: int) -> torch.Tensor:
+    out = torch.empty(raw_len, dtype=torch.uint8)
+    if codec == CODECS["none"]:
+        out.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+        return out
+    try:
+        shuffled = lz4.block.decompress(payload, uncompressed_size=raw_len)
+    except lz4.block.LZ4BlockError as exc:
+        raise CorruptObject(f"lz4 payload does not decompress: {exc}") from None
+    if len(shuffled) != raw_len:
+        raise CorruptObject(f"lz4 payload gave {len(shuffled)} bytes, want {raw_len}")
+    out.numpy()[:] = _unshuffle(shuffled, itemsize)
+    return out
+
+
+def _shuffle(raw: memoryview, itemsize: int) -> np.ndarray:
+    """Byte-shuffle: all first bytes of every element, then all second bytes, ..."""
+    arr = np.frombuffer(raw, dtype=np.uint8)
+    return np.ascontiguousarray(arr.reshape(-1, itemsize).T) if itemsize > 1 else arr
+
+
+def _unshuffle(shuffled: bytes, itemsize: int) -> np.ndarray:
+    arr = np.frombuffer(shuffled, dtype=np.uint8)
+    return arr.reshape(itemsize, -1).T.reshape(-1) if itemsize > 1 else arr
+
+
+def _numel(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n

@@ -1,0 +1,1 @@
+"""pdserve.prefill — placeholder package, filled by its own issue."""

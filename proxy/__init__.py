@@ -1,0 +1,1 @@
+"""pdserve.proxy — placeholder package, filled by its own issue."""

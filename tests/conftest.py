@@ -1,0 +1,101 @@
+"""Shared fixtures: tiny models built once per session, free ports, node subprocesses.
+
+Every process here runs torch with one intra-op thread (2-core machines thrash otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("PDSERVE_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """{arch: model dir} for every supported architecture, fixed seed."""
+    from pdserve.engine.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: make_tiny_model(root / arch, arch=arch, seed=0) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} became healthy")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout}s")
+
+
+class NodeProcess:
+    """A `pdserve node` subprocess; `.url` is its base URL. Stopped by PID at teardown."""
+
+    def __init__(self, model_dir: Path, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pdserve.engine.cli", "node", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(self.port), "--num-threads", "1", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_healthy(self.url + "/health", self.proc)
+        except Exception:
+            self.stop()
+            raise
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.stdout.read() if self.proc.stdout else ""
+
+
+@pytest.fixture(scope="module")
+def node_factory():
+    """Start nodes with `node_factory(model_dir, *flags)`; all are stopped when the module ends."""
+    started: list[NodeProcess] = []
+
+    def start(model_dir: Path, *flags: str) -> NodeProcess:
+        node = NodeProcess(model_dir, *flags)
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.stop()
