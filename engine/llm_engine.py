@@ -109,6 +109,8 @@ class LLMEngine:
         if detok.stopped_by is not None and not req.status.is_finished:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
             req.stop_reason = detok.stopped_by
+        if req.status.is_finished:
+            text += detok.flush()
         logprobs = [result] if req.sampling_params.logprobs is not None else None
         return self._output(req, [result.token_id], text, logprobs)
 

@@ -131,8 +131,16 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     """One multinomial draw per row, each with its own generator ([M, V] -> [M])."""
     if all(g is None for g in generators):
         return torch.multinomial(probs, 1).squeeze(1)
-    draws = [torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)]
+    draws = [_draw_row(row, g) for row, g in zip(probs, generators)]
     return torch.cat(draws)
+
+
+def _draw_row(row: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """A seeded row is drawn on its generator's device (a CPU generator with CUDA logits works,
+    and the same seed gives the same token on either device)."""
+    if generator is None or generator.device == row.device:
+        return torch.multinomial(row, 1, generator=generator)
+    return torch.multinomial(row.to(generator.device), 1, generator=generator).to(row.device)
 
 
 def _results(logits: torch.Tensor, raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor,

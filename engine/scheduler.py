@@ -214,9 +214,10 @@ class Scheduler:
             req.append_output_token(sampled[req.request_id])
             status = check_stop(req, self.max_model_len)
             if status is not None:
-                self.running.remove(req)
                 self._retire(req, status)
                 finished.append(req)
+        if len(finished) > len(output.rejected):
+            self.running = [r for r in self.running if not r.status.is_finished]
         return finished
 
     def _retire(self, req: Request, status: RequestStatus) -> None:

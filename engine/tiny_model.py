@@ -36,9 +36,10 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-MATRIX_STD = 0.15   # projections: each layer visibly moves the residual stream
-EMBED_STD = 0.5     # embeddings: small enough that a tied lm_head does not just echo the input
-NORM_STD = 0.1      # RMSNorm weights: 1 + N(0, 0.1)
+EMBED_STD = 0.05    # embeddings (and lm_head): small, so a tied lm_head does not just echo the last token
+PROJ_GAIN = 2.0     # projections: std = PROJ_GAIN / sqrt(fan_in), so each layer visibly moves the residual
+NORM_STD = 0.1      # RMSNorm weights: 1 + N(0, 0.1) ...
+LOGIT_STD = 5.0     # ... except the final norm, scaled so logits have std ~5 and clear top-1 margins
 
 
 @dataclass(frozen=True)
@@ -154,15 +155,19 @@ def param_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
 def random_weights(spec: TinySpec, seed: int) -> dict[str, torch.Tensor]:
     """fp32 weights drawn from one torch.Generator in ``param_shapes`` order."""
     gen = torch.Generator().manual_seed(seed)
+    final_norm_scale = LOGIT_STD / (EMBED_STD * spec.hidden_size ** 0.5)
     weights = {}
     for name, shape in param_shapes(spec).items():
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
-        if name.endswith("norm.weight"):
+        if name == "model.norm.weight":
+            weights[name] = final_norm_scale * (1.0 + NORM_STD * noise)
+        elif name.endswith("norm.weight"):
             weights[name] = 1.0 + NORM_STD * noise
-        elif name == "model.embed_tokens.weight":
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             weights[name] = EMBED_STD * noise
-        else:   # projections, lm_head and the qwen2 q/k/v biases
-            weights[name] = MATRIX_STD * noise
+        else:   # projections [out, in] and the qwen2 q/k/v biases [out]
+            weights[name] = PROJ_GAIN / spec.hidden_size ** 0.5 * noise if len(shape) == 1 \
+                else PROJ_GAIN / shape[1] ** 0.5 * noise
     return weights
 
 
@@ -240,7 +245,8 @@ def corpus_lines() -> list[str]:
               "Count with me: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10.",
               "def add(a, b):\n    return a + b  # small code, tabs\tand newlines",
               "Hello, world! How are you today? I am fine, thank you.",
-              "user: tell me a story. assistant: Once upon a time there was a tiny model."]
+              "user: tell me a story. assistant: Once upon a time there was a tiny model.",
+              "system: you are a helpful assistant. user: hi! assistant: Hello! How can I help you?"]
     return lines
 
 

@@ -1,0 +1,30 @@
+"""pdserve.kvstore: the tiered KV store prefill nodes publish to and decode nodes load from.
+
+Who calls it: the engine's KV connector (prefill: ``put``; decode: ``lookup`` then
+``borrow``/``get``), the proxy (``chunk_keys`` for prefix routing), ``pdserve kvstore``
+(the daemon) and the bench. Start with ``base.KVStore`` (the one interface).
+
+    keys.py        chunk keys (chained sha256 salted with the model fingerprint), object keys
+    codec.py       header + raw bytes (+ lz4 over byte-shuffled data), checksum; never pickle
+    base.py        KVStore interface, TierStats counters
+    memory.py      L1: CPU tensors, byte budget, LRU, pinning
+    blob.py        shared byte-tier logic (encode/decode, corrupt -> counted miss + delete)
+    redis_tier.py  L2: Redis / Redis Cluster, pipelined
+    disk.py        L3: files, atomic writes, byte budget, LRU
+    health.py      tier up/down with back-off and probes
+    tiered.py      TieredStore: L1 -> L2 -> L3, async write-through, promotion
+    config.py      KVStoreConfig (frozen) and build_store
+    protocol.py    daemon wire messages (msgspec msgpack + raw frames)
+    shm.py         shared-memory data plane for same-host clients
+    daemon.py      KVDaemon (zmq ROUTER);  client.py  DaemonClient (same interface)
+    cli.py         ``pdserve kvstore`` flags;  metrics.py  Prometheus export
+    accounting.py  per-request hit/load/recompute accounting (need_to_load never < 0)
+"""
+
+from pdserve.kvstore.accounting import KVAccounting, account
+from pdserve.kvstore.base import KVStore, TierStats
+from pdserve.kvstore.config import KVStoreConfig, build_store
+from pdserve.kvstore.keys import chunk_keys, model_fingerprint, object_key
+
+__all__ = ["KVAccounting", "KVStore", "KVStoreConfig", "TierStats", "account", "build_store",
+           "chunk_keys", "model_fingerprint", "object_key"]

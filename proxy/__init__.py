@@ -1,1 +1,26 @@
-"""pdserve.proxy — placeholder package, filled by its own issue."""
+"""pdserve.proxy — the public OpenAI-compatible router in front of prefill and decode nodes.
+
+Who calls it: ``pdserve proxy`` (``cli.register``, wired into ``pdserve.engine.cli``) and
+``pdserve serve``, which starts it after the nodes. Clients talk to it exactly as to one
+OpenAI server: /v1/completions, /v1/chat/completions (SSE streaming, usage), /v1/models,
+/health (200 only while >= 1 prefill and >= 1 decode node are healthy), /metrics.
+
+P->D protocol, per client request (``orchestrate``):
+
+    client ──> proxy: validate (OpenAI 4xx body), tokenize once -> prompt_token_ids, routing chunk keys
+      (1) POST <same endpoint> to a prefill node:
+            client body + max_tokens=1, stream=false, prompt_token_ids,
+            kv_transfer_params={"do_remote_decode": true, "do_remote_prefill": false}
+          <── a normal completion + top-level "kv_transfer_params" (opaque here; null if absent)
+      (2) POST <same endpoint> to a decode node:
+            client body + prompt_token_ids + kv_transfer_params=<what (1) returned>
+          <── JSON or SSE (one token per event, usage, [DONE]) passed through unchanged;
+              the decode node emits the first token itself.
+    A non-streaming request with max_tokens == 1 is answered from (1).
+
+Modules: ``config`` (ProxyConfig), ``nodes`` + ``router`` (node pools, in-flight leases),
+``policies`` (round_robin, least_loaded, prefix_aware), ``health`` (periodic /health probes),
+``inputs`` (validation, tokenization, downstream bodies), ``upstream`` (one node call and how it
+failed), ``orchestrate`` (the two phases, retries on another node before the first byte, SSE
+relay that ends a broken stream with an error event), ``metrics``, ``app`` (FastAPI), ``cli``.
+"""

@@ -1,0 +1,18 @@
+"""The node's OpenAI-compatible HTTP server (FastAPI), over ``pdserve.engine.async_engine.AsyncEngine``.
+
+``pdserve node`` calls ``build_app(engine, api_key=...)`` and runs it with uvicorn.
+
+    app.py          build_app: routers, error handlers, per-app metrics registry, Bearer auth
+    protocol.py     pydantic request bodies (OpenAI fields + vLLM extras) -> SamplingParams
+    errors.py       the one OpenAI error body; validation / bad JSON / bad params -> 400
+    common.py       checks (model, prompt length vs --max-model-len), engine calls, usage, SSE
+    generation.py   runs prompts x n engine requests; aborts them when the client goes away
+    completions.py  POST /v1/completions
+    chat.py         POST /v1/chat/completions (chat template)
+    info.py         GET /v1/models, /health, /metrics; POST /tokenize, /detokenize
+    metrics.py      Prometheus: running/waiting, KV usage, prefix cache, TTFT/ITL, finish reasons
+"""
+
+from pdserve.engine.server.app import build_app
+
+__all__ = ["build_app"]

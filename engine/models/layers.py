@@ -1,0 +1,120 @@
+"""Building blocks with explicit shard sizes: RMSNorm, Linear, Embedding, the gated MLP.
+
+Constructors take the sizes this rank holds; ``load(src, ..., tp_rank)`` reads exactly that
+share of the checkpoint through ``WeightSource.get_slice`` (``pdserve.engine.loader``). With
+``tp_rank=0`` and full sizes (one rank) a shard is the whole tensor. How a Linear is split:
+
+    "column"      W: [out, in] split along out: rank r holds rows [r*out, (r+1)*out) of each
+                  fused part (q|k|v, gate|up); bias split the same way
+    "row"         split along in: rank r holds columns [r*in, (r+1)*in); full bias (the
+                  parallel executor must add it once, after the all-reduce)
+    "replicated"  every rank holds the whole tensor
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / rms(x), normalised in float32 like HF (``x`` cast back before the weight)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., size]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def load(self, src, name: str) -> None:
+        _copy(self.weight, src.get(f"{name}.weight"), f"{name}.weight")
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with W: [sum(out_sizes), in_size], this rank's shard.
+
+    ``out_sizes``: the rows of each checkpoint matrix fused into this one (e.g. q, k, v)."""
+
+    def __init__(self, in_size: int, out_sizes: int | Sequence[int], bias: bool,
+                 dtype: torch.dtype, split: str = "column"):
+        super().__init__()
+        if split not in ("column", "row", "replicated"):
+            raise ValueError(f"split {split!r} is not one of column, row, replicated")
+        self.in_size, self.split = in_size, split
+        self.out_sizes = (out_sizes,) if isinstance(out_sizes, int) else tuple(out_sizes)
+        out = sum(self.out_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out]
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, src, names: str | Sequence[str], tp_rank: int = 0) -> None:
+        """Fill from checkpoint modules ``names`` (one per fused part, HF prefixes)."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if len(names) != len(self.out_sizes):
+            raise ValueError(f"Linear fuses {len(self.out_sizes)} parts but got names {names}")
+        weights = [self._read(src, f"{n}.weight", rows, tp_rank) for n, rows in zip(names, self.out_sizes)]
+        _copy(self.weight, torch.cat(weights), f"{names[0]}.weight")
+        if self.bias is not None:
+            biases = [self._read(src, f"{n}.bias", rows, tp_rank) for n, rows in zip(names, self.out_sizes)]
+            _copy(self.bias, torch.cat(biases), f"{names[0]}.bias")
+
+    def _read(self, src, name: str, rows: int, tp_rank: int) -> torch.Tensor:
+        is_bias = name.endswith(".bias")
+        if self.split == "column":
+            return src.get_slice(name, 0, tp_rank * rows, (tp_rank + 1) * rows)
+        if self.split == "row" and not is_bias:
+            return src.get_slice(name, 1, tp_rank * self.in_size, (tp_rank + 1) * self.in_size)
+        return src.get(name)
+
+
+class Embedding(nn.Module):
+    """Token id -> row of the embedding table ``[vocab, hidden]`` (replicated for now)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, D]
+        return F.embedding(input_ids, self.weight)
+
+    def load(self, src, name: str) -> None:
+        _copy(self.weight, src.get(f"{name}.weight"), f"{name}.weight")
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); ``intermediate_size`` is this rank's share."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up = Linear(hidden_size, (intermediate_size, intermediate_size), bias, dtype, "column")
+        self.down = Linear(intermediate_size, hidden_size, bias, dtype, "row")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D] -> gate_up: [T, 2I] -> [T, I] -> [T, D]
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+    def load(self, src, prefix: str, tp_rank: int = 0) -> None:
+        self.gate_up.load(src, (f"{prefix}.gate_proj", f"{prefix}.up_proj"), tp_rank)
+        self.down.load(src, f"{prefix}.down_proj", tp_rank)
+
+
+def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}; "
+                         f"the model expects {tuple(param.shape)} (config.json does not match the weights?)")
+    with torch.no_grad():
+        param.copy_(value)

@@ -1,0 +1,163 @@
+"""Llama-family decoder: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM.
+
+One implementation; the differences are ``ModelConfig`` flags (q/k/v bias, o_proj bias, MLP
+bias, q/k norm, per-layer sliding window). Called by the model runner once per step:
+
+    hidden = model(input_ids, positions, kv_caches, attn_meta)   # [T, D], T = all new tokens
+    logits = model.compute_logits(hidden[sample_rows])           # [N, V] float32
+
+Tokens of the whole batch are flattened (no padding); ``attn_meta`` (``pdserve.kernels``) says
+which rows belong to which sequence and where their K/V go in the paged cache. ``kv_caches``
+holds this model's layers only: ``kv_caches[i]`` belongs to global layer ``first_layer + i``.
+
+Parallelism stays outside: ``ShardSizes`` are this rank's heads / MLP width, and a pipeline
+stage is a layer range. Only the first stage embeds tokens (later stages take ``hidden``
+from the previous one); only the last applies the final norm and owns ``lm_head``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
+from pdserve.kernels import AttentionMetadata, paged_attention
+
+
+@dataclass(frozen=True)
+class ShardSizes:
+    """What one tensor-parallel rank holds; ``full(config)`` is the whole model."""
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+    @classmethod
+    def full(cls, config: ModelConfig) -> ShardSizes:
+        return cls(config.num_heads, config.num_kv_heads, config.intermediate_size)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, num_heads: int, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.sliding_window = config.sliding_window_for(layer)
+        d, dt = config.head_dim, config.dtype
+        self.qkv = Linear(config.hidden_size, (num_heads * d, num_kv_heads * d, num_kv_heads * d),
+                          config.attention_bias, dt, "column")
+        self.o_proj = Linear(num_heads * d, config.hidden_size, config.o_proj_bias, dt, "row")
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, dt) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, dt) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: dict[str, torch.Tensor], attn_meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, D]; cos, sin: [T, head_dim]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)                    # [T, H, Dh]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)                 # [T, Hkv, Dh]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, attn_meta, self.scale, self.sliding_window)  # [T, H, Dh]
+        return self.o_proj(out.reshape(-1, q_size))                      # [T, D]
+
+    def load(self, src, prefix: str, tp_rank: int) -> None:
+        self.qkv.load(src, (f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"), tp_rank)
+        self.o_proj.load(src, f"{prefix}.o_proj", tp_rank)
+        if self.q_norm is not None:
+            self.q_norm.load(src, f"{prefix}.q_norm")
+            self.k_norm.load(src, f"{prefix}.k_norm")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, shard: ShardSizes):
+        super().__init__()
+        self.layer = layer                                               # global index
+        eps, dt = config.rms_norm_eps, config.dtype
+        self.input_norm = RMSNorm(config.hidden_size, eps, dt)
+        self.attn = Attention(config, layer, shard.num_heads, shard.num_kv_heads)
+        self.post_attn_norm = RMSNorm(config.hidden_size, eps, dt)
+        self.mlp = GatedMLP(config.hidden_size, shard.intermediate_size, config.mlp_bias, dt)
+
+    def forward(self, h: torch.Tensor, cos, sin, kv_cache, attn_meta) -> torch.Tensor:
+        # h: [T, D] -> [T, D]
+        h = h + self.attn(self.input_norm(h), cos, sin, kv_cache, attn_meta)
+        return h + self.mlp(self.post_attn_norm(h))
+
+    def load(self, src, tp_rank: int) -> None:
+        prefix = f"model.layers.{self.layer}"
+        self.input_norm.load(src, f"{prefix}.input_layernorm")
+        self.attn.load(src, f"{prefix}.self_attn", tp_rank)
+        self.post_attn_norm.load(src, f"{prefix}.post_attention_layernorm")
+        self.mlp.load(src, f"{prefix}.mlp", tp_rank)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, first_layer: int = 0, num_layers: int | None = None,
+                 shard: ShardSizes | None = None):
+        super().__init__()
+        num_layers = config.num_layers - first_layer if num_layers is None else num_layers
+        if not (0 <= first_layer and 0 < num_layers and first_layer + num_layers <= config.num_layers):
+            raise ValueError(f"layer range [{first_layer}, {first_layer + num_layers}) is outside the "
+                             f"model's {config.num_layers} layers")
+        self.config, self.first_layer, self.num_layers = config, first_layer, num_layers
+        self.is_first = first_layer == 0
+        self.is_last = first_layer + num_layers == config.num_layers
+        shard = shard or ShardSizes.full(config)
+        dt = config.dtype
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dt) if self.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(config, first_layer + i, shard) for i in range(num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt) if self.is_last else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dt, "column") if self.is_last else None
+        if config.tie_word_embeddings and self.is_first and self.is_last:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[dict[str, torch.Tensor]], attn_meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids, positions: [T]; hidden: [T, D] from the previous stage (later stages only)
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"got {len(kv_caches)} KV caches for {self.num_layers} layers")
+        h = self.embed_tokens(input_ids) if hidden is None else hidden               # [T, D]
+        seq_lens = _rope_seq_lens(positions, attn_meta) if self.rotary.dynamic else None
+        cos, sin = self.rotary(positions, seq_lens)                                  # [T, Dh] each
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, attn_meta)
+        return self.norm(h) if self.is_last else h                                   # [T, D]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, D] -> logits: [N, V] float32
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, src, tp_rank: int = 0) -> None:
+        """Copy this rank's share of every parameter from ``src`` (a ``WeightSource``, HF names)."""
+        if self.embed_tokens is not None:
+            self.embed_tokens.load(src, "model.embed_tokens")
+        for layer in self.layers:
+            layer.load(src, tp_rank)
+        if self.is_last:
+            self.norm.load(src, "model.norm")
+            self._load_lm_head(src, tp_rank)
+
+    def _load_lm_head(self, src, tp_rank: int) -> None:
+        if not self.config.tie_word_embeddings:
+            self.lm_head.load(src, "lm_head", tp_rank)
+        elif self.embed_tokens is None:          # tied, but the embedding lives on the first stage
+            self.lm_head.load(src, "model.embed_tokens", tp_rank)
+
+
+def _rope_seq_lens(positions: torch.Tensor, attn_meta: AttentionMetadata) -> torch.Tensor:
+    """[T]: the length each row's sequence reaches in this step (HF's dynamic-RoPE seq_len)."""
+    seq_lens = positions + 1
+    for seq in attn_meta.prefills:
+        rows = slice(seq.q_start, seq.q_start + seq.q_len)
+        seq_lens[rows] = positions[seq.q_start + seq.q_len - 1] + 1
+    return seq_lens

@@ -1,0 +1,102 @@
+"""``POST /v1/chat/completions``: messages -> the model's chat template -> n choices, SSE streaming.
+
+Registered by ``app.build_app``. The prompt is ``tokenizer.apply_chat_template(messages,
+add_generation_prompt=True)`` rendered to text and encoded without extra special tokens (the
+template already has them), as vLLM does. Unset ``max_tokens`` means "up to --max-model-len".
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from pdserve.engine.server.common import (NodeState, check_model, created, make_calls, node_state,
+                                          resolve_max_tokens, sse, sse_response, usage)
+from pdserve.engine.server.errors import APIError, bad_request
+from pdserve.engine.server.generation import Choice, ClientDisconnected, EngineCall, Generation
+from pdserve.engine.server.protocol import ChatCompletionRequest, ChatMessage, message_dicts
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    arrival = time.monotonic()
+    state = node_state(request)
+    model = check_model(state, body.model)
+    if message := body.unsupported():
+        raise bad_request(message)
+    prompt_ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+    max_tokens = resolve_max_tokens(state, body.requested_max_tokens, len(prompt_ids))
+    params = body.to_sampling_params(max_tokens, body.engine_logprobs)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    calls = make_calls(request_id, [prompt_ids], [params], body.n)
+    generation = Generation(state.engine, state.metrics, calls, arrival)
+    if body.stream:
+        return sse_response(_stream(state, body, request_id, model, calls, generation))
+    try:
+        choices = await generation.collect(request)
+    except ClientDisconnected:
+        raise APIError(499, "client disconnected") from None
+    return _response(state, request_id, model, calls, choices, body.n)
+
+
+def chat_prompt_ids(state: NodeState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """Also used by ``/tokenize`` with ``messages``."""
+    tokenizer = state.engine.tokenizer
+    try:
+        text = tokenizer.apply_chat_template(message_dicts(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except APIError:
+        raise
+    except Exception as exc:   # jinja errors, missing template: the request cannot be rendered
+        raise bad_request(f"cannot apply the chat template: {type(exc).__name__}: {exc}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _response(state: NodeState, request_id: str, model: str, calls: list[EngineCall],
+              choices: list[Choice], n: int) -> dict[str, Any]:
+    with_logprobs = calls[0].params.logprobs is not None
+    body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": _logprobs(state, c.logprobs) if with_logprobs else None,
+             "finish_reason": c.finish_reason} for c in choices]
+    return {"id": request_id, "object": "chat.completion", "created": created(), "model": model,
+            "choices": body, "usage": usage(calls, {c.index: c for c in choices}, n)}
+
+
+async def _stream(state: NodeState, body: ChatCompletionRequest, request_id: str, model: str,
+                  calls: list[EngineCall], generation: Generation) -> AsyncIterator[str]:
+    choices = {c.index: Choice(c.index) for c in calls}
+    with_logprobs = calls[0].params.logprobs is not None
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created(), "model": model}
+    extra = {"usage": None} if body.include_usage else {}
+    for index in choices:   # the role comes first, in its own chunk, as OpenAI sends it
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        yield sse({**base, "choices": [choice], **extra})
+    async with aclosing(generation.outputs()) as deltas:
+        async for index, delta in deltas:
+            choices[index].add(delta)
+            if not (delta.new_text or delta.finished or (with_logprobs and delta.new_token_ids)):
+                continue
+            choice = {"index": index, "delta": {"content": delta.new_text} if delta.new_text else {},
+                      "logprobs": _logprobs(state, delta.logprobs or []) if with_logprobs else None,
+                      "finish_reason": delta.finish_reason if delta.finished else None}
+            yield sse({**base, "choices": [choice], **extra})
+    if body.include_usage:
+        yield sse({**base, "choices": [], "usage": usage(calls, choices, body.n)})
+
+
+def _logprobs(state: NodeState, results: list) -> dict[str, Any]:
+    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = state.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = [{**entry(r.token_id, r.logprob),
+                "top_logprobs": [entry(t, lp) for t, lp in (r.top_logprobs or [])]} for r in results]
+    return {"content": content}

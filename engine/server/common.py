@@ -1,0 +1,131 @@
+"""What the completions and chat handlers share: checks, engine calls, usage, SSE framing.
+
+``NodeState`` is built once by ``app.build_app`` and stored on ``app.state.node``; handlers read
+it with ``node_state(request)``. The checks raise ``APIError`` with messages that name the value
+and the limit (``prompt has 9000 tokens; --max-model-len is 8192``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.server.errors import APIError, bad_request, error_event
+from pdserve.engine.server.generation import Choice, EngineCall
+from pdserve.engine.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class NodeState:
+    engine: Any                         # AsyncEngine (pdserve.engine.async_engine)
+    metrics: ServerMetrics
+    token_text: Callable[[int], str]    # one token id -> its text, cached
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+def make_node_state(engine, metrics: ServerMetrics) -> NodeState:
+    decode = engine.tokenizer.decode
+
+    @lru_cache(maxsize=1 << 16)
+    def token_text(token_id: int) -> str:
+        return decode([token_id])
+
+    return NodeState(engine, metrics, token_text)
+
+
+def node_state(request: Request) -> NodeState:
+    return request.app.state.node
+
+
+def check_model(state: NodeState, model: str | None) -> str:
+    """The served name; 404 like OpenAI/vLLM when the request names another model."""
+    name = state.engine.model_name
+    if model is not None and model != name:
+        raise APIError(404, f"model {model!r} does not exist; this node serves {name!r}",
+                       param="model", code="model_not_found")
+    return name
+
+
+def check_token_ids(state: NodeState, ids: list[int]) -> None:
+    vocab = len(state.engine.tokenizer)
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is out of range; the vocabulary has {vocab} tokens", "prompt")
+
+
+def resolve_max_tokens(state: NodeState, requested: int | None, num_prompt_tokens: int) -> int:
+    """vLLM's rule: unset means 'up to --max-model-len'; a set value must fit, else 400."""
+    limit = state.max_model_len
+    if num_prompt_tokens < 1:
+        raise bad_request("prompt is empty; send at least one token", "prompt")
+    if num_prompt_tokens >= limit:
+        raise bad_request(f"prompt has {num_prompt_tokens} tokens; --max-model-len is {limit}", "prompt")
+    if requested is None:
+        return limit - num_prompt_tokens
+    if requested >= 1 and num_prompt_tokens + requested > limit:
+        raise bad_request(f"prompt has {num_prompt_tokens} tokens and max_tokens is {requested}: "
+                          f"{num_prompt_tokens + requested} > --max-model-len {limit}", "max_tokens")
+    return requested
+
+
+def make_calls(request_id: str, prompts: list[list[int]], params: list[SamplingParams],
+               n: int) -> list[EngineCall]:
+    """prompts x n engine requests; choice index = prompt index * n + sample index (like vLLM).
+    With a seed, sample i uses seed + i so that the n choices differ but stay reproducible."""
+    calls = []
+    for p, (ids, base) in enumerate(zip(prompts, params)):
+        for i in range(n):
+            index = p * n + i
+            sp = base if base.seed is None or i == 0 else _with_seed(base, base.seed + i)
+            calls.append(EngineCall(f"{request_id}-{index}", index, ids, sp))
+    return calls
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+    return replace(params, seed=seed)
+
+
+def usage(calls: list[EngineCall], choices: dict[int, Choice], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per sample), completion tokens per choice."""
+    firsts = [c for c in calls if c.index % n == 0]
+    prompt = sum(len(c.prompt_ids) for c in firsts)
+    cached = sum(choices[c.index].num_cached_tokens for c in firsts)
+    completion = sum(len(ch.token_ids) for ch in choices.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def created() -> int:
+    return int(time.time())
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    """Wraps ``events``: a failure mid-stream becomes an error event; ``[DONE]`` always ends it."""
+    async def framed() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except APIError as exc:
+            yield error_event(exc.status, exc.message)
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(framed(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

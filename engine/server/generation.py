@@ -1,0 +1,158 @@
+"""Runs the engine requests behind one HTTP request and cleans up whatever way it ends.
+
+Called by ``completions.py`` and ``chat.py``:
+
+    gen = Generation(engine, metrics, calls, arrival)    # one EngineCall per choice (prompts x n)
+    async with aclosing(gen.outputs()) as it:            # streaming: (choice index, delta) as they come
+        async for index, delta in it: ...
+    choices = await gen.collect(request)                 # non-streaming: whole choices; aborts when
+                                                         # the client disconnects while waiting
+
+Each choice is an independent engine request (``n`` > 1 included), pumped by its own task into
+one queue. However the consumer stops (finished, client gone, error, cancellation), ``outputs``'
+``finally`` cancels the pumps and calls ``engine.abort`` for every unfinished request, shielded
+from cancellation, so a disconnected client never leaves blocks allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import anyio
+from starlette.requests import Request
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.server.errors import APIError
+from pdserve.engine.server.metrics import RequestTracker, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    request_id: str          # the engine's id: "<http id>-<choice index>"
+    index: int               # the choice index in the response
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Choice:
+    """One choice, accumulated from its deltas."""
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, delta) -> None:
+        self.token_ids += delta.new_token_ids
+        self.text += delta.new_text
+        self.logprobs += delta.logprobs or []
+        self.num_prompt_tokens, self.num_cached_tokens = delta.num_prompt_tokens, delta.num_cached_tokens
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+
+
+class ClientDisconnected(Exception):
+    """The client went away before a non-streaming response was ready."""
+
+
+class Generation:
+    def __init__(self, engine, metrics: ServerMetrics, calls: list[EngineCall], arrival: float):
+        self._engine, self._calls = engine, calls
+        self._trackers = {c.request_id: metrics.track(arrival) for c in calls}
+        self._finished: set[str] = set()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, object]]:
+        """(choice index, RequestOutput) in arrival order; raises APIError when a request fails."""
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(call, queue)) for call in self._calls]
+        remaining = len(pumps)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._cleanup(pumps)
+
+    async def collect(self, request: Request) -> list[Choice]:
+        """All choices, complete; raises ClientDisconnected (after aborting) if the client leaves."""
+        work = asyncio.create_task(self._collect())
+        watch = asyncio.create_task(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise ClientDisconnected()
+            return work.result()
+        finally:
+            for task in (work, watch):
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(work, watch, return_exceptions=True)
+
+    async def _collect(self) -> list[Choice]:
+        choices = {c.index: Choice(c.index) for c in self._calls}
+        async with aclosing(self.outputs()) as stream:
+            async for index, delta in stream:
+                choices[index].add(delta)
+        return [choices[i] for i in sorted(choices)]
+
+    async def _pump(self, call: EngineCall, queue: asyncio.Queue) -> None:
+        tracker = self._trackers[call.request_id]
+        try:
+            async with aclosing(self._engine.generate(call.prompt_ids, call.params, call.request_id)) as stream:
+                async for delta in stream:
+                    self._record(call.request_id, tracker, delta)
+                    queue.put_nowait((call.index, delta))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            tracker.on_end("error")
+            self._finished.add(call.request_id)
+            queue.put_nowait(_as_api_error(call.request_id, exc))
+        queue.put_nowait(None)
+
+    def _record(self, request_id: str, tracker: RequestTracker, delta) -> None:
+        tracker.on_output(len(delta.new_token_ids), delta.num_prompt_tokens)
+        if delta.error:
+            raise RuntimeError(delta.error)
+        if delta.finished:
+            self._finished.add(request_id)
+            tracker.on_end(delta.finish_reason or "stop")
+
+    async def _cleanup(self, pumps: list[asyncio.Task]) -> None:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for call in self._calls:
+            if call.request_id not in self._finished:
+                logger.info("aborting %s: its client stopped reading", call.request_id)
+                await self._engine.abort(call.request_id)
+                self._trackers[call.request_id].on_end("abort")
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _as_api_error(request_id: str, exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):          # the engine's own checks (prompt length, ...)
+        return APIError(400, str(exc))
+    logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
+    return APIError(500, f"request {request_id} failed: {type(exc).__name__}: {exc}")

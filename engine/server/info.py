@@ -1,0 +1,63 @@
+"""The small endpoints: ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``,
+``POST /detokenize`` (request and response shapes as vLLM's).
+
+Registered by ``app.build_app``; ``/health`` and ``/metrics`` stay open when ``--api-key`` is set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.engine.server.chat import chat_prompt_ids
+from pdserve.engine.server.common import check_model, check_token_ids, created, node_state
+from pdserve.engine.server.errors import bad_request, error_response
+from pdserve.engine.server.metrics import CONTENT_TYPE
+from pdserve.engine.server.protocol import DetokenizeRequest, TokenizeRequest
+
+router = APIRouter()      # behind the API key when one is set
+open_router = APIRouter()  # always open: probes and scrapers carry no key
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = node_state(request)
+    name = state.engine.model_name
+    card = {"id": name, "object": "model", "created": created(), "owned_by": "pdserve", "root": name,
+            "parent": None, "max_model_len": state.max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    state = node_state(request)
+    check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("send exactly one of 'prompt' or 'messages'")
+    if body.messages is not None:
+        ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+    else:
+        ids = state.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": None}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    state = node_state(request)
+    check_model(state, body.model)
+    check_token_ids(state, body.tokens)
+    return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+
+
+@open_router.get("/health")
+async def health(request: Request) -> Response:
+    if node_state(request).engine.is_healthy():
+        return JSONResponse({"status": "ok"})
+    return error_response(503, "the engine is not healthy; see the node's log")
+
+
+@open_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(node_state(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,33 @@
+"""Block gather/scatter for KV transfer: paged cache <-> one contiguous tensor per (chunk, layer).
+
+Called by the prefill publisher (gather, then ``put`` to the store) and the decode loader
+(``get`` from the store, then scatter). Plain torch; the CUDA path plugs in behind the same names.
+
+    layer cache  {"k": [num_blocks, block_size, Hkv, D], "v": ...}
+    slots        [N] flat slot of each token of the chunk (through the block table)
+    object       [C, N, Hkv, D]   C = number of components (2 for K/V, 1 for an MLA latent)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_kv(layer_cache: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """-> [C, N, Hkv, D], a fresh contiguous tensor (safe to hand to another thread)."""
+    parts = [_flat(t).index_select(0, slots) for t in layer_cache.values()]
+    return torch.stack(parts)
+
+
+def scatter_kv(layer_cache: dict[str, torch.Tensor], slots: torch.Tensor, obj: torch.Tensor,
+               heads: slice | None = None) -> None:
+    """Write obj [C, N, Hkv_total, D] at slots; ``heads`` picks this rank's KV heads (TP readers)."""
+    if obj.shape[0] != len(layer_cache):
+        raise ValueError(f"object has {obj.shape[0]} components, the cache layer has {len(layer_cache)}")
+    for i, t in enumerate(layer_cache.values()):
+        src = obj[i] if heads is None else obj[i][:, heads]
+        _flat(t).index_copy_(0, slots, src.to(t.dtype))
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1, *t.shape[2:])   # [num_blocks * block_size, Hkv, D]

@@ -1,0 +1,47 @@
+"""The store's configuration (one frozen dataclass) and the factory that builds it.
+
+Who calls it: ``cli.py`` (daemon flags -> config), the engine later (embedded store),
+tests and the bench. ``build_store`` returns a ``TieredStore`` whose L1 is always
+memory; Redis and disk are added when their flags are given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.kvstore.codec import CODECS
+from pdserve.kvstore.disk import DiskTier
+from pdserve.kvstore.memory import MemoryTier
+from pdserve.kvstore.redis_tier import RedisTier
+from pdserve.kvstore.tiered import TieredStore
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    cpu_bytes: int = 4 << 30                 # --kv-cpu-bytes (L1 budget)
+    redis_url: str | None = None             # --kv-redis redis://host:port/db | redis+cluster://host:port
+    redis_prefix: str = "pdkv:"              # --kv-redis-prefix
+    redis_ttl_s: int | None = None           # --kv-redis-ttl
+    disk_dir: str | None = None              # --kv-disk-dir
+    disk_bytes: int = 64 << 30               # --kv-disk-bytes (L3 budget)
+    codec: str = "none"                      # --kv-codec, for Redis and disk ("none" | "lz4")
+    queue_bytes: int = 256 << 20             # write-through queue bound
+    backoff_base_s: float = 0.5              # first retry delay of a tier marked down
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"--kv-codec {self.codec!r} is not one of {sorted(CODECS)}")
+        for name in ("cpu_bytes", "disk_bytes", "queue_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+def build_store(config: KVStoreConfig) -> TieredStore:
+    lower = []
+    if config.redis_url:
+        lower.append(RedisTier(config.redis_url, config.redis_prefix, config.redis_ttl_s, config.codec))
+    if config.disk_dir:
+        lower.append(DiskTier(config.disk_dir, config.disk_bytes, config.codec))
+    return TieredStore(MemoryTier(config.cpu_bytes), lower, config.queue_bytes,
+                       config.backoff_base_s, config.backoff_max_s)

@@ -1,0 +1,203 @@
+"""The store daemon (``pdserve kvstore``): a zmq ROUTER serving one ``TieredStore``.
+
+Who calls it: ``cli.run`` builds the store and a ``KVDaemon`` and calls ``serve``;
+clients are ``DaemonClient``s (see protocol.py for the wire format). One thread serves
+requests in arrival order; the store's write-through thread feeds Redis/disk behind it.
+Every message gets exactly one reply: a malformed, oversized or unauthorised message
+gets ``ok=False`` with the reason, and the daemon keeps serving.
+Standalone: ``python -m pdserve.kvstore.daemon --port 5557`` (same flags as the CLI).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from pdserve.kvstore import protocol as P
+from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.shm import ShmSegment, align
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DaemonLimits:
+    max_batch: int = 4096                 # objects (or keys) per request
+    max_object_bytes: int = 256 << 20     # one payload frame / object
+    max_header_bytes: int = 8 << 20
+    max_shm_bytes: int = 4 << 30          # one client's segment
+    max_shm_clients: int = 64
+
+
+class KVDaemon:
+    def __init__(self, store: KVStore, host: str = "127.0.0.1", port: int = 5557, token: str = "",
+                 limits: DaemonLimits = DaemonLimits()) -> None:
+        if not token and not _is_loopback(host):
+            raise ValueError(f"binding {host} (not loopback) requires --auth-token")
+        self.store, self.token, self.limits = store, token, limits
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_object_bytes + limits.max_header_bytes)
+        self._sock.bind(f"tcp://{host}:{port}" if port else f"tcp://{host}:*")
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._segments: OrderedDict[bytes, ShmSegment] = OrderedDict()
+        self._counters = {"requests": 0, "errors": 0, "shm_clients": 0}
+        self._handlers = {P.Put: self._put, P.Get: self._get, P.Contains: self._contains,
+                          P.Lookup: self._lookup, P.Delete: self._delete, P.Stats: self._stats,
+                          P.Ping: lambda req, ident, frames: (P.Reply(), []),
+                          P.Attach: self._attach, P.Detach: self._detach}
+
+    def serve(self, stop: threading.Event) -> None:
+        """Answer requests until ``stop`` is set (checked every 100 ms)."""
+        log.info("KV store daemon listening on %s", self.endpoint)
+        while not stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            frames = self._sock.recv_multipart(copy=False)
+            ident, body = frames[0].bytes, frames[1:]
+            self._sock.send_multipart([ident, *self.handle(ident, body)], copy=False)
+
+    def close(self) -> None:
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def handle(self, ident: bytes, frames: list) -> list:
+        """One request's frames -> the reply's frames; never raises."""
+        self._counters["requests"] += 1
+        req_id = 0
+        try:
+            req = self._parse(frames)
+            req_id = req.id
+            self._admit(req)
+            reply, payload = self._handlers[type(req)](req, ident, frames[1:])
+        except Exception as exc:  # noqa: BLE001 - every bad message gets an error reply
+            self._counters["errors"] += 1
+            log.debug("KV daemon: bad request: %s: %s", type(exc).__name__, exc)
+            reply, payload = P.Reply(ok=False, error=f"{type(exc).__name__}: {exc}"), []
+        reply.id = req_id
+        return [P.ENCODER.encode(reply), *payload]
+
+    def _parse(self, frames: list):
+        if not frames or len(frames[0]) > self.limits.max_header_bytes:
+            raise ValueError(f"header missing or over {self.limits.max_header_bytes} bytes")
+        return P.REQUEST_DECODER.decode(frames[0].buffer)
+
+    def _admit(self, req) -> None:
+        if req.v != P.PROTOCOL_VERSION:
+            raise ValueError(f"protocol version {req.v}; this daemon speaks {P.PROTOCOL_VERSION}")
+        if self.token and not hmac.compare_digest(req.token.encode(), self.token.encode()):
+            raise PermissionError("bad or missing auth token (--auth-token)")
+
+    def _check_batch(self, n: int) -> None:
+        if n > self.limits.max_batch:
+            raise ValueError(f"batch of {n} objects; limit is {self.limits.max_batch}")
+
+    def _put(self, req: P.Put, ident: bytes, frames: list):
+        self._check_batch(len(req.objs))
+        for meta in req.objs:
+            P.check_meta(meta, self.limits.max_object_bytes)
+        framed = [m for m in req.objs if m.offset == P.FRAME]
+        if len(framed) != len(frames):
+            raise ValueError(f"{len(framed)} objects expect payload frames but {len(frames)} frames came")
+        payload = iter(frames)
+        items = [(m.key, self._read_payload(m, ident, payload)) for m in req.objs]
+        self.store.adopt(items)
+        return P.Reply(), []
+
+    def _read_payload(self, meta: P.ObjMeta, ident: bytes, frames) -> torch.Tensor:
+        if meta.offset == P.FRAME:
+            frame = next(frames)
+            if len(frame) != meta.nbytes:
+                raise ValueError(f"object {meta.key!r}: frame has {len(frame)} bytes, meta says {meta.nbytes}")
+            raw = torch.empty(meta.nbytes, dtype=torch.uint8)
+            raw.numpy()[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
+        else:
+            raw = self._segment(ident).read(meta.offset, meta.nbytes)
+        return raw.view(P.dtype_of(meta.dtype)).reshape(meta.shape)
+
+    def _get(self, req: P.Get, ident: bytes, frames: list):
+        self._check_batch(len(req.keys))
+        seg = self._segment(ident) if req.shm else None
+        objs, payload, offset = [], [], 0
+        with self.store.borrow(req.keys) as tensors:
+            for key, tensor in zip(req.keys, tensors):
+                if tensor is None:
+                    objs.append(None)
+                    continue
+                meta = P.meta_of(key, tensor)
+                if seg is None:
+                    payload.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+                elif offset + meta.nbytes <= seg.size:
+                    seg.write(offset, tensor)
+                    meta.offset, offset = offset, align(offset + meta.nbytes)
+                else:
+                    meta.offset = P.DEFERRED
+                objs.append(meta)
+        return P.Reply(objs=objs), payload
+
+    def _contains(self, req: P.Contains, ident: bytes, frames: list):
+        self._check_batch(len(req.keys))
+        return P.Reply(present=self.store.contains(req.keys)), []
+
+    def _lookup(self, req: P.Lookup, ident: bytes, frames: list):
+        self._check_batch(len(req.chunk_keys) * max(1, req.num_layers))
+        return P.Reply(count=self.store.lookup(req.chunk_keys, req.num_layers)), []
+
+    def _delete(self, req: P.Delete, ident: bytes, frames: list):
+        self._check_batch(len(req.keys))
+        self.store.delete(req.keys)
+        return P.Reply(), []
+
+    def _stats(self, req: P.Stats, ident: bytes, frames: list):
+        self._counters["shm_clients"] = len(self._segments)
+        return P.Reply(stats={**self.store.stats(), "daemon": dict(self._counters)}), []
+
+    def _attach(self, req: P.Attach, ident: bytes, frames: list):
+        seg = ShmSegment.attach(req.path, req.size, self.limits.max_shm_bytes)
+        self._drop_segment(ident)
+        self._segments[ident] = seg
+        while len(self._segments) > self.limits.max_shm_clients:
+            self._drop_segment(next(iter(self._segments)))
+        return P.Reply(), []
+
+    def _detach(self, req: P.Detach, ident: bytes, frames: list):
+        self._drop_segment(ident)
+        return P.Reply(), []
+
+    def _segment(self, ident: bytes) -> ShmSegment:
+        seg = self._segments.get(ident)
+        if seg is None:
+            raise ValueError("no shared-memory segment attached for this client (send Attach first)")
+        return seg
+
+    def _drop_segment(self, ident: bytes) -> None:
+        seg = self._segments.pop(ident, None)
+        if seg is not None:
+            seg.close()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+if __name__ == "__main__":
+    from pdserve.kvstore.cli import main
+
+    raise SystemExit(main())

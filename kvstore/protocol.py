@@ -1,0 +1,126 @@
+"""Messages between ``DaemonClient`` and the daemon (``pdserve kvstore``): one module, typed.
+
+Transport: a zmq DEALER (client) talks to a ROUTER (daemon). A message is multipart:
+    [header, payload_0, payload_1, ...]        header = msgpack of one Request / Reply
+Payload frames carry raw tensor bytes (no serialisation header: zmq frames arrive whole),
+one per ``ObjMeta`` whose ``offset`` is FRAME. With a shared-memory data plane (``Attach``
+first) payloads live in the client's segment instead, at ``ObjMeta.offset``, and only
+the header travels over zmq. Order of a session: [Attach] -> any of Put/Get/Contains/
+Lookup/Delete/Stats/Ping -> [Detach]. Every request carries ``v`` (PROTOCOL_VERSION),
+``id`` (echoed in the reply) and ``token`` (checked when the daemon has one).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import torch
+
+PROTOCOL_VERSION = 1
+FRAME = -1          # ObjMeta.offset: payload is the next zmq frame
+DEFERRED = -2       # ObjMeta.offset in a Get reply: did not fit in shm this time, ask again
+
+_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+class ObjMeta(msgspec.Struct, array_like=True):
+    key: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    offset: int = FRAME
+
+
+class _Req(msgspec.Struct, tag_field="op", kw_only=True):
+    v: int = PROTOCOL_VERSION
+    id: int = 0
+    token: str = ""
+
+
+class Put(_Req, tag="put"):
+    objs: list[ObjMeta]
+
+
+class Get(_Req, tag="get"):
+    keys: list[str]
+    shm: bool = False
+
+
+class Contains(_Req, tag="contains"):
+    keys: list[str]
+
+
+class Lookup(_Req, tag="lookup"):
+    chunk_keys: list[str]
+    num_layers: int
+
+
+class Delete(_Req, tag="delete"):
+    keys: list[str]
+
+
+class Stats(_Req, tag="stats"):
+    pass
+
+
+class Ping(_Req, tag="ping"):
+    pass
+
+
+class Attach(_Req, tag="attach"):
+    path: str
+    size: int
+
+
+class Detach(_Req, tag="detach"):
+    pass
+
+
+Request = Union[Put, Get, Contains, Lookup, Delete, Stats, Ping, Attach, Detach]
+
+
+class Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: int = 0
+    ok: bool = True
+    error: str = ""
+    objs: list[ObjMeta | None] = []
+    present: list[bool] = []
+    count: int = 0
+    stats: dict[str, dict[str, int]] = {}
+
+
+REQUEST_DECODER = msgspec.msgpack.Decoder(Request)
+REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
+ENCODER = msgspec.msgpack.Encoder()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {sorted(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[name]
+
+
+def meta_of(key: str, tensor: torch.Tensor, offset: int = FRAME) -> ObjMeta:
+    return ObjMeta(key, dtype_name(tensor.dtype), list(tensor.shape), tensor.numel() * tensor.element_size(), offset)
+
+
+def check_meta(meta: ObjMeta, max_object_bytes: int) -> None:
+    """Reject a meta whose size disagrees with its dtype/shape or exceeds the limit."""
+    dtype = dtype_of(meta.dtype)
+    numel = 1
+    for d in meta.shape:
+        if d < 0:
+            raise ValueError(f"negative dimension in shape {meta.shape}")
+        numel *= d
+    if meta.nbytes != numel * torch.empty((), dtype=dtype).element_size():
+        raise ValueError(f"object {meta.key!r}: {meta.nbytes} bytes does not match {meta.dtype}{meta.shape}")
+    if meta.nbytes > max_object_bytes:
+        raise ValueError(f"object {meta.key!r} has {meta.nbytes} bytes; limit is {max_object_bytes} "
+                         "(--kv-max-object-bytes)")

@@ -1,0 +1,81 @@
+"""``pdserve proxy``: the public OpenAI endpoint in front of prefill and decode nodes.
+
+    pdserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
+                  --model DIR --port 8000 [--api-key KEY] [--prefill-policy prefix_aware]
+
+``register(subparsers)`` is called by ``pdserve.engine.cli``; ``python -m pdserve.proxy.cli ...``
+runs it stand-alone through ``main(argv)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdserve.proxy.config import POLICIES, ProxyConfig
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("proxy", help="OpenAI-compatible router: prefill node, then decode node")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill node base URLs")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode node base URLs")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", required=True, help="tokenizer directory: the model directory the nodes load")
+    p.add_argument("--served-model-name", default=None, help="default: the nodes' model name")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--prefill-policy", default="prefix_aware", choices=POLICIES)
+    p.add_argument("--decode-policy", default="least_loaded", choices=POLICIES)
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health probes")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a node call may take")
+    p.add_argument("--max-attempts", type=int, default=3, help="nodes tried per phase before failing")
+    p.add_argument("--prefix-chunk-tokens", type=int, default=256, help="chunk size of prefix-routing keys")
+    p.set_defaults(func=run_proxy)
+
+
+def config_from_args(args) -> ProxyConfig:
+    return ProxyConfig(
+        prefill_urls=tuple(u.rstrip("/") for u in args.prefill), decode_urls=tuple(u.rstrip("/") for u in args.decode),
+        model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=args.api_key, prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
+        max_attempts=args.max_attempts, prefix_chunk_tokens=args.prefix_chunk_tokens)
+
+
+def run_proxy(args) -> int:
+    import uvicorn
+
+    from pdserve.engine.node import resolve_model
+    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.proxy.app import build_app
+
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve proxy: {exc}") from None
+    tokenizer = load_tokenizer(resolve_model(config.model))
+    app = build_app(config, tokenizer)
+    logger.info("proxy on http://%s:%d: prefill %s (%s), decode %s (%s)", config.host, config.port,
+                list(config.prefill_urls), config.prefill_policy, list(config.decode_urls), config.decode_policy)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register(subparsers)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "proxy" not in argv[:3]:                    # `python -m pdserve.proxy.cli --prefill ...` works too
+        argv.insert(next((i for i, a in enumerate(argv) if not a.startswith("--log-level")), 0), "proxy")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

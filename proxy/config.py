@@ -1,0 +1,57 @@
+"""The proxy's one frozen config, built by ``cli.config_from_args`` and read by every proxy module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    model: str                                   # tokenizer dir, the same the nodes load
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None         # None: ask the nodes' /v1/models
+    api_key: str | None = None
+    prefill_policy: str = "prefix_aware"
+    decode_policy: str = "least_loaded"
+    health_interval_s: float = 1.0
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 2.0
+    max_attempts: int = 3                        # per phase, each on another node
+    prefix_chunk_tokens: int = 256               # chunk size of the routing keys (the store's default)
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls or not self.decode_urls:
+            raise ValueError(f"need >= 1 prefill and >= 1 decode URL, got {len(self.prefill_urls)} prefill "
+                             f"and {len(self.decode_urls)} decode (--prefill URL... --decode URL...)")
+        for name in (self.prefill_policy, self.decode_policy):
+            if name not in POLICIES:
+                raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
+        _positive("--health-interval", self.health_interval_s)
+        _positive("--request-timeout", self.request_timeout_s)
+        _positive("--max-attempts", self.max_attempts)
+        _positive("--prefix-chunk-tokens", self.prefix_chunk_tokens)
+        for flag, urls in (("--prefill", self.prefill_urls), ("--decode", self.decode_urls)):
+            _check_urls(flag, urls)
+
+    @property
+    def probe_timeout_s(self) -> float:
+        """A /health probe that takes longer than this counts as failed."""
+        return max(0.5, min(2.0, self.health_interval_s))
+
+
+def _positive(flag: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{flag} must be > 0, got {value}")
+
+
+def _check_urls(flag: str, urls: tuple[str, ...]) -> None:
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{flag} URL {url!r} must start with http:// or https://")
+        if urls.count(url) > 1:
+            raise ValueError(f"{flag} lists {url} {urls.count(url)} times; list each node once")

@@ -1,0 +1,36 @@
+"""The proxy's Prometheus metrics, in a registry of its own (served by ``app`` at /metrics).
+
+Updated by ``router`` (in-flight, health), ``orchestrate`` (retries, phase latency) and
+``app`` (requests by outcome, end-to-end latency).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ProxyMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_proxy_requests", "client requests by endpoint and outcome "
+                                "(ok, client_error, upstream_error, no_node, aborted, stream_error)",
+                                ["endpoint", "outcome"], registry=r)
+        self.retries = Counter("pdserve_proxy_retries", "node calls retried on another node, by role",
+                               ["role"], registry=r)
+        self.in_flight = Gauge("pdserve_proxy_node_in_flight", "requests open on each node",
+                               ["role", "node"], registry=r)
+        self.healthy = Gauge("pdserve_proxy_node_healthy", "1 when the node's last /health probe passed",
+                             ["role", "node"], registry=r)
+        self.latency = Histogram("pdserve_proxy_request_latency_seconds", "client request, arrival to last byte",
+                                 ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.phase_latency = Histogram("pdserve_proxy_phase_latency_seconds",
+                                       "prefill call, and decode call until its first byte",
+                                       ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,163 @@
+"""The P->D flow of one client request: prefill on one node, then decode on another.
+
+Called by ``app`` once the request is parsed (``inputs.parse_request``):
+
+    response = await orchestrator.handle(req, on_end)    # JSONResponse or StreamingResponse
+
+1. Prefill: ``prefill_body`` (max_tokens=1, stream=false, prompt_token_ids, do_remote_decode)
+   goes to a prefill node; its answer's top-level ``kv_transfer_params`` (opaque here; null when
+   the node has none, e.g. a ``--role both`` node) is kept. A non-streaming request for one
+   token is answered from this response (``kv_transfer_params`` removed) and skips decode.
+2. Decode: ``decode_body`` (the client's body + prompt_token_ids + kv_transfer_params) goes to
+   a decode node; its answer -- JSON, or the SSE events one by one -- is passed through as is.
+   The decode node emits the first token itself, so no token is dropped or generated twice.
+
+Each phase tries up to ``max_attempts`` nodes while nothing has reached the client: a node that
+is unreachable or answers 5xx is skipped (and, if unreachable, taken out of rotation); a 4xx is
+the client's fault and returned unchanged. A stream that breaks later ends with an SSE error
+event and ``[DONE]``. Closing a stream (client gone, cancellation) closes the node's response,
+which makes the node abort the request and free its blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import anyio
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.engine.server.errors import error_body, error_response
+from pdserve.proxy.inputs import ProxyRequest, decode_body, prefill_body
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.nodes import Node
+from pdserve.proxy.router import NoHealthyNode, NodePool
+from pdserve.proxy.upstream import NodeFailed, NodeRejected, NodeStream, open_stream, post_json
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+OnEnd = Callable[[str], None]          # called once with the request's outcome label
+
+
+class Orchestrator:
+    def __init__(self, client: httpx.AsyncClient, prefill: NodePool, decode: NodePool, metrics: ProxyMetrics,
+                 max_attempts: int, model_name: Callable[[], str | None]):
+        self._client, self._prefill, self._decode = client, prefill, decode
+        self._metrics, self._max_attempts, self._model_name = metrics, max_attempts, model_name
+
+    async def handle(self, req: ProxyRequest, on_end: OnEnd) -> Response:
+        try:
+            return await self._handle(req, on_end)
+        except NodeRejected as exc:
+            on_end("client_error")
+            return Response(exc.content, status_code=exc.status, media_type="application/json")
+        except NoHealthyNode as exc:
+            on_end("no_node")
+            return error_response(503, str(exc))
+        except NodeFailed as exc:
+            on_end("upstream_error")
+            return error_response(502, f"{exc} (after retries on other nodes)")
+
+    async def _handle(self, req: ProxyRequest, on_end: OnEnd) -> Response:
+        prefilled = await self.prefill(req)
+        if req.prefill_only:
+            prefilled.pop("kv_transfer_params", None)
+            on_end("ok")
+            return JSONResponse(prefilled)
+        kv = prefilled.get("kv_transfer_params")
+        if not req.stream:
+            payload = await self._retrying(self._decode, req, lambda node: self._decode_json(node, req, kv))
+            on_end("ok")
+            return JSONResponse(payload)
+        stream = await self._retrying(self._decode, req, lambda node: self._decode_stream(node, req, kv))
+        return RelayResponse(stream, on_end)
+
+    async def prefill(self, req: ProxyRequest) -> dict[str, Any]:
+        body = prefill_body(req, self._model_name())
+
+        async def call(node: Node) -> dict[str, Any]:
+            with self._prefill.lease(node, len(req.prompt_ids)):
+                return await post_json(self._client, node, req.endpoint, body)
+
+        start = time.perf_counter()
+        payload = await self._retrying(self._prefill, req, call)
+        self._metrics.phase_latency.labels("prefill").observe(time.perf_counter() - start)
+        return payload
+
+    async def _decode_json(self, node: Node, req: ProxyRequest, kv: Any) -> dict[str, Any]:
+        with self._decode.lease(node, req.decode_tokens):
+            return await post_json(self._client, node, req.endpoint, decode_body(req, self._model_name(), kv))
+
+    async def _decode_stream(self, node: Node, req: ProxyRequest, kv: Any) -> NodeStream:
+        start = time.perf_counter()
+        release = self._decode.acquire(node, req.decode_tokens)
+        try:
+            stream = await open_stream(self._client, node, req.endpoint, decode_body(req, self._model_name(), kv))
+        except BaseException:
+            release()
+            raise
+        stream.on_close = release                 # the lease lasts as long as the stream
+        self._metrics.phase_latency.labels("decode_first_byte").observe(time.perf_counter() - start)
+        return stream
+
+    async def _retrying(self, pool: NodePool, req: ProxyRequest, call: Callable[[Node], Awaitable[T]]) -> T:
+        tried: set[str] = set()
+        last: NodeFailed | None = None
+        for attempt in range(self._max_attempts):
+            try:
+                node = pool.choose(req.chunk_keys, exclude=tried)
+            except NoHealthyNode:
+                if last is not None:
+                    raise last from None
+                raise
+            tried.add(node.url)
+            if attempt:
+                self._metrics.retries.labels(pool.role).inc()
+            try:
+                return await call(node)
+            except NodeFailed as exc:
+                logger.warning("%s (attempt %d of %d)", exc, attempt + 1, self._max_attempts)
+                if exc.unreachable:
+                    pool.mark_failed(node, str(exc))
+                last = exc
+        assert last is not None
+        raise last
+
+
+class RelayResponse(StreamingResponse):
+    """Streams a decode node's SSE events to the client; whatever way it ends (done, broken,
+    client gone, even before the first event), the node's stream is closed and ``on_end`` runs once."""
+
+    def __init__(self, stream: NodeStream, on_end: OnEnd):
+        self._stream, self._on_end, self.outcome = stream, on_end, "aborted"
+        self._events = self._relay()
+        super().__init__(self._events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()
+                await self._stream.aclose()
+            self._on_end(self.outcome)
+
+    async def _relay(self) -> AsyncIterator[bytes]:
+        """Pass events through unchanged; a broken stream ends with an error event and [DONE]."""
+        saw_done = False
+        try:
+            async for event in self._stream.events():
+                saw_done = saw_done or event.startswith(DONE)
+                yield event
+            if not saw_done:
+                raise httpx.RemoteProtocolError("the stream ended without data: [DONE]")
+            self.outcome = "ok"
+        except httpx.HTTPError as exc:
+            self.outcome = "stream_error"
+            message = f"decode node {self._stream.node.url} failed mid-stream: {type(exc).__name__}: {exc}"
+            logger.warning("%s", message)
+            yield b"data: " + json.dumps(error_body(502, message)).encode() + b"\n\n" + DONE

@@ -1,0 +1,127 @@
+"""Fixtures for the kvstore tests: a private redis-server, a daemon process, store factories.
+
+Imported by tests/test_kvstore_*.py (``from kvstore_fixtures import *``); tests/conftest.py
+belongs to the lead. Every process started here is stopped by PID in the fixture's
+teardown, even when the test fails. Waits poll a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import redis
+import torch
+
+torch.set_num_threads(1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise TimeoutError(f"{what} not met within {timeout_s}s")
+
+
+class RedisServer:
+    """A redis-server of our own on a free port (so tests may kill and corrupt it)."""
+
+    def __init__(self, port: int | None = None) -> None:
+        if shutil.which("redis-server") is None:
+            pytest.skip("no redis-server binary on PATH (.ci/run installs one)")
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "RedisServer":
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        wait_for(lambda: _pings(client), what=f"redis-server on port {self.port}")
+        client.close()
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+class DaemonProcess:
+    """``python -m pdserve.kvstore`` on a free port; ``url`` once READY was printed."""
+
+    def __init__(self, *flags: str) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.kvstore", "--port", "0", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith("READY "):
+            self.stop()
+            raise RuntimeError(f"daemon did not start: {line!r} {self.proc.stderr.read()[-2000:]}")
+        self.url = line.split()[1]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = RedisServer().start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def own_redis():
+    """A redis-server only this test uses (it may be killed and restarted)."""
+    server = RedisServer().start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def daemon(redis_server, tmp_path_factory):
+    disk = tmp_path_factory.mktemp("daemon-disk")
+    proc = DaemonProcess("--kv-cpu-bytes", str(256 << 20), "--kv-redis", redis_server.url,
+                         "--kv-redis-prefix", f"d{uuid.uuid4().hex[:6]}:", "--kv-disk-dir", str(disk),
+                         "--log-level", "WARNING")
+    yield proc
+    proc.stop()
+
+
+def unique_prefix() -> str:
+    return "t" + uuid.uuid4().hex[:12]

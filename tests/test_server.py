@@ -1,0 +1,262 @@
+"""The node's OpenAI-compatible server, end to end: a real `pdserve node` subprocess + the `openai` client.
+
+Two nodes per module: `node` (tiny llama, --max-model-len 256) for the API surface and bad input;
+`keyed` (a long-context tiny llama, --api-key) for auth and for the mid-stream disconnect, where a
+request asks for 100k tokens so that only an abort can end it while the test waits.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from pdserve.engine.tiny_model import make_tiny_model
+
+MAX_MODEL_LEN = 256
+API_KEY = "test-secret"
+PROMPT = "The quick brown fox jumps over the lazy dog"
+ABORTED = 'pdserve_request_success_total{model_name="long-llama",finished_reason="abort"}'
+
+
+@pytest.fixture(scope="module")
+def node(node_factory, tiny_llama):
+    return node_factory(tiny_llama, "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "128")
+
+
+@pytest.fixture(scope="module")
+def keyed(node_factory, tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("long") / "long-llama", arch="llama",
+                            max_position_embeddings=131072)
+    return node_factory(model, "--api-key", API_KEY, "--num-gpu-blocks-override", "8200")
+
+
+@pytest.fixture(scope="module")
+def client(node) -> openai.OpenAI:
+    return openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _tokenize(node, text: str) -> list[int]:
+    return httpx.post(node.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+
+
+def _metric(url: str, name: str, required: bool = True) -> float:
+    """Sum of the samples whose line starts with ``name`` (a name, or a name with labels)."""
+    response = httpx.get(url + "/metrics")
+    assert response.status_code == 200, response.text
+    values = [float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines() if line.startswith(name)]
+    assert values or not required, f"{name} not in /metrics"
+    return sum(values)
+
+
+def _wait_for(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout}s")
+        time.sleep(0.05)
+
+
+# -- the API surface --------------------------------------------------------------------------------
+
+def test_models_health_and_tokenize_round_trip(node, client, model):
+    assert model == "llama" and client.models.list().data[0].max_model_len == MAX_MODEL_LEN
+    assert httpx.get(node.url + "/health").status_code == 200
+    ids = _tokenize(node, PROMPT)
+    assert httpx.post(node.url + "/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPT}
+
+
+def test_completion_stream_equals_non_stream_with_usage(node, client, model):
+    prompt_ids = _tokenize(node, PROMPT)
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.id.startswith("cmpl-") and full.choices[0].finish_reason == "length"
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(prompt_ids), 12)
+    assert full.usage.total_tokens == len(prompt_ids) + 12
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            logprobs=0, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    body = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in body) == full.choices[0].text
+    assert all(len(c.choices[0].logprobs.tokens) == 1 for c in body)     # one token per chunk
+    assert body[-1].choices[0].finish_reason == "length"
+
+
+def test_token_id_prompt_equals_text_prompt(node, client, model):
+    by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model=model, prompt=_tokenize(node, PROMPT), max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_chat_stream_equals_non_stream_with_usage(node, client, model):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    rendered = httpx.post(node.url + "/tokenize", json={"messages": messages}).json()["count"]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert full.id.startswith("chatcmpl-") and full.choices[0].message.role == "assistant"
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (rendered, 10)
+    stream = list(client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert stream[-1].choices == [] and stream[-1].usage.total_tokens == rendered + 10
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"
+
+
+def test_chat_default_max_tokens_fills_the_context(client, model):
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "go"}],
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.total_tokens == MAX_MODEL_LEN and out.choices[0].finish_reason == "length"
+
+
+def test_n_choices_are_independent_and_seeded(client, model):
+    def run():
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=8, n=2, temperature=1.0,
+                                         seed=1234, extra_body={"ignore_eos": True})
+    first, again = run(), run()
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]   # seeded: reproducible
+    assert first.choices[0].text != first.choices[1].text                        # choices: independent
+    assert first.usage.completion_tokens == 16
+
+
+def test_completion_logprobs_are_greedy_consistent(client, model):
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))   # greedy picks the most likely token
+
+
+def test_chat_logprobs_and_top_logprobs(client, model):
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                         temperature=0, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+
+
+def test_repeated_prompt_reports_cached_tokens(node, client, model):
+    prompt = list(range(3, 3 + 40))          # 40 tokens: two full 16-token blocks are cacheable
+    client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+    assert _metric(node.url, "pdserve_prefix_cache_hits") >= 32
+
+
+def test_metrics_count_requests_tokens_and_latencies(node, client, model):
+    before = _metric(node.url, "pdserve_generation_tokens_total")
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert _metric(node.url, "pdserve_generation_tokens_total") == before + 5
+    assert _metric(node.url, "pdserve_time_to_first_token_seconds_count") >= 1
+    assert _metric(node.url, "pdserve_inter_token_latency_seconds_count") >= 4
+    assert _metric(node.url, 'pdserve_request_success_total{model_name="llama",finished_reason="length"}') >= 1
+    assert _metric(node.url, "pdserve_prompt_tokens_total") >= len(_tokenize(node, PROMPT))
+    assert _metric(node.url, "pdserve_prefix_cache_queries") >= _metric(node.url, "pdserve_prefix_cache_hits")
+    assert 0.0 <= _metric(node.url, "pdserve_kv_cache_usage_perc") <= 1.0
+
+
+# -- bad input: 4xx with a clear message, and the node keeps serving ------------------------------
+
+BAD_COMPLETIONS = [
+    ({"model": "nope", "prompt": "hi"}, 404, "model 'nope' does not exist"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be >= 1, got 0"),
+    ({"prompt": "hi", "max_tokens": -5}, 400, "max_tokens must be >= 1, got -5"),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": [5] * 300}, 400, f"prompt has 300 tokens; --max-model-len is {MAX_MODEL_LEN}"),
+    ({"prompt": [5] * 200, "max_tokens": 100}, 400, f"300 > --max-model-len {MAX_MODEL_LEN}"),
+    ({"prompt": [], "max_tokens": 4}, 400, "prompt is empty"),
+    ({"prompt": [1, 99999]}, 400, "token id 99999 is out of range"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature must be >= 0, got -1"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p must be in (0, 1], got 0"),
+    ({"prompt": "hi", "n": 0}, 400, "n:"),
+    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"max_tokens": 3}, 400, "prompt: Field required"),
+]
+
+
+@pytest.mark.parametrize("body,status,message", BAD_COMPLETIONS)
+def test_bad_completion_requests(node, body, status, message):
+    response = httpx.post(node.url + "/v1/completions", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+def test_bad_json_and_bad_chat_bodies(node):
+    raw = httpx.post(node.url + "/v1/chat/completions", content=b'{"messages": [', headers={
+        "content-type": "application/json"})
+    assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
+    empty = httpx.post(node.url + "/v1/chat/completions", json={"messages": []})
+    assert empty.status_code == 400 and "messages" in empty.json()["error"]["message"]
+    image = httpx.post(node.url + "/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert image.status_code == 400 and "'image_url'" in image.json()["error"]["message"]
+    unknown = httpx.get(node.url + "/v1/nothing")
+    assert unknown.status_code == 404 and "error" in unknown.json()
+
+
+def test_openai_client_sees_clear_errors_and_node_keeps_serving(client, model):
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4' does not exist"):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match=f"--max-model-len {MAX_MODEL_LEN}"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_MODEL_LEN)
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3
+
+
+# -- auth and disconnects (the long-context node) -------------------------------------------------
+
+def test_api_key_is_required_except_for_health_and_metrics(keyed):
+    wrong = openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="invalid or missing API key"):
+        wrong.models.list()
+    no_header = httpx.post(keyed.url + "/v1/completions", content=b"{not json")
+    assert no_header.status_code == 401 and no_header.json()["error"]["code"] == "invalid_api_key"
+    good = openai.OpenAI(base_url=keyed.url + "/v1", api_key=API_KEY, max_retries=0)
+    assert good.completions.create(model="long-llama", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    assert httpx.get(keyed.url + "/health").status_code == 200
+    assert httpx.get(keyed.url + "/metrics").status_code == 200
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(keyed):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    aborted_before = _metric(keyed.url, ABORTED, required=False)
+    body = {"prompt": PROMPT, "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", keyed.url + "/v1/completions", json=body, headers=auth) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[len("data: "):])["choices"][0]["index"] == 0
+            assert _metric(keyed.url, "pdserve_num_requests_running") == 1
+    # 100k tokens would take minutes: only the abort brings the engine back to idle.
+    _wait_for(lambda: _metric(keyed.url, "pdserve_num_requests_running") == 0, "running == 0 after disconnect")
+    assert _metric(keyed.url, "pdserve_num_requests_waiting") == 0
+    assert _metric(keyed.url, ABORTED) == aborted_before + 1
+
+
+def test_client_gone_before_a_non_streaming_answer_aborts_the_request(keyed):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    aborted_before = _metric(keyed.url, ABORTED, required=False)
+    body = {"prompt": PROMPT, "max_tokens": 100_000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):     # the client gives up and closes its connection
+        httpx.post(keyed.url + "/v1/completions", json=body, headers=auth, timeout=httpx.Timeout(60, read=1.0))
+    _wait_for(lambda: _metric(keyed.url, "pdserve_num_requests_running") == 0, "running == 0 after disconnect")
+    assert _metric(keyed.url, ABORTED) == aborted_before + 1
