@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from pdserve.engine.hashing import extend_block_hashes
 from pdserve.engine.request import Request
@@ -34,9 +34,9 @@ class BlockIntegrityError(RuntimeError):
     """The pool's bookkeeping is inconsistent; the message names the block and both values."""
 
 
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    queries: int = 0   # tokens looked up (whole request length at each first schedule)
+class PrefixCacheStats(NamedTuple):
+    """Cumulative since start; unpacks as ``queries, hits``."""
+    queries: int = 0   # tokens looked up (whole request length at each admission)
     hits: int = 0      # of those, tokens found in the cache
 
     @property

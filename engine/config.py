@@ -51,6 +51,35 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """The node's role and its KV store (``--role``, ``--kv-store``, ``--kv-*``)."""
+    role: str = "both"                      # prefill | decode | both
+    kv_store: str | None = None             # None: no store; "embedded"; "tcp://host:port" (a daemon)
+    kv_chunk_tokens: int = 256
+    kv_cpu_bytes: int = 2 << 30             # embedded store's L1 budget
+    kv_redis: str | None = None             # embedded store's L2
+    kv_disk_dir: str | None = None          # embedded store's L3
+    kv_auth_token: str = ""
+    kv_shm_bytes: int = 64 << 20            # shared-memory data plane to a local daemon (0: zmq frames)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "both"):
+            raise ConfigError(f"--role must be prefill, decode or both, got {self.role!r}")
+        if self.role != "both" and self.store_url is None:
+            raise ConfigError(f"--role {self.role} needs a shared KV store: --kv-store tcp://HOST:PORT "
+                              f"(a `pdserve kvstore` daemon) or --kv-redis redis://HOST:PORT")
+        if self.kv_chunk_tokens < 1:
+            raise ConfigError(f"--kv-chunk-tokens must be >= 1, got {self.kv_chunk_tokens}")
+
+    @property
+    def store_url(self) -> str | None:
+        """What the engine connects to; ``--kv-redis`` alone implies an embedded store over Redis."""
+        if self.kv_store is None and (self.kv_redis or self.kv_disk_dir):
+            return "embedded"
+        return self.kv_store
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "auto"
@@ -60,10 +89,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
             raise ConfigError(f"--num-threads must be >= 1, got {self.num_threads}")
+        if self.kv_transfer.kv_chunk_tokens % self.cache.block_size:
+            raise ConfigError(f"--kv-chunk-tokens {self.kv_transfer.kv_chunk_tokens} must be a multiple of "
+                              f"--block-size {self.cache.block_size}")
 
     @property
     def model_name(self) -> str:

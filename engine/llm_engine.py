@@ -2,15 +2,18 @@
 
 Used by ``LLM`` (offline) and by ``AsyncEngine`` (the HTTP node, from its engine thread):
 
-    engine.add_request(id, prompt_token_ids, params)
+    engine.add_request(id, prompt_token_ids, params[, kv_transfer_params])
     while engine.has_unfinished():
-        for delta in engine.step(): ...      # schedule -> run model + sample -> update -> detokenize
-    engine.abort_request(id)                 # at any point; frees the request's blocks
+        for delta in engine.step(): ...   # schedule -> run model + sample -> publish KV -> update -> text
+    engine.abort_request(id)              # at any point; frees the request's blocks
+
+With a KV store attached (``--role prefill|decode``, or ``both`` with ``--kv-store``) the
+``StoreConnector`` loads prompt KV before prefill and publishes it after; a finished request that
+is still publishing is held back until the store acknowledged it (see ``outputs.OutputAssembler``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -18,12 +21,14 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig, EngineRuntime
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.kv_transfer import KVTransferParams
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.output_assembler import OutputAssembler
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, check_stop
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.store_factory import build_node_store
 from pdserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,7 +39,8 @@ class PromptTooLongError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, store=None):
+        """``store``: a ``KVStore`` to use instead of building one from ``config.kv_transfer``."""
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.config = config
@@ -45,13 +51,26 @@ class LLMEngine:
         block_size = config.cache.block_size
         self.block_manager = BlockManager(self.runtime.num_blocks, block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_batched_tokens,
-                                   config.scheduler.max_num_seqs, self.runtime.max_model_len)
         self.runner = ModelRunner(self.model, self.layout, self.runtime.num_blocks, block_size)
-        self._live: dict[str, tuple[Request, IncrementalDetokenizer]] = {}
-        logger.info("engine ready: model=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV) max_model_len=%d",
-                    config.model_name, self.layout.dtype, self.runtime.num_blocks, block_size,
-                    self.runtime.num_blocks * self.runtime.bytes_per_block / 2**20, self.runtime.max_model_len)
+        self.store, self.connector = self._build_connector(store)
+        self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_batched_tokens,
+                                   config.scheduler.max_num_seqs, self.runtime.max_model_len, self.connector)
+        self.outputs = OutputAssembler(self.tokenizer, self.scheduler, self.runner, self.connector,
+                                       config.kv_transfer.role)
+        logger.info("engine ready: model=%s role=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV) "
+                    "max_model_len=%d store=%s", config.model_name, config.kv_transfer.role, self.layout.dtype,
+                    self.runtime.num_blocks, block_size, self.runtime.num_blocks * self.runtime.bytes_per_block
+                    / 2**20, self.runtime.max_model_len, config.kv_transfer.store_url)
+
+    def _build_connector(self, store):
+        store = store if store is not None else build_node_store(self.config.kv_transfer)
+        if store is None:
+            return None, None
+        from pdserve.engine.kv_connector import StoreConnector
+
+        return store, StoreConnector(store, self.model_config, self.layout, self.runner.kv_caches,
+                                     self.config.cache.block_size, self.config.kv_transfer.kv_chunk_tokens,
+                                     self.config.kv_transfer.role)
 
     @property
     def max_model_len(self) -> int:
@@ -68,66 +87,45 @@ class LLMEngine:
                 f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
                 f"{num_prompt_tokens + max_tokens} > --max-model-len {limit}")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params,
+                    kv_transfer_params: dict | None = None) -> None:
         self.check_prompt(len(prompt_token_ids), params.max_tokens)
-        params = self._with_model_eos(params)
-        if request_id in self._live:
+        if self.outputs.is_live(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
+        transfer = KVTransferParams.from_json_obj(kv_transfer_params) if kv_transfer_params else None
+        first = transfer.first_token_id if transfer and transfer.do_remote_prefill else None
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
-                      eos_token_id=self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None,
-                      arrival_time=time.monotonic())
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        self._live[request_id] = (req, detok)
+                      eos_token_id=None if params.ignore_eos else self._eos(0),
+                      extra_eos_token_ids=() if params.ignore_eos else tuple(self.model_config.eos_token_ids[1:]),
+                      arrival_time=time.monotonic(), output_token_ids=[] if first is None else [first])
+        if self.connector is not None:
+            self.connector.add(req, transfer)           # raises on a prefill/decode mismatch
+        self.outputs.track(req, transfer)
+        if first is not None and self.outputs.first_token_from_prefill(req, check_stop(req, self.max_model_len)):
+            return                                      # finished on the prefill node's token
         self.scheduler.add_request(req)
 
-    def _with_model_eos(self, params):
-        """generation_config may list several eos ids; all but the first stop like stop_token_ids."""
-        extra = [t for t in self.model_config.eos_token_ids[1:] if t not in params.stop_token_ids]
-        if not extra or params.ignore_eos:
-            return params
-        return dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + tuple(extra))
+    def _eos(self, i: int) -> int | None:
+        ids = self.model_config.eos_token_ids
+        return ids[i] if len(ids) > i else None
 
     def abort_request(self, request_id: str) -> None:
-        if self._live.pop(request_id, None) is not None:
+        if self.outputs.forget(request_id):
             self.scheduler.abort_request(request_id)
-            self.runner.release(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._live)
+        return self.outputs.has_live() or self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
         sampled = self.runner.execute(sched_out)
+        if self.connector is not None:
+            self.connector.after_step(sched_out.scheduled)   # copy finished chunks before blocks are freed
         self.scheduler.update_from_output(sched_out, {rid: r.token_id for rid, r in sampled.items()})
-        outputs = [self._emit(rid, res) for rid, res in sampled.items() if rid in self._live]
-        outputs += self._collect_finished_without_token(set(sampled))
+        outputs = self.outputs.collect(sampled)
+        if not sched_out.scheduled and not outputs:
+            time.sleep(0.001)                                # only waiting on KV loads / publishes
         return outputs
-
-    def _emit(self, request_id: str, result) -> RequestOutput:
-        req, detok = self._live[request_id]
-        text = detok.add_tokens([result.token_id])
-        if detok.stopped_by is not None and not req.status.is_finished:
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = detok.stopped_by
-        if req.status.is_finished:
-            text += detok.flush()
-        logprobs = [result] if req.sampling_params.logprobs is not None else None
-        return self._output(req, [result.token_id], text, logprobs)
-
-    def _collect_finished_without_token(self, seen: set[str]) -> list[RequestOutput]:
-        done = [req for req, _ in self._live.values() if req.status.is_finished and req.request_id not in seen]
-        outs = [self._output(req, [], "", None) for req in done]
-        for req in [r for r, _ in list(self._live.values()) if r.status.is_finished]:
-            self._live.pop(req.request_id, None)
-            self.runner.release(req.request_id)
-        return outs
-
-    def _output(self, req: Request, tokens: list[int], text: str, logprobs) -> RequestOutput:
-        error = req.stop_reason if req.status == RequestStatus.FINISHED_ABORTED else None
-        return RequestOutput(request_id=req.request_id, new_token_ids=tokens, new_text=text,
-                             finished=req.status.is_finished, finish_reason=req.finish_reason,
-                             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-                             logprobs=logprobs, error=error if isinstance(error, str) else None)
 
 
 def _measure_runtime(config: EngineConfig, model_config, layout) -> EngineRuntime:

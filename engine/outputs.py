@@ -16,6 +16,8 @@ class RequestOutput:
     num_cached_tokens: int             # prompt tokens whose KV was reused (prefix cache)
     logprobs: list | None = None       # SampleResult per new token when requested
     error: str | None = None           # set when the engine failed the request
+    kv_transfer_params: dict | None = None   # prefill role: what the decode node needs (final output)
+    kv_accounting: dict | None = None        # with a KV store: total/local_hit/store_hit/... (final output)
 
 
 @dataclass
@@ -28,3 +30,5 @@ class CompletionOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list = field(default_factory=list)
+    kv_transfer_params: dict | None = None
+    kv_accounting: dict | None = None

@@ -59,6 +59,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)   # chained hash per full block, owned by BlockManager
     num_cached_tokens: int = 0          # prefix-cache hit at the first schedule (usage.cached_tokens)
     num_preemptions: int = 0
+    num_loaded_tokens: int = 0          # prompt tokens whose KV came from the store (KV connector)
     stop_reason: int | str | None = None  # stop token id, stop string, or an error message when aborted
     _all_token_ids: list[int] = field(init=False, repr=False)
 

@@ -106,8 +106,8 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 def _top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Keep each row's k largest logits ([M, V], k: [M]); ties at the k-th value are kept."""
-    sorted_desc = logits.sort(dim=-1, descending=True).values
-    kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))        # [M, 1]
+    largest = logits.topk(int(k.max()), dim=-1).values       # [M, max k]: cheaper than a full sort
+    kth = largest.gather(1, (k - 1).unsqueeze(1))            # [M, 1]
     return logits.masked_fill(logits < kth, float("-inf"))
 
 

@@ -17,6 +17,14 @@ then on waiting requests in FCFS order (preempted ones sit at the front). A requ
 needs a block when none is free preempts the most recently arrived running request (maybe
 itself): its blocks are freed and it recomputes prompt + output later. Work per step is
 O(running + admitted), never O(blocks).
+
+With a KV connector (``pdserve.engine.kv_connector``), a request admitted for the first time
+asks it how many tokens beyond the local prefix-cache hit the store can supply. If any, the
+request takes blocks for them and waits in WAITING_FOR_KV (in ``loading``, counted against
+``max_num_seqs``, spending no token budget) while the loader fills those blocks; when the load
+reports back, the request joins ``running`` with those tokens computed (a failed load reports 0:
+the tokens are recomputed). A request aborted while loading keeps its blocks until the loader
+is done with them.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int):
+                 max_num_seqs: int, max_model_len: int, connector=None):
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
             if value < 1:
@@ -65,6 +73,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # sorted by arrival (the last one is preempted first)
+        self.connector = connector
+        self.loading: dict[str, Request] = {}     # WAITING_FOR_KV, and aborted ones still loading
         self._requests: dict[str, Request] = {}   # every unfinished request
         self._order: dict[str, tuple[float, int]] = {}
         self._next_seq = 0
@@ -94,6 +104,11 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None:
             return None
+        if request.status == RequestStatus.WAITING_FOR_KV:
+            request.status = status              # blocks stay until the loader reports back
+            del self._requests[request_id]
+            del self._order[request_id]
+            return request
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -102,7 +117,7 @@ class Scheduler:
         return request
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(self.loading)
 
     @property
     def num_running(self) -> int:
@@ -116,6 +131,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.connector is not None:
+            self._finish_loads()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -158,13 +175,19 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             req = self.waiting[0]
             if bm.num_blocks_for(req.num_tokens) > bm.num_blocks:
                 self.waiting.popleft()
                 self._reject(req, out)
                 continue
             blocks, num_hit = bm.get_computed_blocks(req)
+            num_load = self._loadable(req, num_hit)
+            if num_load:
+                if not bm.allocate_slots(req, num_load, blocks):
+                    break
+                self._start_load(req, num_hit, num_load)
+                continue
             num_new = min(req.num_tokens - num_hit, budget)
             if not bm.allocate_slots(req, num_new, blocks):
                 break
@@ -176,6 +199,35 @@ class Scheduler:
             bisect.insort(self.running, req, key=lambda r: self._order[r.request_id])
             out.scheduled.append(ScheduledRequest(req, num_new, num_hit))
             budget -= num_new
+
+    # ---- remote KV ------------------------------------------------------------------------
+
+    def _loadable(self, req: Request, num_hit: int) -> int:
+        if self.connector is None or req.num_preemptions:
+            return 0
+        return self.connector.num_loadable_tokens(req, num_hit)
+
+    def _start_load(self, req: Request, num_hit: int, num_load: int) -> None:
+        self.waiting.popleft()
+        req.num_computed_tokens = num_hit
+        req.num_cached_tokens = num_hit
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.loading[req.request_id] = req
+        self.connector.start_load(req, num_hit, num_load)
+
+    def _finish_loads(self) -> None:
+        for request_id, loaded in self.connector.finished_loads().items():
+            req = self.loading.pop(request_id, None)
+            if req is None:
+                continue
+            if req.status.is_finished:           # aborted while loading: now the blocks can go
+                self.block_manager.free(req)
+                continue
+            req.num_computed_tokens += loaded
+            req.num_loaded_tokens = loaded
+            self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: self._order[r.request_id])
 
     def _reject(self, req: Request, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -232,7 +284,8 @@ class Scheduler:
         """Queues agree with statuses and the block manager is consistent. For tests / debug."""
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
-        if running_ids & waiting_ids or running_ids | waiting_ids != set(self._requests):
+        loading_ids = {rid for rid, r in self.loading.items() if not r.status.is_finished}
+        if running_ids & waiting_ids or running_ids | waiting_ids | loading_ids != set(self._requests):
             raise RuntimeError(f"queues disagree: running {sorted(running_ids)} waiting "
                                f"{sorted(waiting_ids)} known {sorted(self._requests)}")
         for r in self.running:

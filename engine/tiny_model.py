@@ -270,4 +270,4 @@ def _main(args) -> int:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    path.write_text(json.dumps(obj, indent=2) + "\n")

@@ -2,81 +2,19 @@
 
 Greedy output through the proxy must equal the same request sent straight to a node (completions
 and chat, streaming or not, and through the official openai client); /health, auth, bad input,
-a killed node and a client that hangs up are checked on the wire.
+a dead decode node are checked on the wire (faults: test_proxy_faults.py).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 
-from conftest import free_port, wait_healthy
+from conftest import free_port
+from test_proxy_support import ProxyProcess, proxy_factory, request, sse_payloads  # noqa: F401
 
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name three colours"}]
-
-
-class ProxyProcess:
-    """A `pdserve proxy` subprocess; `.url` is its base URL. Stopped by PID."""
-
-    def __init__(self, model_dir: Path, prefill: list[str], decode: list[str], *extra: str, healthy: bool = True):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pdserve.proxy.cli", "proxy", "--model", str(model_dir),
-               "--port", str(self.port), "--prefill", *prefill, "--decode", *decode, *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            if healthy:
-                wait_healthy(self.url + "/health", self.proc, timeout=60)
-            else:
-                _wait_listening(self.url, self.proc)
-        except Exception:
-            print(self.stop())
-            raise
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.stdout.read() if self.proc.stdout else ""
-
-
-def _wait_listening(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"proxy exited with {proc.returncode}")
-        try:
-            httpx.get(url + "/health", timeout=1.0)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} not listening after {timeout}s")
-
-
-@pytest.fixture(scope="module")
-def proxy_factory():
-    started: list[ProxyProcess] = []
-
-    def start(*args, **kwargs) -> ProxyProcess:
-        proxy = ProxyProcess(*args, **kwargs)
-        started.append(proxy)
-        return proxy
-
-    yield start
-    for proxy in started:
-        proxy.stop()
 
 
 @pytest.fixture(scope="module")
@@ -91,20 +29,10 @@ def proxy(tiny_llama, two_nodes, proxy_factory) -> ProxyProcess:
                          "--decode-policy", "round_robin", "--prefix-chunk-tokens", "4")
 
 
-def sse_payloads(response: httpx.Response) -> list:
-    events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]", events[-3:]
-    return [json.loads(e) for e in events[:-1]]
-
-
 def stream_text(payloads: list, chat: bool) -> str:
     if chat:
         return "".join(c["delta"].get("content") or "" for p in payloads for c in p["choices"])
     return "".join(c["text"] for p in payloads for c in p["choices"])
-
-
-def request(base: str, path: str, body: dict, **kwargs) -> httpx.Response:
-    return httpx.post(base + path, json=body, timeout=60, **kwargs)
 
 
 @pytest.mark.parametrize("path, body", [

@@ -1,0 +1,60 @@
+"""``kv_transfer_params``: what a prefill node returns and a decode node receives (via the proxy).
+
+The proxy treats it as opaque JSON. Both nodes check that they agree on everything that shapes KV
+bytes; a mismatch is refused naming both values, never loaded as wrong KV.
+
+    proxy -> prefill   {"do_remote_decode": true}
+    prefill -> proxy   {"do_remote_prefill": true, "version": 1, "model_fingerprint": ..., "block_size": 16,
+                        "chunk_tokens": 256, "kv_layout": ..., "num_tokens": 300, "chunk_keys": [...],
+                        "first_token_id": 42, "accounting": {...}}
+    proxy -> decode    the same object; the decode node starts from prompt + first_token_id
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+TRANSFER_VERSION = 1
+
+
+class TransferMismatchError(ValueError):
+    """Prefill and decode disagree on something that shapes the KV bytes."""
+
+
+class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    version: int = TRANSFER_VERSION
+    model_fingerprint: str | None = None
+    block_size: int | None = None
+    chunk_tokens: int | None = None
+    kv_layout: str | None = None
+    num_tokens: int = 0                       # prompt tokens whose KV was published
+    chunk_keys: list[str] = []
+    first_token_id: int | None = None
+    first_token_logprob: float | None = None
+    accounting: dict[str, int] | None = None
+
+    @classmethod
+    def from_json_obj(cls, obj) -> "KVTransferParams":
+        try:
+            return msgspec.convert(obj, cls)
+        except msgspec.ValidationError as exc:
+            raise TransferMismatchError(f"kv_transfer_params is malformed: {exc}") from None
+
+    def to_json_obj(self) -> dict:
+        return msgspec.to_builtins(self)
+
+    def check_compatible(self, *, fingerprint: str, block_size: int, chunk_tokens: int, kv_layout: str) -> None:
+        """Raise naming both values when the prefill node's KV cannot be read here."""
+        if self.version != TRANSFER_VERSION:
+            raise TransferMismatchError(f"kv_transfer_params version {self.version}; this node reads "
+                                        f"{TRANSFER_VERSION}")
+        for name, theirs, ours in (("kv_layout", self.kv_layout, kv_layout),
+                                   ("block_size", self.block_size, block_size),
+                                   ("chunk_tokens", self.chunk_tokens, chunk_tokens),
+                                   ("model_fingerprint", self.model_fingerprint, fingerprint)):
+            if theirs is not None and theirs != ours:
+                raise TransferMismatchError(f"prefill node has {name}={theirs!r} but this decode node has "
+                                            f"{name}={ours!r}; run both with the same model, --dtype, "
+                                            f"--block-size and --kv-chunk-tokens")
