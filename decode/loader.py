@@ -40,8 +40,9 @@ class LoadJob:
 
 
 class ChunkLoader:
-    def __init__(self, store, kv_caches: list[dict], first_layer: int, expect_shape):
+    def __init__(self, store, kv_caches: list[dict], first_layer: int, expect_shape, health):
         self.store = store
+        self.health = health                 # TierHealth shared with the publisher: down -> no store I/O
         self.kv_caches = kv_caches
         self.first_layer = first_layer
         self.expect_shape = expect_shape     # (components, kv_heads, head_dim) of a stored object
@@ -53,12 +54,15 @@ class ChunkLoader:
 
     def lookup(self, chunk_keys: list[str], chunk_lens: list[int]) -> int:
         """Tokens covered by the leading chunks whose every layer is in the store (0 if it is down)."""
+        if not chunk_keys or not self.health.available():
+            return 0
         try:
             n = self.store.lookup(chunk_keys, self.first_layer + len(self.kv_caches))
-        except Exception as exc:
-            logger.warning("store lookup failed (%s); recomputing", exc)
+        except Exception as exc:   # logged once by the health gate; counted here
+            self.health.failed(exc)
             self.failures += 1
             return 0
+        self.health.ok()
         return sum(chunk_lens[:n])
 
     def start(self, job: LoadJob) -> None:
@@ -74,8 +78,10 @@ class ChunkLoader:
             job = self._jobs.get()
             try:
                 loaded = self._load(job)
+                self.health.ok()
             except Exception as exc:
                 logger.warning("KV load of %s failed (%s); recomputing", job.request_id, exc)
+                self.health.failed(exc)
                 self.failures += 1
                 loaded = 0
             with self._lock:

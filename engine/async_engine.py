@@ -36,6 +36,8 @@ class EngineStats:
     kv_usage: float
     prefix_cache_queries: int
     prefix_cache_hits: int
+    kv_totals: dict            # cumulative KV accounting (tokens): total/local_hit/store_hit/loaded/recomputed
+    kv_store: dict             # {tier: {counter: value}} of the attached store, {} without one
 
 
 class EngineDeadError(RuntimeError):
@@ -56,12 +58,16 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, prompt_token_ids: list[int], params, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], params, request_id: str,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request; raises ``PromptTooLongError`` / ``TransferMismatchError`` up front."""
         self.engine.check_prompt(len(prompt_token_ids), params.max_tokens)
+        self.engine.check_transfer(kv_transfer_params)
         if self._fatal:
             raise EngineDeadError(self._fatal)
         out_q: asyncio.Queue = asyncio.Queue()
-        self._send(("add", request_id, list(prompt_token_ids), params, asyncio.get_running_loop(), out_q))
+        self._send(("add", request_id, list(prompt_token_ids), params, kv_transfer_params,
+                    asyncio.get_running_loop(), out_q))
         finished = False
         try:
             while not finished:
@@ -81,7 +87,17 @@ class AsyncEngine:
         sched, bm = self.engine.scheduler, self.engine.block_manager
         queries, hits = bm.prefix_cache_stats
         return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting, kv_usage=bm.usage,
-                           prefix_cache_queries=queries, prefix_cache_hits=hits)
+                           prefix_cache_queries=queries, prefix_cache_hits=hits,
+                           kv_totals=dict(self.engine.outputs.totals), kv_store=self._store_stats())
+
+    def _store_stats(self) -> dict:
+        if self.engine.store is None:
+            return {}
+        try:
+            return self.engine.store.stats()
+        except Exception as exc:   # a daemon that went away: report nothing rather than fail /metrics
+            logger.debug("store stats unavailable: %s", exc)
+            return {}
 
     def is_healthy(self) -> bool:
         return self._fatal is None and self._thread.is_alive()
@@ -125,10 +141,10 @@ class AsyncEngine:
                 self.engine.abort_request(command[1])
                 self._streams.pop(command[1], None)
 
-    def _add(self, request_id, prompt_ids, params, loop, out_q) -> None:
+    def _add(self, request_id, prompt_ids, params, transfer, loop, out_q) -> None:
         self._streams[request_id] = (loop, out_q)
         try:
-            self.engine.add_request(request_id, prompt_ids, params)
+            self.engine.add_request(request_id, prompt_ids, params, transfer)
         except Exception as exc:
             self._deliver(request_id, exc, final=True)
 

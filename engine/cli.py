@@ -4,6 +4,8 @@
     pdserve make-tiny-model DIR --arch llama              # random tiny model for tests
     pdserve download smollm2-135m-instruct                # the demo model, converted locally
     pdserve kvstore --port 5557                           # the standalone KV store daemon
+    pdserve proxy --prefill URL --decode URL --model DIR  # the public router
+    pdserve serve                                         # store + prefill + decode + proxy, one command
 
 Each subcommand lives with its package and registers itself here (``register(subparsers)``).
 """
@@ -22,6 +24,8 @@ _SUBCOMMAND_MODULES = (
     "pdserve.engine.tiny_model",
     "pdserve.engine.download",
     "pdserve.kvstore.cli",
+    "pdserve.proxy.cli",
+    "pdserve.proxy.serve",
 )
 
 

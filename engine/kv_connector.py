@@ -26,6 +26,7 @@ import xxhash
 from pdserve.decode.loader import ChunkLoader, LoadJob
 from pdserve.engine.kv_transfer import KVTransferParams
 from pdserve.kvstore.accounting import KVAccounting, account
+from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.keys import chunk_keys, model_fingerprint
 from pdserve.prefill.publisher import ChunkPublisher
 
@@ -54,16 +55,20 @@ class StoreConnector:
         self.fingerprint = model_fingerprint(model_config.architecture, weights_identity(model_config.model_dir),
                                              str(layout.dtype), self.layout_text, FORMAT_VERSION)
         shape = (len(layout.components), layout.num_kv_heads, layout.head_dim)
-        self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer)
-        self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape)
+        self.health = TierHealth("kv-store", base_s=1.0, max_s=30.0)
+        self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health)
+        self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health)
         self._reqs: dict[str, _Transfer] = {}
 
     # -- requests -----------------------------------------------------------------------------
 
+    def check(self, params: KVTransferParams) -> None:
+        params.check_compatible(fingerprint=self.fingerprint, block_size=self.block_size,
+                                chunk_tokens=self.chunk_tokens, kv_layout=self.layout_text)
+
     def add(self, req, params: KVTransferParams | None) -> None:
         if params is not None and params.do_remote_prefill:
-            params.check_compatible(fingerprint=self.fingerprint, block_size=self.block_size,
-                                    chunk_tokens=self.chunk_tokens, kv_layout=self.layout_text)
+            self.check(params)
         keys = chunk_keys(req.prompt_token_ids, self.chunk_tokens, self.fingerprint, include_partial=True)
         n = req.num_prompt_tokens
         lens = [min(self.chunk_tokens, n - i * self.chunk_tokens) for i in range(len(keys))]
@@ -136,7 +141,8 @@ class StoreConnector:
         self._reqs.pop(request_id, None)
 
     def stats(self) -> dict:
-        return {"load_failures": self.loader.failures, "publish_failures": self.publisher.failures}
+        return {"load_failures": self.loader.failures, "publish_failures": self.publisher.failures,
+                "publish_skipped": self.publisher.skipped, **{f"store_{k}": v for k, v in self.health.snapshot().items()}}
 
 
 def weights_identity(model_dir) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig, EngineRuntime
-from pdserve.engine.kv_transfer import KVTransferParams
+from pdserve.engine.kv_transfer import KVTransferParams, TransferMismatchError
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_assembler import OutputAssembler
@@ -86,6 +86,17 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
                 f"{num_prompt_tokens + max_tokens} > --max-model-len {limit}")
+
+    def check_transfer(self, kv_transfer_params: dict | None) -> None:
+        """Raise ``TransferMismatchError`` if this node cannot use the prefill node's KV (thread-safe)."""
+        if not kv_transfer_params:
+            return
+        transfer = KVTransferParams.from_json_obj(kv_transfer_params)
+        if transfer.do_remote_prefill:
+            if self.connector is None:
+                raise TransferMismatchError("kv_transfer_params asks to load remote KV but this node has no KV "
+                                            "store; start it with --role decode --kv-store tcp://HOST:PORT")
+            self.connector.check(transfer)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params,
                     kv_transfer_params: dict | None = None) -> None:

@@ -7,7 +7,8 @@ import logging
 from pathlib import Path
 
 from pdserve.engine import envs
-from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdserve.engine.config import (CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig,
+                                   SchedulerConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-store", default=None,
+                   help="KV store: tcp://HOST:PORT (a `pdserve kvstore` daemon) or 'embedded' "
+                        "(required for --role prefill/decode unless --kv-redis is given)")
+    p.add_argument("--kv-chunk-tokens", type=int, default=256, help="tokens per stored KV chunk")
+    p.add_argument("--kv-cpu-bytes", type=int, default=2 << 30, help="embedded store: L1 memory budget")
+    p.add_argument("--kv-redis", default=None, help="embedded store: L2 redis://HOST:PORT/DB")
+    p.add_argument("--kv-disk-dir", default=None, help="embedded store: L3 directory")
+    p.add_argument("--kv-auth-token", default="", help="token of the store daemon")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
 
@@ -62,6 +71,9 @@ def config_from_args(args) -> EngineConfig:
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 pipeline_parallel_size=args.pipeline_parallel_size),
+        kv_transfer=KVTransferConfig(role=args.role, kv_store=args.kv_store, kv_chunk_tokens=args.kv_chunk_tokens,
+                                     kv_cpu_bytes=args.kv_cpu_bytes, kv_redis=args.kv_redis,
+                                     kv_disk_dir=args.kv_disk_dir, kv_auth_token=args.kv_auth_token),
     )
 
 
@@ -71,8 +83,6 @@ def run_node(args) -> int:
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.engine.server import build_app
 
-    if args.role != "both":
-        raise SystemExit(f"--role {args.role} needs the KV store connector, which is not built yet; use --role both")
     engine = AsyncEngine(config_from_args(args))
     app = build_app(engine, api_key=args.api_key)
     logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name, args.host, args.port)

@@ -92,12 +92,12 @@ class OutputAssembler:
         if req.status.is_finished:
             text += detok.flush()
         logprobs = [result] if result is not None and req.sampling_params.logprobs is not None else None
-        out = self._output(req, [token_id], text, logprobs)
+        out = self._output(req, [token_id], text, logprobs, live.transfer)
         return self._finish(live, out) if req.status.is_finished else out
 
     def _finished_without_token(self, seen: set[str]) -> list[RequestOutput]:
         done = [lv for lv in self._live.values() if lv.req.status.is_finished and lv.req.request_id not in seen]
-        outs = [self._finish(lv, self._output(lv.req, [], "", None)) for lv in done]
+        outs = [self._finish(lv, self._output(lv.req, [], "", None, lv.transfer)) for lv in done]
         return [o for o in outs if o is not None]
 
     def _finish(self, live: _Live, out: RequestOutput) -> RequestOutput | None:
@@ -136,10 +136,22 @@ class OutputAssembler:
             self.totals[name] += figures[name]
         return figures
 
-    def _output(self, req: Request, tokens: list[int], text: str, logprobs) -> RequestOutput:
+    def _output(self, req: Request, tokens: list[int], text: str, logprobs, transfer) -> RequestOutput:
         error = req.stop_reason if req.status == RequestStatus.FINISHED_ABORTED else None
-        cached = req.num_cached_tokens + (0 if self.role == "decode" else req.num_loaded_tokens)
+        cached = _cached_tokens(req, transfer)
         return RequestOutput(request_id=req.request_id, new_token_ids=tokens, new_text=text,
                              finished=req.status.is_finished, finish_reason=req.finish_reason,
                              num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=cached,
                              logprobs=logprobs, error=error if isinstance(error, str) else None)
+
+
+def _cached_tokens(req: Request, transfer) -> int:
+    """Prompt tokens reused instead of computed where the prompt was prefilled.
+
+    On a decode node that is the prefill node's figure (its prefix cache + its store load);
+    loading what the prefill node just published is a transfer, not a cache hit.
+    """
+    if transfer is not None and transfer.do_remote_prefill:
+        acc = transfer.accounting or {}
+        return acc.get("local_hit_tokens", 0) + acc.get("loaded_tokens", 0)
+    return req.num_cached_tokens + req.num_loaded_tokens

@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 class ChunkPublisher:
-    def __init__(self, store, kv_caches: list[dict], first_layer: int = 0):
+    def __init__(self, store, kv_caches: list[dict], first_layer: int, health):
         self.store = store
+        self.health = health                # TierHealth shared with the loader: down -> skip puts
         self.kv_caches = kv_caches          # this rank's layers; object keys use global layer ids
         self.first_layer = first_layer
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -37,6 +38,7 @@ class ChunkPublisher:
         self._done: set[str] = set()
         self._lock = threading.Lock()
         self.failures = 0
+        self.skipped = 0                    # chunks not published because the store was down
         self._thread = threading.Thread(target=self._loop, name="kv-publisher", daemon=True)
         self._thread.start()
 
@@ -63,14 +65,22 @@ class ChunkPublisher:
     def _loop(self) -> None:
         while True:
             request_id, items = self._queue.get()
-            try:
-                self.store.adopt(items)
-            except Exception as exc:   # the store is down: the decode node will recompute
-                self.failures += 1
-                logger.warning("publishing KV of %s failed (%s); decode will recompute", request_id, exc)
+            self._put(request_id, items)
             with self._lock:
                 self._outstanding[request_id] -= 1
                 self._settle(request_id)
+
+    def _put(self, request_id: str, items) -> None:
+        if not self.health.available():
+            self.skipped += 1
+            return
+        try:
+            self.store.adopt(items)
+            self.health.ok()
+        except Exception as exc:   # the store is down: the decode node will recompute (logged once)
+            self.health.failed(exc)
+            self.failures += 1
+            logger.debug("publishing KV of %s failed: %s", request_id, exc)
 
     def _settle(self, request_id: str) -> None:
         if request_id in self._closed and self._outstanding.get(request_id, 0) == 0:

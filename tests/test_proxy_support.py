@@ -81,4 +81,5 @@ def sse_payloads(response: httpx.Response) -> list:
 
 
 def request(base: str, path: str, body: dict, **kwargs) -> httpx.Response:
-    return httpx.post(base + path, json=body, timeout=60, **kwargs)
+    kwargs.setdefault("timeout", 60)
+    return httpx.post(base + path, json=body, **kwargs)

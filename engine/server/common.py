@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -87,14 +87,9 @@ def make_calls(request_id: str, prompts: list[list[int]], params: list[SamplingP
     for p, (ids, base) in enumerate(zip(prompts, params)):
         for i in range(n):
             index = p * n + i
-            sp = base if base.seed is None or i == 0 else _with_seed(base, base.seed + i)
+            sp = base if base.seed is None or i == 0 else replace(base, seed=base.seed + i)
             calls.append(EngineCall(f"{request_id}-{index}", index, ids, sp))
     return calls
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-    return replace(params, seed=seed)
 
 
 def usage(calls: list[EngineCall], choices: dict[int, Choice], n: int) -> dict[str, Any]:

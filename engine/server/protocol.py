@@ -9,7 +9,7 @@ change the output (``echo``, penalties other than repetition) are rejected, not 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -1,0 +1,188 @@
+"""A whole local cluster as child processes: store daemon, prefill and decode nodes, proxy.
+
+Used by ``pdserve serve`` (the one-command demo), the benchmark sweeps and the end-to-end tests:
+
+    with LocalCluster(model_dir, ClusterSpec(prefill=1, decode=1)) as cluster:
+        cluster.url                         # the proxy, OpenAI-compatible
+        cluster.prefill_urls, cluster.decode_urls, cluster.store_url
+
+Start order: store daemon -> nodes (all at once, then wait for each /health) -> proxy (waits for
+its /health: >= 1 healthy prefill and decode). Stop order is the reverse; every child is ended
+by PID (SIGTERM, then SIGKILL after a grace period). Logs go to one file per child in ``log_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    prefill: int = 1
+    decode: int = 1
+    colocated: bool = False                   # one --role both node behind the proxy instead of P/D
+    proxy_port: int = 0                       # 0: a free port
+    kv_redis: str | None = None               # the daemon's L2
+    node_flags: tuple[str, ...] = ()          # passed to every node (e.g. --max-num-batched-tokens 512)
+    proxy_flags: tuple[str, ...] = ()
+    num_threads: int = 1
+    startup_timeout_s: float = 300.0
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    url: str = ""
+
+
+@dataclass
+class LocalCluster:
+    model_dir: str
+    spec: ClusterSpec = field(default_factory=ClusterSpec)
+    log_dir: Path | None = None
+    children: list[Child] = field(default_factory=list)
+    store_url: str = ""
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return self._find("proxy").url
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [c.url for c in self.children if c.name.startswith("prefill") or c.name.startswith("both")]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [c.url for c in self.children if c.name.startswith("decode") or c.name.startswith("both")]
+
+    def start(self) -> None:
+        self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-"))
+        try:
+            self._start_store()
+            self._start_nodes()
+            self._start_proxy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            _terminate(child.proc)
+        self.children.clear()
+
+    def _start_store(self) -> None:
+        if self.spec.colocated:
+            return
+        port = free_port()
+        flags = ["--port", str(port)] + (["--kv-redis", self.spec.kv_redis] if self.spec.kv_redis else [])
+        child = self._spawn("kvstore", ["kvstore", "--host", "127.0.0.1", *flags])
+        self.store_url = f"tcp://127.0.0.1:{port}"
+        _wait_for_port(port, child, self.spec.startup_timeout_s)
+
+    def _start_nodes(self) -> None:
+        roles = [("both", 1)] if self.spec.colocated else [("prefill", self.spec.prefill), ("decode", self.spec.decode)]
+        started = []
+        for role, count in roles:
+            for i in range(count):
+                port = free_port()
+                store = ["--kv-store", self.store_url] if self.store_url else []
+                child = self._spawn(f"{role}-{i}", ["node", "--model", self.model_dir, "--role", role,
+                                                    "--host", "127.0.0.1", "--port", str(port), *store,
+                                                    "--num-threads", str(self.spec.num_threads),
+                                                    *self.spec.node_flags])
+                child.url = f"http://127.0.0.1:{port}"
+                started.append(child)
+        for child in started:
+            _wait_healthy(child, self.spec.startup_timeout_s)
+
+    def _start_proxy(self) -> None:
+        port = self.spec.proxy_port or free_port()
+        child = self._spawn("proxy", ["proxy", "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(port),
+                                      "--prefill", *self.prefill_urls, "--decode", *self.decode_urls,
+                                      *self.spec.proxy_flags])
+        child.url = f"http://127.0.0.1:{port}"
+        _wait_healthy(child, self.spec.startup_timeout_s)
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        log = self.log_dir / f"{name}.log"
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.num_threads),
+                   PDSERVE_NUM_THREADS=str(self.spec.num_threads), TOKENIZERS_PARALLELISM="false")
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.cli", *args], stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        child = Child(name, proc, log)
+        self.children.append(child)
+        return child
+
+    def _find(self, name: str) -> Child:
+        for c in self.children:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def dead_children(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is not None]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(child: Child, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _check_alive(child)
+        try:
+            if httpx.get(child.url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{child.name} at {child.url} not healthy after {timeout:.0f}s; see {child.log}")
+
+
+def _wait_for_port(port: int, child: Child, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _check_alive(child)
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{child.name} did not listen on port {port} after {timeout:.0f}s; see {child.log}")
+
+
+def _check_alive(child: Child) -> None:
+    if child.proc.poll() is not None:
+        tail = child.log.read_text(errors="replace")[-2000:] if child.log.exists() else ""
+        raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}; log {child.log}:\n{tail}")
+
+
+def _terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
