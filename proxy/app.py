@@ -119,7 +119,7 @@ async def _serve(state: ProxyState, request: Request, endpoint: str) -> Response
         on_end("client_error")
         raise
     try:
-        return await state.orchestrator.handle(req, on_end)
+        return await _unless_disconnected(request, state.orchestrator.handle(req, on_end))
     except ClientGone:
         on_end("aborted")
         return error_response(499, "client closed the request")
