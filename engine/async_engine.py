@@ -38,6 +38,9 @@ class EngineStats:
     prefix_cache_hits: int
     kv_totals: dict            # cumulative KV accounting (tokens): total/local_hit/store_hit/loaded/recomputed
     kv_store: dict             # {tier: {counter: value}} of the attached store, {} without one
+    kv_transfer: dict          # connector counters (load/publish failures, store health)
+    num_free_blocks: int
+    num_blocks: int
 
 
 class EngineDeadError(RuntimeError):
@@ -50,6 +53,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = config.model_name
         self.max_model_len = self.engine.max_model_len
+        self.role = config.kv_transfer.role
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -88,7 +92,9 @@ class AsyncEngine:
         queries, hits = bm.prefix_cache_stats
         return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting, kv_usage=bm.usage,
                            prefix_cache_queries=queries, prefix_cache_hits=hits,
-                           kv_totals=dict(self.engine.outputs.totals), kv_store=self._store_stats())
+                           kv_totals=dict(self.engine.outputs.totals), kv_store=self._store_stats(),
+                           kv_transfer=self.engine.connector.stats() if self.engine.connector else {},
+                           num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks)
 
     def _store_stats(self) -> dict:
         if self.engine.store is None:

@@ -42,12 +42,37 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """TP x PP worker ranks (``pdserve.engine.parallel``); 1 x 1 runs the model in the engine's process."""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    rank_timeout: float = 60.0        # --rank-timeout: seconds a rank may make no progress before it is reported
+    debug_sync: bool = False          # --debug-sync: synchronise after every collective, log every phase
+    nnodes: int = 1                   # --nnodes: machines the ranks run on
+    node_rank: int = 0                # --node-rank: 0 runs the scheduler (driver); others run workers only
+    master_addr: str = "127.0.0.1"    # --master-addr: where node 0's rendezvous listens
+    master_port: int = 0              # --master-port: 0 picks a free port (single node only)
 
     def __post_init__(self) -> None:
-        if (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
-            raise ConfigError("--tensor-parallel-size/--pipeline-parallel-size > 1 are not available yet; use 1")
+        for flag, value in (("--tensor-parallel-size", self.tensor_parallel_size),
+                            ("--pipeline-parallel-size", self.pipeline_parallel_size), ("--nnodes", self.nnodes)):
+            if value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+        if self.rank_timeout <= 0:
+            raise ConfigError(f"--rank-timeout must be > 0 seconds, got {self.rank_timeout}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ConfigError(f"tp x pp = {self.world_size} ranks do not split evenly over --nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr) so the nodes can meet")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,12 @@ class IncrementalDetokenizer:
         return self._release(len(self.text) - self._hold)
 
     def flush(self) -> str:
-        """The held-back tail, once the request has finished."""
+        """Everything still held back once the request has finished (a partial character included)."""
+        if self.stopped_by is None and self.read_offset < len(self.token_ids):
+            prefix = self._decode(self.prefix_offset, self.read_offset)
+            full = self._decode(self.prefix_offset, len(self.token_ids))
+            self.prefix_offset = self.read_offset = len(self.token_ids)
+            self._apply_stop(full[len(prefix):])
         return self._release(len(self.text))
 
     def _release(self, upto: int) -> str:

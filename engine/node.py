@@ -47,6 +47,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-auth-token", default="", help="token of the store daemon")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--rank-timeout", type=float, default=60.0,
+                   help="seconds a TP/PP rank may make no progress before the node reports it and shuts down")
+    p.add_argument("--debug-sync", action="store_true",
+                   help="synchronise after every collective and log each rank's phases (slow; for hangs)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines the TP x PP ranks run on")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index; 0 runs the scheduler and HTTP")
+    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0's rendezvous")
+    p.add_argument("--master-port", type=int, default=0, help="port of node 0's rendezvous (0: any, one node)")
 
 
 def resolve_model(model: str) -> Path:
@@ -70,7 +78,10 @@ def config_from_args(args) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                pipeline_parallel_size=args.pipeline_parallel_size),
+                                pipeline_parallel_size=args.pipeline_parallel_size,
+                                rank_timeout=args.rank_timeout, debug_sync=args.debug_sync,
+                                nnodes=args.nnodes, node_rank=args.node_rank,
+                                master_addr=args.master_addr, master_port=args.master_port),
         kv_transfer=KVTransferConfig(role=args.role, kv_store=args.kv_store, kv_chunk_tokens=args.kv_chunk_tokens,
                                      kv_cpu_bytes=args.kv_cpu_bytes, kv_redis=args.kv_redis,
                                      kv_disk_dir=args.kv_disk_dir, kv_auth_token=args.kv_auth_token),

@@ -14,8 +14,8 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from pdserve.engine.server.common import (NodeState, check_model, created, make_calls, node_state,
-                                          resolve_max_tokens, sse, sse_response, usage)
+from pdserve.engine.server.common import (NodeState, body_prompt_ids, check_model, created, kv_fields,
+                                          make_calls, node_state, resolve_max_tokens, sse, sse_response, usage)
 from pdserve.engine.server.errors import APIError, bad_request
 from pdserve.engine.server.generation import Choice, ClientDisconnected, EngineCall, Generation
 from pdserve.engine.server.protocol import ChatCompletionRequest, ChatMessage, message_dicts
@@ -30,11 +30,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     model = check_model(state, body.model)
     if message := body.unsupported():
         raise bad_request(message)
-    prompt_ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+    prompt_ids = body_prompt_ids(state, body)
+    if prompt_ids is None:
+        prompt_ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
     max_tokens = resolve_max_tokens(state, body.requested_max_tokens, len(prompt_ids))
     params = body.to_sampling_params(max_tokens, body.engine_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    calls = make_calls(request_id, [prompt_ids], [params], body.n)
+    calls = make_calls(request_id, [prompt_ids], [params], body.n, body.kv_transfer_params)
     generation = Generation(state.engine, state.metrics, calls, arrival)
     if body.stream:
         return sse_response(_stream(state, body, request_id, model, calls, generation))
@@ -65,7 +67,8 @@ def _response(state: NodeState, request_id: str, model: str, calls: list[EngineC
              "logprobs": _logprobs(state, c.logprobs) if with_logprobs else None,
              "finish_reason": c.finish_reason} for c in choices]
     return {"id": request_id, "object": "chat.completion", "created": created(), "model": model,
-            "choices": body, "usage": usage(calls, {c.index: c for c in choices}, n)}
+            "choices": body, "usage": usage(calls, {c.index: c for c in choices}, n, state.role),
+            **kv_fields(state.role, choices)}
 
 
 async def _stream(state: NodeState, body: ChatCompletionRequest, request_id: str, model: str,
@@ -88,7 +91,7 @@ async def _stream(state: NodeState, body: ChatCompletionRequest, request_id: str
                       "finish_reason": delta.finish_reason if delta.finished else None}
             yield sse({**base, "choices": [choice], **extra})
     if body.include_usage:
-        yield sse({**base, "choices": [], "usage": usage(calls, choices, body.n)})
+        yield sse({**base, "choices": [], "usage": usage(calls, choices, body.n, state.role)})
 
 
 def _logprobs(state: NodeState, results: list) -> dict[str, Any]:

@@ -33,6 +33,10 @@ class NodeState:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def role(self) -> str:
+        return getattr(self.engine, "role", "both")
+
 
 def make_node_state(engine, metrics: ServerMetrics) -> NodeState:
     decode = engine.tokenizer.decode
@@ -80,26 +84,64 @@ def resolve_max_tokens(state: NodeState, requested: int | None, num_prompt_token
 
 
 def make_calls(request_id: str, prompts: list[list[int]], params: list[SamplingParams],
-               n: int) -> list[EngineCall]:
+               n: int, kv_transfer_params: dict | None = None) -> list[EngineCall]:
     """prompts x n engine requests; choice index = prompt index * n + sample index (like vLLM).
-    With a seed, sample i uses seed + i so that the n choices differ but stay reproducible."""
+    With a seed, sample i uses seed + i so that the n choices differ but stay reproducible.
+    ``kv_transfer_params`` (one prompt only) goes to choice 0; other choices compute their own KV."""
+    if kv_transfer_params and len(prompts) != 1:
+        raise bad_request(f"kv_transfer_params needs exactly one prompt, got {len(prompts)}", "prompt")
     calls = []
     for p, (ids, base) in enumerate(zip(prompts, params)):
         for i in range(n):
             index = p * n + i
             sp = base if base.seed is None or i == 0 else replace(base, seed=base.seed + i)
-            calls.append(EngineCall(f"{request_id}-{index}", index, ids, sp))
+            transfer = kv_transfer_params if index == 0 else None
+            calls.append(EngineCall(f"{request_id}-{index}", index, ids, sp, transfer))
     return calls
 
 
-def usage(calls: list[EngineCall], choices: dict[int, Choice], n: int) -> dict[str, Any]:
-    """Prompt tokens count once per prompt (not per sample), completion tokens per choice."""
+def body_prompt_ids(state: NodeState, body) -> list[int] | None:
+    """The proxy's ``prompt_token_ids`` (it tokenized once, like the nodes), checked; None if absent."""
+    if body.prompt_token_ids is None:
+        return None
+    check_token_ids(state, body.prompt_token_ids)
+    return list(body.prompt_token_ids)
+
+
+def kv_fields(role: str, choices: list[Choice]) -> dict[str, Any]:
+    """Top-level ``kv_transfer_params`` of a prefill answer (what the proxy forwards to decode)."""
+    first = min(choices, key=lambda c: c.index) if choices else None
+    if first is None or first.kv_transfer_params is None:
+        return {}
+    return {"kv_transfer_params": first.kv_transfer_params}
+
+
+def usage(calls: list[EngineCall], choices: dict[int, Choice], n: int, role: str = "both") -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per sample), completion tokens per choice.
+
+    With a KV store, ``kv_transfer`` carries the per-node accounting of choice 0: this node's
+    figures under its role, and the prefill node's figures (from ``kv_transfer_params``) on a
+    decode node."""
     firsts = [c for c in calls if c.index % n == 0]
     prompt = sum(len(c.prompt_ids) for c in firsts)
     cached = sum(choices[c.index].num_cached_tokens for c in firsts)
     completion = sum(len(ch.token_ids) for ch in choices.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    transfer = _kv_transfer_block(calls[0], choices.get(calls[0].index), role) if calls else {}
+    if transfer:
+        out["kv_transfer"] = transfer
+    return out
+
+
+def _kv_transfer_block(call: EngineCall, choice: Choice | None, role: str) -> dict[str, Any]:
+    block = {}
+    remote = call.kv_transfer_params or {}
+    if remote.get("do_remote_prefill") and remote.get("accounting"):
+        block["prefill"] = remote["accounting"]
+    if choice is not None and choice.kv_accounting is not None:
+        block[role] = choice.kv_accounting
+    return block
 
 
 def created() -> int:

@@ -14,8 +14,9 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from pdserve.engine.server.common import (NodeState, check_model, check_token_ids, created, make_calls,
-                                          node_state, resolve_max_tokens, sse, sse_response, usage)
+from pdserve.engine.server.common import (NodeState, body_prompt_ids, check_model, check_token_ids, created,
+                                          kv_fields, make_calls, node_state, resolve_max_tokens, sse,
+                                          sse_response, usage)
 from pdserve.engine.server.errors import APIError, bad_request
 from pdserve.engine.server.generation import Choice, ClientDisconnected, EngineCall, Generation
 from pdserve.engine.server.protocol import CompletionRequest
@@ -30,11 +31,12 @@ async def create_completion(body: CompletionRequest, request: Request):
     model = check_model(state, body.model)
     if message := body.unsupported():
         raise bad_request(message)
-    prompts = _tokenize_prompts(state, body.prompt)
+    given = body_prompt_ids(state, body)
+    prompts = [given] if given is not None else _tokenize_prompts(state, body.prompt)
     params = [body.to_sampling_params(resolve_max_tokens(state, body.max_tokens, len(ids)), body.logprobs)
               for ids in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    calls = make_calls(request_id, prompts, params, body.n)
+    calls = make_calls(request_id, prompts, params, body.n, body.kv_transfer_params)
     generation = Generation(state.engine, state.metrics, calls, arrival)
     if body.stream:
         return sse_response(_stream(state, body, request_id, model, calls, generation))
@@ -66,7 +68,8 @@ def _response(state: NodeState, request_id: str, model: str, calls: list[EngineC
              "logprobs": _logprobs(state, c.logprobs, 0) if _wants_logprobs(calls) else None}
             for c in choices]
     return {"id": request_id, "object": "text_completion", "created": created(), "model": model,
-            "choices": body, "usage": usage(calls, {c.index: c for c in choices}, n)}
+            "choices": body, "usage": usage(calls, {c.index: c for c in choices}, n, state.role),
+            **kv_fields(state.role, choices)}
 
 
 async def _stream(state: NodeState, body: CompletionRequest, request_id: str, model: str,
@@ -85,7 +88,7 @@ async def _stream(state: NodeState, body: CompletionRequest, request_id: str, mo
                       "finish_reason": delta.finish_reason if delta.finished else None}
             yield sse({**base, "choices": [choice], **({"usage": None} if body.include_usage else {})})
     if body.include_usage:
-        yield sse({**base, "choices": [], "usage": usage(calls, choices, body.n)})
+        yield sse({**base, "choices": [], "usage": usage(calls, choices, body.n, state.role)})
 
 
 def _wants_logprobs(calls: list[EngineCall]) -> bool:

@@ -38,6 +38,7 @@ class EngineCall:
     index: int               # the choice index in the response
     prompt_ids: list[int]
     params: SamplingParams
+    kv_transfer_params: dict | None = None   # P/D hand-off for this engine request
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Choice:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None   # prefill role: what the decode node needs
+    kv_accounting: dict | None = None        # with a KV store: this node's figures
 
     def add(self, delta) -> None:
         self.token_ids += delta.new_token_ids
@@ -58,6 +61,8 @@ class Choice:
         self.num_prompt_tokens, self.num_cached_tokens = delta.num_prompt_tokens, delta.num_cached_tokens
         if delta.finished:
             self.finish_reason = delta.finish_reason
+            self.kv_transfer_params = getattr(delta, "kv_transfer_params", None)
+            self.kv_accounting = getattr(delta, "kv_accounting", None)
 
 
 class ClientDisconnected(Exception):
@@ -113,7 +118,8 @@ class Generation:
     async def _pump(self, call: EngineCall, queue: asyncio.Queue) -> None:
         tracker = self._trackers[call.request_id]
         try:
-            async with aclosing(self._engine.generate(call.prompt_ids, call.params, call.request_id)) as stream:
+            async with aclosing(self._engine.generate(call.prompt_ids, call.params, call.request_id,
+                                                          call.kv_transfer_params)) as stream:
                 async for delta in stream:
                     self._record(call.request_id, tracker, delta)
                     queue.put_nowait((call.index, delta))

@@ -105,6 +105,28 @@ class _EngineStatsCollector(Collector):
                        stats.prefix_cache_queries, labels)
         yield _counter("pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                        stats.prefix_cache_hits, labels)
+        yield _gauge("pdserve_kv_cache_free_blocks", "Free KV blocks (cached-but-free included)",
+                     stats.num_free_blocks, labels)
+        yield _gauge("pdserve_kv_cache_num_blocks", "KV blocks in the cache", stats.num_blocks, labels)
+        yield from _kv_transfer_families(stats, labels)
+
+
+def _kv_transfer_families(stats, labels: list[str]):
+    """KV accounting (tokens, summed over finished requests) and the attached store's counters."""
+    for name, value in sorted(stats.kv_totals.items()):
+        yield _counter(f"pdserve_kv_{name}", f"KV accounting: {name.replace('_', ' ')}, summed over requests",
+                       value, labels)
+    for name, value in sorted(stats.kv_transfer.items()):
+        yield _counter(f"pdserve_kv_transfer_{name}", f"KV connector: {name.replace('_', ' ')}", value, labels)
+    if stats.kv_store:
+        counters = sorted({c for tier in stats.kv_store.values() for c in tier})
+        for counter in counters:
+            family = CounterMetricFamily(f"pdserve_kvstore_{counter}", f"KV store tier counter {counter}",
+                                         labels=["model_name", "tier"])
+            for tier, values in sorted(stats.kv_store.items()):
+                if counter in values:
+                    family.add_metric([labels[0], tier], values[counter])
+            yield family
 
 
 def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:

@@ -45,6 +45,10 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # pdserve P/D extensions (set by the proxy): token ids to use instead of re-tokenizing, and the
+    # KV hand-off (see pdserve.engine.kv_transfer)
+    prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         """A message naming a field we would otherwise silently ignore, or None."""

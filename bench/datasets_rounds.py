@@ -1,0 +1,44 @@
+"""Datasets played in rounds: round r starts after every request of round r-1 has ended.
+
+Called through ``datasets.sample_requests``. Both reuse long prefixes on purpose, to measure
+prefix caching and the KV store; answers in the history are synthetic (fixed-seed tokens), so the
+workload is the same on every server.
+
+multi-round (LMCache's multi-round QA shape), user u, round r:
+
+    [ system (shared by all users) | q(u,0) a(u,0) | q(u,1) a(u,1) | ... | q(u,r) ]   -> answer_len tokens
+
+long-doc, document d, round r (round 0 cold, later rounds warm):
+
+    [ doc(d) | question(d,r) ]   -> output_len tokens
+"""
+
+from __future__ import annotations
+
+from pdserve.bench.datasets import DatasetConfig, SampleRequest, TokenSource
+
+
+def multi_round_requests(cfg: DatasetConfig, tokenizer) -> list[SampleRequest]:
+    if cfg.multi_round_users < 1 or cfg.multi_round_rounds < 1:
+        raise ValueError(f"--multi-round-users {cfg.multi_round_users} and --multi-round-rounds "
+                         f"{cfg.multi_round_rounds} must be >= 1")
+    src = TokenSource(tokenizer, cfg.seed)
+    system = src.tokens(cfg.multi_round_system_len)
+    history = [list(system) for _ in range(cfg.multi_round_users)]
+    out = []
+    for r in range(cfg.multi_round_rounds):
+        for u in range(cfg.multi_round_users):
+            history[u] += src.tokens(cfg.multi_round_question_len)
+            out.append(src.request(history[u], cfg.multi_round_answer_len, r))
+            history[u] += src.tokens(cfg.multi_round_answer_len)
+    return out
+
+
+def long_doc_requests(cfg: DatasetConfig, tokenizer) -> list[SampleRequest]:
+    if cfg.long_doc_num_docs < 1 or cfg.long_doc_rounds < 1:
+        raise ValueError(f"--long-doc-num-docs {cfg.long_doc_num_docs} and --long-doc-rounds "
+                         f"{cfg.long_doc_rounds} must be >= 1")
+    src = TokenSource(tokenizer, cfg.seed)
+    docs = [src.tokens(cfg.long_doc_len) for _ in range(cfg.long_doc_num_docs)]
+    return [src.request(doc + src.tokens(cfg.long_doc_question_len), cfg.long_doc_output_len, r)
+            for r in range(cfg.long_doc_rounds) for doc in docs]
