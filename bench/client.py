@@ -93,6 +93,7 @@ async def _consume(resp: httpx.Response, backend: str, out: RequestOutput, start
             out.output_tokens = usage.get("completion_tokens") or 0
             if usage.get("prompt_tokens") is not None:
                 out.prompt_len = usage["prompt_tokens"]
+            out.kv_transfer = usage.get("kv_transfer")
     out.generated_text = "".join(texts)
     out.latency = last - start
     out.success = first

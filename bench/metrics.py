@@ -45,6 +45,7 @@ class RequestOutput:
     start_time: float = 0.0        # perf_counter when the request was sent
     client_queue_time: float = 0.0  # s waited on --max-concurrency before sending
     round: int = 0                 # dataset round (multi-round / long-doc); 0 otherwise
+    kv_transfer: dict | None = None  # pdserve's usage.kv_transfer accounting, when the server sends it
 
 
 @dataclass(frozen=True)

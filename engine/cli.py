@@ -26,6 +26,7 @@ _SUBCOMMAND_MODULES = (
     "pdserve.kvstore.cli",
     "pdserve.proxy.cli",
     "pdserve.proxy.serve",
+    "pdserve.bench.cli",
 )
 
 

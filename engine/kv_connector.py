@@ -56,7 +56,8 @@ class StoreConnector:
                                              str(layout.dtype), self.layout_text, FORMAT_VERSION)
         shape = (len(layout.components), layout.num_kv_heads, layout.head_dim)
         self.health = TierHealth("kv-store", base_s=1.0, max_s=30.0)
-        self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health)
+        durable = role == "prefill" and hasattr(store, "flush")   # embedded store: the reader is elsewhere
+        self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health, durable)
         self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health)
         self._reqs: dict[str, _Transfer] = {}
 

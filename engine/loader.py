@@ -90,15 +90,24 @@ class WeightSource:
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", *, first_layer: int = 0,
-               num_layers: int | None = None, device: str = "cpu"):
-    """-> (model in eval mode without grads, ModelConfig); the whole model by default."""
+               num_layers: int | None = None, device: str = "cpu", tp_rank: int = 0, tp_size: int = 1):
+    """-> (model in eval mode without grads, ModelConfig); the whole model by default.
+
+    With ``tp_size > 1`` the model holds tensor-parallel shard ``tp_rank`` and reads only that
+    share of each split tensor (``pdserve.engine.parallel.tp`` then wires the collectives)."""
     config = ModelConfig.from_dir(model_dir, dtype=dtype, device=device)
-    model = model_class(config.architecture)(config, first_layer=first_layer, num_layers=num_layers)
+    kwargs = {}
+    if tp_size > 1:
+        from pdserve.engine.models.llama import ShardSizes
+
+        kwargs["shard"] = ShardSizes.for_tp(config, tp_size)
+    model = model_class(config.architecture)(config, first_layer=first_layer, num_layers=num_layers, **kwargs)
     with WeightSource(model_dir) as src:
-        model.load_weights(src)
+        model.load_weights(src, tp_rank)
     model.to(device).eval().requires_grad_(False)
-    logger.info("loaded %s from %s: %d layers [%d, %d), dtype %s", config.architecture, model_dir,
-                model.num_layers, first_layer, first_layer + model.num_layers, config.dtype)
+    logger.info("loaded %s from %s: %d layers [%d, %d), tp rank %d of %d, dtype %s", config.architecture,
+                model_dir, model.num_layers, first_layer, first_layer + model.num_layers, tp_rank, tp_size,
+                config.dtype)
     return model, config
 
 

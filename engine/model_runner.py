@@ -1,6 +1,8 @@
 """Runs the model for one scheduled step and samples: the only place that touches the KV cache tensors.
 
 Called by ``LLMEngine.step``:  ``sampled = runner.execute(scheduler_output)``  ->  ``{request_id: SampleResult}``.
+A tensor/pipeline-parallel worker rank (``pdserve.engine.parallel.stage``) owns one too, for its
+KV cache shard and ``sample_requests``.
 Owns the paged KV cache (allocated once from the ``KVLayout``), the per-request sampling generators
 and the sampler call.
 """
@@ -32,7 +34,10 @@ class ModelRunner:
         if not inputs.sample_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_rows])                       # [S, V]
-        reqs = inputs.sample_requests
+        return self.sample_requests(logits, inputs.sample_requests)
+
+    def sample_requests(self, logits: torch.Tensor, reqs: list) -> dict:
+        """logits: [S, V] of ``reqs`` (anything with request_id, sampling_params, all_token_ids)."""
         results = sample(logits, [r.sampling_params for r in reqs],
                          [self._generator(r) for r in reqs], _histories(reqs))
         return {r.request_id: res for r, res in zip(reqs, results)}

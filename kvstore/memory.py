@@ -84,7 +84,9 @@ class MemoryTier(KVStore):
             return list(self._entries)
 
     def stats(self) -> StatsDict:
-        return {self.name: self._stats.snapshot()}
+        with self._lock:
+            pinned = sum(1 for e in self._entries.values() if e.pins)
+        return {self.name: {**self._stats.snapshot(), "pinned": pinned}}
 
     def _pin(self, keys: list[str]) -> list[_Entry | None]:
         out: list[_Entry | None] = []

@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 class ChunkPublisher:
-    def __init__(self, store, kv_caches: list[dict], first_layer: int, health):
+    def __init__(self, store, kv_caches: list[dict], first_layer: int, health, durable: bool = False):
         self.store = store
+        self.durable = durable              # wait for the lower tiers (embedded store over Redis) before acking
         self.health = health                # TierHealth shared with the loader: down -> skip puts
         self.kv_caches = kv_caches          # this rank's layers; object keys use global layer ids
         self.first_layer = first_layer
@@ -76,6 +77,8 @@ class ChunkPublisher:
             return
         try:
             self.store.adopt(items)
+            if self.durable:
+                self.store.flush()          # another process reads it from Redis/disk, not our L1
             self.health.ok()
         except Exception as exc:   # the store is down: the decode node will recompute (logged once)
             self.health.failed(exc)

@@ -31,11 +31,19 @@ class ClusterSpec:
     decode: int = 1
     colocated: bool = False                   # one --role both node behind the proxy instead of P/D
     proxy_port: int = 0                       # 0: a free port
-    kv_redis: str | None = None               # the daemon's L2
+    kv_redis: str | None = None               # the daemon's L2 (or, with store="embedded", the shared tier)
+    store: str = "daemon"                     # "daemon": one `pdserve kvstore`; "embedded": each node
+                                              # embeds a store whose shared tier is --kv-redis
     node_flags: tuple[str, ...] = ()          # passed to every node (e.g. --max-num-batched-tokens 512)
     proxy_flags: tuple[str, ...] = ()
     num_threads: int = 1
     startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.store not in ("daemon", "embedded"):
+            raise ValueError(f"store must be 'daemon' or 'embedded', got {self.store!r}")
+        if self.store == "embedded" and not self.kv_redis:
+            raise ValueError("store='embedded' needs kv_redis: the nodes share KV through Redis")
 
 
 @dataclass
@@ -89,7 +97,7 @@ class LocalCluster:
         self.children.clear()
 
     def _start_store(self) -> None:
-        if self.spec.colocated:
+        if self.spec.colocated or self.spec.store == "embedded":
             return
         port = free_port()
         flags = ["--port", str(port)] + (["--kv-redis", self.spec.kv_redis] if self.spec.kv_redis else [])
@@ -104,6 +112,8 @@ class LocalCluster:
             for i in range(count):
                 port = free_port()
                 store = ["--kv-store", self.store_url] if self.store_url else []
+                if self.spec.store == "embedded" and not self.spec.colocated:
+                    store = ["--kv-store", "embedded", "--kv-redis", self.spec.kv_redis]
                 child = self._spawn(f"{role}-{i}", ["node", "--model", self.model_dir, "--role", role,
                                                     "--host", "127.0.0.1", "--port", str(port), *store,
                                                     "--num-threads", str(self.spec.num_threads),

@@ -9,6 +9,10 @@ share of the checkpoint through ``WeightSource.get_slice`` (``pdserve.engine.loa
     "row"         split along in: rank r holds columns [r*in, (r+1)*in); full bias (the
                   parallel executor must add it once, after the all-reduce)
     "replicated"  every rank holds the whole tensor
+
+A Linear's ``collective`` (None on one rank) runs on ``x W^T`` before the bias is added: the
+tensor-parallel all-reduce of a row-parallel layer, the all-gather of a vocab-parallel LM head
+(``pdserve.engine.parallel.tp`` sets them). ``Embedding`` may hold a vocab shard the same way.
 """
 
 from __future__ import annotations
@@ -53,10 +57,14 @@ class Linear(nn.Module):
         out = sum(self.out_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
+        self.collective = None          # tensor parallel: all-reduce (row) or all-gather (LM head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+        # x: [T, in] -> [T, out] (after an all-gather: [T, out * tp])
+        if self.collective is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.collective(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
     def load(self, src, names: str | Sequence[str], tp_rank: int = 0) -> None:
         """Fill from checkpoint modules ``names`` (one per fused part, HF prefixes)."""
@@ -79,18 +87,31 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token id -> row of the embedding table ``[vocab, hidden]`` (replicated for now)."""
+    """Token id -> row of the embedding table ``[vocab, hidden]``; ``vocab_size`` is this rank's rows.
+
+    Vocab-parallel (``collective`` set): rank r holds rows [r*V, (r+1)*V); ids outside give zeros and
+    the all-reduce sums the ranks' rows, so every rank ends with the full embedding."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.vocab_start = 0
+        self.collective = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, D]
-        return F.embedding(input_ids, self.weight)
+        if self.collective is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.collective(rows)
 
-    def load(self, src, name: str) -> None:
-        _copy(self.weight, src.get(f"{name}.weight"), f"{name}.weight")
+    def load(self, src, name: str, tp_rank: int = 0) -> None:
+        rows = self.weight.shape[0]
+        self.vocab_start = tp_rank * rows
+        _copy(self.weight, src.get_slice(f"{name}.weight", 0, self.vocab_start, self.vocab_start + rows),
+              f"{name}.weight")
 
 
 class GatedMLP(nn.Module):

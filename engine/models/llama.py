@@ -34,10 +34,21 @@ class ShardSizes:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
+    vocab_size: int                  # rows of the embedding / LM head this rank holds
 
     @classmethod
     def full(cls, config: ModelConfig) -> ShardSizes:
-        return cls(config.num_heads, config.num_kv_heads, config.intermediate_size)
+        return cls(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size)
+
+    @classmethod
+    def for_tp(cls, config: ModelConfig, tp_size: int) -> ShardSizes:
+        """One of ``tp_size`` equal shards: heads, KV heads, MLP width and vocab must all divide."""
+        sizes = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads,
+                 "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+        for what, n in sizes.items():
+            if n % tp_size:
+                raise ValueError(f"the model has {n} {what}, not divisible by --tensor-parallel-size {tp_size}")
+        return cls(*(n // tp_size for n in sizes.values()))
 
 
 class Attention(nn.Module):
@@ -112,10 +123,10 @@ class LlamaForCausalLM(nn.Module):
         shard = shard or ShardSizes.full(config)
         dt = config.dtype
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dt) if self.is_first else None
+        self.embed_tokens = Embedding(shard.vocab_size, config.hidden_size, dt) if self.is_first else None
         self.layers = nn.ModuleList(DecoderLayer(config, first_layer + i, shard) for i in range(num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt) if self.is_last else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dt, "column") if self.is_last else None
+        self.lm_head = Linear(config.hidden_size, shard.vocab_size, False, dt, "column") if self.is_last else None
         if config.tie_word_embeddings and self.is_first and self.is_last:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -140,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, src, tp_rank: int = 0) -> None:
         """Copy this rank's share of every parameter from ``src`` (a ``WeightSource``, HF names)."""
         if self.embed_tokens is not None:
-            self.embed_tokens.load(src, "model.embed_tokens")
+            self.embed_tokens.load(src, "model.embed_tokens", tp_rank)
         for layer in self.layers:
             layer.load(src, tp_rank)
         if self.is_last:

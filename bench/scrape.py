@@ -1,0 +1,81 @@
+"""Read the nodes' Prometheus counters before and after a run; the difference is the run's share.
+
+Called by ``serve.run_bench``:
+
+    before = await snapshot(http, urls)         # {counter name: value summed over nodes and labels}
+    ... run ...
+    block = kv_block(counter_delta(before, await snapshot(http, urls)))
+
+Only ``pdserve_*`` counters are kept (so a vLLM or other server yields an empty block, not an
+error); a node that does not answer /metrics is skipped with a warning in the block.
+``usage_kv`` sums the per-request accounting pdserve puts in each stream's usage chunk, which is
+available through the proxy without knowing the nodes.
+"""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+KV_PREFIX = "pdserve_kv_"
+
+
+async def snapshot(http: httpx.AsyncClient, urls: list[str]) -> tuple[dict[str, float], list[str]]:
+    """({counter: value}, [warnings]) summed over every URL's /metrics."""
+    totals: dict[str, float] = {}
+    warnings = []
+    for url in urls:
+        try:
+            resp = await http.get(url.rstrip("/") + "/metrics", timeout=10.0)
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            warnings.append(f"{url}/metrics: {type(exc).__name__}: {exc}")
+            continue
+        for name, value in parse_counters(resp.text).items():
+            totals[name] = totals.get(name, 0.0) + value
+    return totals, warnings
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """``pdserve_*`` counter samples (``*_total``) summed over their label sets."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type != "counter" or not family.name.startswith("pdserve_"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before.get(name, 0.0) for name in sorted(after)}
+
+
+def kv_block(delta: dict[str, float]) -> dict[str, float]:
+    """``pdserve_kv_store_hit_tokens_total`` -> ``store_hit_tokens``, plus hit rates when computable."""
+    kv = {name[len(KV_PREFIX):-len("_total")]: value for name, value in delta.items()
+          if name.startswith(KV_PREFIX)}
+    total = kv.get("total_tokens", 0.0)
+    if total > 0:
+        for key in ("store_hit_tokens", "local_hit_tokens", "loaded_tokens", "recomputed_tokens"):
+            if key in kv:
+                kv[key.replace("_tokens", "_rate")] = kv[key] / total
+    queries = delta.get("pdserve_prefix_cache_queries_total", 0.0)
+    if queries > 0:
+        kv["prefix_cache_hit_rate"] = delta.get("pdserve_prefix_cache_hits_total", 0.0) / queries
+    return kv
+
+
+def usage_kv(kv_transfers: list[dict | None]) -> dict[str, dict[str, int]]:
+    """Sum of the per-request ``usage.kv_transfer`` figures, per phase ("prefill", "decode", ...)."""
+    totals: dict[str, dict[str, int]] = {}
+    for kv in kv_transfers:
+        for phase, figures in (kv or {}).items():
+            if not isinstance(figures, dict):
+                continue
+            mine = totals.setdefault(phase, {})
+            for key, value in figures.items():
+                if isinstance(value, (int, float)):
+                    mine[key] = mine.get(key, 0) + value
+    return totals

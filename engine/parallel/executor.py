@@ -1,0 +1,208 @@
+"""The driver side of a TP x PP node: start the ranks, broadcast each step, collect tokens, watch the ranks.
+
+``LLMEngine`` uses it in place of ``ModelRunner`` when tp x pp > 1 (same calls, same results):
+
+    executor = ParallelExecutor(config, num_blocks)   # spawns ranks, waits until all loaded
+    sampled = executor.execute(scheduler_output)       # {request_id: SampleResult}; raises RankFailedError
+    executor.release(request_id)                       # sampler state dropped with the next step
+    executor.shutdown()                                # Shutdown message, then SIGKILL what is left
+
+Start-up: the driver hosts the rendezvous ``TCPStore`` on --master-addr:--master-port, publishes
+the ``WorkerSpec`` there (queue handles, heartbeat file), and starts its machine's ranks with
+``python -m pdserve.engine.parallel.worker``; ranks on other machines are started by
+``pdserve node --node-rank N`` (``launch_node_workers``). The watchdog thread checks every 0.2 s;
+on a report it kills every local rank, and the waiting ``execute`` raises with the report.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import msgspec
+import torch.distributed as dist
+
+from pdserve.engine.parallel import messages as m
+from pdserve.engine.parallel.broadcast import MessageQueue, QueueError, unlink
+from pdserve.engine.parallel.watchdog import Heartbeat, RankInfo, Watchdog
+from pdserve.engine.parallel.worker import READY_KEY, SPEC_KEY
+from pdserve.engine.sampler import SampleResult
+
+logger = logging.getLogger(__name__)
+
+
+class RankFailedError(RuntimeError):
+    """A worker rank exited or stalled; the message is the watchdog's report. Restart the node."""
+
+
+class ParallelExecutor:
+    kv_caches = None                      # the KV cache lives in the worker ranks
+
+    def __init__(self, config, num_blocks: int, start_timeout: float = 600.0):
+        par = config.parallel
+        self.config, self.par, self.step = config, par, 0
+        self.failure: str | None = None
+        self._released: list[str] = []
+        self._busy_since: float | None = None
+        self._lock = threading.Lock()
+        self.store = dist.TCPStore(par.master_addr, par.master_port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=start_timeout))
+        local = list(range(par.ranks_per_node))
+        self._bcast = MessageQueue.create(len(local), par.world_size - len(local), bind_host=par.master_addr)
+        self._results_handle = MessageQueue.create(1)
+        self._hb_path = Heartbeat.create(par.world_size)
+        self.heartbeat = Heartbeat(self._hb_path)
+        self.outbox = MessageQueue.writer(self._bcast)
+        self.inbox = MessageQueue.reader(self._results_handle, 0)
+        self.store.set(SPEC_KEY, msgspec.json.encode(self._spec(config, num_blocks, local)))
+        self.ranks = [RankInfo(r, r % par.tensor_parallel_size, r // par.tensor_parallel_size,
+                               spawn_worker(par.master_addr, self.store.port, r)) for r in local]
+        self.ranks += [RankInfo(r, r % par.tensor_parallel_size, r // par.tensor_parallel_size)
+                       for r in range(len(local), par.world_size)]
+        self.watchdog = Watchdog(self.heartbeat, self.ranks, par.rank_timeout)
+        atexit.register(self.shutdown)
+        self._wait_ready(start_timeout)
+        self._thread = threading.Thread(target=self._watch, name="pdserve-watchdog", daemon=True)
+        self._thread.start()
+
+    def _spec(self, config, num_blocks: int, local: list[int]) -> m.WorkerSpec:
+        par = config.parallel
+        return m.WorkerSpec(model=config.model, dtype=config.dtype, seed=config.seed, tp=par.tensor_parallel_size,
+                            pp=par.pipeline_parallel_size, num_blocks=num_blocks, block_size=config.cache.block_size,
+                            broadcast=msgspec.to_builtins(self._bcast), results=msgspec.to_builtins(self._results_handle),
+                            heartbeat=self._hb_path, local_ranks=local, rank_timeout=par.rank_timeout,
+                            debug_sync=par.debug_sync)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.store.add(READY_KEY, 0) < self.par.world_size:
+            report = self.watchdog.check(None)
+            if report or time.monotonic() > deadline:
+                self._fail(report or f"ranks did not start within {timeout:.0f}s: "
+                                     f"{self.store.add(READY_KEY, 0)} of {self.par.world_size} ready")
+                raise RankFailedError(f"starting the workers failed: {self.failure}")
+            time.sleep(0.05)
+        if self._bcast.num_remote_readers:
+            self.outbox.wait_for_remote_readers(timeout)
+        logger.info("%d worker ranks ready (tp %d x pp %d): pids %s", self.par.world_size,
+                    self.par.tensor_parallel_size, self.par.pipeline_parallel_size,
+                    [i.process.pid for i in self.ranks if i.process is not None])
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def execute(self, scheduler_output) -> dict[str, SampleResult]:
+        if self.failure:
+            raise RankFailedError(self.failure)
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return {}
+        self.step += 1
+        msg = m.StepMessage(self.step, [_step_request(i, self.config.cache.block_size) for i in scheduled],
+                            released=self._released)
+        self._released = []
+        self._busy_since = time.monotonic()
+        try:
+            self.outbox.enqueue(m.encode(msg), timeout=self.par.rank_timeout)
+            result = self._wait_result()
+        except QueueError as exc:
+            self._fail(self.watchdog.check(self._busy_since) or str(exc))
+            raise RankFailedError(self.failure) from None
+        finally:
+            self._busy_since = None
+        return {t.request_id: SampleResult(t.token_id, t.logprob, _tops(t.top_logprobs)) for t in result.tokens}
+
+    def _wait_result(self) -> m.StepResult:
+        while True:
+            data = self.inbox.dequeue(timeout=0.1)
+            if data is not None:
+                result = m.decode_result(data)
+                if result.step != self.step:
+                    raise QueueError(f"got the result of step {result.step} while waiting for step {self.step}")
+                return result
+            if self.failure:
+                raise RankFailedError(self.failure)
+
+    def release(self, request_id: str) -> None:
+        self._released.append(request_id)
+
+    # -- watchdog -------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while self.failure is None:
+            report = self.watchdog.check(self._busy_since)
+            if report:
+                self._fail(report)
+                return
+            time.sleep(0.2)
+
+    def _fail(self, report: str) -> None:
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = report
+        logger.error("%s; shutting down every rank", report)
+        self._kill_all()
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Ask every rank to exit, then kill any that did not within 10 s; remove the shared files."""
+        if self.failure is None:
+            try:
+                self.outbox.enqueue(m.encode(m.Shutdown("driver shutdown")), timeout=2.0)
+            except QueueError:
+                pass
+            deadline = time.monotonic() + 10
+            for info in self._local():
+                try:
+                    info.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        with self._lock:
+            self.failure = self.failure or "the executor was shut down"
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        for info in self._local():
+            if info.process.poll() is None:
+                os.kill(info.process.pid, signal.SIGKILL)     # also ends a SIGSTOPped rank
+        for info in self._local():
+            info.process.wait()
+        for handle in (self._bcast, self._results_handle):
+            unlink(handle)
+        try:
+            os.unlink(self._hb_path)
+        except FileNotFoundError:
+            pass
+
+    def _local(self) -> list[RankInfo]:
+        return [i for i in self.ranks if i.process is not None]
+
+
+def spawn_worker(master_addr: str, master_port: int, rank: int) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "pdserve.engine.parallel.worker", "--master-addr", master_addr,
+           "--master-port", str(master_port), "--rank", str(rank)]
+    return subprocess.Popen(cmd, env=env)
+
+
+def _step_request(item, block_size: int) -> m.StepRequest:
+    req, start, n = item.request, item.first_token_index, item.num_new_tokens
+    tokens = req.all_token_ids[start:start + n]
+    blocks = req.block_ids[: (start + n + block_size - 1) // block_size]
+    if not item.samples:
+        return m.StepRequest(req.request_id, tokens, start, blocks, False)
+    params = req.sampling_params
+    history = list(req.all_token_ids) if params.repetition_penalty != 1.0 else None
+    return m.StepRequest(req.request_id, tokens, start, blocks, True, params, history)
+
+
+def _tops(tops):
+    return None if tops is None else [tuple(t) for t in tops]

@@ -1,0 +1,143 @@
+"""One rank's share of one step: build inputs from the ``StepMessage``, run its layers, pass hidden on.
+
+Called by the worker loop (``worker.py``) once per ``StepMessage``:
+
+    tokens = stage.execute(message)     # [SampledToken] on the last stage's TP rank 0, else None
+
+The step's requests are cut into up to ``pp`` micro-batches (contiguous, balanced by tokens); every
+rank cuts the same way, so stage k works on micro-batch i + 1 while stage k + 1 works on i:
+
+    stage 0:  mb0 ─isend─┐ mb1 ─isend─┐
+    stage 1:             └ recv mb0 ──┴ recv mb1 ...        (last stage: logits -> sample, tp rank 0)
+
+Hidden states travel as one float tensor [T_mb, D] per micro-batch from (tp t, pp k) to
+(tp t, pp k + 1) (TP ranks hold identical hidden states after each all-reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.input_batch import build_step_inputs
+from pdserve.engine.parallel.messages import SampledToken, StepMessage, StepRequest
+
+
+@dataclass(frozen=True)
+class Coords:
+    rank: int
+    tp: int
+    pp: int
+    tp_size: int
+    pp_size: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp == self.pp_size - 1
+
+    @property
+    def samples(self) -> bool:
+        return self.is_last and self.tp == 0
+
+    def __str__(self) -> str:
+        return f"tp {self.tp}, pp {self.pp}"
+
+
+def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """(first layer, number of layers) of each stage: contiguous, the first stages take the remainder."""
+    if num_layers < pp_size:
+        raise ValueError(f"the model has {num_layers} layers, fewer than --pipeline-parallel-size {pp_size}")
+    base, extra = divmod(num_layers, pp_size)
+    sizes = [base + (1 if i < extra else 0) for i in range(pp_size)]
+    return [(sum(sizes[:i]), sizes[i]) for i in range(pp_size)]
+
+
+class StageRunner:
+    def __init__(self, model, runner, coords: Coords, heartbeat, hidden_size: int, dtype: torch.dtype):
+        self.model, self.runner, self.coords, self.heartbeat = model, runner, coords, heartbeat
+        self.hidden_size, self.dtype = hidden_size, dtype
+        for layer in model.layers:                 # progress inside a long forward: not a stall
+            layer.register_forward_pre_hook(lambda *_: heartbeat.tick())
+
+    @torch.inference_mode()
+    def execute(self, message: StepMessage) -> list[SampledToken] | None:
+        sends, tokens = [], []
+        for i, batch in enumerate(micro_batches(message.requests, self.coords.pp_size)):
+            sent, sampled = self._micro_batch(i, batch)
+            sends += sent
+            tokens += sampled
+        if sends:
+            self.heartbeat.enter("send_to_next_stage")
+            for work in sends:
+                work.wait()
+        return tokens if self.coords.samples else None
+
+    def _micro_batch(self, index: int, batch: list[StepRequest]) -> tuple[list, list[SampledToken]]:
+        items = [_Item(r) for r in batch]
+        inputs = build_step_inputs(items, self.runner.block_size)
+        hidden = None
+        if not self.coords.is_first:
+            self.heartbeat.enter("recv_from_prev_stage")
+            hidden = torch.empty(len(inputs.input_ids), self.hidden_size, dtype=self.dtype)   # [T, D]
+            dist.recv(hidden, src=self.coords.rank - self.coords.tp_size, tag=index)
+        self.heartbeat.enter("forward")
+        h = self.model(inputs.input_ids, inputs.positions, self.runner.kv_caches, inputs.attn, hidden=hidden)
+        if not self.coords.is_last:
+            return [dist.isend(h.contiguous(), dst=self.coords.rank + self.coords.tp_size, tag=index)], []
+        if not inputs.sample_requests:
+            return [], []
+        logits = self.model.compute_logits(h[inputs.sample_rows])                 # [S, V]
+        if not self.coords.samples:
+            return [], []
+        self.heartbeat.enter("sample")
+        results = self.runner.sample_requests(logits, inputs.sample_requests)
+        return [], [SampledToken(rid, r.token_id, r.logprob, r.top_logprobs) for rid, r in results.items()]
+
+
+def micro_batches(requests: list[StepRequest], n: int) -> list[list[StepRequest]]:
+    """Up to ``n`` contiguous groups with about equal token counts (never an empty group)."""
+    n = max(1, min(n, len(requests)))
+    total = sum(len(r.token_ids) for r in requests)
+    groups, current, done = [], [], 0
+    for i, r in enumerate(requests):
+        current.append(r)
+        done += len(r.token_ids)
+        groups_left, requests_left = n - len(groups) - 1, len(requests) - i - 1
+        if groups_left and (done * n >= total * (len(groups) + 1) or requests_left == groups_left):
+            groups.append(current)
+            current = []
+    if current:
+        groups.append(current)
+    return groups
+
+
+class _Tokens:
+    """``all_token_ids`` of a request seen through a step: only [start, start + n) is known."""
+
+    def __init__(self, start: int, ids: list[int]):
+        self.start, self.ids = start, ids
+
+    def __getitem__(self, s: slice) -> list[int]:
+        return self.ids[s.start - self.start: s.stop - self.start]
+
+
+class _Request:
+    """The attributes of ``Request`` that ``build_step_inputs`` and ``ModelRunner.sample_requests`` read."""
+
+    def __init__(self, r: StepRequest):
+        n = len(r.token_ids)
+        self.request_id, self.block_ids, self.num_computed_tokens = r.request_id, r.block_ids, r.start
+        self.num_tokens = r.start + n + (0 if r.sample else 1)     # sampled iff the chunk reaches the end
+        self.sampling_params = r.params
+        self.all_token_ids = r.history if r.history is not None else _Tokens(r.start, r.token_ids)
+
+
+class _Item:
+    def __init__(self, r: StepRequest):
+        self.request, self.num_new_tokens = _Request(r), len(r.token_ids)

@@ -1,0 +1,199 @@
+"""Which rank is dead or stuck, where, and for how long: a shared-memory heartbeat per rank + its reader.
+
+Each worker rank (``worker.py``) writes its record at every phase boundary, and ``tick``s inside long
+phases (every decoder layer), so a slow step that keeps moving is never reported:
+
+    record[rank] = [step, phase, seq (moves within the step), monotonic ns of the last move, pid]
+
+The driver's ``Watchdog.check`` (``ParallelExecutor``'s watchdog thread, every 0.2 s) reports:
+
+* a rank whose process exited, at once:
+  ``rank 3 (tp 1, pp 1) exited (killed by SIGKILL) in step 12 at phase forward; ranks 0-2 are waiting in all_reduce``
+* while the driver waits for a step: no rank moved for ``--rank-timeout`` seconds ->
+  ``rank 6 (tp 0, pp 3) stalled in step 1234 at phase recv_from_prev_stage for 30.0s; ranks 0-5 are waiting in all_reduce``
+
+The stalled rank is the one the others wait for: a stopped process (``/proc`` state T), else among
+the ranks at the lowest step the one not in a waiting phase, else the earliest pipeline stage, else
+the rank that moved least within the step. Monotonic clocks compare only on one machine, so the file
+covers the driver's machine's ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("starting", "recv_scheduler_output", "recv_from_prev_stage", "forward", "all_reduce", "all_gather",
+          "send_to_next_stage", "sample", "kv_load", "kv_save")
+WAITING = frozenset({"recv_scheduler_output", "recv_from_prev_stage", "all_reduce", "all_gather",
+                     "send_to_next_stage"})
+_FIELDS = 5                                       # step, phase, seq, t_ns, pid
+_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+
+
+@dataclass(frozen=True)
+class RankState:
+    step: int
+    phase: str
+    seq: int
+    age_s: float            # seconds since the rank last moved
+    pid: int
+
+
+class Heartbeat:
+    """``create`` (driver) a file for ``world_size`` ranks; a rank opens it with its index and writes."""
+
+    def __init__(self, path: str, rank: int | None = None, log_phases: bool = False, coords: str = ""):
+        self.path, self.rank, self.log_phases, self.coords = path, rank, log_phases, coords
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        self._rec = np.frombuffer(self._mm, dtype=np.int64).reshape(-1, _FIELDS)
+        self.step = 0
+        if rank is not None:
+            self._rec[rank, 4] = os.getpid()
+            self.enter("starting")
+
+    @staticmethod
+    def create(world_size: int) -> str:
+        path = str(_DIR / f"pdserve-hb-{uuid.uuid4().hex[:16]}")
+        with open(path, "wb") as f:
+            f.truncate(world_size * _FIELDS * 8)
+        return path
+
+    @property
+    def world_size(self) -> int:
+        return self._rec.shape[0]
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def enter(self, phase: str) -> None:
+        r = self._rec[self.rank]
+        if self.log_phases:
+            logger.info("rank %d (%s) step %d: %s -> %s", self.rank, self.coords, self.step, PHASES[r[1]], phase)
+        r[2] = r[2] + 1 if r[0] == self.step else 0
+        r[0], r[1], r[3] = self.step, PHASES.index(phase), time.monotonic_ns()
+
+    def tick(self) -> None:
+        """Progress inside a phase (a decoder layer finished)."""
+        r = self._rec[self.rank]
+        r[2] += 1
+        r[3] = time.monotonic_ns()
+
+    def states(self) -> list[RankState]:
+        now = time.monotonic_ns()
+        return [RankState(int(r[0]), PHASES[int(r[1])], int(r[2]), (now - int(r[3])) / 1e9 if r[3] else 0.0,
+                          int(r[4])) for r in self._rec.copy()]
+
+    def close(self) -> None:
+        self._rec = None
+        self._mm.close()
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    tp: int
+    pp: int
+    process: object | None = None      # subprocess.Popen of a local rank, None for a remote one
+
+    def name(self) -> str:
+        return f"rank {self.rank} (tp {self.tp}, pp {self.pp})"
+
+
+class Watchdog:
+    def __init__(self, heartbeat: Heartbeat, ranks: list[RankInfo], timeout: float):
+        self.heartbeat, self.ranks, self.timeout = heartbeat, ranks, timeout
+
+    def check(self, busy_since: float | None) -> str | None:
+        """A report if a rank exited, or if the driver has waited on a step (since monotonic ``busy_since``)
+        while no rank moved for ``timeout`` seconds; else None."""
+        states = self.heartbeat.states()
+        for info in self.ranks:
+            code = info.process.poll() if info.process is not None else None
+            if code is not None:
+                return self._report(info, states, f"exited ({_exit_text(code)})", "")
+        if busy_since is None:
+            return None
+        quiet = min(min(s.age_s for s in states), time.monotonic() - busy_since)
+        if quiet <= self.timeout:
+            return None
+        culprit = self._culprit(states)
+        stopped = " (process stopped)" if _stopped(states[culprit.rank].pid) else ""
+        return self._report(culprit, states, "stalled", f" for {states[culprit.rank].age_s:.1f}s{stopped}")
+
+    def _culprit(self, states: list[RankState]) -> RankInfo:
+        stopped = [i for i in self.ranks if _stopped(states[i.rank].pid)]
+        if stopped:
+            return stopped[0]
+        low = min(states[i.rank].step for i in self.ranks)
+        behind = [i for i in self.ranks if states[i.rank].step == low]
+        busy = [i for i in behind if states[i.rank].phase not in WAITING]
+        if busy:
+            return busy[0]
+        first_stage = min(i.pp for i in behind)
+        stage = [i for i in behind if i.pp == first_stage]
+        return min(stage, key=lambda i: states[i.rank].seq)
+
+    def _report(self, culprit: RankInfo, states: list[RankState], what: str, tail: str) -> str:
+        s = states[culprit.rank]
+        head = f"{culprit.name()} {what} in step {s.step} at phase {s.phase}{tail}"
+        others = _group_by_phase([(i.rank, states[i.rank].phase) for i in self.ranks if i.rank != culprit.rank])
+        return f"{head}; {others}" if others else head
+
+
+def _group_by_phase(pairs: list[tuple[int, str]]) -> str:
+    by_phase: dict[str, list[int]] = {}
+    for rank, phase in pairs:
+        by_phase.setdefault(phase, []).append(rank)
+    parts = []
+    for phase, ranks in by_phase.items():
+        word = "ranks" if len(ranks) > 1 else "rank"
+        verb = "are" if len(ranks) > 1 else "is"
+        how = "waiting in" if phase in WAITING else "in"
+        parts.append(f"{word} {_ranges(ranks)} {verb} {how} {phase}")
+    return "; ".join(parts)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    ranks = sorted(ranks)
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _stopped(pid: int) -> bool:
+    if not pid:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")

@@ -1,0 +1,140 @@
+"""One TP x PP worker rank: ``python -m pdserve.engine.parallel.worker --master-addr A --master-port P --rank R``.
+
+Started by ``ParallelExecutor`` (one process per rank on the driver's machine) or by
+``pdserve node --node-rank N`` on another machine. Start-up, in order:
+
+    TCPStore client -> WorkerSpec (JSON, "pdserve/spec")  -> heartbeat "starting"
+    torch.distributed gloo over the same store; one TP group per pipeline stage
+    load this rank's layers and heads (safetensors slices); allocate its KV cache shard
+    store.add("pdserve/ready", 1)
+
+Then the loop, one ``StepMessage`` from the broadcast queue at a time (heartbeat phases in brackets):
+
+    [recv_scheduler_output] msg = queue.dequeue()     Shutdown -> exit 0; the driver gone -> exit 1
+    stage.execute(msg)     [recv_from_prev_stage, forward, all_reduce, send_to_next_stage, sample]
+    last stage, tp rank 0: results.enqueue(StepResult)
+
+Rank r has coordinates tp = r % T, pp = r // T. Every process uses one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from datetime import timedelta
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.loader import load_model
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.parallel import messages as m
+from pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle, WriterDeadError
+from pdserve.engine.parallel.stage import Coords, StageRunner, stage_layers
+from pdserve.engine.parallel.tp import TPGroup, attach
+from pdserve.engine.parallel.watchdog import Heartbeat
+
+logger = logging.getLogger("pdserve.worker")
+SPEC_KEY, READY_KEY = "pdserve/spec", "pdserve/ready"
+
+
+def connect_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+class Worker:
+    def __init__(self, store: dist.TCPStore, rank: int):
+        self.spec = msgspec.json.decode(store.get(SPEC_KEY), type=m.WorkerSpec)
+        spec = self.spec
+        self.coords = Coords(rank, rank % spec.tp, rank // spec.tp, spec.tp, spec.pp)
+        local = rank in spec.local_ranks
+        self.heartbeat = Heartbeat(spec.heartbeat, rank, spec.debug_sync, str(self.coords)) if local else _NoHeartbeat()
+        torch.manual_seed(spec.seed)
+        dist.init_process_group("gloo", store=dist.PrefixStore("pdserve/pg", store), rank=rank,
+                                world_size=spec.tp * spec.pp, timeout=timedelta(seconds=2 * spec.rank_timeout + 60))
+        self.tp_group = self._tp_groups()[self.coords.pp]
+        self.stage = self._load()
+        handle = msgspec.convert(spec.broadcast, QueueHandle)
+        self.inbox = MessageQueue.reader(handle, spec.local_ranks.index(rank) if local else -1)
+        self.results = MessageQueue.writer(msgspec.convert(spec.results, QueueHandle)) if self.coords.samples else None
+        store.add(READY_KEY, 1)
+        logger.info("rank %d (%s) ready", rank, self.coords)
+
+    def _tp_groups(self) -> list:
+        t = self.spec.tp
+        groups = [dist.new_group(list(range(p * t, (p + 1) * t))) for p in range(self.spec.pp)]   # all ranks, same order
+        return [TPGroup(g, t, self.heartbeat, self.spec.debug_sync) for g in groups]
+
+    def _load(self) -> StageRunner:
+        spec, c = self.spec, self.coords
+        from pdserve.engine.model_config import ModelConfig
+
+        num_layers = ModelConfig.from_dir(spec.model, dtype=spec.dtype).num_layers
+        first, count = stage_layers(num_layers, spec.pp)[c.pp]
+        model, config = load_model(spec.model, spec.dtype, first_layer=first, num_layers=count,
+                                   tp_rank=c.tp, tp_size=c.tp_size)
+        attach(model, self.tp_group)
+        layout = config.kv_layout(num_kv_heads=config.num_kv_heads // c.tp_size, num_layers=count, first_layer=first)
+        runner = ModelRunner(model, layout, spec.num_blocks, spec.block_size)
+        return StageRunner(model, runner, c, self.heartbeat, config.hidden_size, config.dtype)
+
+    def run(self) -> int:
+        step = 0
+        while True:
+            self.heartbeat.begin_step(step + 1)
+            self.heartbeat.enter("recv_scheduler_output")
+            try:
+                msg = m.decode_driver_message(self.inbox.dequeue())
+            except WriterDeadError as exc:
+                logger.error("rank %d (%s): %s; exiting", self.coords.rank, self.coords, exc)
+                return 1
+            if isinstance(msg, m.Shutdown):
+                return 0
+            step = msg.step
+            self.heartbeat.begin_step(step)
+            self._step(msg)
+
+    def _step(self, msg: m.StepMessage) -> None:
+        for rid in msg.released:
+            self.stage.runner.release(rid)
+        tokens = self.stage.execute(msg)
+        if self.results is not None:
+            self.results.enqueue(m.encode(m.StepResult(msg.step, tokens or [])), timeout=self.spec.rank_timeout)
+
+
+class _NoHeartbeat:
+    """A rank on another machine: the driver's heartbeat file is not reachable from here."""
+
+    step = 0
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def enter(self, phase: str) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve-worker")
+    p.add_argument("--master-addr", required=True)
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--connect-timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
+    store = connect_store(args.master_addr, args.master_port, args.connect_timeout)
+    worker = Worker(store, args.rank)
+    try:
+        return worker.run()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The streaming client, the runner and the result JSON against a scripted OpenAI-style SSE server.
+
+The server (FastAPI under uvicorn on a free loopback port, in a thread) answers every request with
+``max_tokens`` tokens bundled ``BUNDLE`` per chunk, then a usage chunk and ``[DONE]``; it counts
+the requests open at once so that --max-concurrency can be checked from the server's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from conftest import free_port
+from pdserve.bench.client import RequestSpec, send
+from pdserve.bench.datasets import DatasetConfig
+from pdserve.bench.runner import TrafficConfig, make_client, run_requests
+from pdserve.bench.serve import BenchConfig, run_bench_async
+
+BUNDLE = 3
+DATA = Path(__file__).parent / "data"
+
+
+class ScriptedServer:
+    def __init__(self):
+        self.open = self.peak = 0
+        self.app = FastAPI()
+        self.app.post("/v1/completions")(self.completions)
+        self.app.post("/v1/chat/completions")(self.completions)
+        self.app.get("/v1/models")(lambda: {"data": [{"id": "scripted", "root": "scripted"}]})
+
+    async def completions(self, request: Request):
+        body = await request.json()
+        if body.get("prompt") == "fail":
+            return JSONResponse({"error": {"message": "scripted failure"}}, status_code=500)
+        n = body.get("max_tokens") or body.get("max_completion_tokens")
+        chat = "messages" in body
+        return StreamingResponse(self._events(n, chat, body.get("prompt") == "break"), media_type="text/event-stream")
+
+    async def _events(self, n: int, chat: bool, broken: bool):
+        self.open += 1
+        self.peak = max(self.peak, self.open)
+        try:
+            if chat:
+                yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            for first in range(0, n, BUNDLE):
+                await asyncio.sleep(0.01)
+                text = "".join(f"t{i} " for i in range(first, min(n, first + BUNDLE)))
+                choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+                yield _sse({"choices": [choice], "usage": None})
+                if broken:
+                    yield _sse({"error": {"message": "decode node failed mid-stream"}})
+                    break
+            yield _sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n}})
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.open -= 1
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    server = ScriptedServer()
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert uv.started, "scripted server did not start"
+    server.url = f"http://127.0.0.1:{port}"
+    yield server
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _send(spec: RequestSpec):
+    async def go():
+        async with make_client(None) as http:
+            return await send(http, spec)
+    return asyncio.run(go())
+
+
+def test_bundled_chunks_completions(scripted):
+    out = _send(RequestSpec(scripted.url + "/v1/completions", "openai", "scripted", "hi", 2, 10))
+    assert out.success, out.error
+    assert out.output_tokens == 10 and out.prompt_len == 7          # both from the usage chunk
+    assert len(out.itl) == 3                                          # 4 chunks (3+3+3+1 tokens) -> 3 gaps
+    assert out.generated_text == "".join(f"t{i} " for i in range(10))
+    assert out.ttft > 0 and all(g > 0 for g in out.itl)
+    assert out.latency == pytest.approx(out.ttft + sum(out.itl))
+
+
+def test_chat_role_chunk_counts_as_first(scripted):
+    out = _send(RequestSpec(scripted.url + "/v1/chat/completions", "openai-chat", "scripted", "hi", 2, 6))
+    assert out.success and out.output_tokens == 6
+    assert len(out.itl) == 2                                          # role chunk, then 2 content chunks
+    assert out.generated_text == "".join(f"t{i} " for i in range(6))
+
+
+def test_http_error_and_stream_error_fail_the_request(scripted):
+    out = _send(RequestSpec(scripted.url + "/v1/completions", "openai", "scripted", "fail", 2, 4))
+    assert not out.success and out.error.startswith("HTTP 500") and "scripted failure" in out.error
+    out = _send(RequestSpec(scripted.url + "/v1/completions", "openai", "scripted", "break", 2, 9))
+    assert not out.success and "mid-stream" in out.error
+
+
+def test_max_concurrency_is_respected_by_the_runner(scripted):
+    specs = [RequestSpec(scripted.url + "/v1/completions", "openai", "scripted", f"p{i}", 2, 6) for i in range(8)]
+
+    async def go():
+        async with make_client(2) as http:
+            return await run_requests(http, specs, TrafficConfig(max_concurrency=2, num_warmups=2,
+                                                                 disable_tqdm=True))
+    scripted.peak = 0
+    outputs, duration = asyncio.run(go())
+    assert len(outputs) == 8 and all(o.success for o in outputs)
+    assert scripted.peak == 2
+    assert duration > 0 and sum(o.client_queue_time > 0 for o in outputs) >= 6
+
+
+def test_result_keys_equal_vllm_reference(scripted, tiny_llama):
+    reference = json.loads((DATA / "vllm_bench_serve_keys.json").read_text())
+    cfg = BenchConfig(base_url=scripted.url, model=str(tiny_llama), served_model_name="scripted",
+                      dataset=DatasetConfig(name="random", num_prompts=4, random_input_len=16, random_output_len=5),
+                      traffic=TrafficConfig(disable_tqdm=True))
+    res = asyncio.run(run_bench_async(cfg))
+    assert set(res.result) - {"pdserve"} == set(reference["keys"])
+    assert res.result["completed"] == 4 and res.result["total_output_tokens"] == 20
+    assert res.result["pdserve"]["kv"] == {}                         # not a pdserve server: empty, no error
+    assert res.result["pdserve"]["scrape_warnings"]                  # its /metrics is missing, and said so
+    detailed = asyncio.run(run_bench_async(BenchConfig(**{**cfg.__dict__, "save_detailed": True,
+                                                          "percentile_metrics": ("ttft", "tpot", "itl", "e2el")})))
+    e2el = {"mean_e2el_ms", "median_e2el_ms", "std_e2el_ms", "p99_e2el_ms"}
+    assert set(detailed.result) - {"pdserve"} == set(reference["keys"]) | set(reference["save_detailed_extra_keys"]) | e2el
