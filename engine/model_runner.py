@@ -38,6 +38,7 @@ class ModelRunner:
 
     def sample_requests(self, logits: torch.Tensor, reqs: list) -> dict:
         """logits: [S, V] of ``reqs`` (anything with request_id, sampling_params, all_token_ids)."""
+        _suppress_stops_before_min_tokens(logits, reqs)
         results = sample(logits, [r.sampling_params for r in reqs],
                          [self._generator(r) for r in reqs], _histories(reqs))
         return {r.request_id: res for r, res in zip(reqs, results)}
@@ -60,3 +61,14 @@ def _histories(reqs) -> list[list[int]] | None:
     if all(r.sampling_params.repetition_penalty == 1.0 for r in reqs):
         return None
     return [r.all_token_ids for r in reqs]
+
+
+def _suppress_stops_before_min_tokens(logits: torch.Tensor, reqs) -> None:
+    """min_tokens (vLLM semantics): until reached, eos and stop_token_ids cannot be sampled."""
+    for row, r in enumerate(reqs):
+        p = r.sampling_params
+        if p.min_tokens and len(r.all_token_ids) - len(r.prompt_token_ids) < p.min_tokens:
+            eos = (getattr(r, "eos_token_id", None), *getattr(r, "extra_eos_token_ids", ()))
+            stops = [t for t in (*eos, *p.stop_token_ids) if t is not None]
+            if stops:
+                logits[row, stops] = float("-inf")

@@ -52,17 +52,15 @@ def run(args) -> int:
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, proxy_port=args.port, kv_redis=args.kv_redis,
                        node_flags=flags, num_threads=args.num_threads)
     stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    for sig in (signal.SIGINT, signal.SIGTERM):      # Ctrl-C, or a supervisor stopping us
+        signal.signal(sig, lambda *_: stop.update(now=True))
     with LocalCluster(model, spec) as cluster:
         _announce(cluster, flags[1])
-        try:
-            while not stop["now"]:
-                if cluster.dead_children():
-                    logger.error("stopping: %s exited", ", ".join(c.name for c in cluster.dead_children()))
-                    return 1
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
+        while not stop["now"]:
+            if cluster.dead_children():
+                logger.error("stopping: %s exited", ", ".join(c.name for c in cluster.dead_children()))
+                return 1
+            time.sleep(0.5)
         print("stopping the cluster ...", flush=True)
     return 0
 

@@ -18,11 +18,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from conftest import free_port
 from pdserve.bench.client import RequestSpec, send
 from pdserve.bench.datasets import DatasetConfig
 from pdserve.bench.runner import TrafficConfig, make_client, run_requests
 from pdserve.bench.serve import BenchConfig, run_bench_async
+from pdserve.proxy.cluster import free_port
 
 BUNDLE = 3
 DATA = Path(__file__).parent / "data"

@@ -78,3 +78,14 @@ def test_stop_strings_and_max_tokens(tiny_llama):
                                                          stop=[stop]))
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[: free.text.index(stop)]
+
+
+def test_min_tokens_suppresses_eos(tiny_llama):
+    llm = LLM(str(tiny_llama))
+    [free] = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    stop_id = free.token_ids[2]                       # make the 3rd greedy token a stop token
+    [early] = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_id]))
+    assert early.token_ids == free.token_ids[:3] and early.finish_reason == "stop"
+    [held] = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_id],
+                                                    min_tokens=6))
+    assert len(held.token_ids) >= 6 and stop_id not in held.token_ids[:6]

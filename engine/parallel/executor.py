@@ -2,9 +2,10 @@
 
 ``LLMEngine`` uses it in place of ``ModelRunner`` when tp x pp > 1 (same calls, same results):
 
-    executor = ParallelExecutor(config, num_blocks)   # spawns ranks, waits until all loaded
+    executor = ParallelExecutor(config, num_layers, num_blocks)   # spawns ranks, waits until all loaded
     sampled = executor.execute(scheduler_output)       # {request_id: SampleResult}; raises RankFailedError
     executor.release(request_id)                       # sampler state dropped with the next step
+    executor.kv_io                                     # StoreConnector's publisher/loader (parallel/kv.py)
     executor.shutdown()                                # Shutdown message, then SIGKILL what is left
 
 Start-up: the driver hosts the rendezvous ``TCPStore`` on --master-addr:--master-port, publishes
@@ -17,6 +18,8 @@ on a report it kills every local rank, and the waiting ``execute`` raises with t
 from __future__ import annotations
 
 import atexit
+import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -31,6 +34,7 @@ import torch.distributed as dist
 
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue, QueueError, unlink
+from pdserve.engine.parallel.kv import KVRelay
 from pdserve.engine.parallel.watchdog import Heartbeat, RankInfo, Watchdog
 from pdserve.engine.parallel.worker import READY_KEY, SPEC_KEY
 from pdserve.engine.sampler import SampleResult
@@ -45,25 +49,29 @@ class RankFailedError(RuntimeError):
 class ParallelExecutor:
     kv_caches = None                      # the KV cache lives in the worker ranks
 
-    def __init__(self, config, num_blocks: int, start_timeout: float = 600.0):
+    def __init__(self, config, num_layers: int, num_blocks: int, start_timeout: float = 600.0):
         par = config.parallel
         self.config, self.par, self.step = config, par, 0
         self.failure: str | None = None
         self._released: list[str] = []
-        self._busy_since: float | None = None
-        self._lock = threading.Lock()
+        self._busy: dict[int, float] = {}          # waits in progress -> when they began
+        self._busy_ids = itertools.count()
+        self._lock, self._send_lock = threading.Lock(), threading.Lock()
         self.store = dist.TCPStore(par.master_addr, par.master_port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=start_timeout))
         local = list(range(par.ranks_per_node))
         self._bcast = MessageQueue.create(len(local), par.world_size - len(local), bind_host=par.master_addr)
         self._results_handle = MessageQueue.create(1)
+        self._part_handles = [MessageQueue.create(1) for _ in local]
         self._hb_path = Heartbeat.create(par.world_size)
         self.heartbeat = Heartbeat(self._hb_path)
         self.outbox = MessageQueue.writer(self._bcast)
         self.inbox = MessageQueue.reader(self._results_handle, 0)
+        self.kv_io = KVRelay(self, {r: MessageQueue.reader(h, 0) for r, h in zip(local, self._part_handles)},
+                             num_layers, par.tensor_parallel_size)
         self.store.set(SPEC_KEY, msgspec.json.encode(self._spec(config, num_blocks, local)))
         self.ranks = [RankInfo(r, r % par.tensor_parallel_size, r // par.tensor_parallel_size,
-                               spawn_worker(par.master_addr, self.store.port, r)) for r in local]
+                               spawn_worker(par.master_addr, self.store.port, r, par.debug_sync)) for r in local]
         self.ranks += [RankInfo(r, r % par.tensor_parallel_size, r // par.tensor_parallel_size)
                        for r in range(len(local), par.world_size)]
         self.watchdog = Watchdog(self.heartbeat, self.ranks, par.rank_timeout)
@@ -77,6 +85,7 @@ class ParallelExecutor:
         return m.WorkerSpec(model=config.model, dtype=config.dtype, seed=config.seed, tp=par.tensor_parallel_size,
                             pp=par.pipeline_parallel_size, num_blocks=num_blocks, block_size=config.cache.block_size,
                             broadcast=msgspec.to_builtins(self._bcast), results=msgspec.to_builtins(self._results_handle),
+                            kv_parts=[msgspec.to_builtins(h) for h in self._part_handles],
                             heartbeat=self._hb_path, local_ranks=local, rank_timeout=par.rank_timeout,
                             debug_sync=par.debug_sync)
 
@@ -98,8 +107,7 @@ class ParallelExecutor:
     # -- the engine thread ----------------------------------------------------------------------
 
     def execute(self, scheduler_output) -> dict[str, SampleResult]:
-        if self.failure:
-            raise RankFailedError(self.failure)
+        self.raise_if_failed()
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return {}
@@ -107,16 +115,37 @@ class ParallelExecutor:
         msg = m.StepMessage(self.step, [_step_request(i, self.config.cache.block_size) for i in scheduled],
                             released=self._released)
         self._released = []
-        self._busy_since = time.monotonic()
-        try:
-            self.outbox.enqueue(m.encode(msg), timeout=self.par.rank_timeout)
+        with self.busy():
+            self.send(msg)
             result = self._wait_result()
-        except QueueError as exc:
-            self._fail(self.watchdog.check(self._busy_since) or str(exc))
-            raise RankFailedError(self.failure) from None
-        finally:
-            self._busy_since = None
         return {t.request_id: SampleResult(t.token_id, t.logprob, _tops(t.top_logprobs)) for t in result.tokens}
+
+    def send(self, message) -> None:
+        """Broadcast one driver message to every rank (any thread)."""
+        data = m.encode(message)
+        try:
+            with self._send_lock:
+                self.outbox.enqueue(data, timeout=self.par.rank_timeout)
+        except QueueError as exc:
+            self._fail(self.watchdog.check(self._busy_since()) or str(exc))
+            self.raise_if_failed()
+
+    @contextlib.contextmanager
+    def busy(self):
+        """The driver waits on the ranks inside this block: the watchdog's stall clock runs."""
+        token = next(self._busy_ids)
+        self._busy[token] = time.monotonic()
+        try:
+            yield
+        finally:
+            del self._busy[token]
+
+    def _busy_since(self) -> float | None:
+        return min(self._busy.values(), default=None)
+
+    def raise_if_failed(self) -> None:
+        if self.failure:
+            raise RankFailedError(self.failure)
 
     def _wait_result(self) -> m.StepResult:
         while True:
@@ -126,8 +155,7 @@ class ParallelExecutor:
                 if result.step != self.step:
                     raise QueueError(f"got the result of step {result.step} while waiting for step {self.step}")
                 return result
-            if self.failure:
-                raise RankFailedError(self.failure)
+            self.raise_if_failed()
 
     def release(self, request_id: str) -> None:
         self._released.append(request_id)
@@ -136,7 +164,7 @@ class ParallelExecutor:
 
     def _watch(self) -> None:
         while self.failure is None:
-            report = self.watchdog.check(self._busy_since)
+            report = self.watchdog.check(self._busy_since())
             if report:
                 self._fail(report)
                 return
@@ -175,7 +203,7 @@ class ParallelExecutor:
                 os.kill(info.process.pid, signal.SIGKILL)     # also ends a SIGSTOPped rank
         for info in self._local():
             info.process.wait()
-        for handle in (self._bcast, self._results_handle):
+        for handle in (self._bcast, self._results_handle, *self._part_handles):
             unlink(handle)
         try:
             os.unlink(self._hb_path)
@@ -186,8 +214,10 @@ class ParallelExecutor:
         return [i for i in self.ranks if i.process is not None]
 
 
-def spawn_worker(master_addr: str, master_port: int, rank: int) -> subprocess.Popen:
+def spawn_worker(master_addr: str, master_port: int, rank: int, debug_sync: bool = False) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if debug_sync:
+        env["CUDA_LAUNCH_BLOCKING"] = "1"                 # every kernel synchronous, errors at their call site
     cmd = [sys.executable, "-m", "pdserve.engine.parallel.worker", "--master-addr", master_addr,
            "--master-port", str(master_port), "--rank", str(rank)]
     return subprocess.Popen(cmd, env=env)

@@ -2,6 +2,8 @@
 
     driver ──StepMessage──> every rank (broadcast.MessageQueue)            once per engine step
     last stage, tp rank 0 ──StepResult──> driver (a MessageQueue with one reader)
+    driver ──KVGather / KVScatter──> every rank (the same broadcast queue)  KV publish / load
+    each rank ──KVPart──> driver (one MessageQueue per rank)
     driver ──WorkerSpec──> every rank, through the rendezvous store, once at start-up
 
 A ``StepMessage`` carries what a rank needs to build its model inputs without the scheduler's
@@ -28,21 +30,42 @@ class StepRequest(msgspec.Struct, frozen=True, array_like=True):
     history: list[int] | None = None         # all token ids, only when repetition_penalty != 1
 
 
-class KVChunkOp(msgspec.Struct, frozen=True, array_like=True):
-    """Copy one (chunk, layer range) between this node's paged cache and the KV store, per rank."""
+class Tensor(msgspec.Struct, frozen=True, array_like=True):
+    """Raw bytes + dtype + shape (CPU, contiguous); see ``kv.to_wire`` / ``kv.from_wire``."""
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class KVGather(msgspec.Struct, frozen=True, tag=True):
+    """Every rank: copy its layers and KV heads at ``slots`` out of its cache and send them back (publish)."""
     op_id: int
-    chunk_key: str
-    slots: list[int]                # flat cache slots of the chunk's tokens [a, b)
-    offset: int = 0                 # load: first token of the object to copy (a - chunk start)
-    length: int = 0                 # load: tokens in the stored object
+    slots: list[int]                # [n] flat cache slots of the chunk's tokens
+    version: int = VERSION
+
+
+class KVScatter(msgspec.Struct, frozen=True, tag=True):
+    """Every rank: write its layers and KV heads of ``data`` at ``slots`` (load), then acknowledge."""
+    op_id: int
+    slots: list[int]
+    data: Tensor                    # [L, C, n, Hkv, D]: every layer and KV head of the chunk
+    version: int = VERSION
+
+
+class KVPart(msgspec.Struct, frozen=True):
+    """A rank's answer to a KV op on its own queue: its share of a gather, or an empty scatter ack."""
+    op_id: int
+    rank: int
+    first_layer: int
+    data: Tensor | None = None      # gather: [L_rank, C, n, Hkv_rank, D]
+    error: str = ""
+    version: int = VERSION
 
 
 class StepMessage(msgspec.Struct, frozen=True, tag=True):
     step: int
     requests: list[StepRequest] = []
     released: list[str] = []        # requests that finished or were aborted: drop their sampler state
-    kv_saves: list[KVChunkOp] = []  # before the forward pass: nothing; after it: gather + put (see stage.py)
-    kv_loads: list[KVChunkOp] = []  # before the forward pass: get + scatter
     version: int = VERSION
 
 
@@ -61,7 +84,6 @@ class SampledToken(msgspec.Struct, frozen=True, array_like=True):
 class StepResult(msgspec.Struct, frozen=True):
     step: int
     tokens: list[SampledToken] = []
-    kv_loaded: dict[int, bool] = {}   # load op id -> every layer of this rank loaded (AND over ranks by the driver)
     version: int = VERSION
 
 
@@ -77,25 +99,30 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     broadcast: dict                 # broadcast.QueueHandle as a dict
     results: dict                   # the result queue's handle
     heartbeat: str                  # watchdog.Heartbeat file
+    kv_parts: list[dict]            # per local rank: the handle of its KV answer queue (rank -> driver)
     local_ranks: list[int]          # ranks that read the ring (the driver's machine)
     rank_timeout: float
     debug_sync: bool = False
-    kv_store: str | None = None     # store URL for per-rank KV publish/load ("" / None: none)
     version: int = VERSION
 
 
-DRIVER_MESSAGE = StepMessage | Shutdown
+DriverMessage = StepMessage | KVGather | KVScatter | Shutdown
 _encoder = msgspec.msgpack.Encoder()
-_driver_decoder = msgspec.msgpack.Decoder(DRIVER_MESSAGE)
+_driver_decoder = msgspec.msgpack.Decoder(DriverMessage)
 _result_decoder = msgspec.msgpack.Decoder(StepResult)
+_part_decoder = msgspec.msgpack.Decoder(KVPart)
 
 
 def encode(message) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_driver_message(data: bytes) -> StepMessage | Shutdown:
+def decode_driver_message(data: bytes) -> DriverMessage:
     return _check(_driver_decoder.decode(data))
+
+
+def decode_part(data: bytes) -> KVPart:
+    return _check(_part_decoder.decode(data))
 
 
 def decode_result(data: bytes) -> StepResult:

@@ -11,6 +11,7 @@ Started by ``ParallelExecutor`` (one process per rank on the driver's machine) o
 Then the loop, one ``StepMessage`` from the broadcast queue at a time (heartbeat phases in brackets):
 
     [recv_scheduler_output] msg = queue.dequeue()     Shutdown -> exit 0; the driver gone -> exit 1
+    KVGather / KVScatter   [kv_save / kv_load]        copy this rank's layers and heads (parallel/kv.py)
     stage.execute(msg)     [recv_from_prev_stage, forward, all_reduce, send_to_next_stage, sample]
     last stage, tp rank 0: results.enqueue(StepResult)
 
@@ -28,10 +29,12 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from pdserve.engine import envs
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle, WriterDeadError
+from pdserve.engine.parallel.kv import gather_part, scatter_part
 from pdserve.engine.parallel.stage import Coords, StageRunner, stage_layers
 from pdserve.engine.parallel.tp import TPGroup, attach
 from pdserve.engine.parallel.watchdog import Heartbeat
@@ -50,6 +53,8 @@ class Worker:
         spec = self.spec
         self.coords = Coords(rank, rank % spec.tp, rank // spec.tp, spec.tp, spec.pp)
         local = rank in spec.local_ranks
+        if spec.debug_sync:
+            logging.getLogger("pdserve.engine.parallel.watchdog").setLevel(logging.INFO)
         self.heartbeat = Heartbeat(spec.heartbeat, rank, spec.debug_sync, str(self.coords)) if local else _NoHeartbeat()
         torch.manual_seed(spec.seed)
         dist.init_process_group("gloo", store=dist.PrefixStore("pdserve/pg", store), rank=rank,
@@ -59,6 +64,8 @@ class Worker:
         handle = msgspec.convert(spec.broadcast, QueueHandle)
         self.inbox = MessageQueue.reader(handle, spec.local_ranks.index(rank) if local else -1)
         self.results = MessageQueue.writer(msgspec.convert(spec.results, QueueHandle)) if self.coords.samples else None
+        self.kv_out = MessageQueue.writer(msgspec.convert(spec.kv_parts[spec.local_ranks.index(rank)], QueueHandle)) \
+            if local else None
         store.add(READY_KEY, 1)
         logger.info("rank %d (%s) ready", rank, self.coords)
 
@@ -92,9 +99,12 @@ class Worker:
                 return 1
             if isinstance(msg, m.Shutdown):
                 return 0
-            step = msg.step
-            self.heartbeat.begin_step(step)
-            self._step(msg)
+            if isinstance(msg, m.StepMessage):
+                step = msg.step
+                self.heartbeat.begin_step(step)
+                self._step(msg)
+            else:
+                self._kv(msg)
 
     def _step(self, msg: m.StepMessage) -> None:
         for rid in msg.released:
@@ -102,6 +112,16 @@ class Worker:
         tokens = self.stage.execute(msg)
         if self.results is not None:
             self.results.enqueue(m.encode(m.StepResult(msg.step, tokens or [])), timeout=self.spec.rank_timeout)
+
+    def _kv(self, msg: m.KVGather | m.KVScatter) -> None:
+        runner, c = self.stage.runner, self.coords
+        if isinstance(msg, m.KVGather):
+            self.heartbeat.enter("kv_save")
+            part = gather_part(runner, c.rank, msg)
+        else:
+            self.heartbeat.enter("kv_load")
+            part = scatter_part(runner, c.rank, c.tp, msg)
+        self.kv_out.enqueue(m.encode(part), timeout=self.spec.rank_timeout)
 
 
 class _NoHeartbeat:
@@ -127,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connect-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=envs.PDSERVE_LOG_LEVEL,
+                        format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
     store = connect_store(args.master_addr, args.master_port, args.connect_timeout)
     worker = Worker(store, args.rank)
     try:

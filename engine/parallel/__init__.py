@@ -1,0 +1,14 @@
+"""pdserve.engine.parallel — a node as a driver plus tensor x pipeline parallel worker processes.
+
+Used by ``LLMEngine`` instead of ``ModelRunner`` when ``--tensor-parallel-size`` x
+``--pipeline-parallel-size`` > 1 (or with ``--debug-sync``). Map, in the order a step meets it:
+
+    executor    driver side: spawns the ranks (gloo, TCP rendezvous), sends steps, collects tokens
+    messages    the typed (msgspec) messages between driver and ranks
+    broadcast   THE message queue: where the scheduler output is broadcast to the workers
+    worker      one rank's main loop
+    stage       one rank's share of a step: micro-batches, recv / layers / send, sampling
+    tp          column / row / vocab-parallel wiring and the collectives
+    kv          KV publish / load when the cache lives in the ranks
+    watchdog    per-rank heartbeat (step, phase) and the report that names a dead or stuck rank
+"""

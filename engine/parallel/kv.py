@@ -1,0 +1,150 @@
+"""KV publish / load when the paged cache lives in the worker ranks (tp x pp > 1).
+
+The store objects are TP/PP-agnostic: one per (chunk, global layer), ``[C, n, all KV heads, D]``.
+The chosen split, the simplest that is correct for every pair of layouts: the driver keeps what
+needs no cache (``StoreConnector``: keys, lookup, accounting) and does the store I/O; each rank
+copies only its own layers and KV heads in and out of its cache. Ranks never talk to the store,
+so an embedded (in-process) store works as well as a daemon or Redis.
+
+    publish (engine thread, StoreConnector.after_step -> RankPublisher.publish)
+        KVGather(slots) ──broadcast──> every rank: gather its layers/heads [L_r, C, n, H_r, D]
+        each rank ──KVPart──> its own queue -> driver: heads concatenated in tp order, layers in
+        stage order -> one [C, n, Hkv, D] per global layer -> the publisher thread puts them
+    load (loader thread, ChunkLoader._load -> RankLoader._load_chunk)
+        store.borrow(every layer's object) -> [L, C, n, Hkv, D] ──KVScatter──> every rank writes its
+        layers and heads (``scatter_kv(heads=...)``) and acks with an empty KVPart
+
+Both are synchronous round trips; ranks handle messages in queue order, so a gather always sees
+the step before it and a scatter lands before any step scheduled after the load reported back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+import torch
+
+from pdserve.decode.loader import ChunkLoader
+from pdserve.engine.parallel import messages as m
+from pdserve.kernels.transfer import gather_kv, scatter_kv
+from pdserve.kvstore.keys import object_key
+from pdserve.prefill.publisher import ChunkPublisher
+
+logger = logging.getLogger(__name__)
+
+
+def to_wire(t: torch.Tensor) -> m.Tensor:
+    t = t.contiguous()
+    return m.Tensor(str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes())
+
+
+def from_wire(w: m.Tensor) -> torch.Tensor:
+    dtype = getattr(torch, w.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {w.dtype!r} on the wire")
+    return torch.frombuffer(bytearray(w.data), dtype=torch.uint8).view(dtype).reshape(w.shape)
+
+
+# -- worker side --------------------------------------------------------------------------------
+
+def gather_part(runner, rank: int, op: m.KVGather) -> m.KVPart:
+    slots = torch.tensor(op.slots, dtype=torch.long)
+    part = torch.stack([gather_kv(layer, slots) for layer in runner.kv_caches])   # [L_r, C, n, H_r, D]
+    return m.KVPart(op.op_id, rank, runner.layout.first_layer, to_wire(part))
+
+
+def scatter_part(runner, rank: int, tp: int, op: m.KVScatter) -> m.KVPart:
+    data = from_wire(op.data)                                                       # [L, C, n, Hkv, D]
+    slots = torch.tensor(op.slots, dtype=torch.long)
+    first, h = runner.layout.first_layer, runner.layout.num_kv_heads
+    for i, cache in enumerate(runner.kv_caches):
+        scatter_kv(cache, slots, data[first + i], heads=slice(tp * h, (tp + 1) * h))
+    return m.KVPart(op.op_id, rank, first)
+
+
+# -- driver side --------------------------------------------------------------------------------
+
+class KVRelay:
+    """The executor's KV round trips; also builds the connector's publisher and loader (``kv_io``)."""
+
+    def __init__(self, executor, part_queues: dict, num_layers: int, tp_size: int):
+        self.executor, self.queues = executor, part_queues        # rank -> MessageQueue reader
+        self.num_layers, self.tp_size = num_layers, tp_size
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()                             # one op in flight
+
+    def publisher(self, store, health, durable: bool = False) -> ChunkPublisher:
+        return RankPublisher(store, self, health, durable)
+
+    def loader(self, store, shape, health) -> ChunkLoader:
+        return RankLoader(store, self, shape, health)
+
+    def gather(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """-> one [C, n, Hkv, D] tensor per global layer."""
+        parts = self._call(lambda op_id: m.KVGather(op_id, slots.tolist()))
+        stages: dict[int, list] = {}
+        for p in sorted(parts, key=lambda p: p.rank):               # rank = pp * T + tp: tp order within a stage
+            stages.setdefault(p.first_layer, []).append(from_wire(p.data))
+        layers = torch.cat([torch.cat(stages[first], dim=3) for first in sorted(stages)])   # [L, C, n, Hkv, D]
+        if layers.shape[0] != self.num_layers:
+            raise RuntimeError(f"gathered {layers.shape[0]} layers from the ranks; the model has {self.num_layers}")
+        return list(layers.unbind(0))
+
+    def scatter(self, slots: torch.Tensor, data: torch.Tensor) -> None:
+        """data: [L, C, n, Hkv, D] -> every rank's cache at ``slots``."""
+        self._call(lambda op_id: m.KVScatter(op_id, slots.tolist(), to_wire(data)))
+
+    def _call(self, make) -> list[m.KVPart]:
+        with self._lock:
+            op_id = next(self._ids)
+            with self.executor.busy():
+                self.executor.send(make(op_id))
+                parts = [self._part(rank, q, op_id) for rank, q in self.queues.items()]
+        errors = [f"rank {p.rank}: {p.error}" for p in parts if p.error]
+        if errors:
+            raise RuntimeError("KV copy failed on " + "; ".join(errors))
+        return parts
+
+    def _part(self, rank: int, queue, op_id: int) -> m.KVPart:
+        while True:
+            data = queue.dequeue(timeout=0.1)
+            if data is not None:
+                part = m.decode_part(data)
+                if part.op_id != op_id:
+                    raise RuntimeError(f"rank {rank} answered KV op {part.op_id} while op {op_id} was waiting")
+                return part
+            self.executor.raise_if_failed()
+
+
+class RankPublisher(ChunkPublisher):
+    """``ChunkPublisher`` whose gather runs on the ranks (the queueing and acks are the parent's)."""
+
+    def __init__(self, store, relay: KVRelay, health, durable: bool):
+        super().__init__(store, [], 0, health, durable)
+        self.relay = relay
+
+    def publish(self, request_id: str, chunk_key: str, slots: torch.Tensor) -> None:
+        items = [(object_key(chunk_key, layer), obj) for layer, obj in enumerate(self.relay.gather(slots))]
+        with self._lock:
+            self._outstanding[request_id] += 1
+        self._queue.put((request_id, items))
+
+
+class RankLoader(ChunkLoader):
+    """``ChunkLoader`` whose scatter runs on the ranks (lookup, threading and failure rules are the parent's)."""
+
+    def __init__(self, store, relay: KVRelay, shape, health):
+        super().__init__(store, [None] * relay.num_layers, 0, shape, health)   # lookup counts every layer
+        self.relay = relay
+
+    def _load_chunk(self, key: str, length: int, slots, a: int, b: int) -> bool:
+        with self.store.borrow([object_key(key, layer) for layer in range(self.relay.num_layers)]) as objs:
+            if any(o is None or tuple(o.shape) != self._shape(length) for o in objs):
+                self.failures += 1
+                logger.warning("chunk %s: missing or malformed object; recomputing from here", key)
+                return False
+            data = torch.stack([o[:, a:b] for o in objs])                          # [L, C, b - a, Hkv, D]
+        self.relay.scatter(slots, data)
+        return True
