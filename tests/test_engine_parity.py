@@ -89,3 +89,16 @@ def test_min_tokens_suppresses_eos(tiny_llama):
     [held] = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_id],
                                                     min_tokens=6))
     assert len(held.token_ids) >= 6 and stop_id not in held.token_ids[:6]
+
+
+def test_smollm2_matches_hf(smollm2):
+    ref = hf_model(smollm2)
+    llm = LLM(str(smollm2), max_num_batched_tokens=128)        # the 300-token prompt is chunked
+    tok = llm.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    prompts = [tok.encode(chat, add_special_tokens=False)] + [random_prompt(ref.config.vocab_size, n, seed=n)
+                                                             for n in (1, 17, 300)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(ref, p, 10) for p in prompts]
+    assert outs[0].text.startswith("The capital of France is Paris")

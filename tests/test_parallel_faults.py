@@ -1,0 +1,138 @@
+"""The rank watchdog end to end: a tp2 x pp2 ``AsyncEngine`` whose ranks we SIGKILL / SIGSTOP mid-generation.
+
+- SIGKILL rank 1 (tp 1, pp 0) while it is inside a step -> the in-flight request fails with a report
+  naming rank 1, its coordinates, the step and phase it died in; the engine turns unhealthy; every
+  rank is gone; all within --rank-timeout + 5 s.
+- SIGSTOP rank 2 (tp 0, pp 1) -> the same, "stalled ... (process stopped)", after --rank-timeout.
+- A rank stopped again and again for 0.6 s (the generation is slow but moves) is never reported.
+
+The phase expected in the report is read from the heartbeat once the signal has landed (the
+process can no longer change it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from hf_reference import random_prompt
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig
+from pdserve.engine.sampling_params import SamplingParams
+
+RANK_TIMEOUT = 2.0
+IDLE = ("starting", "recv_scheduler_output")
+
+
+@pytest.fixture()
+def engine(tiny_llama):
+    cfg = EngineConfig(model=str(tiny_llama), cache=CacheConfig(block_size=8),
+                       parallel=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                               rank_timeout=RANK_TIMEOUT))
+    eng = AsyncEngine(cfg)
+    yield eng
+    for info in eng.engine.runner.ranks:                  # let a stopped rank die with the others
+        if info.process.poll() is None:
+            os.kill(info.process.pid, signal.SIGCONT)
+    eng.shutdown()
+    eng.engine.runner.shutdown()
+
+
+async def _collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams, rid: str) -> list[int]:
+    tokens = []
+    async for out in engine.generate(prompt, params, rid):
+        tokens += out.new_token_ids
+    return tokens
+
+
+def _signal_mid_step(executor, rank: int, sig: int) -> tuple[float, object]:
+    """Send ``sig`` to ``rank`` once it is inside a step (after step 3); -> (time sent, its frozen state)."""
+    deadline = time.monotonic() + 60
+    while True:
+        state = executor.heartbeat.states()[rank]
+        if state.step > 3 and state.phase not in IDLE or time.monotonic() > deadline:
+            break
+    os.kill(executor.ranks[rank].process.pid, sig)
+    sent = time.monotonic()
+    while sig == signal.SIGSTOP and not _stopped(executor.ranks[rank].process.pid):
+        time.sleep(0.001)
+    if sig == signal.SIGKILL:
+        executor.ranks[rank].process.wait()
+    return sent, executor.heartbeat.states()[rank]
+
+
+def _stopped(pid: int) -> bool:
+    stat = open(f"/proc/{pid}/stat").read()
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+async def _fault_run(engine: AsyncEngine, rank: int, sig: int):
+    prompt = random_prompt(500, 20, seed=1)
+    params = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+    task = asyncio.create_task(_collect(engine, prompt, params, "victim"))
+    sent, state = await asyncio.to_thread(_signal_mid_step, engine.engine.runner, rank, sig)
+    with pytest.raises(EngineDeadError) as err:
+        await task
+    return time.monotonic() - sent, state, str(err.value)
+
+
+def _assert_all_ranks_gone(engine: AsyncEngine, spare: int | None = None) -> None:
+    for info in engine.engine.runner.ranks:
+        if info.rank == spare:                    # a stopped rank is killed too; reaped by the fixture
+            continue
+        assert info.process.poll() is not None
+        with pytest.raises(ProcessLookupError):
+            os.kill(info.process.pid, 0)
+
+
+def test_sigkill_names_rank_coordinates_and_phase(engine):
+    elapsed, state, message = asyncio.run(_fault_run(engine, 1, signal.SIGKILL))
+    assert re.search(rf"rank 1 \(tp 1, pp 0\) exited \(killed by SIGKILL\) in step {state.step} "
+                     rf"at phase {state.phase}; ", message), message
+    assert elapsed < RANK_TIMEOUT + 5
+    assert not engine.is_healthy()
+    _assert_all_ranks_gone(engine)
+
+
+def test_sigstop_is_reported_as_a_stall_after_the_rank_timeout(engine):
+    elapsed, state, message = asyncio.run(_fault_run(engine, 2, signal.SIGSTOP))
+    assert re.search(rf"rank 2 \(tp 0, pp 1\) stalled in step {state.step} at phase {state.phase} "
+                     rf"for \d+\.\ds \(process stopped\)", message), message
+    assert elapsed < RANK_TIMEOUT + 5
+    assert not engine.is_healthy()
+    _assert_all_ranks_gone(engine)
+
+
+def test_slow_but_progressing_rank_is_not_reported(engine, tiny_llama):
+    from pdserve.engine import LLM
+
+    prompt = random_prompt(500, 30, seed=2)
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    [expected] = LLM(str(tiny_llama), block_size=8).generate([prompt], params)
+    pid = engine.engine.runner.ranks[3].process.pid
+    done, cycles = threading.Event(), []
+
+    def stutter():                                   # 0.6 s frozen, 0.15 s running, while it generates
+        while not done.is_set() and len(cycles) < 6:
+            os.kill(pid, signal.SIGSTOP)
+            done.wait(0.6)
+            os.kill(pid, signal.SIGCONT)
+            cycles.append(1)
+            done.wait(0.15)
+
+    thread = threading.Thread(target=stutter)
+    thread.start()
+    try:
+        tokens = asyncio.run(_collect(engine, prompt, params, "slow"))
+    finally:
+        done.set()
+        thread.join()
+    assert tokens == expected.token_ids
+    assert len(cycles) >= 3, "the generation ended before the rank was slowed down"
+    assert engine.is_healthy() and engine.engine.runner.failure is None
