@@ -32,39 +32,41 @@ def build_step_inputs(scheduled, block_size: int) -> StepInputs:
     row = 0
     for item in scheduled:
         req, start, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
-        ctx_slots = _slots(req.block_ids, start + n, block_size)           # [start + n]
+        table = torch.tensor(req.block_ids[: (start + n + block_size - 1) // block_size], dtype=torch.long)
+        ctx_slots = _slots(table, start + n, block_size)                    # [start + n]
         ids.extend(req.all_token_ids[start:start + n])
         positions.append(torch.arange(start, start + n))
         slots.append(ctx_slots[start:])
         if n == 1:
-            decode_items.append((row, ctx_slots))
+            decode_items.append((row, table, start + n))
         else:
-            prefills.append(PrefillSeq(q_start=row, q_len=n, ctx_slots=ctx_slots))
+            prefills.append(PrefillSeq(q_start=row, q_len=n, ctx_slots=ctx_slots, block_table=table))
         row += n
         if start + n == req.num_tokens:
             sample_rows.append(row - 1)
             sample_requests.append(req)
     attn = AttentionMetadata(slot_mapping=torch.cat(slots), prefills=prefills,
-                             decodes=_decode_batch(decode_items), block_size=block_size)
+                             decodes=_decode_batch(decode_items, block_size), block_size=block_size)
     return StepInputs(torch.tensor(ids, dtype=torch.long), torch.cat(positions), attn,
                       torch.tensor(sample_rows, dtype=torch.long), sample_requests)
 
 
-def _slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+def _slots(table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
     """Flat cache slots of positions 0..num_tokens-1 through the block table."""
     pos = torch.arange(num_tokens)
-    table = torch.tensor(block_ids[: (num_tokens + block_size - 1) // block_size], dtype=torch.long)
     return table[pos // block_size] * block_size + pos % block_size
 
 
-def _decode_batch(items: list[tuple[int, torch.Tensor]]) -> DecodeBatch | None:
+def _decode_batch(items: list[tuple[int, torch.Tensor, int]], block_size: int) -> DecodeBatch | None:
+    """Decodes share one padded block table [B, nb]; padding points at block 0 and is masked out."""
     if not items:
         return None
-    lens = torch.tensor([s.numel() for _, s in items], dtype=torch.long)
-    width = int(lens.max())
-    slots = torch.zeros(len(items), width, dtype=torch.long)               # [B, L]
-    for i, (_, s) in enumerate(items):
-        slots[i, : s.numel()] = s
+    lens = torch.tensor([n for _, _, n in items], dtype=torch.long)
+    nb = max(t.numel() for _, t, _ in items)
+    table = torch.zeros(len(items), nb, dtype=torch.long)                  # [B, nb]
+    for i, (_, t, _) in enumerate(items):
+        table[i, : t.numel()] = t
+    width = nb * block_size
     mask = (torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)).view(len(items), 1, 1, width)
-    rows = torch.tensor([r for r, _ in items], dtype=torch.long)
-    return DecodeBatch(rows=rows, slots=slots, mask=mask, ctx_lens=lens)
+    rows = torch.tensor([r for r, _, _ in items], dtype=torch.long)
+    return DecodeBatch(rows=rows, slots=None, mask=mask, ctx_lens=lens, block_table=table)

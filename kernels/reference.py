@@ -31,15 +31,25 @@ def paged_attention(q, k, v, cache: dict, meta: AttentionMetadata, scale: float,
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        out[rows] = _prefill(q[rows], kc, vc, seq, scale, sliding_window)
+        out[rows] = _prefill(q[rows], kc, vc, seq, scale, sliding_window, cache)
     if meta.decodes is not None:
-        out[meta.decodes.rows] = _decode(q[meta.decodes.rows], kc, vc, meta.decodes, scale, sliding_window)
+        out[meta.decodes.rows] = _decode(q[meta.decodes.rows], kc, vc, meta.decodes, scale, sliding_window, cache)
     return out
 
 
-def _prefill(q, kc, vc, seq: PrefillSeq, scale, window) -> torch.Tensor:
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """cache [N, bs, Hkv, D], table [...] -> [..., bs * len, Hkv, D] (whole blocks, in table order)."""
+    blocks = cache.index_select(0, table.reshape(-1))
+    return blocks.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
+
+
+def _prefill(q, kc, vc, seq: PrefillSeq, scale, window, cache) -> torch.Tensor:
     # q: [Q, H, D]; context K/V: [C, Hkv, D] with C >= Q; query i sits at position C - Q + i
-    keys, values = kc[seq.ctx_slots], vc[seq.ctx_slots]
+    if seq.block_table is not None:
+        keys = _gather_blocks(cache["k"], seq.block_table)[: seq.ctx_len]
+        values = _gather_blocks(cache["v"], seq.block_table)[: seq.ctx_len]
+    else:
+        keys, values = kc[seq.ctx_slots], vc[seq.ctx_slots]
     q_pos = torch.arange(seq.ctx_len - seq.q_len, seq.ctx_len).unsqueeze(1)   # [Q, 1]
     k_pos = torch.arange(seq.ctx_len).unsqueeze(0)                            # [1, C]
     mask = k_pos <= q_pos
@@ -51,12 +61,15 @@ def _prefill(q, kc, vc, seq: PrefillSeq, scale, window) -> torch.Tensor:
     return o.transpose(0, 1)                                                  # [Q, H, D]
 
 
-def _decode(q, kc, vc, batch: DecodeBatch, scale, window) -> torch.Tensor:
+def _decode(q, kc, vc, batch: DecodeBatch, scale, window, cache) -> torch.Tensor:
     # q: [B, H, D]; gathered K/V: [B, L, Hkv, D]
-    keys, values = kc[batch.slots], vc[batch.slots]
+    if batch.block_table is not None:
+        keys, values = _gather_blocks(cache["k"], batch.block_table), _gather_blocks(cache["v"], batch.block_table)
+    else:
+        keys, values = kc[batch.slots], vc[batch.slots]
     mask = batch.mask
     if window is not None:
-        k_pos = torch.arange(batch.slots.shape[1]).view(1, 1, 1, -1)
+        k_pos = torch.arange(mask.shape[-1]).view(1, 1, 1, -1)
         mask = mask & (k_pos > (batch.ctx_lens - 1 - window).view(-1, 1, 1, 1))
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
