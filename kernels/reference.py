@@ -31,10 +31,20 @@ def paged_attention(q, k, v, cache: dict, meta: AttentionMetadata, scale: float,
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        out[rows] = _prefill(q[rows], kc, vc, seq, scale, sliding_window, cache)
+        if seq.ctx_len == seq.q_len and sliding_window is None:   # no cached context: plain causal
+            out[rows] = _causal(q[rows], k[rows], v[rows], scale)
+        else:
+            out[rows] = _prefill(q[rows], kc, vc, seq, scale, sliding_window, cache)
     if meta.decodes is not None:
         out[meta.decodes.rows] = _decode(q[meta.decodes.rows], kc, vc, meta.decodes, scale, sliding_window, cache)
     return out
+
+
+def _causal(q, k, v, scale) -> torch.Tensor:
+    # q: [Q, H, D]; k, v: [Q, Hkv, D], the whole sequence: no gather, no explicit mask
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       is_causal=True, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
 
 
 def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
