@@ -55,7 +55,7 @@ class StoreConnector:
         self.fingerprint = model_fingerprint(model_config.architecture, weights_identity(model_config.model_dir),
                                              str(layout.dtype), self.layout_text, FORMAT_VERSION)
         shape = (len(layout.components), layout.num_kv_heads, layout.head_dim)
-        self.health = TierHealth("kv-store", base_s=1.0, max_s=30.0)
+        self.health = TierHealth("kv-store", base_s=2.0, max_s=30.0)
         durable = role == "prefill" and hasattr(store, "flush")   # embedded store: the reader is elsewhere
         self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health, durable)
         self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health)

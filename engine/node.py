@@ -89,12 +89,15 @@ def config_from_args(args) -> EngineConfig:
 
 
 def run_node(args) -> int:
+    config = config_from_args(args)
+    if config.parallel.node_rank > 0:
+        return run_worker_node(config)
     import uvicorn
 
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.engine.server import build_app
 
-    engine = AsyncEngine(config_from_args(args))
+    engine = AsyncEngine(config)
     app = build_app(engine, api_key=args.api_key)
     logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name, args.host, args.port)
     try:
@@ -102,3 +105,16 @@ def run_node(args) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """``--node-rank N > 0``: no scheduler, no HTTP; run this machine's slice of the tp x pp ranks."""
+    from pdserve.engine.parallel.launcher import launch
+
+    par = config.parallel
+    first = par.node_rank * par.ranks_per_node
+    logger.info("node %d of %d: ranks [%d, %d) of tp %d x pp %d, driver at %s:%d", par.node_rank, par.nnodes,
+                first, first + par.ranks_per_node, par.tensor_parallel_size, par.pipeline_parallel_size,
+                par.master_addr, par.master_port)
+    return launch(par.master_addr, par.master_port, list(range(first, first + par.ranks_per_node)),
+                  node_rank=par.node_rank, world_size=par.world_size)

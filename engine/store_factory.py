@@ -18,5 +18,5 @@ def build_node_store(cfg: KVTransferConfig):
     if url.startswith("tcp://"):
         from pdserve.kvstore.client import DaemonClient
 
-        return DaemonClient(url, token=cfg.kv_auth_token, shm_bytes=cfg.kv_shm_bytes, timeout_s=5.0)
+        return DaemonClient(url, token=cfg.kv_auth_token, shm_bytes=cfg.kv_shm_bytes, timeout_s=2.0)
     raise ValueError(f"--kv-store {url!r}: want 'embedded' or tcp://HOST:PORT")

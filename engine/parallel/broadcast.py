@@ -19,6 +19,10 @@ frame ``seq`` once ``write_seq > seq``. Counters are aligned int64s written by o
 (single writer per counter), payload before counter. A message larger than a slot spans several
 frames, so any size streams through the ring. Waiting backs off from yielding to 1 ms sleeps.
 
+The reverse direction (many writers anywhere -> the one reader that created the queue: step
+results and KV parts from ranks on other machines, heartbeat mirrors) is ``create_inbound``: the
+reader binds a zmq PULL socket and writers connect PUSH sockets; no ring.
+
 Failures are named, never hangs: a writer blocked on a full ring raises ``ReaderDeadError`` when
 the lagging reader's process is gone and ``ReaderStalledError`` when it read nothing for
 ``timeout`` seconds; a reader raises ``WriterDeadError`` when the writer's process is gone.
@@ -66,6 +70,7 @@ class QueueHandle(msgspec.Struct, frozen=True):
     num_local_readers: int
     zmq_addr: str = ""            # XPUB address for remote readers ("" when there are none)
     num_remote_readers: int = 0
+    inbound: bool = False         # create_inbound: the reader binds PULL at zmq_addr, writers PUSH to it
 
 
 class MessageQueue:
@@ -97,12 +102,22 @@ class MessageQueue:
             zmq_addr = f"tcp://{bind_host}:{_free_port(bind_host)}"
         return QueueHandle(path, num_slots, slot_bytes, num_local_readers, zmq_addr, num_remote_readers)
 
+    @staticmethod
+    def create_inbound(bind_host: str) -> QueueHandle:
+        """A queue read by the creator's process only, written from anywhere (zmq PUSH -> PULL)."""
+        return QueueHandle("", 0, 0, 0, f"tcp://{bind_host}:{_free_port(bind_host)}", 0, inbound=True)
+
     @classmethod
     def writer(cls, handle: QueueHandle) -> MessageQueue:
         q = cls(handle, "writer")
         if q._counters is not None:
             q._counters[1] = os.getpid()
-        if handle.num_remote_readers:
+        if handle.inbound:
+            q._sock = zmq.Context.instance().socket(zmq.PUSH)
+            q._sock.setsockopt(zmq.SNDHWM, 0)
+            q._sock.setsockopt(zmq.LINGER, 2000)            # never block exit on a reader that is gone
+            q._sock.connect(handle.zmq_addr)
+        elif handle.num_remote_readers:
             q._sock = zmq.Context.instance().socket(zmq.XPUB)
             q._sock.setsockopt(zmq.SNDHWM, 0)
             q._sock.bind(handle.zmq_addr)
@@ -110,11 +125,16 @@ class MessageQueue:
 
     @classmethod
     def reader(cls, handle: QueueHandle, index: int) -> MessageQueue:
-        """``index`` in [0, num_local_readers) reads the ring; -1 is a remote reader over zmq."""
+        """``index`` in [0, num_local_readers) reads the ring; -1 is a remote reader over zmq (or the
+        inbound queue's reader)."""
         if not -1 <= index < handle.num_local_readers:
             raise ValueError(f"reader index {index} is outside [-1, {handle.num_local_readers})")
         q = cls(handle, "reader", index)
-        if index >= 0:
+        if handle.inbound:
+            q._sock = zmq.Context.instance().socket(zmq.PULL)
+            q._sock.setsockopt(zmq.RCVHWM, 0)
+            q._sock.bind(handle.zmq_addr)
+        elif index >= 0:
             q._counters[2 + 2 * index + 1] = os.getpid()
             q._seq = int(q._counters[2 + 2 * index])
         else:

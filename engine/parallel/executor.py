@@ -10,9 +10,11 @@
 
 Start-up: the driver hosts the rendezvous ``TCPStore`` on --master-addr:--master-port, publishes
 the ``WorkerSpec`` there (queue handles, heartbeat file), and starts its machine's ranks with
-``python -m pdserve.engine.parallel.worker``; ranks on other machines are started by
-``pdserve node --node-rank N`` (``launch_node_workers``). The watchdog thread checks every 0.2 s;
-on a report it kills every local rank, and the waiting ``execute`` raises with the report.
+one ``python -m pdserve.engine.parallel.launcher`` (which forks one process per rank). The
+watchdog thread checks every 0.2 s; on a report it kills every rank, and the waiting ``execute``
+raises with the report. With --nnodes N the driver's machine runs ranks [0, W/N); ``pdserve node
+--node-rank n`` on machine n runs the n-th slice (``launcher.launch``), mirrors their heartbeats
+here and kills them when this executor reports a failure (``mirror.py``).
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import msgspec
 import torch.distributed as dist
 
 from pdserve.engine.parallel import messages as m
-from pdserve.engine.parallel.broadcast import MessageQueue, QueueError, unlink
+from pdserve.engine.parallel.broadcast import MessageQueue, QueueError
+from pdserve.engine.parallel.channels import Channels
 from pdserve.engine.parallel.kv import KVRelay
+from pdserve.engine.parallel.mirror import FAILED_KEY, MirrorReceiver
 from pdserve.engine.parallel.watchdog import Heartbeat, RankInfo, Watchdog
 from pdserve.engine.parallel.worker import READY_KEY, SPEC_KEY
 from pdserve.engine.sampler import SampleResult
@@ -52,29 +57,32 @@ class ParallelExecutor:
     def __init__(self, config, num_layers: int, num_blocks: int, start_timeout: float = 600.0):
         par = config.parallel
         self.config, self.par, self.step = config, par, 0
-        self.failure: str | None = None
+        self.failure: str | None = None          # the watchdog's report, set once every rank is gone
+        self._report: str | None = None
         self._released: list[str] = []
         self._busy: dict[int, float] = {}          # waits in progress -> when they began
         self._busy_ids = itertools.count()
         self._lock, self._send_lock = threading.Lock(), threading.Lock()
+        self._stopping = False
         self.store = dist.TCPStore(par.master_addr, par.master_port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=start_timeout))
-        local = list(range(par.ranks_per_node))
-        self._bcast = MessageQueue.create(len(local), par.world_size - len(local), bind_host=par.master_addr)
-        self._results_handle = MessageQueue.create(1)
-        self._part_handles = [MessageQueue.create(1) for _ in local]
+        local = list(range(par.ranks_per_node))                 # node 0's ranks; node n has the n-th slice
+        self.ch = Channels.create(par.world_size, local, (par.pipeline_parallel_size - 1) * par.tensor_parallel_size,
+                                  par.master_addr)
         self._hb_path = Heartbeat.create(par.world_size)
         self.heartbeat = Heartbeat(self._hb_path)
-        self.outbox = MessageQueue.writer(self._bcast)
-        self.inbox = MessageQueue.reader(self._results_handle, 0)
-        self.kv_io = KVRelay(self, {r: MessageQueue.reader(h, 0) for r, h in zip(local, self._part_handles)},
+        self.outbox = MessageQueue.writer(self.ch.broadcast)
+        self.inbox = Channels.read(self.ch.results)
+        self.kv_io = KVRelay(self, {r: Channels.read(h) for r, h in enumerate(self.ch.kv_parts)},
                              num_layers, par.tensor_parallel_size)
+        self.ranks = [RankInfo(r, r % par.tensor_parallel_size, r // par.tensor_parallel_size, r in local)
+                      for r in range(par.world_size)]
+        self.launcher = spawn_launcher(par.master_addr, self.store.port, local, self._hb_path, par.debug_sync)
+        self.watchdog = Watchdog(self.heartbeat, self.ranks, par.rank_timeout, self.launcher)
+        self._mirror = MirrorReceiver(self.ch.mirror, self.heartbeat, self.watchdog) if self.ch.mirror else None
+        if self._mirror is not None:
+            self._mirror.start()
         self.store.set(SPEC_KEY, msgspec.json.encode(self._spec(config, num_blocks, local)))
-        self.ranks = [RankInfo(r, r % par.tensor_parallel_size, r // par.tensor_parallel_size,
-                               spawn_worker(par.master_addr, self.store.port, r, par.debug_sync)) for r in local]
-        self.ranks += [RankInfo(r, r % par.tensor_parallel_size, r // par.tensor_parallel_size)
-                       for r in range(len(local), par.world_size)]
-        self.watchdog = Watchdog(self.heartbeat, self.ranks, par.rank_timeout)
         atexit.register(self.shutdown)
         self._wait_ready(start_timeout)
         self._thread = threading.Thread(target=self._watch, name="pdserve-watchdog", daemon=True)
@@ -84,10 +92,8 @@ class ParallelExecutor:
         par = config.parallel
         return m.WorkerSpec(model=config.model, dtype=config.dtype, seed=config.seed, tp=par.tensor_parallel_size,
                             pp=par.pipeline_parallel_size, num_blocks=num_blocks, block_size=config.cache.block_size,
-                            broadcast=msgspec.to_builtins(self._bcast), results=msgspec.to_builtins(self._results_handle),
-                            kv_parts=[msgspec.to_builtins(h) for h in self._part_handles],
-                            heartbeat=self._hb_path, local_ranks=local, rank_timeout=par.rank_timeout,
-                            debug_sync=par.debug_sync)
+                            local_ranks=local, rank_timeout=par.rank_timeout, debug_sync=par.debug_sync,
+                            **self.ch.spec_fields())
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -98,11 +104,23 @@ class ParallelExecutor:
                                      f"{self.store.add(READY_KEY, 0)} of {self.par.world_size} ready")
                 raise RankFailedError(f"starting the workers failed: {self.failure}")
             time.sleep(0.05)
-        if self._bcast.num_remote_readers:
+        if self.ch.broadcast.num_remote_readers:
             self.outbox.wait_for_remote_readers(timeout)
         logger.info("%d worker ranks ready (tp %d x pp %d): pids %s", self.par.world_size,
-                    self.par.tensor_parallel_size, self.par.pipeline_parallel_size,
-                    [i.process.pid for i in self.ranks if i.process is not None])
+                    self.par.tensor_parallel_size, self.par.pipeline_parallel_size, self.rank_pids())
+
+    def rank_pids(self) -> list[int]:
+        """This machine's rank processes (the launcher's children, and any pid a local rank reported)."""
+        reported = {s.pid for i, s in zip(self.ranks, self.heartbeat.states()) if i.local and s.pid}
+        try:
+            children = Path(f"/proc/{self.launcher.pid}/task/{self.launcher.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        return sorted(reported | {int(c) for c in children})
+
+    def pids(self) -> list[int]:
+        """Every process this executor started: the ranks and their launcher."""
+        return self.rank_pids() + [self.launcher.pid]
 
     # -- the engine thread ----------------------------------------------------------------------
 
@@ -128,7 +146,7 @@ class ParallelExecutor:
                 self.outbox.enqueue(data, timeout=self.par.rank_timeout)
         except QueueError as exc:
             self._fail(self.watchdog.check(self._busy_since()) or str(exc))
-            self.raise_if_failed()
+            raise RankFailedError(self._report) from None
 
     @contextlib.contextmanager
     def busy(self):
@@ -163,64 +181,70 @@ class ParallelExecutor:
     # -- watchdog -------------------------------------------------------------------------------
 
     def _watch(self) -> None:
-        while self.failure is None:
+        while self._report is None and not self._stopping:
             report = self.watchdog.check(self._busy_since())
             if report:
                 self._fail(report)
                 return
             time.sleep(0.2)
 
-    def _fail(self, report: str) -> None:
+    def _fail(self, report: str, log: bool = True) -> None:
+        """Kill every rank, then publish ``failure`` (so a caller that sees it sees no rank left)."""
         with self._lock:
-            if self.failure is not None:
+            if self._report is not None:
                 return
-            self.failure = report
-        logger.error("%s; shutting down every rank", report)
+            self._report = report
+        if log:
+            logger.error("%s; shutting down every rank", report)
+            self.store.set(FAILED_KEY, report)             # launchers on other machines kill their ranks
         self._kill_all()
+        self.failure = report
 
     # -- teardown -------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Ask every rank to exit, then kill any that did not within 10 s; remove the shared files."""
-        if self.failure is None:
+        self._stopping = True
+        if self._report is None:
             try:
                 self.outbox.enqueue(m.encode(m.Shutdown("driver shutdown")), timeout=2.0)
-            except QueueError:
+                self.launcher.wait(timeout=10)
+            except (QueueError, subprocess.TimeoutExpired):
                 pass
-            deadline = time.monotonic() + 10
-            for info in self._local():
-                try:
-                    info.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        with self._lock:
-            self.failure = self.failure or "the executor was shut down"
-        self._kill_all()
+        self._fail("the executor was shut down", log=False)
 
     def _kill_all(self) -> None:
-        for info in self._local():
-            if info.process.poll() is None:
-                os.kill(info.process.pid, signal.SIGKILL)     # also ends a SIGSTOPped rank
-        for info in self._local():
-            info.process.wait()
-        for handle in (self._bcast, self._results_handle, *self._part_handles):
-            unlink(handle)
+        for pid in self.rank_pids():
+            _kill(pid)                                     # SIGKILL also ends a SIGSTOPped rank
+        try:
+            self.launcher.wait(timeout=10)                 # it exits once it reaped every rank
+        except subprocess.TimeoutExpired:
+            _kill(self.launcher.pid)
+            self.launcher.wait()
+        self.ch.close()
+        if self._mirror is not None:
+            self._mirror.stop.set()
         try:
             os.unlink(self._hb_path)
         except FileNotFoundError:
             pass
 
-    def _local(self) -> list[RankInfo]:
-        return [i for i in self.ranks if i.process is not None]
 
-
-def spawn_worker(master_addr: str, master_port: int, rank: int, debug_sync: bool = False) -> subprocess.Popen:
+def spawn_launcher(master_addr: str, master_port: int, ranks: list[int], heartbeat: str,
+                   debug_sync: bool = False) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if debug_sync:
         env["CUDA_LAUNCH_BLOCKING"] = "1"                 # every kernel synchronous, errors at their call site
-    cmd = [sys.executable, "-m", "pdserve.engine.parallel.worker", "--master-addr", master_addr,
-           "--master-port", str(master_port), "--rank", str(rank)]
+    cmd = [sys.executable, "-m", "pdserve.engine.parallel.launcher", "--master-addr", master_addr,
+           "--master-port", str(master_port), "--ranks", ",".join(map(str, ranks)), "--heartbeat", heartbeat]
     return subprocess.Popen(cmd, env=env)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _step_request(item, block_size: int) -> m.StepRequest:

@@ -4,6 +4,7 @@
     last stage, tp rank 0 ──StepResult──> driver (a MessageQueue with one reader)
     driver ──KVGather / KVScatter──> every rank (the same broadcast queue)  KV publish / load
     each rank ──KVPart──> driver (one MessageQueue per rank)
+    launcher on another machine ──HeartbeatMirror──> driver (every 0.1 s)
     driver ──WorkerSpec──> every rank, through the rendezvous store, once at start-up
 
 A ``StepMessage`` carries what a rank needs to build its model inputs without the scheduler's
@@ -98,11 +99,18 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     block_size: int
     broadcast: dict                 # broadcast.QueueHandle as a dict
     results: dict                   # the result queue's handle
-    heartbeat: str                  # watchdog.Heartbeat file
-    kv_parts: list[dict]            # per local rank: the handle of its KV answer queue (rank -> driver)
-    local_ranks: list[int]          # ranks that read the ring (the driver's machine)
+    kv_parts: list[dict]            # per rank: the handle of its KV answer queue (rank -> driver)
+    heartbeat_mirror: dict          # inbound queue for other machines' heartbeat records (HeartbeatMirror)
+    local_ranks: list[int]          # ranks on the driver's machine (they read the ring)
     rank_timeout: float
     debug_sync: bool = False
+    version: int = VERSION
+
+
+class HeartbeatMirror(msgspec.Struct, frozen=True, array_like=True):
+    """A remote launcher's copy of its ranks' heartbeat records, sent every 0.1 s (ages, not clocks)."""
+    node_rank: int
+    records: list[list[int]]        # [rank, step, phase, seq, age_ns, pid, exit, stopped]
     version: int = VERSION
 
 
@@ -111,6 +119,7 @@ _encoder = msgspec.msgpack.Encoder()
 _driver_decoder = msgspec.msgpack.Decoder(DriverMessage)
 _result_decoder = msgspec.msgpack.Decoder(StepResult)
 _part_decoder = msgspec.msgpack.Decoder(KVPart)
+_mirror_decoder = msgspec.msgpack.Decoder(HeartbeatMirror)
 
 
 def encode(message) -> bytes:
@@ -123,6 +132,10 @@ def decode_driver_message(data: bytes) -> DriverMessage:
 
 def decode_part(data: bytes) -> KVPart:
     return _check(_part_decoder.decode(data))
+
+
+def decode_mirror(data: bytes) -> HeartbeatMirror:
+    return _check(_mirror_decoder.decode(data))
 
 
 def decode_result(data: bytes) -> StepResult:

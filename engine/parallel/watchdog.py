@@ -3,19 +3,24 @@
 Each worker rank (``worker.py``) writes its record at every phase boundary, and ``tick``s inside long
 phases (every decoder layer), so a slow step that keeps moving is never reported:
 
-    record[rank] = [step, phase, seq (moves within the step), monotonic ns of the last move, pid]
+    record[rank] = [step, phase, seq (moves within the step), monotonic ns of the last move, pid, exit, stopped]
+
+``exit`` is written by the rank launcher (``launcher.py``, the ranks' parent) when it reaps the rank:
+0 while running, code + 1 after a normal exit, -signal after a kill.
 
 The driver's ``Watchdog.check`` (``ParallelExecutor``'s watchdog thread, every 0.2 s) reports:
 
-* a rank whose process exited, at once:
+* a rank whose process exited (or the launcher that is their parent), at once (when several did: a
+  killed one, else one that was not waiting on a peer):
   ``rank 3 (tp 1, pp 1) exited (killed by SIGKILL) in step 12 at phase forward; ranks 0-2 are waiting in all_reduce``
 * while the driver waits for a step: no rank moved for ``--rank-timeout`` seconds ->
   ``rank 6 (tp 0, pp 3) stalled in step 1234 at phase recv_from_prev_stage for 30.0s; ranks 0-5 are waiting in all_reduce``
 
 The stalled rank is the one the others wait for: a stopped process (``/proc`` state T), else among
 the ranks at the lowest step the one not in a waiting phase, else the earliest pipeline stage, else
-the rank that moved least within the step. Monotonic clocks compare only on one machine, so the file
-covers the driver's machine's ranks.
+the rank that moved least within the step. Each machine has its own file; a launcher on another
+machine mirrors its ranks' records to the driver as ages (``export`` -> ``absorb``, ``mirror.py``),
+since monotonic clocks compare only on one machine; ``stopped`` is set by that mirror.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ PHASES = ("starting", "recv_scheduler_output", "recv_from_prev_stage", "forward"
           "send_to_next_stage", "sample", "kv_load", "kv_save")
 WAITING = frozenset({"recv_scheduler_output", "recv_from_prev_stage", "all_reduce", "all_gather",
                      "send_to_next_stage"})
-_FIELDS = 5                                       # step, phase, seq, t_ns, pid
+_FIELDS = 7                                       # step, phase, seq, t_ns, pid, exit, stopped
 _DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 
@@ -48,6 +53,8 @@ class RankState:
     seq: int
     age_s: float            # seconds since the rank last moved
     pid: int
+    exit: int               # 0: running; code + 1; -signal
+    stopped: bool           # mirrored from another machine (local ranks: read /proc instead)
 
 
 class Heartbeat:
@@ -87,6 +94,10 @@ class Heartbeat:
         r[2] = r[2] + 1 if r[0] == self.step else 0
         r[0], r[1], r[3] = self.step, PHASES.index(phase), time.monotonic_ns()
 
+    def record_exit(self, rank: int, status: int) -> None:
+        """The launcher reaped ``rank``: ``status`` as ``os.waitstatus_to_exitcode`` gives it."""
+        self._rec[rank, 5] = status + 1 if status >= 0 else status
+
     def tick(self) -> None:
         """Progress inside a phase (a decoder layer finished)."""
         r = self._rec[self.rank]
@@ -96,7 +107,18 @@ class Heartbeat:
     def states(self) -> list[RankState]:
         now = time.monotonic_ns()
         return [RankState(int(r[0]), PHASES[int(r[1])], int(r[2]), (now - int(r[3])) / 1e9 if r[3] else 0.0,
-                          int(r[4])) for r in self._rec.copy()]
+                          int(r[4]), int(r[5]), bool(r[6])) for r in self._rec.copy()]
+
+    def export(self, ranks: list[int]) -> list[list[int]]:
+        """Records of ``ranks`` with ages instead of clock values, for another machine's ``absorb``."""
+        now = time.monotonic_ns()
+        return [[rank, *map(int, r[:3]), now - int(r[3]) if r[3] else -1, int(r[4]), int(r[5]), int(_stopped(int(r[4])))]
+                for rank, r in zip(ranks, self._rec[ranks].copy())]
+
+    def absorb(self, records: list[list[int]]) -> None:
+        now = time.monotonic_ns()
+        for rank, step, phase, seq, age, pid, exit_, stopped in records:
+            self._rec[rank] = [step, phase, seq, now - age if age >= 0 else 0, pid, exit_, stopped]
 
     def close(self) -> None:
         self._rec = None
@@ -108,35 +130,49 @@ class RankInfo:
     rank: int
     tp: int
     pp: int
-    process: object | None = None      # subprocess.Popen of a local rank, None for a remote one
+    local: bool = True                 # on the driver's machine: in the heartbeat file
 
     def name(self) -> str:
         return f"rank {self.rank} (tp {self.tp}, pp {self.pp})"
 
 
 class Watchdog:
-    def __init__(self, heartbeat: Heartbeat, ranks: list[RankInfo], timeout: float):
+    def __init__(self, heartbeat: Heartbeat, ranks: list[RankInfo], timeout: float, launcher=None):
         self.heartbeat, self.ranks, self.timeout = heartbeat, ranks, timeout
+        self.launcher = launcher           # subprocess.Popen of the ranks' parent, if any
+        self._mirrors: dict[int, tuple[list[int], float]] = {}   # node -> (its ranks, monotonic last mirror)
+
+    def saw_mirror(self, node_rank: int, ranks: list[int]) -> None:
+        """A heartbeat mirror from another machine arrived (``mirror.py``)."""
+        self._mirrors[node_rank] = (ranks, time.monotonic())
 
     def check(self, busy_since: float | None) -> str | None:
         """A report if a rank exited, or if the driver has waited on a step (since monotonic ``busy_since``)
         while no rank moved for ``timeout`` seconds; else None."""
         states = self.heartbeat.states()
-        for info in self.ranks:
-            code = info.process.poll() if info.process is not None else None
-            if code is not None:
-                return self._report(info, states, f"exited ({_exit_text(code)})", "")
+        exited = [i for i in self.ranks if states[i.rank].exit]
+        if exited:
+            info = min(exited, key=lambda i: _exit_rank(states[i.rank]))
+            e = states[info.rank].exit
+            return self._report(info, states, f"exited ({_exit_text(e - 1 if e > 0 else e)})", "")
+        if self.launcher is not None and self.launcher.poll() is not None:
+            others = _group_by_phase([(i.rank, states[i.rank].phase) for i in self.ranks])
+            return f"the rank launcher (pid {self.launcher.pid}) exited ({_exit_text(self.launcher.poll())}); {others}"
+        for node, (ranks, seen) in list(self._mirrors.items()):
+            if time.monotonic() - seen > self.timeout:
+                return (f"node {node} (ranks {_ranges(ranks)}) sent no heartbeat for {time.monotonic() - seen:.1f}s "
+                        f"(its launcher, machine or network is gone)")
         if busy_since is None:
             return None
         quiet = min(min(s.age_s for s in states), time.monotonic() - busy_since)
         if quiet <= self.timeout:
             return None
         culprit = self._culprit(states)
-        stopped = " (process stopped)" if _stopped(states[culprit.rank].pid) else ""
+        stopped = " (process stopped)" if self._is_stopped(culprit, states) else ""
         return self._report(culprit, states, "stalled", f" for {states[culprit.rank].age_s:.1f}s{stopped}")
 
     def _culprit(self, states: list[RankState]) -> RankInfo:
-        stopped = [i for i in self.ranks if _stopped(states[i.rank].pid)]
+        stopped = [i for i in self.ranks if self._is_stopped(i, states)]
         if stopped:
             return stopped[0]
         low = min(states[i.rank].step for i in self.ranks)
@@ -147,6 +183,10 @@ class Watchdog:
         first_stage = min(i.pp for i in behind)
         stage = [i for i in behind if i.pp == first_stage]
         return min(stage, key=lambda i: states[i.rank].seq)
+
+    @staticmethod
+    def _is_stopped(info: RankInfo, states: list[RankState]) -> bool:
+        return _stopped(states[info.rank].pid) if info.local else states[info.rank].stopped
 
     def _report(self, culprit: RankInfo, states: list[RankState], what: str, tail: str) -> str:
         s = states[culprit.rank]
@@ -180,7 +220,14 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
+def _exit_rank(state: RankState) -> tuple[int, int]:
+    """Which exit caused the others: a killed rank before one that failed, and a rank that failed
+    while working before one that failed while waiting (its peer's death broke a collective)."""
+    return (0 if state.exit < 0 else 1, 1 if state.phase in WAITING else 0)
+
+
 def _exit_text(code: int) -> str:
+    """``code``: -signal or an exit code (``Popen.returncode`` convention)."""
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

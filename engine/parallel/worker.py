@@ -1,7 +1,7 @@
-"""One TP x PP worker rank: ``python -m pdserve.engine.parallel.worker --master-addr A --master-port P --rank R``.
+"""One TP x PP worker rank: ``run_rank(master_addr, master_port, rank)``.
 
-Started by ``ParallelExecutor`` (one process per rank on the driver's machine) or by
-``pdserve node --node-rank N`` on another machine. Start-up, in order:
+Called in a process forked for the rank by ``launcher.py`` (started by ``ParallelExecutor``).
+Start-up, in order:
 
     TCPStore client -> WorkerSpec (JSON, "pdserve/spec")  -> heartbeat "starting"
     torch.distributed gloo over the same store; one TP group per pipeline stage
@@ -20,16 +20,13 @@ Rank r has coordinates tp = r % T, pp = r // T. Every process uses one torch thr
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 from datetime import timedelta
 
 import msgspec
 import torch
 import torch.distributed as dist
 
-from pdserve.engine import envs
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel import messages as m
@@ -48,14 +45,14 @@ def connect_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 
 class Worker:
-    def __init__(self, store: dist.TCPStore, rank: int):
+    def __init__(self, store: dist.TCPStore, rank: int, heartbeat_path: str):
         self.spec = msgspec.json.decode(store.get(SPEC_KEY), type=m.WorkerSpec)
         spec = self.spec
         self.coords = Coords(rank, rank % spec.tp, rank // spec.tp, spec.tp, spec.pp)
         local = rank in spec.local_ranks
         if spec.debug_sync:
             logging.getLogger("pdserve.engine.parallel.watchdog").setLevel(logging.INFO)
-        self.heartbeat = Heartbeat(spec.heartbeat, rank, spec.debug_sync, str(self.coords)) if local else _NoHeartbeat()
+        self.heartbeat = Heartbeat(heartbeat_path, rank, spec.debug_sync, str(self.coords))
         torch.manual_seed(spec.seed)
         dist.init_process_group("gloo", store=dist.PrefixStore("pdserve/pg", store), rank=rank,
                                 world_size=spec.tp * spec.pp, timeout=timedelta(seconds=2 * spec.rank_timeout + 60))
@@ -64,8 +61,7 @@ class Worker:
         handle = msgspec.convert(spec.broadcast, QueueHandle)
         self.inbox = MessageQueue.reader(handle, spec.local_ranks.index(rank) if local else -1)
         self.results = MessageQueue.writer(msgspec.convert(spec.results, QueueHandle)) if self.coords.samples else None
-        self.kv_out = MessageQueue.writer(msgspec.convert(spec.kv_parts[spec.local_ranks.index(rank)], QueueHandle)) \
-            if local else None
+        self.kv_out = MessageQueue.writer(msgspec.convert(spec.kv_parts[rank], QueueHandle))
         store.add(READY_KEY, 1)
         logger.info("rank %d (%s) ready", rank, self.coords)
 
@@ -124,38 +120,13 @@ class Worker:
         self.kv_out.enqueue(m.encode(part), timeout=self.spec.rank_timeout)
 
 
-class _NoHeartbeat:
-    """A rank on another machine: the driver's heartbeat file is not reachable from here."""
-
-    step = 0
-
-    def begin_step(self, step: int) -> None:
-        self.step = step
-
-    def enter(self, phase: str) -> None:
-        pass
-
-    def tick(self) -> None:
-        pass
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve-worker")
-    p.add_argument("--master-addr", required=True)
-    p.add_argument("--master-port", type=int, required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--connect-timeout", type=float, default=300.0)
-    args = p.parse_args(argv)
+def run_rank(master_addr: str, master_port: int, rank: int, heartbeat_path: str,
+             connect_timeout: float = 300.0) -> int:
+    """A rank's whole life (called in the process forked for it by ``launcher.py``); -> exit code."""
     torch.set_num_threads(1)
-    logging.basicConfig(level=envs.PDSERVE_LOG_LEVEL,
-                        format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
-    store = connect_store(args.master_addr, args.master_port, args.connect_timeout)
-    worker = Worker(store, args.rank)
+    store = connect_store(master_addr, master_port, connect_timeout)
+    worker = Worker(store, rank, heartbeat_path)
     try:
         return worker.run()
     finally:
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
