@@ -84,7 +84,8 @@ def bench_config(args, base_url: str, metrics_urls: tuple[str, ...] = ()) -> Ben
     dataset = dataset_config(args)
     return BenchConfig(
         base_url=base_url, endpoint=args.endpoint or BACKENDS[args.backend], backend=args.backend,
-        model=getattr(args, "target_model", args.model), served_model_name=getattr(args, "served_model_name", None), tokenizer=args.tokenizer, dataset=dataset,
+        model=getattr(args, "target_model", args.model), served_model_name=getattr(args, "served_model_name", None),
+        tokenizer=args.tokenizer, dataset=dataset,
         traffic=TrafficConfig(args.request_rate, args.burstiness, args.max_concurrency, args.num_warmups,
                               args.seed, args.disable_tqdm),
         ignore_eos=args.ignore_eos or dataset.name == "random",     # vLLM: random always runs to length

@@ -49,34 +49,49 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args) -> int:
-    from pdserve.bench.report import result_filename
     from pdserve.bench.serve import run_bench
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)        # one INFO line per request otherwise
+    _quiet_libraries()
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     try:
         cfg = bench_args.bench_config(args, base_url)
     except ValueError as exc:
         raise SystemExit(f"pdserve bench serve: {exc}") from None
-    res = run_bench(cfg)
+    try:
+        res = run_bench(cfg)
+    except (RuntimeError, FileNotFoundError) as exc:     # server unreachable, tokenizer not found
+        raise SystemExit(f"pdserve bench serve: {exc}") from None
     print(res.table)
     for err in [o.error for o in res.outputs if not o.success][:10]:
         print(f"failed request: {err.strip()[:300]}", file=sys.stderr)
     if args.save_result:
-        date = datetime.now().strftime("%Y%m%d-%H%M%S")
-        res.result["date"] = date
-        name = args.result_filename or result_filename(_run_info(res, cfg), date)
-        if args.result_dir:
-            os.makedirs(args.result_dir, exist_ok=True)
-            name = os.path.join(args.result_dir, name)
-        with open(name, "w", encoding="utf-8") as f:
-            json.dump(res.result, f)
-        print(f"result written to {name}")
+        print(f"result written to {_save_result(args, res, cfg)}")
     if args.plot:
         from pdserve.bench.plots import plot_run
 
         print(f"plot written to {plot_run(res.outputs, args.plot, _title(res))}")
     return 0 if res.metrics.completed else 1
+
+
+def _save_result(args, res, cfg) -> str:
+    """vLLM's file name (or --result-filename) in --result-dir; the date in it is the file's."""
+    from pdserve.bench.report import result_filename
+
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    res.result["date"] = date
+    name = args.result_filename or result_filename(_run_info(res, cfg), date)
+    if args.result_dir:
+        os.makedirs(args.result_dir, exist_ok=True)
+        name = os.path.join(args.result_dir, name)
+    with open(name, "w", encoding="utf-8") as f:
+        json.dump(res.result, f)
+    return name
+
+
+def _quiet_libraries() -> None:
+    """httpx logs one INFO line per request, matplotlib its font and axis choices."""
+    for name in ("httpx", "matplotlib"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _run_info(res, cfg):
@@ -94,7 +109,7 @@ def _title(res) -> str:
 
 
 def run_sweep(args) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    _quiet_libraries()
     from pdserve.bench.sweep import run_sweep_command
 
     return run_sweep_command(args)

@@ -5,9 +5,8 @@ Called by ``serve`` (and ``sweep``) once per run, before any request is sent:
     requests = sample_requests(DatasetConfig(name="random", num_prompts=64, ...), tokenizer)
 
 Every dataset is built in token-id space from ``numpy.random.default_rng(seed)`` and turned into
-text with the model's tokenizer (decode, re-encode, cut to length, decode), so the same seed gives
-the same prompts on every server. The server's usage ``prompt_tokens`` replaces ``prompt_len``
-when the stream reports it, as in vLLM.
+text with the model's tokenizer, so the same seed gives the same prompts on every server. The
+server's usage ``prompt_tokens`` replaces ``prompt_len`` when the stream reports it, as in vLLM.
 
 - ``random``: input/output lengths uniform in [len*(1-ratio), len*(1+ratio)], optional shared prefix
 - ``prefix_repetition``: ``num_prefixes`` prefixes, each shared by num_prompts/num_prefixes requests
@@ -63,26 +62,43 @@ class DatasetConfig:
 
 
 class TokenSource:
-    """Random non-special token ids and the ids -> text conversion, for one tokenizer and seed."""
+    """Random token ids and the ids -> text conversion, for one tokenizer and seed.
+
+    Ids come from a pool of tokens that decode on their own to clean text (no special tokens, no
+    partial UTF-8 bytes), so decoding a sequence and re-tokenizing it gives about the same count
+    (merges across token boundaries can only shorten it) and the text keeps every part of it.
+    """
 
     def __init__(self, tokenizer, seed: int):
         self.tokenizer = tokenizer
         self.rng = np.random.default_rng(seed)
-        special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        self.ids = np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
+        self.ids = clean_token_ids(tokenizer)
 
     def tokens(self, n: int) -> list[int]:
         return self.rng.choice(self.ids, size=n).tolist() if n > 0 else []
 
     def to_text(self, ids: list[int]) -> tuple[str, int]:
-        """Text that re-tokenizes to (almost exactly) ``len(ids)`` tokens, and that count."""
+        """The text of ``ids`` and its token count when the server tokenizes it again."""
         text = self.tokenizer.decode(ids)
-        again = self.tokenizer.encode(text, add_special_tokens=False)[:len(ids)]
-        return self.tokenizer.decode(again), len(again)
+        return text, len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def request(self, ids: list[int], output_len: int, round_: int = 0) -> SampleRequest:
         text, n = self.to_text(ids)
         return SampleRequest(text, n, output_len, round_)
+
+
+def clean_token_ids(tokenizer) -> np.ndarray:
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    keep = []
+    for i in range(len(tokenizer)):
+        if i in special:
+            continue
+        text = tokenizer.decode([i])
+        if text.strip() and "\ufffd" not in text and text.isprintable():
+            keep.append(i)
+    if not keep:
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no plain-text tokens")
+    return np.array(keep, dtype=np.int64)
 
 
 def sample_requests(cfg: DatasetConfig, tokenizer) -> list[SampleRequest]:

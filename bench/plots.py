@@ -31,7 +31,7 @@ def _pyplot():
 def _cdf(ax, values_ms: list[float], label: str | None = None) -> None:
     if not values_ms:
         return
-    xs = np.sort(np.asarray(values_ms))
+    xs = np.sort(np.maximum(np.asarray(values_ms), 1e-3))      # > 0 for log axes
     ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label, drawstyle="steps-post")
 
 
@@ -42,7 +42,7 @@ def plot_run(outputs: list[RequestOutput], path: str | Path, title: str = "") ->
     _cdf(a, [o.ttft * 1000 for o in ok])
     a.set(title="TTFT CDF", xlabel="ms", ylabel="fraction of requests")
     _cdf(b, [g * 1000 for o in ok for g in o.itl])
-    b.set(title="ITL CDF", xlabel="ms", ylabel="fraction of gaps")
+    b.set(title="ITL CDF", xlabel="ms (log)", ylabel="fraction of gaps", xscale="log")
     _timeline(c, outputs)
     fig.suptitle(title)
     fig.tight_layout()
@@ -95,7 +95,7 @@ def plot_cdfs(runs: dict[str, list[RequestOutput]], path: str | Path) -> Path:
         _cdf(a, [o.ttft * 1000 for o in ok], name)
         _cdf(b, [g * 1000 for o in ok for g in o.itl], name)
     a.set(title="TTFT CDF", xlabel="ms", ylabel="fraction")
-    b.set(title="ITL CDF", xlabel="ms", ylabel="fraction")
+    b.set(title="ITL CDF", xlabel="ms (log)", ylabel="fraction", xscale="log")
     a.legend(fontsize=7)
     b.legend(fontsize=7)
     fig.tight_layout()

@@ -2,9 +2,10 @@
 
 Called by ``serve.run_bench`` (and so by ``sweep``) with one shared ``httpx.AsyncClient``:
 
+    await run_warmups(http, specs, traffic)                    # not measured
     outputs, duration_s = await run_requests(http, specs, TrafficConfig(request_rate=4.0, ...))
 
-Order: ``num_warmups`` copies of the first request (not measured) -> the clock starts -> for each
+Order: ``num_warmups`` copies of the first request (``run_warmups``) -> the clock starts -> for each
 round (datasets_rounds; one round otherwise): requests are released at gamma-distributed arrival
 times (shape = burstiness, mean 1/rate, rescaled so the last one is released at n/rate; all at
 once when the rate is inf), each waits for a ``--max-concurrency`` slot, then streams -> the clock
@@ -61,9 +62,8 @@ def arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Generat
 
 async def run_requests(http: httpx.AsyncClient, specs: list[RequestSpec],
                        traffic: TrafficConfig) -> tuple[list[RequestOutput], float]:
+    """The measured run (warmups are ``run_warmups``, called first by the caller)."""
     limit = asyncio.Semaphore(traffic.max_concurrency) if traffic.max_concurrency else None
-    if traffic.num_warmups and specs:
-        await _warmup(http, specs[0], traffic.num_warmups, limit, traffic.disable_tqdm)
     rng = np.random.default_rng(traffic.seed)
     bar = tqdm(total=len(specs), disable=traffic.disable_tqdm, desc="requests")
     outputs: list[RequestOutput] = []
@@ -100,9 +100,14 @@ async def _limited(http, spec: RequestSpec, limit, bar) -> RequestOutput:
     return out
 
 
-async def _warmup(http, spec: RequestSpec, n: int, limit, disable_tqdm: bool) -> None:
-    bar = tqdm(total=n, disable=disable_tqdm, desc="warmup")
-    outs = await asyncio.gather(*[_limited(http, spec, limit, bar) for _ in range(n)])
+async def run_warmups(http: httpx.AsyncClient, specs: list[RequestSpec], traffic: TrafficConfig) -> None:
+    """``num_warmups`` copies of the first request, under the same concurrency limit (vLLM's warmup)."""
+    n = traffic.num_warmups
+    if not n or not specs:
+        return
+    limit = asyncio.Semaphore(traffic.max_concurrency) if traffic.max_concurrency else None
+    bar = tqdm(total=n, disable=traffic.disable_tqdm, desc="warmup")
+    outs = await asyncio.gather(*[_limited(http, specs[0], limit, bar) for _ in range(n)])
     bar.close()
     failed = [o.error for o in outs if not o.success]
     if failed:

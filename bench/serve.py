@@ -2,7 +2,7 @@
 
 Called by ``cli`` (``run_serve(args)``) and by ``sweep`` (``run_bench(config)`` per setting):
 
-    resolve model (GET /v1/models unless --model) -> load tokenizer -> build the dataset
+    resolve model (GET /v1/models unless --model) -> load tokenizer -> build the dataset -> warmups
     -> snapshot /metrics -> runner.run_requests -> snapshot /metrics -> calculate_metrics
     -> BenchResult(table, result JSON with a "pdserve" block, outputs)
 
@@ -24,7 +24,7 @@ from pdserve.bench.client import RequestSpec
 from pdserve.bench.datasets import DatasetConfig, SampleRequest, sample_requests
 from pdserve.bench.metrics import BenchmarkMetrics, RequestOutput, calculate_metrics, stat_ms
 from pdserve.bench.report import RunInfo, format_pdserve, format_table, result_json
-from pdserve.bench.runner import TrafficConfig, make_client, run_requests
+from pdserve.bench.runner import TrafficConfig, make_client, run_requests, run_warmups
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ async def run_bench_async(cfg: BenchConfig) -> BenchResult:
         requests = sample_requests(cfg.dataset, tokenizer)
         specs = [_spec(cfg, model_name, r) for r in requests]
         urls = list(cfg.metrics_urls or (cfg.base_url,))
+        await run_warmups(http, specs, cfg.traffic)
         before, warn_before = await scrape.snapshot(http, urls)
         outputs, duration = await run_requests(http, specs, cfg.traffic)
         after, warn_after = await scrape.snapshot(http, urls)
@@ -83,13 +84,19 @@ async def run_bench_async(cfg: BenchConfig) -> BenchResult:
                   cfg.traffic.burstiness, cfg.traffic.max_concurrency, duration, cfg.percentile_metrics,
                   cfg.goodput, cfg.label, cfg.metadata, cfg.save_detailed)
     result = result_json(metrics, run, outputs)
-    delta = scrape.counter_delta(before, after)
-    result["pdserve"] = {"dataset": cfg.dataset.name, "base_url": cfg.base_url, "metrics_urls": urls,
-                         "kv": scrape.kv_block(delta), "usage_kv": scrape.usage_kv([o.kv_transfer for o in outputs]),
-                         "counters": delta, "rounds": round_stats(outputs), "model_name": model_name,
-                         "scrape_warnings": sorted(set(warn_before + warn_after))}
+    result["pdserve"] = {"dataset": cfg.dataset.name, "base_url": cfg.base_url, "model_name": model_name,
+                         **_kv_figures(urls, before, after, outputs),
+                         "rounds": round_stats(outputs), "scrape_warnings": sorted(set(warn_before + warn_after))}
     table = "\n".join(filter(None, [format_table(metrics, run), format_pdserve(result["pdserve"])]))
     return BenchResult(metrics, outputs, result, table)
+
+
+def _kv_figures(urls: list[str], before: dict[str, float], after: dict[str, float],
+                outputs: list[RequestOutput]) -> dict[str, Any]:
+    """The run's share of the nodes' counters, and the per-request accounting from the streams."""
+    delta = scrape.counter_delta(before, after)
+    return {"metrics_urls": urls, "kv": scrape.kv_block(delta),
+            "usage_kv": scrape.usage_kv([o.kv_transfer for o in outputs]), "counters": delta}
 
 
 async def resolve_model(http: httpx.AsyncClient, cfg: BenchConfig) -> tuple[str, str]:

@@ -97,6 +97,7 @@ def run_sweep_command(args) -> int:
     try:
         params = parse_params(args.param)
         todo = settings([m.strip() for m in args.mode.split(",") if m.strip()], params)
+        bench_args.bench_config(args, "http://127.0.0.1")        # bad workload flags fail before any cluster
     except ValueError as exc:
         raise SystemExit(f"pdserve bench sweep: {exc}") from None
     from pdserve.engine.node import resolve_model
@@ -129,7 +130,8 @@ def run_setting(args, model_dir: str, setting: Setting, out_dir: Path):
         nodes = tuple(dict.fromkeys(cluster.prefill_urls + cluster.decode_urls))
         target = cluster.decode_urls[0] if setting.colocated else cluster.url
         cfg = bench_args.bench_config(args, target, metrics_urls=nodes)
-        cfg = dataclasses.replace(cfg, percentiles=tuple(sorted(set(cfg.percentiles) | {50.0, 99.0})),
+        cfg = dataclasses.replace(cfg, tokenizer=cfg.tokenizer or model_dir,
+                                  percentiles=tuple(sorted(set(cfg.percentiles) | {99.0})),
                                   metadata={**cfg.metadata, "setting": setting.name})
         if setting.mode == "disagg+warm-store":
             run_bench(dataclasses.replace(cfg, traffic=dataclasses.replace(cfg.traffic, num_warmups=0)))
@@ -147,14 +149,8 @@ def _overhead(args, cluster, setting: Setting, res) -> dict:
     tokenizer = load_tokenizer(res.result["tokenizer_id"])
     dataset = dataclasses.replace(bench_args.dataset_config(args), seed=args.seed + 1)   # prompts not yet stored
     prompts = [r.prompt for r in sample_requests(dataset, tokenizer)][:args.overhead_prompts]
-    model = res.result["pdserve"].get("model_name") or _served_name(cluster)
+    model = res.result["pdserve"]["model_name"]
     return measure_overhead(cluster.prefill_urls[0], cluster.decode_urls[0], model, prompts, args.backend)
-
-
-def _served_name(cluster) -> str:
-    import httpx
-
-    return httpx.get(cluster.decode_urls[0] + "/v1/models", timeout=10.0).json()["data"][0]["id"]
 
 
 def _slug(name: str) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 COLUMNS = ("mode", "pd", "completed", "failed", "request_throughput", "output_throughput",
-           "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
+           "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
            "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "store_hit_tokens", "loaded_tokens", "recomputed_tokens")
 OVERHEAD_COLUMNS = ("mean_prefill_ms", "mean_overhead_ms", "p99_overhead_ms", "overhead_over_prefill")
 
@@ -47,7 +47,7 @@ def _fmt(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.0f}" if value.is_integer() and abs(value) >= 1000 else f"{value:.2f}"
+        return f"{value:.0f}" if value.is_integer() else f"{value:.2f}"
     return str(value)
 
 

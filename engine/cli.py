@@ -15,9 +15,22 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
-from pdserve.engine import envs
+
+def _drop_repo_root_from_path() -> None:
+    """``python -m pdserve...`` run from a source checkout puts the checkout on sys.path, where its
+    generic folder names (kernels/, engine/) would shadow real packages: transformers probes for
+    the hub package ``kernels``. pdserve itself is imported through its installed mapping."""
+    root = os.path.abspath(sys.path[0] or os.getcwd()) if sys.path else ""
+    if os.path.isfile(os.path.join(root, "pyproject.toml")) and os.path.isdir(os.path.join(root, "kernels")):
+        sys.path.pop(0)
+
+
+_drop_repo_root_from_path()
+
+from pdserve.engine import envs  # noqa: E402
 
 _SUBCOMMAND_MODULES = (
     "pdserve.engine.node",

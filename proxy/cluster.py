@@ -136,8 +136,9 @@ class LocalCluster:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.num_threads),
                    PDSERVE_NUM_THREADS=str(self.spec.num_threads), TOKENIZERS_PARALLELISM="false")
         with open(log, "wb") as out:
+            # cwd: not the repo root, whose generic folder names (kernels/) would shadow real packages
             proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.cli", *args], stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.log_dir)
         child = Child(name, proc, log)
         self.children.append(child)
         return child

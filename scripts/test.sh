@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 pip install -q --disable-pip-version-check "torch==2.13.0"
 pip install -q --disable-pip-version-check -e ".[test,bench]"
 export OMP_NUM_THREADS=1 PDSERVE_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-python -m pytest -q "$@"
+pytest -q "$@"       # not `python -m pytest`: that puts the repo root (kernels/ ...) on sys.path

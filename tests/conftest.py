@@ -86,7 +86,9 @@ class NodeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pdserve.engine.cli", "node", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(self.port), "--num-threads", "1", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # cwd "/": `python -m` puts the cwd on sys.path, and the repo root's kernels/ would shadow
+        # the hub package of that name that transformers probes for
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/")
         try:
             wait_healthy(self.url + "/health", self.proc)
         except Exception:

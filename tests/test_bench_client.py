@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.bench.client import RequestSpec, send
 from pdserve.bench.datasets import DatasetConfig
-from pdserve.bench.runner import TrafficConfig, make_client, run_requests
+from pdserve.bench.runner import TrafficConfig, make_client, run_requests, run_warmups
 from pdserve.bench.serve import BenchConfig, run_bench_async
 from pdserve.proxy.cluster import free_port
 
@@ -120,9 +120,10 @@ def test_max_concurrency_is_respected_by_the_runner(scripted):
     specs = [RequestSpec(scripted.url + "/v1/completions", "openai", "scripted", f"p{i}", 2, 6) for i in range(8)]
 
     async def go():
+        traffic = TrafficConfig(max_concurrency=2, num_warmups=2, disable_tqdm=True)
         async with make_client(2) as http:
-            return await run_requests(http, specs, TrafficConfig(max_concurrency=2, num_warmups=2,
-                                                                 disable_tqdm=True))
+            await run_warmups(http, specs, traffic)
+            return await run_requests(http, specs, traffic)
     scripted.peak = 0
     outputs, duration = asyncio.run(go())
     assert len(outputs) == 8 and all(o.success for o in outputs)

@@ -82,11 +82,11 @@ def _digests(msgs):
 
 
 def test_many_steps_small_and_large_messages_reach_every_reader(ring, readers):
-    handle = ring(num_local_readers=2, num_remote_readers=1, num_slots=8, slot_bytes=4096)
+    handle = ring(num_local_readers=2, num_remote_readers=2, num_slots=8, slot_bytes=4096)
     writer = MessageQueue.writer(handle)
     msgs = _messages(400)
     procs = [readers.start(handle, 0, len(msgs)), readers.start(handle, 1, len(msgs), delay=0.002),  # 1 is slow
-             readers.start(handle, -1, len(msgs))]                                                    # zmq reader
+             readers.start(handle, -1, len(msgs)), readers.start(handle, -1, len(msgs))]             # zmq readers
     writer.wait_for_remote_readers(timeout=30)
     for m in msgs:
         writer.enqueue(m, timeout=30)
@@ -129,6 +129,22 @@ def test_stopped_reader_is_reported_after_the_timeout_and_slow_one_is_not(ring, 
         os.kill(stopped.pid, signal.SIGCONT)
     writer.close()
     writer2.close()
+
+
+def test_inbound_queue_carries_many_writers_to_one_reader(ring):
+    handle = MessageQueue.create_inbound("127.0.0.1")
+    reader = MessageQueue.reader(handle, -1)
+    code = ("import sys, msgspec\nfrom pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle\n"
+            "q = MessageQueue.writer(msgspec.json.decode(sys.argv[1].encode(), type=QueueHandle))\n"
+            "for i in range(50): q.enqueue(sys.argv[2].encode() * (1 + i * 1000))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, msgspec.json.encode(handle).decode(), tag]) for tag in "ab"]
+    got = [reader.dequeue(timeout=60) for _ in range(100)]
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+    for tag in (b"a", b"b"):
+        assert [len(m) for m in got if m[:1] == tag] == [1 + i * 1000 for i in range(50)]   # in order per writer
+    assert reader.dequeue(timeout=0.1) is None
+    reader.close()
 
 
 def test_reader_notices_a_dead_writer(ring):

@@ -38,9 +38,10 @@ def run(engine: LLMEngine, prompts, params) -> list[list[int]]:
 
 
 def shutdown(engine: LLMEngine) -> list[int]:
-    """Stop the engine's ranks; -> their pids (all reaped)."""
-    pids = [r.process.pid for r in engine.runner.ranks]
-    engine.runner.shutdown()
+    """Stop the engine's ranks; -> their pids and the launcher's (all gone)."""
+    pids = engine.runner.pids()
+    assert len(pids) == engine.config.parallel.world_size + 1
+    engine.shutdown()
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -104,4 +105,12 @@ def test_debug_sync_logs_every_rank_phase(tiny_llama, prompts, expected, capfd):
     for rank, coords in ((0, "tp 0, pp 0"), (1, "tp 1, pp 0")):
         assert f"rank {rank} ({coords}) step 1: recv_scheduler_output -> forward" in err
         assert f"rank {rank} ({coords}) step 1: forward -> all_reduce" in err
-    assert "rank 0 (tp 0, pp 0) step 1: all_gather -> sample" in err
+    assert "rank 0 (tp 0, pp 0) step 1: forward -> all_gather" in err       # the vocab-parallel LM head
+    assert "rank 0 (tp 0, pp 0) step 1: forward -> sample" in err
+
+
+@pytest.mark.parametrize("tp,pp,message", [(4, 1, r"2 KV heads, not divisible by --tensor-parallel-size 4"),
+                                           (1, 3, r"2 layers, fewer than --pipeline-parallel-size 3")])
+def test_impossible_layouts_fail_before_any_rank_starts(tiny_llama, tp, pp, message):
+    with pytest.raises(ValueError, match=message):
+        make_engine(tiny_llama, tp, pp)

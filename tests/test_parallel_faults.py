@@ -37,11 +37,7 @@ def engine(tiny_llama):
                                                rank_timeout=RANK_TIMEOUT))
     eng = AsyncEngine(cfg)
     yield eng
-    for info in eng.engine.runner.ranks:                  # let a stopped rank die with the others
-        if info.process.poll() is None:
-            os.kill(info.process.pid, signal.SIGCONT)
-    eng.shutdown()
-    eng.engine.runner.shutdown()
+    eng.shutdown()                                        # also stops the ranks (SIGKILL ends stopped ones)
 
 
 async def _collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams, rid: str) -> list[int]:
@@ -58,64 +54,73 @@ def _signal_mid_step(executor, rank: int, sig: int) -> tuple[float, object]:
         state = executor.heartbeat.states()[rank]
         if state.step > 3 and state.phase not in IDLE or time.monotonic() > deadline:
             break
-    os.kill(executor.ranks[rank].process.pid, sig)
+    pid = state.pid
+    os.kill(pid, sig)
     sent = time.monotonic()
-    while sig == signal.SIGSTOP and not _stopped(executor.ranks[rank].process.pid):
+    while not (_stopped(pid) if sig == signal.SIGSTOP else _gone(pid)):      # the signal landed
         time.sleep(0.001)
-    if sig == signal.SIGKILL:
-        executor.ranks[rank].process.wait()
     return sent, executor.heartbeat.states()[rank]
 
 
+def _proc_state(pid: int) -> str:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return "gone"
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
 def _stopped(pid: int) -> bool:
-    stat = open(f"/proc/{pid}/stat").read()
-    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+    return _proc_state(pid) in ("T", "t")
+
+
+def _gone(pid: int) -> bool:
+    return _proc_state(pid) in ("Z", "X", "gone")
 
 
 async def _fault_run(engine: AsyncEngine, rank: int, sig: int):
     prompt = random_prompt(500, 20, seed=1)
     params = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
     task = asyncio.create_task(_collect(engine, prompt, params, "victim"))
+    pids = engine.engine.runner.pids()
     sent, state = await asyncio.to_thread(_signal_mid_step, engine.engine.runner, rank, sig)
     with pytest.raises(EngineDeadError) as err:
         await task
-    return time.monotonic() - sent, state, str(err.value)
+    return time.monotonic() - sent, state, str(err.value), pids
 
 
-def _assert_all_ranks_gone(engine: AsyncEngine, spare: int | None = None) -> None:
-    for info in engine.engine.runner.ranks:
-        if info.rank == spare:                    # a stopped rank is killed too; reaped by the fixture
-            continue
-        assert info.process.poll() is not None
+def _assert_all_gone(pids: list[int]) -> None:
+    """The ranks and their launcher: killed and reaped, nothing left running."""
+    for pid in pids:
         with pytest.raises(ProcessLookupError):
-            os.kill(info.process.pid, 0)
+            os.kill(pid, 0)
 
 
 def test_sigkill_names_rank_coordinates_and_phase(engine):
-    elapsed, state, message = asyncio.run(_fault_run(engine, 1, signal.SIGKILL))
+    elapsed, state, message, pids = asyncio.run(_fault_run(engine, 1, signal.SIGKILL))
     assert re.search(rf"rank 1 \(tp 1, pp 0\) exited \(killed by SIGKILL\) in step {state.step} "
                      rf"at phase {state.phase}; ", message), message
     assert elapsed < RANK_TIMEOUT + 5
     assert not engine.is_healthy()
-    _assert_all_ranks_gone(engine)
+    _assert_all_gone(pids)
 
 
 def test_sigstop_is_reported_as_a_stall_after_the_rank_timeout(engine):
-    elapsed, state, message = asyncio.run(_fault_run(engine, 2, signal.SIGSTOP))
+    elapsed, state, message, pids = asyncio.run(_fault_run(engine, 2, signal.SIGSTOP))
     assert re.search(rf"rank 2 \(tp 0, pp 1\) stalled in step {state.step} at phase {state.phase} "
                      rf"for \d+\.\ds \(process stopped\)", message), message
     assert elapsed < RANK_TIMEOUT + 5
     assert not engine.is_healthy()
-    _assert_all_ranks_gone(engine)
+    _assert_all_gone(pids)
 
 
 def test_slow_but_progressing_rank_is_not_reported(engine, tiny_llama):
     from pdserve.engine import LLM
 
     prompt = random_prompt(500, 30, seed=2)
-    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
     [expected] = LLM(str(tiny_llama), block_size=8).generate([prompt], params)
-    pid = engine.engine.runner.ranks[3].process.pid
+    pid = engine.engine.runner.heartbeat.states()[3].pid
     done, cycles = threading.Event(), []
 
     def stutter():                                   # 0.6 s frozen, 0.15 s running, while it generates

@@ -32,14 +32,14 @@ def board(sleepers):
     """tp 2 x pp 2: ranks 0, 1 in stage 0, ranks 2, 3 in stage 1."""
     path = Heartbeat.create(4)
     hb = Heartbeat(path)
-    ranks = [RankInfo(r, r % 2, r // 2, sleepers[r]) for r in range(4)]
+    ranks = [RankInfo(r, r % 2, r // 2) for r in range(4)]
     yield hb, ranks
     hb.close()
     os.unlink(path)
 
 
 def _set(hb: Heartbeat, rank: int, step: int, phase: str, seq: int, age_s: float, pid: int) -> None:
-    hb._rec[rank] = [step, PHASES.index(phase), seq, time.monotonic_ns() - int(age_s * 1e9), pid]
+    hb._rec[rank] = [step, PHASES.index(phase), seq, time.monotonic_ns() - int(age_s * 1e9), pid, 0, 0]
 
 
 def test_exited_rank_is_named_with_its_phase_and_the_others(board, sleepers):
@@ -48,7 +48,7 @@ def test_exited_rank_is_named_with_its_phase_and_the_others(board, sleepers):
         _set(hb, r, 7, "all_reduce" if r < 2 else "recv_from_prev_stage", 3, 0.1, sleepers[r].pid)
     _set(hb, 1, 7, "forward", 2, 0.1, sleepers[1].pid)
     sleepers[1].kill()
-    sleepers[1].wait()
+    hb.record_exit(1, os.waitstatus_to_exitcode(os.waitpid(sleepers[1].pid, 0)[1]))   # what the launcher does
     report = Watchdog(hb, ranks, timeout=30).check(busy_since=None)
     assert report == ("rank 1 (tp 1, pp 0) exited (killed by SIGKILL) in step 7 at phase forward; "
                       "rank 0 is waiting in all_reduce; ranks 2-3 are waiting in recv_from_prev_stage")
@@ -91,6 +91,19 @@ def test_all_waiting_blames_the_earliest_stage_then_the_least_progress(board, sl
     _set(hb, 3, 4, "recv_from_prev_stage", 1, 7.0, sleepers[3].pid)
     report = Watchdog(hb, ranks, timeout=5).check(busy_since=time.monotonic() - 7)
     assert report.startswith("rank 1 (tp 1, pp 0) stalled in step 4 at phase all_reduce")
+
+
+def test_launcher_exit_is_reported(board, sleepers):
+    hb, ranks = board
+    for r in range(4):
+        _set(hb, r, 2, "forward", 1, 0.1, sleepers[r].pid)
+    launcher = subprocess.Popen(["sleep", "600"])
+    dog = Watchdog(hb, ranks, timeout=30, launcher=launcher)
+    assert dog.check(busy_since=None) is None
+    launcher.kill()
+    launcher.wait()
+    assert dog.check(busy_since=None) == (f"the rank launcher (pid {launcher.pid}) exited (killed by SIGKILL); "
+                                          "ranks 0-3 are in forward")
 
 
 def test_rank_ranges():

