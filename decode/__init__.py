@@ -1,1 +1,12 @@
-"""pdserve.decode — placeholder package, filled by its own issue."""
+"""pdserve.decode — the decode role's half of the KV hand-off: loading prompt KV from the store.
+
+Who calls it: ``pdserve.engine.kv_connector.StoreConnector``: the scheduler asks how many prompt
+tokens the store can supply (``ChunkLoader.lookup``), the request waits in ``WAITING_FOR_KV`` while
+``ChunkLoader`` scatters the leading chunks into its blocks on the loader thread, and the
+scheduler resumes it with whatever arrived (a miss or a bad object means those tokens are
+recomputed, never read wrong).
+"""
+
+from pdserve.decode.loader import ChunkLoader, LoadJob
+
+__all__ = ["ChunkLoader", "LoadJob"]
