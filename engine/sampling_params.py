@@ -6,7 +6,7 @@ read by the sampler (``pdserve.engine.sampler``) and by the scheduler's stop che
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class SamplingParamsError(ValueError):

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
-from pdserve.kvstore.base import KVStore, StatsDict, TierStats
+from pdserve.kvstore.base import KVStore, StatsDict
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.memory import MemoryTier
 

@@ -14,10 +14,10 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from pdserve.engine.server.common import (NodeState, body_prompt_ids, check_model, created, kv_fields,
-                                          make_calls, node_state, resolve_max_tokens, sse, sse_response, usage)
+from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, created, kv_fields, make_calls,
+                                          resolve_max_tokens, respond, sse, usage)
 from pdserve.engine.server.errors import APIError, bad_request
-from pdserve.engine.server.generation import Choice, ClientDisconnected, EngineCall, Generation
+from pdserve.engine.server.generation import Choice, EngineCall, Generation
 from pdserve.engine.server.protocol import ChatCompletionRequest, ChatMessage, message_dicts
 
 router = APIRouter()
@@ -26,10 +26,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
-    state = node_state(request)
-    model = check_model(state, body.model)
-    if message := body.unsupported():
-        raise bad_request(message)
+    state, model = admit(request, body)
     prompt_ids = body_prompt_ids(state, body)
     if prompt_ids is None:
         prompt_ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
@@ -37,14 +34,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     params = body.to_sampling_params(max_tokens, body.engine_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     calls = make_calls(request_id, [prompt_ids], [params], body.n, body.kv_transfer_params)
-    generation = Generation(state.engine, state.metrics, calls, arrival)
-    if body.stream:
-        return sse_response(_stream(state, body, request_id, model, calls, generation))
-    try:
-        choices = await generation.collect(request)
-    except ClientDisconnected:
-        raise APIError(499, "client disconnected") from None
-    return _response(state, request_id, model, calls, choices, body.n)
+    return await respond(request, state, body, calls, arrival,
+                         lambda gen: _stream(state, body, request_id, model, calls, gen),
+                         lambda choices: _response(state, request_id, model, calls, choices, body.n))
 
 
 def chat_prompt_ids(state: NodeState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:

@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server.errors import APIError, bad_request, error_event
-from pdserve.engine.server.generation import Choice, EngineCall
+from pdserve.engine.server.generation import Choice, ClientDisconnected, EngineCall, Generation
 from pdserve.engine.server.metrics import ServerMetrics
 
 
@@ -50,6 +50,28 @@ def make_node_state(engine, metrics: ServerMetrics) -> NodeState:
 
 def node_state(request: Request) -> NodeState:
     return request.app.state.node
+
+
+def admit(request: Request, body) -> tuple[NodeState, str]:
+    """The checks every generation endpoint starts with: the model name and unsupported fields."""
+    state = node_state(request)
+    model = check_model(state, body.model)
+    if message := body.unsupported():
+        raise bad_request(message)
+    return state, model
+
+
+async def respond(request: Request, state: NodeState, body, calls: list[EngineCall], arrival: float,
+                  stream: Callable, response: Callable):
+    """Run ``calls``: an SSE response built by ``stream(generation)``, or ``response(choices)`` once done."""
+    generation = Generation(state.engine, state.metrics, calls, arrival)
+    if body.stream:
+        return sse_response(stream(generation))
+    try:
+        choices = await generation.collect(request)
+    except ClientDisconnected:
+        raise APIError(499, "client disconnected") from None
+    return response(choices)
 
 
 def check_model(state: NodeState, model: str | None) -> str:

@@ -14,11 +14,10 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from pdserve.engine.server.common import (NodeState, body_prompt_ids, check_model, check_token_ids, created,
-                                          kv_fields, make_calls, node_state, resolve_max_tokens, sse,
-                                          sse_response, usage)
-from pdserve.engine.server.errors import APIError, bad_request
-from pdserve.engine.server.generation import Choice, ClientDisconnected, EngineCall, Generation
+from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, check_token_ids, created,
+                                          kv_fields, make_calls, resolve_max_tokens, respond, sse, usage)
+from pdserve.engine.server.errors import bad_request
+from pdserve.engine.server.generation import Choice, EngineCall, Generation
 from pdserve.engine.server.protocol import CompletionRequest
 
 router = APIRouter()
@@ -27,24 +26,16 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
-    state = node_state(request)
-    model = check_model(state, body.model)
-    if message := body.unsupported():
-        raise bad_request(message)
+    state, model = admit(request, body)
     given = body_prompt_ids(state, body)
     prompts = [given] if given is not None else _tokenize_prompts(state, body.prompt)
     params = [body.to_sampling_params(resolve_max_tokens(state, body.max_tokens, len(ids)), body.logprobs)
               for ids in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     calls = make_calls(request_id, prompts, params, body.n, body.kv_transfer_params)
-    generation = Generation(state.engine, state.metrics, calls, arrival)
-    if body.stream:
-        return sse_response(_stream(state, body, request_id, model, calls, generation))
-    try:
-        choices = await generation.collect(request)
-    except ClientDisconnected:
-        raise APIError(499, "client disconnected") from None
-    return _response(state, request_id, model, calls, choices, body.n)
+    return await respond(request, state, body, calls, arrival,
+                         lambda gen: _stream(state, body, request_id, model, calls, gen),
+                         lambda choices: _response(state, request_id, model, calls, choices, body.n))
 
 
 def _tokenize_prompts(state: NodeState, prompt) -> list[list[int]]:
