@@ -106,12 +106,14 @@ class AsyncEngine:
             return {}
 
     def is_healthy(self) -> bool:
-        return self._fatal is None and self._thread.is_alive()
+        """False once a step failed, or once a tp x pp worker rank died or stalled (even while idle)."""
+        return self._fatal is None and self._thread.is_alive() and getattr(self.engine.runner, "failure", None) is None
 
     def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     # -- engine thread -------------------------------------------------------------------------
 

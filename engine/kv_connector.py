@@ -47,7 +47,7 @@ class _Transfer:
 
 class StoreConnector:
     def __init__(self, store, model_config, layout, kv_caches: list[dict], block_size: int,
-                 chunk_tokens: int, role: str):
+                 chunk_tokens: int, role: str, kv_io=None):
         if chunk_tokens % block_size:
             raise ValueError(f"--kv-chunk-tokens {chunk_tokens} must be a multiple of --block-size {block_size}")
         self.store, self.block_size, self.chunk_tokens, self.role = store, block_size, chunk_tokens, role
@@ -57,8 +57,12 @@ class StoreConnector:
         shape = (len(layout.components), layout.num_kv_heads, layout.head_dim)
         self.health = TierHealth("kv-store", base_s=2.0, max_s=30.0)
         durable = role == "prefill" and hasattr(store, "flush")   # embedded store: the reader is elsewhere
-        self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health, durable)
-        self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health)
+        if kv_io is None:
+            self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health, durable)
+            self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health)
+        else:   # tp x pp: the cache lives in the worker ranks (pdserve.engine.parallel.kv)
+            self.publisher = kv_io.publisher(store, self.health, durable)
+            self.loader = kv_io.loader(store, shape, self.health)
         self._reqs: dict[str, _Transfer] = {}
 
     # -- requests -----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig, EngineRuntime
 from pdserve.engine.kv_transfer import KVTransferParams, TransferMismatchError
 from pdserve.engine.loader import load_model
+from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_assembler import OutputAssembler
 from pdserve.engine.outputs import RequestOutput
@@ -44,14 +45,14 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.config = config
-        self.model, self.model_config = load_model(config.model, dtype=config.dtype)
+        self.model, self.model_config = _load(config)      # model None: tp x pp worker ranks hold it
         self.tokenizer = load_tokenizer(config.model)
         self.layout = self.model_config.kv_layout()
         self.runtime = _measure_runtime(config, self.model_config, self.layout)
         block_size = config.cache.block_size
         self.block_manager = BlockManager(self.runtime.num_blocks, block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.layout, self.runtime.num_blocks, block_size)
+        self.runner = self._build_runner()
         self.store, self.connector = self._build_connector(store)
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_batched_tokens,
                                    config.scheduler.max_num_seqs, self.runtime.max_model_len, self.connector)
@@ -62,6 +63,19 @@ class LLMEngine:
                     self.runtime.num_blocks, block_size, self.runtime.num_blocks * self.runtime.bytes_per_block
                     / 2**20, self.runtime.max_model_len, config.kv_transfer.store_url)
 
+    def _build_runner(self):
+        """``ModelRunner`` in this process, or the ``ParallelExecutor`` of tp x pp worker processes."""
+        if self.model is not None:
+            return ModelRunner(self.model, self.layout, self.runtime.num_blocks, self.config.cache.block_size)
+        from pdserve.engine.parallel.executor import ParallelExecutor
+
+        return ParallelExecutor(self.config, self.model_config, self.runtime.num_blocks)
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks of a tp x pp engine (nothing to do for one process)."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
+
     def _build_connector(self, store):
         store = store if store is not None else build_node_store(self.config.kv_transfer)
         if store is None:
@@ -70,7 +84,8 @@ class LLMEngine:
 
         return store, StoreConnector(store, self.model_config, self.layout, self.runner.kv_caches,
                                      self.config.cache.block_size, self.config.kv_transfer.kv_chunk_tokens,
-                                     self.config.kv_transfer.role)
+                                     self.config.kv_transfer.role,
+                                     kv_io=getattr(self.runner, "kv_io", None))
 
     @property
     def max_model_len(self) -> int:
@@ -137,6 +152,12 @@ class LLMEngine:
         if not sched_out.scheduled and not outputs:
             time.sleep(0.001)                                # only waiting on KV loads / publishes
         return outputs
+
+
+def _load(config: EngineConfig):
+    if config.parallel.world_size == 1 and not config.parallel.debug_sync:
+        return load_model(config.model, dtype=config.dtype)
+    return None, ModelConfig.from_dir(config.model, dtype=config.dtype)
 
 
 def _measure_runtime(config: EngineConfig, model_config, layout) -> EngineRuntime:

@@ -114,3 +114,28 @@ def test_debug_sync_logs_every_rank_phase(tiny_llama, prompts, expected, capfd):
 def test_impossible_layouts_fail_before_any_rank_starts(tiny_llama, tp, pp, message):
     with pytest.raises(ValueError, match=message):
         make_engine(tiny_llama, tp, pp)
+
+
+@pytest.mark.parametrize("kwargs,flag", [({"rank_timeout": 0}, "--rank-timeout"), ({"tensor_parallel_size": 2, "nnodes": 2}, "--master-port"),
+                                         ({"node_rank": 1}, "--node-rank"),
+                                         ({"tensor_parallel_size": 3, "nnodes": 2, "master_port": 1}, "--nnodes 2")])
+def test_parallel_config_names_the_flag(kwargs, flag):
+    from pdserve.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match=flag):
+        ParallelConfig(**kwargs)
+
+
+def test_stage_layers_and_micro_batches():
+    from pdserve.engine.parallel.messages import StepRequest
+    from pdserve.engine.parallel.stage import micro_batches, stage_layers
+
+    assert stage_layers(5, 2) == [(0, 3), (3, 2)]
+    assert stage_layers(8, 4) == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    reqs = [StepRequest(str(i), [0] * n, 0, [], False) for i, n in enumerate([5, 1, 1, 1, 30, 2])]
+    ids = lambda groups: [[r.request_id for r in g] for g in groups]          # noqa: E731
+    assert ids(micro_batches(reqs, 1)) == [["0", "1", "2", "3", "4", "5"]]
+    assert ids(micro_batches(reqs, 2)) == [["0", "1", "2", "3"], ["4", "5"]]  # by tokens: 8 | 32
+    assert ids(micro_batches(reqs, 3)) == [["0", "1", "2", "3"], ["4"], ["5"]]
+    assert ids(micro_batches(reqs[:4], 2)) == [["0"], ["1", "2", "3"]]
+    assert ids(micro_batches(reqs[:2], 4)) == [["0"], ["1"]]                  # never an empty micro-batch

@@ -118,7 +118,7 @@ def test_slow_but_progressing_rank_is_not_reported(engine, tiny_llama):
     from pdserve.engine import LLM
 
     prompt = random_prompt(500, 30, seed=2)
-    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     [expected] = LLM(str(tiny_llama), block_size=8).generate([prompt], params)
     pid = engine.engine.runner.heartbeat.states()[3].pid
     done, cycles = threading.Event(), []
@@ -141,3 +141,32 @@ def test_slow_but_progressing_rank_is_not_reported(engine, tiny_llama):
     assert tokens == expected.token_ids
     assert len(cycles) >= 3, "the generation ended before the rank was slowed down"
     assert engine.is_healthy() and engine.engine.runner.failure is None
+
+
+DRIVER = """
+import sys, time
+import torch
+torch.set_num_threads(1)
+from pdserve.engine.config import EngineConfig, ParallelConfig
+from pdserve.engine.llm_engine import LLMEngine
+engine = LLMEngine(EngineConfig(model=sys.argv[1], parallel=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)))
+print(" ".join(map(str, engine.runner.pids())), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_driver_leaves_no_rank_behind(tiny_llama):
+    import subprocess
+    import sys
+
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tiny_llama)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 5                                    # 4 ranks + their launcher
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 30
+    while any(not _gone(pid) for pid in pids):                  # ranks see the writer gone, the launcher follows
+        assert time.monotonic() < deadline, [(pid, _proc_state(pid)) for pid in pids]
+        time.sleep(0.05)

@@ -110,6 +110,7 @@ class ParallelExecutor:
             time.sleep(0.05)
         if self.ch.broadcast.num_remote_readers:
             self.outbox.wait_for_remote_readers(timeout)
+        self._unlink_files()                # every process has them mapped: nothing to leak from here on
         logger.info("%d worker ranks ready (tp %d x pp %d): pids %s", self.par.world_size,
                     self.par.tensor_parallel_size, self.par.pipeline_parallel_size, self.rank_pids())
 
@@ -225,9 +226,12 @@ class ParallelExecutor:
         except subprocess.TimeoutExpired:
             _kill(self.launcher.pid)
             self.launcher.wait()
-        self.ch.close()
+        self._unlink_files()
         if self._mirror is not None:
             self._mirror.stop.set()
+
+    def _unlink_files(self) -> None:
+        self.ch.close()
         try:
             os.unlink(self._hb_path)
         except FileNotFoundError:

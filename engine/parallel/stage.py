@@ -101,19 +101,21 @@ class StageRunner:
 
 
 def micro_batches(requests: list[StepRequest], n: int) -> list[list[StepRequest]]:
-    """Up to ``n`` contiguous groups with about equal token counts (never an empty group)."""
+    """Up to ``n`` contiguous groups with about equal token counts (never an empty group).
+
+    Before each request: cut if that lands nearer the next group's token target than after it, or if
+    only one request per group still to open is left."""
     n = max(1, min(n, len(requests)))
     total = sum(len(r.token_ids) for r in requests)
     groups, current, done = [], [], 0
     for i, r in enumerate(requests):
-        current.append(r)
-        done += len(r.token_ids)
-        groups_left, requests_left = n - len(groups) - 1, len(requests) - i - 1
-        if groups_left and (done * n >= total * (len(groups) + 1) or requests_left == groups_left):
+        size, to_open, target = len(r.token_ids), n - len(groups) - 1, total * (len(groups) + 1) / n
+        if current and to_open and (len(requests) - i == to_open or abs(done - target) <= abs(done + size - target)):
             groups.append(current)
             current = []
-    if current:
-        groups.append(current)
+        current.append(r)
+        done += size
+    groups.append(current)
     return groups
 
 
