@@ -10,7 +10,10 @@ Map of the modules, in the order a request meets them:
     async_engine   engine thread, per-request streams
     llm_engine     add_request / step / abort
     scheduler      which tokens of which requests run this step (block_manager: which KV blocks)
-    model_runner   flat inputs + attention metadata -> model -> sampler
+    model_runner   flat inputs + attention metadata -> model -> sampler   (tp = pp = 1)
+    parallel/      the same step across tensor x pipeline parallel worker processes: broadcast queue,
+                   executor, workers, rank watchdog (--tensor-parallel-size, --pipeline-parallel-size)
+    kv_connector   the one connection to a KV store: load before prefill, publish after
     models/        Llama / Qwen2 / Qwen3 / Mistral in plain torch (loader.py reads safetensors)
     detokenizer    incremental text + stop strings
 """

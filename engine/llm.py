@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import CompletionOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -17,14 +17,17 @@ class LLM:
     def __init__(self, model: str, *, dtype: str = "auto", block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
                  kv_cache_memory_bytes: int = 512 * 2**20, num_gpu_blocks_override: int | None = None,
-                 enable_prefix_caching: bool = True, num_threads: int = 1, seed: int = 0):
+                 enable_prefix_caching: bool = True, num_threads: int = 1, seed: int = 0,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         cache = CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                             num_gpu_blocks_override=num_gpu_blocks_override,
                             enable_prefix_caching=enable_prefix_caching)
         sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len)
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                  pipeline_parallel_size=pipeline_parallel_size)
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, seed=seed, num_threads=num_threads,
-                                             cache=cache, scheduler=sched))
+                                             cache=cache, scheduler=sched, parallel=parallel))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
@@ -56,6 +59,16 @@ class LLM:
                     out.finish_reason = delta.finish_reason
                     bar.update(1)
         bar.close()
+
+    def shutdown(self) -> None:
+        """Stop worker processes (tensor/pipeline parallel); a no-op for a single-process engine."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def _next_id(self) -> str:
         self._counter += 1

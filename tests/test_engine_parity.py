@@ -102,3 +102,10 @@ def test_smollm2_matches_hf(smollm2):
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(ref, p, 10) for p in prompts]
     assert outs[0].text.startswith("The capital of France is Paris")
+
+
+def test_offline_llm_with_tensor_parallel_matches_single_rank(tiny_llama, references):
+    prompt = random_prompt(references["llama"].config.vocab_size, 40, seed=9)
+    with LLM(str(tiny_llama), tensor_parallel_size=2) as llm:
+        [out] = llm.generate([prompt], GREEDY)
+    assert out.token_ids == hf_greedy(references["llama"], prompt, 12)
