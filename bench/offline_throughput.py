@@ -29,11 +29,11 @@ def make_workload(vocab: int, n: int, seed: int):
     return prompts, out_lens
 
 
-def make_pdserve(model_dir: str, threads: int):
+def make_pdserve(model_dir: str, threads: int, device: str = "cpu", dtype: str = "float32"):
     from pdserve.engine import LLM
 
-    return LLM(model_dir, num_threads=threads, max_num_seqs=256, max_num_batched_tokens=2048,
-               kv_cache_memory_bytes=2 * 2**30, enable_prefix_caching=False)   # no reuse across rounds
+    return LLM(model_dir, num_threads=threads, max_num_seqs=256, max_num_batched_tokens=2048, device=device,
+               dtype=dtype, kv_cache_memory_bytes=2 * 2**30, enable_prefix_caching=False)   # no reuse across rounds
 
 
 def run_pdserve(llm, prompts, out_lens) -> float:
@@ -48,10 +48,10 @@ def run_pdserve(llm, prompts, out_lens) -> float:
     return sum(out_lens) / elapsed
 
 
-def make_hf(model_dir: str):
+def make_hf(model_dir: str, device: str = "cpu", dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
 
 
 @torch.inference_mode()
@@ -62,8 +62,8 @@ def run_hf(model, prompts, out_lens, batch_size: int) -> float:
     for i in tqdm(range(0, len(prompts), batch_size), desc="hf generate"):
         batch, lens = prompts[i:i + batch_size], out_lens[i:i + batch_size]
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
                        do_sample=False, pad_token_id=0)
     return sum(out_lens) / (time.perf_counter() - start)
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; each side keeps its best")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--output", default="results/offline_throughput.json")
     args = ap.parse_args()
     torch.set_num_threads(args.num_threads)
@@ -86,13 +88,15 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
     prompts, out_lens = make_workload(vocab, args.num_prompts, args.seed)
-    llm, hf_model = make_pdserve(model_dir, args.num_threads), make_hf(model_dir)
+    llm = make_pdserve(model_dir, args.num_threads, args.device, args.dtype)
+    hf_model = make_hf(model_dir, args.device, args.dtype)
     pd_rounds, hf_rounds = [], []
     for _ in range(args.rounds):
         pd_rounds.append(run_pdserve(llm, prompts, out_lens))
         hf_rounds.append(run_hf(hf_model, prompts, out_lens, args.hf_batch_size))
     pd, hf = max(pd_rounds), max(hf_rounds)
-    result = {"model": args.model, "num_prompts": args.num_prompts, "hf_batch_size": args.hf_batch_size,
+    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "num_prompts": args.num_prompts,
+              "hf_batch_size": args.hf_batch_size,
               "rounds": args.rounds, "pdserve_rounds_tok_s": [round(x, 2) for x in pd_rounds],
               "hf_rounds_tok_s": [round(x, 2) for x in hf_rounds],
               "threads": args.num_threads, "cpu": platform.processor() or platform.machine(),

@@ -111,6 +111,7 @@ class EngineConfig:
     served_model_name: str | None = None
     seed: int = 0
     num_threads: int = 1
+    device: str = "cpu"                     # --device cpu | cuda | auto (cuda when available)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -119,9 +120,20 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_threads < 1:
             raise ConfigError(f"--num-threads must be >= 1, got {self.num_threads}")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ConfigError(f"--device must be cpu, cuda or auto, got {self.device!r}")
+        if self.resolved_device != "cpu" and (self.parallel.world_size > 1 or self.parallel.debug_sync):
+            raise ConfigError("tensor/pipeline parallel ranks run on CPU (gloo) only; use --device cpu")
         if self.kv_transfer.kv_chunk_tokens % self.cache.block_size:
             raise ConfigError(f"--kv-chunk-tokens {self.kv_transfer.kv_chunk_tokens} must be a multiple of "
                               f"--block-size {self.cache.block_size}")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def model_name(self) -> str:

@@ -25,6 +25,18 @@ class StepInputs:
     sample_rows: torch.Tensor      # [S] int64: flat row whose logits are sampled
     sample_requests: list          # [S] Request objects, aligned with sample_rows
 
+    def to(self, device: torch.device) -> "StepInputs":
+        """The same inputs on ``device`` (built on the CPU, moved once per step)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        attn = self.attn
+        prefills = [PrefillSeq(p.q_start, p.q_len, move(p.ctx_slots), move(p.block_table)) for p in attn.prefills]
+        d = attn.decodes
+        decodes = None if d is None else DecodeBatch(move(d.rows), move(d.slots), move(d.mask), move(d.ctx_lens),
+                                                     move(d.block_table))
+        meta = AttentionMetadata(move(attn.slot_mapping), prefills, decodes, attn.block_size)
+        return StepInputs(move(self.input_ids), move(self.positions), meta, move(self.sample_rows),
+                          self.sample_requests)
+
 
 def build_step_inputs(scheduled, block_size: int) -> StepInputs:
     ids, positions, slots, prefills, decode_items = [], [], [], [], []

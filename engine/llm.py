@@ -18,7 +18,7 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
                  kv_cache_memory_bytes: int = 512 * 2**20, num_gpu_blocks_override: int | None = None,
                  enable_prefix_caching: bool = True, num_threads: int = 1, seed: int = 0,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, device: str = "cpu"):
         cache = CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                             num_gpu_blocks_override=num_gpu_blocks_override,
                             enable_prefix_caching=enable_prefix_caching)
@@ -27,7 +27,7 @@ class LLM:
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size)
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, seed=seed, num_threads=num_threads,
-                                             cache=cache, scheduler=sched, parallel=parallel))
+                                             device=device, cache=cache, scheduler=sched, parallel=parallel))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

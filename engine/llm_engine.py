@@ -66,7 +66,8 @@ class LLMEngine:
     def _build_runner(self):
         """``ModelRunner`` in this process, or the ``ParallelExecutor`` of tp x pp worker processes."""
         if self.model is not None:
-            return ModelRunner(self.model, self.layout, self.runtime.num_blocks, self.config.cache.block_size)
+            return ModelRunner(self.model, self.layout, self.runtime.num_blocks, self.config.cache.block_size,
+                               device=self.config.resolved_device)
         from pdserve.engine.parallel.executor import ParallelExecutor
 
         return ParallelExecutor(self.config, self.model_config, self.runtime.num_blocks)
@@ -156,7 +157,7 @@ class LLMEngine:
 
 def _load(config: EngineConfig):
     if config.parallel.world_size == 1 and not config.parallel.debug_sync:
-        return load_model(config.model, dtype=config.dtype)
+        return load_model(config.model, dtype=config.dtype, device=config.resolved_device)
     return None, ModelConfig.from_dir(config.model, dtype=config.dtype)
 
 

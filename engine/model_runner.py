@@ -17,11 +17,12 @@ from pdserve.engine.sampler import sample
 
 
 class ModelRunner:
-    def __init__(self, model, layout: KVLayout, num_blocks: int, block_size: int):
+    def __init__(self, model, layout: KVLayout, num_blocks: int, block_size: int, device: str = "cpu"):
         self.model = model
         self.layout = layout
         self.block_size = block_size
-        self.kv_caches = layout.allocate(num_blocks, block_size)   # per layer {k, v}: [N, bs, Hkv, D]
+        self.device = torch.device(device)
+        self.kv_caches = layout.allocate(num_blocks, block_size, self.device)   # per layer {k, v}: [N, bs, Hkv, D]
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -30,6 +31,8 @@ class ModelRunner:
         if not scheduled:
             return {}
         inputs = build_step_inputs(scheduled, self.block_size)
+        if self.device.type != "cpu":
+            inputs = inputs.to(self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)  # [T, D]
         if not inputs.sample_requests:
             return {}

@@ -23,6 +23,8 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="where the model and KV cache live (auto: cuda when available)")
     p.add_argument("--num-threads", type=int, default=envs.PDSERVE_NUM_THREADS,
                    help="torch intra-op threads (default 1: on small boxes more threads thrash)")
     _add_engine_flags(p)
@@ -69,7 +71,7 @@ def resolve_model(model: str) -> Path:
 
 def config_from_args(args) -> EngineConfig:
     return EngineConfig(
-        model=str(resolve_model(args.model)), dtype=args.dtype, seed=args.seed,
+        model=str(resolve_model(args.model)), dtype=args.dtype, seed=args.seed, device=args.device,
         served_model_name=args.served_model_name or Path(args.model).name,
         num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,

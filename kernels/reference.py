@@ -60,8 +60,8 @@ def _prefill(q, kc, vc, seq: PrefillSeq, scale, window, cache) -> torch.Tensor:
         values = _gather_blocks(cache["v"], seq.block_table)[: seq.ctx_len]
     else:
         keys, values = kc[seq.ctx_slots], vc[seq.ctx_slots]
-    q_pos = torch.arange(seq.ctx_len - seq.q_len, seq.ctx_len).unsqueeze(1)   # [Q, 1]
-    k_pos = torch.arange(seq.ctx_len).unsqueeze(0)                            # [1, C]
+    q_pos = torch.arange(seq.ctx_len - seq.q_len, seq.ctx_len, device=q.device).unsqueeze(1)   # [Q, 1]
+    k_pos = torch.arange(seq.ctx_len, device=q.device).unsqueeze(0)                            # [1, C]
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
@@ -79,7 +79,7 @@ def _decode(q, kc, vc, batch: DecodeBatch, scale, window, cache) -> torch.Tensor
         keys, values = kc[batch.slots], vc[batch.slots]
     mask = batch.mask
     if window is not None:
-        k_pos = torch.arange(mask.shape[-1]).view(1, 1, 1, -1)
+        k_pos = torch.arange(mask.shape[-1], device=q.device).view(1, 1, 1, -1)
         mask = mask & (k_pos > (batch.ctx_lens - 1 - window).view(-1, 1, 1, 1))
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),

@@ -14,9 +14,9 @@ import torch
 
 
 def gather_kv(layer_cache: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-    """-> [C, N, Hkv, D], a fresh contiguous tensor (safe to hand to another thread)."""
-    parts = [_flat(t).index_select(0, slots) for t in layer_cache.values()]
-    return torch.stack(parts)
+    """-> [C, N, Hkv, D] on the CPU, a fresh contiguous tensor (safe to hand to another thread)."""
+    parts = [_flat(t).index_select(0, slots.to(t.device)) for t in layer_cache.values()]
+    return torch.stack(parts).cpu()
 
 
 def scatter_kv(layer_cache: dict[str, torch.Tensor], slots: torch.Tensor, obj: torch.Tensor,
@@ -26,7 +26,7 @@ def scatter_kv(layer_cache: dict[str, torch.Tensor], slots: torch.Tensor, obj: t
         raise ValueError(f"object has {obj.shape[0]} components, the cache layer has {len(layer_cache)}")
     for i, t in enumerate(layer_cache.values()):
         src = obj[i] if heads is None else obj[i][:, heads]
-        _flat(t).index_copy_(0, slots, src.to(t.dtype))
+        _flat(t).index_copy_(0, slots.to(t.device), src.to(device=t.device, dtype=t.dtype))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
