@@ -93,7 +93,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         for child in reversed(self.children):
-            _terminate(child.proc)
+            terminate(child.proc)
         self.children.clear()
 
     def _start_store(self) -> None:
@@ -189,7 +189,8 @@ def _check_alive(child: Child) -> None:
         raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}; log {child.log}:\n{tail}")
 
 
-def _terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; waits, so no zombie is left."""
     if proc.poll() is None:
         proc.terminate()
         try:

@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from pdserve.proxy.cluster import terminate  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -96,13 +97,7 @@ class NodeProcess:
             raise
 
     def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, grace_s=15)
         return self.proc.stdout.read() if self.proc.stdout else ""
 
 

@@ -19,6 +19,7 @@ import uuid
 import pytest
 import redis
 import torch
+from pdserve.proxy.cluster import terminate  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -89,13 +90,7 @@ class DaemonProcess:
         self.url = line.split()[1]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
 
 
 @pytest.fixture(scope="session")

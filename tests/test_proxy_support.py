@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from conftest import free_port, wait_healthy
+from pdserve.proxy.cluster import terminate  # noqa: E402
 
 
 class ProxyProcess:
@@ -36,13 +37,7 @@ class ProxyProcess:
             raise
 
     def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         self.log.seek(0)
         return self.log.read()
 
