@@ -72,3 +72,25 @@ def test_block_and_token_paths_agree():
     a, _ = _case(1, True, None)
     b, _ = _case(1, False, None)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_many_decodes_of_mixed_lengths_are_grouped_exactly(window):
+    """More decodes than one group (kernels.reference.DECODE_GROUP): sorted groups == one padded batch."""
+    g = torch.Generator().manual_seed(3)
+    cache = {c: torch.randn(NUM_BLOCKS * 4, BS, HKV, D, generator=g) for c in ("k", "v")}
+    lens = torch.randint(1, 30, (20,), generator=g)
+    nb = int((lens.max() + BS - 1) // BS)
+    table = torch.stack([torch.randperm(NUM_BLOCKS * 4, generator=g)[:nb] for _ in range(20)])   # [20, nb]
+    q, k, v = (torch.randn(20, h, D, generator=g) for h in (H, HKV, HKV))
+    pos = lens - 1
+    slot_mapping = table[torch.arange(20), pos // BS] * BS + pos % BS
+    slots = table[:, torch.arange(nb * BS) // BS] * BS + torch.arange(nb * BS) % BS                 # [20, nb*BS]
+    mask = (torch.arange(nb * BS) < lens.unsqueeze(1)).view(20, 1, 1, -1)
+    rows = torch.arange(20)
+    grouped = paged_attention(q, k, v, {c: t.clone() for c, t in cache.items()},
+                              AttentionMetadata(slot_mapping, [], DecodeBatch(rows, None, mask, lens, table), BS),
+                              0.3, window)
+    padded = paged_attention(q, k, v, {c: t.clone() for c, t in cache.items()},
+                             AttentionMetadata(slot_mapping, [], DecodeBatch(rows, slots, mask, lens), BS), 0.3, window)
+    torch.testing.assert_close(grouped, padded, rtol=1e-6, atol=1e-6)
