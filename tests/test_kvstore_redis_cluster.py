@@ -6,6 +6,7 @@ Keys of one put land in different hash slots, so batched writes, MGET and EXISTS
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import time
 
@@ -23,20 +24,54 @@ def redis_cluster(tmp_path_factory):
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server / redis-cli not on PATH (.ci/run installs them)")
     workdir = tmp_path_factory.mktemp("redis-cluster")
-    ports = [free_port() for _ in range(3)]
-    procs = [subprocess.Popen(["redis-server", "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                               "--cluster-config-file", f"nodes-{p}.conf", "--save", "", "--appendonly", "no"],
-                              cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    nodes = [_start_node(workdir) for _ in range(3)]
     try:
-        _wait(lambda: all(_pings(p) for p in ports), "cluster nodes up")
+        ports = [port for port, _ in nodes]
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
         _wait(lambda: all(_cluster_ok(p) for p in ports), "cluster_state:ok")
         yield f"redis+cluster://127.0.0.1:{ports[0]}"
     finally:
-        for proc in procs:
+        for _, proc in nodes:
             proc.kill()
             proc.wait()
+
+
+def _start_node(workdir, attempts: int = 3) -> tuple[int, subprocess.Popen]:
+    """One cluster-enabled redis-server on a free port; a port taken in between is retried on another."""
+    for _ in range(attempts):
+        port = _cluster_port()
+        log = workdir / f"redis-{port}.log"
+        proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled",
+                                 "yes", "--cluster-config-file", f"nodes-{port}.conf", "--save", "",
+                                 "--appendonly", "no", "--logfile", str(log)], cwd=workdir,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and proc.poll() is None and not _pings(port):
+            time.sleep(0.05)
+        if proc.poll() is None and _pings(port):
+            return port, proc
+        proc.kill()
+        proc.wait()
+    tail = log.read_text(errors="replace")[-1500:] if log.exists() else "(no log)"
+    raise RuntimeError(f"redis-server (cluster mode) did not start after {attempts} tries; last log:\n{tail}")
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is a valid, free port too."""
+    while True:
+        port = free_port()
+        if port + 10000 <= 65535 and _free(port + 10000):
+            return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def _cluster_ok(port: int) -> bool:
