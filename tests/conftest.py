@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -21,6 +20,7 @@ import httpx  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from pdserve.proxy.cluster import terminate  # noqa: E402
+from polling import wait_until  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -66,17 +66,15 @@ def free_port() -> int:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before {url} became healthy")
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
+            return httpx.get(url, timeout=1.0).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
+            return False
+
+    wait_until(healthy, timeout, f"{url} healthy")
 
 
 class NodeProcess:

@@ -13,13 +13,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 import redis
 import torch
 from pdserve.proxy.cluster import terminate  # noqa: E402
+from polling import wait_until  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -31,13 +31,7 @@ def free_port() -> int:
 
 
 def wait_for(cond, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise TimeoutError(f"{what} not met within {timeout_s}s")
+    return wait_until(cond, timeout_s, what)
 
 
 class RedisServer:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from pdserve.bench.datasets import DatasetConfig
 from pdserve.bench.runner import TrafficConfig, make_client, run_requests, run_warmups
 from pdserve.bench.serve import BenchConfig, run_bench_async
 from pdserve.proxy.cluster import free_port
+from polling import wait_until
 
 BUNDLE = 3
 DATA = Path(__file__).parent / "data"
@@ -75,10 +75,7 @@ def scripted():
     uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert uv.started, "scripted server did not start"
+    wait_until(lambda: uv.started, 30, "scripted server started")
     server.url = f"http://127.0.0.1:{port}"
     yield server
     uv.should_exit = True

@@ -10,12 +10,12 @@
 from __future__ import annotations
 
 import random
-import time
 
 import httpx
 import pytest
 
 from kvstore_fixtures import RedisServer
+from polling import wait_until
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster
 
 FLAGS = ("--kv-chunk-tokens", "32", "--block-size", "16")
@@ -68,10 +68,8 @@ def test_decode_node_killed_proxy_routes_elsewhere(tiny_llama, expected):
         victim = next(c for c in cluster.children if c.name == "decode-0")
         victim.proc.kill()
         victim.proc.wait()
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and _proxy_sees_healthy(cluster, victim.url):
-            time.sleep(0.1)
-        assert not _proxy_sees_healthy(cluster, victim.url), "proxy still routes to the dead decode node"
+        wait_until(lambda: not _proxy_sees_healthy(cluster, victim.url), 5.0,
+                   "the proxy stops routing to the dead decode node")
         assert _texts(cluster.url) == expected
 
 
@@ -122,7 +120,7 @@ def test_random_aborts_leak_nothing(tiny_llama):
             for i in range(200):
                 _aborted_stream(client, cluster.url, f"{PROMPTS[i % 6]} {i}", rng.randint(0, 6))
         for url, before in free_before.items():
-            _wait_for(lambda: _free_blocks(url) == before and _running(url) == 0, f"{url} blocks back")
+            wait_until(lambda: _free_blocks(url) == before and _running(url) == 0, 30, f"{url} blocks back")
         stats = httpx.get(cluster.decode_urls[0] + "/metrics", timeout=5).text
         assert _metric(stats, 'pdserve_kvstore_pinned_total{model_name="llama",tier="memory"}') == 0
 
@@ -143,11 +141,3 @@ def _running(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=5).text
     return _metric(text, "pdserve_num_requests_running") + _metric(text, "pdserve_num_requests_waiting")
 
-
-def _wait_for(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 
 import pytest
 import redis
@@ -17,6 +16,7 @@ import torch
 from kvstore_fixtures import free_port
 from pdserve.kvstore.keys import chunk_keys, object_key
 from pdserve.kvstore.redis_tier import RedisTier
+from polling import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,10 @@ def _start_node(workdir, attempts: int = 3) -> tuple[int, subprocess.Popen]:
                                  "yes", "--cluster-config-file", f"nodes-{port}.conf", "--save", "",
                                  "--appendonly", "no", "--logfile", str(log)], cwd=workdir,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and proc.poll() is None and not _pings(port):
-            time.sleep(0.05)
+        try:
+            wait_until(lambda: proc.poll() is not None or _pings(port), 15, f"redis-server on port {port}")
+        except TimeoutError:
+            pass
         if proc.poll() is None and _pings(port):
             return port, proc
         proc.kill()
@@ -87,15 +88,13 @@ def _pings(port: int) -> bool:
 
 
 def _wait(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def safe() -> bool:
         try:
-            if cond():
-                return
+            return bool(cond())
         except redis.RedisError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(what)
+            return False
+
+    wait_until(safe, timeout, what)
 
 
 def test_round_trip_lookup_and_delete_across_slots(redis_cluster):

@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from polling import wait_until
 from test_proxy_support import proxy_factory, request, sse_payloads  # noqa: F401
 
 PROMPT = "Once upon a time in a small village by the sea"
@@ -31,12 +32,7 @@ def metric(url: str, name: str, labels: str = "") -> float:
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout}s: {what}")
+    wait_until(condition, timeout, what)
 
 
 def idle(node_url: str) -> bool:

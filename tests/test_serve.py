@@ -7,11 +7,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 
 from conftest import free_port
+from polling import wait_until
 
 
 def test_serve_answers_and_ctrl_c_stops_everything(tiny_llama):
@@ -33,10 +33,8 @@ def test_serve_answers_and_ctrl_c_stops_everything(tiny_llama):
         ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", output)]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_listening(p) for p in ports):
-            time.sleep(0.2)
-        assert not [p for p in ports if _listening(p)], "a child of `pdserve serve` is still listening"
+        wait_until(lambda: not any(_listening(p) for p in ports), 10,
+                   "every child of `pdserve serve` stopped listening")
     finally:
         if proc.poll() is None:
             proc.kill()

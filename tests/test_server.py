@@ -8,7 +8,6 @@ request asks for 100k tokens so that only an abort can end it while the test wai
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -16,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.tiny_model import make_tiny_model
+from polling import wait_until
 
 MAX_MODEL_LEN = 256
 API_KEY = "test-secret"
@@ -62,11 +62,7 @@ def _metric(url: str, name: str, required: bool = True, **labels: str) -> float:
 
 
 def _wait_for(condition, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout}s")
-        time.sleep(0.05)
+    wait_until(condition, timeout, what)
 
 
 # -- the API surface --------------------------------------------------------------------------------
