@@ -149,7 +149,7 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.after_step(sched_out.scheduled)   # copy finished chunks before blocks are freed
         self.scheduler.update_from_output(sched_out, {rid: r.token_id for rid, r in sampled.items()})
-        outputs = self.outputs.collect(sampled)
+        outputs = self.outputs.collect(sampled, sched_out.rejected)
         if not sched_out.scheduled and not outputs:
             time.sleep(0.001)                                # only waiting on KV loads / publishes
         return outputs

@@ -70,14 +70,15 @@ class OutputAssembler:
             self._ready.append(out)
         return stop_status is not None
 
-    def collect(self, sampled: dict) -> list[RequestOutput]:
+    def collect(self, sampled: dict, rejected=()) -> list[RequestOutput]:
+        """Deltas for the step's sampled tokens; final outputs for ``rejected`` (finished without a token)."""
         outs, self._ready = self._ready, []
         for rid, res in sampled.items():
             if rid in self._live:
                 out = self._emit_token(rid, res.token_id, res)
                 if out is not None:
                     outs.append(out)
-        outs += self._finished_without_token(set(sampled))
+        outs += self._finished_without_token(rejected)
         outs += self._published()
         return outs
 
@@ -95,8 +96,8 @@ class OutputAssembler:
         out = self._output(req, [token_id], text, logprobs, live.transfer)
         return self._finish(live, out) if req.status.is_finished else out
 
-    def _finished_without_token(self, seen: set[str]) -> list[RequestOutput]:
-        done = [lv for lv in self._live.values() if lv.req.status.is_finished and lv.req.request_id not in seen]
+    def _finished_without_token(self, rejected) -> list[RequestOutput]:
+        done = [self._live[r.request_id] for r in rejected if r.request_id in self._live]
         outs = [self._finish(lv, self._output(lv.req, [], "", None, lv.transfer)) for lv in done]
         return [o for o in outs if o is not None]
 
