@@ -136,7 +136,13 @@ def token_times(out: RequestOutput) -> list[float]:
 
 
 def peak_output_and_concurrency(ok: list[RequestOutput]) -> tuple[float, int]:
-    """(max chunks in any whole second since the first start, max requests open at once)."""
+    """(max chunks in any whole second since the first start, max requests open at once).
+
+    The peak concurrency is an exact sweep over half-open [start, end) intervals, ends before starts
+    at equal times -- what ``vllm bench serve`` reports as ``max_concurrent_requests`` today (its
+    per-second request buckets only feed its terminal plot; older releases reported the bucket count,
+    which says 2 for two requests that never overlap but share a second).
+    """
     if not ok:
         return 0.0, 0
     t0 = min(o.start_time for o in ok)

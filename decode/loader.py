@@ -6,9 +6,12 @@ Called by ``StoreConnector`` (engine thread):
     loader.start(req_id, chunk_keys, chunk_lens, slots, start, n)   # request waits in WAITING_FOR_KV
     for req_id, loaded in loader.finished().items(): ...   # loaded <= n tokens; 0 after a failure
 
-The loader thread reads each chunk's layer objects, checks their shape, and scatters the token range
-``[start, start + n)`` into the blocks the scheduler allocated. A missing or malformed object stops
-the load at the chunk before it: those tokens are recomputed, never read wrong.
+The loader thread reads each chunk's layer objects and, before a single block is written, checks
+each object's seal (``kvstore.seal``: written for this key, checksum intact, shape as expected) and,
+when the prefill node sent one, the chunk's digest from ``kv_transfer_params.chunk_digests``. Then it
+scatters the token range ``[start, start + n)`` into the blocks the scheduler allocated. A missing,
+malformed or mismatching object stops the load at the chunk before it: those tokens are recomputed,
+never read wrong. An object whose seal fails is deleted from the store (it would fail every reader).
 
     prompt   |<- chunk 0 ->|<- chunk 1 ->|<- chunk 2 ->|
     load         [start ................ start+n)          (block-aligned; never the last prompt token)
@@ -19,12 +22,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.kernels.transfer import scatter_kv
 from pdserve.kvstore.keys import object_key
+from pdserve.kvstore.seal import SealError, chunk_digest, unseal
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ class LoadJob:
     slots: torch.Tensor          # [start + n] flat slots of positions 0..start+n-1
     start: int
     num_tokens: int
+    digests: list[str] = field(default_factory=list)   # prefill's digest per chunk ("" = not sent)
 
 
 class ChunkLoader:
@@ -49,8 +54,11 @@ class ChunkLoader:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.failures = 0
-        threading.Thread(target=self._loop, name="kv-loader", daemon=True).start()
+        self.failures = 0                    # loads stopped early: store error, miss or bad object
+        self.integrity_failures = 0          # objects whose seal failed (deleted from the store)
+        self.digest_mismatches = 0           # chunks that differ from what the prefill node published
+        self._thread = threading.Thread(target=self._loop, name="kv-loader", daemon=True)
+        self._thread.start()
 
     def lookup(self, chunk_keys: list[str], chunk_lens: list[int]) -> int:
         """Tokens covered by the leading chunks whose every layer is in the store (0 if it is down)."""
@@ -73,9 +81,14 @@ class ChunkLoader:
             done, self._done = self._done, {}
         return done
 
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Finish the queued loads, then end the thread; False if it did not finish within the timeout."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
+        while (job := self._jobs.get()) is not None:
             try:
                 loaded = self._load(job)
                 self.health.ok()
@@ -89,10 +102,10 @@ class ChunkLoader:
 
     def _load(self, job: LoadJob) -> int:
         end, chunk_start, loaded_to = job.start + job.num_tokens, 0, job.start
-        for key, length in zip(job.chunk_keys, job.chunk_lens):
+        for index, length in enumerate(job.chunk_lens):
             lo, hi = max(chunk_start, job.start), min(chunk_start + length, end)
             if lo < hi:
-                if not self._load_chunk(key, length, job.slots[lo:hi], lo - chunk_start, hi - chunk_start):
+                if not self._load_chunk(job, index, job.slots[lo:hi], lo - chunk_start, hi - chunk_start):
                     break
                 loaded_to = hi
             chunk_start += length
@@ -100,16 +113,56 @@ class ChunkLoader:
                 break
         return loaded_to - job.start
 
-    def _load_chunk(self, key: str, length: int, slots, a: int, b: int) -> bool:
-        layers = range(self.first_layer, self.first_layer + len(self.kv_caches))
-        with self.store.borrow([object_key(key, layer) for layer in layers]) as objs:
-            if any(o is None or tuple(o.shape) != self._shape(length) for o in objs):
+    def _load_chunk(self, job: LoadJob, index: int, slots, a: int, b: int) -> bool:
+        keys = [object_key(job.chunk_keys[index], layer) for layer in self._layers()]
+        expect = job.digests[index] if index < len(job.digests) else ""
+        with self.store.borrow(keys) as objs:
+            views = self._verified(keys, objs, job.chunk_lens[index], expect)
+            if views is None:
                 self.failures += 1
-                logger.warning("chunk %s: missing or malformed object; recomputing from here", key)
                 return False
-            for cache, obj in zip(self.kv_caches, objs):
-                scatter_kv(cache, slots, obj[:, a:b])                     # obj: [C, length, Hkv, D]
+            self._scatter(views, slots, a, b)
         return True
+
+    def _layers(self) -> range:
+        return range(self.first_layer, self.first_layer + len(self.kv_caches))
+
+    def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int) -> None:
+        for cache, obj in zip(self.kv_caches, views):
+            scatter_kv(cache, slots, obj[:, a:b])                         # obj: [C, length, Hkv, D]
+
+    def _verified(self, keys: list[str], objs, length: int, expect: str) -> list[torch.Tensor] | None:
+        """Typed views of the chunk's layer objects, or None (logged, counted) if any is not right."""
+        views, sums = [], []
+        for key, obj in zip(keys, objs):
+            if obj is None:
+                logger.warning("chunk object %s is missing; recomputing from here", key)
+                return None
+            try:
+                view, checksum = unseal(key, obj)
+            except SealError as exc:
+                self.integrity_failures += 1
+                logger.warning("%s; deleted from the store, recomputing from here", exc)
+                self._discard(key)
+                return None
+            if tuple(view.shape) != self._shape(length):
+                logger.warning("chunk object %s has shape %s, want %s; recomputing from here", key,
+                               tuple(view.shape), self._shape(length))
+                return None
+            views.append(view)
+            sums.append(checksum)
+        if expect and chunk_digest(sums) != expect:
+            self.digest_mismatches += 1
+            logger.warning("chunk %s differs from what the prefill node published (digest %s, want %s); "
+                           "recomputing from here", keys[0].rsplit(":", 1)[0], chunk_digest(sums), expect)
+            return None
+        return views
+
+    def _discard(self, key: str) -> None:
+        try:
+            self.store.delete([key])
+        except Exception as exc:  # noqa: BLE001 - the store is failing anyway; the miss is what counts
+            logger.debug("could not delete bad object %s: %s", key, exc)
 
     def _shape(self, length: int) -> tuple[int, ...]:
         c, h, d = self.expect_shape

@@ -25,6 +25,7 @@ from typing import AsyncIterator
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.kvstore.stats_cache import StatsCache
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._fatal: str | None = None
+        self._store_stats = StatsCache(self.engine.store) if self.engine.store is not None else None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -92,18 +94,10 @@ class AsyncEngine:
         queries, hits = bm.prefix_cache_stats
         return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting, kv_usage=bm.usage,
                            prefix_cache_queries=queries, prefix_cache_hits=hits,
-                           kv_totals=dict(self.engine.outputs.totals), kv_store=self._store_stats(),
+                           kv_totals=dict(self.engine.outputs.totals),
+                           kv_store=self._store_stats.get() if self._store_stats else {},
                            kv_transfer=self.engine.connector.stats() if self.engine.connector else {},
                            num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks)
-
-    def _store_stats(self) -> dict:
-        if self.engine.store is None:
-            return {}
-        try:
-            return self.engine.store.stats()
-        except Exception as exc:   # a daemon that went away: report nothing rather than fail /metrics
-            logger.debug("store stats unavailable: %s", exc)
-            return {}
 
     def is_healthy(self) -> bool:
         """False once a step failed, or once a tp x pp worker rank died or stalled (even while idle)."""
@@ -113,6 +107,8 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self._store_stats is not None:
+            self._store_stats.close()
         self.engine.shutdown()
 
     # -- engine thread -------------------------------------------------------------------------

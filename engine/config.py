@@ -84,6 +84,7 @@ class KVTransferConfig:
     kv_cpu_bytes: int = 2 << 30             # embedded store's L1 budget
     kv_redis: str | None = None             # embedded store's L2
     kv_disk_dir: str | None = None          # embedded store's L3
+    kv_writethrough_queue_bytes: int = 256 << 20   # embedded store's write-through queue bound
     kv_auth_token: str = ""
     kv_shm_bytes: int = 64 << 20            # shared-memory data plane to a local daemon (0: zmq frames)
 
@@ -95,6 +96,8 @@ class KVTransferConfig:
                               f"(a `pdserve kvstore` daemon) or --kv-redis redis://HOST:PORT")
         if self.kv_chunk_tokens < 1:
             raise ConfigError(f"--kv-chunk-tokens must be >= 1, got {self.kv_chunk_tokens}")
+        if self.kv_writethrough_queue_bytes < 1:
+            raise ConfigError(f"--kv-writethrough-queue-bytes must be >= 1, got {self.kv_writethrough_queue_bytes}")
 
     @property
     def store_url(self) -> str | None:

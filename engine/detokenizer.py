@@ -4,13 +4,25 @@ Called by the engine after every step with the request's new token ids. Decoding
 window keeps each step O(new tokens): text is emitted once the window no longer ends in a
 partial UTF-8 character (``\ufffd``), the way vLLM and TGI detokenize.
 
-    tokens:  ...  [prefix_offset ........ read_offset) [new tokens]
+    tokens:  [last prompt tokens) [output tokens ...................................]
+             ...  [prefix_offset ........ read_offset) [new tokens]
     text already emitted = decode(window up to read_offset); new text = the rest
+
+``for_request`` primes the window with the prompt's last tokens (vLLM's
+``INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET``): SentencePiece / Metaspace decoders drop the
+leading space of a decoded sequence, so without that context the first output token would
+lose its space (" Paris" -> "Paris") and a stop string starting with a space could never match.
+
+Stop strings follow vLLM: searched only once more than ``min_tokens`` tokens were produced, and
+only where they end in new text; the text of the first ``min_tokens`` tokens never completes one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+PROMPT_CONTEXT = 5          # prompt tokens that prefix the first window ...
+PROMPT_TAIL = PROMPT_CONTEXT + 2   # ... taken from this many, in case some are special (skipped)
 
 
 @dataclass
@@ -18,12 +30,25 @@ class IncrementalDetokenizer:
     tokenizer: object
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
-    token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)   # prompt tail, then output tokens
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
     stopped_by: str | None = None
     sent: int = 0                      # characters of ``text`` already returned
+    num_context: int = 0               # leading ``token_ids`` that are prompt, not output
+
+    @classmethod
+    def for_request(cls, tokenizer, prompt_token_ids: list[int], params) -> "IncrementalDetokenizer":
+        """A detokenizer whose first window starts in the prompt's last tokens (see module doc)."""
+        tail = list(prompt_token_ids[-PROMPT_TAIL:])
+        return cls(tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens, tail,
+                   prefix_offset=max(len(tail) - PROMPT_CONTEXT, 0), read_offset=len(tail), num_context=len(tail))
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_context
 
     @property
     def _hold(self) -> int:
@@ -60,27 +85,25 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(self.token_ids[start:stop], skip_special_tokens=True)
 
     def _apply_stop(self, delta: str) -> None:
-        """Append delta to text; if a stop string appears, cut the text there and remember it."""
-        if not self.stop:
-            self.text += delta
-            return
+        """Append delta to text; if a stop string ends in it, cut the text there and remember it."""
         before = len(self.text)
-        combined = self.text + delta
-        search_from = max(0, before - max(len(s) for s in self.stop) + 1)
-        hit = _first_stop(combined, self.stop, search_from)
+        self.text += delta
+        if not self.stop or self.num_output_tokens <= self.min_tokens:
+            return
+        hit = _first_stop(self.text, self.stop, before)
         if hit is None:
-            self.text = combined
             return
         index, stop_str = hit
         end = index + len(stop_str) if self.include_stop_str_in_output else index
-        self.text = combined[:end]
+        self.text = self.text[:end]
         self.stopped_by = stop_str
 
 
-def _first_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+def _first_stop(text: str, stops: tuple[str, ...], new_from: int) -> tuple[int, str] | None:
+    """The earliest stop string that ends after ``new_from`` (it may start before)."""
     best = None
     for s in stops:
-        i = text.find(s, start)
+        i = text.find(s, max(0, new_from - len(s) + 1))
         if i >= 0 and (best is None or i < best[0]):
             best = (i, s)
     return best

@@ -8,7 +8,12 @@ Who calls what (all on the engine thread; the I/O runs on the publisher/loader t
     Scheduler.schedule         connector.finished_loads() -> {id: loaded tokens}   (0 = recompute all)
     LLMEngine.step, after run  connector.after_step(scheduled)            publish chunks now complete
     request finished           connector.close(req)  -> the response waits for finished_publishes()
+    request aborted            connector.forget(req)  (queued chunks are still put; no result is kept)
     response                   connector.transfer_params(req), connector.accounting(req)
+
+Integrity: every object is sealed by the publisher (``kvstore.seal``: key hash + checksum) and
+checked by the loader before it is scattered; ``transfer_params`` carries the digest of each chunk
+the prefill node published, which the decode node's loader compares with what it read.
 
 The store behind it is any ``pdserve.kvstore.KVStore``: the embedded tiered store or a daemon
 client. A store that fails costs hits (logged once, counted), never a request.
@@ -20,6 +25,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import dataclasses
+import json
+
 import torch
 import xxhash
 
@@ -28,7 +36,7 @@ from pdserve.engine.kv_transfer import KVTransferParams
 from pdserve.kvstore.accounting import KVAccounting, account
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.keys import chunk_keys, model_fingerprint
-from pdserve.prefill.publisher import ChunkPublisher
+from pdserve.prefill.publisher import ChunkPublisher, PublishResult
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -40,7 +48,9 @@ class _Transfer:
     lens: list[int]
     publish: bool
     remote: KVTransferParams | None
-    published: int = 0                  # chunks handed to the publisher
+    stored: int = 0                     # leading chunks already in the store at lookup (not published here)
+    published: int = 0                  # chunks handed to the publisher (or already stored)
+    result: PublishResult | None = None # what the store acknowledged, once the publish finished
     accounting: KVAccounting | None = None
     extra: dict = field(default_factory=dict)
 
@@ -53,7 +63,8 @@ class StoreConnector:
         self.store, self.block_size, self.chunk_tokens, self.role = store, block_size, chunk_tokens, role
         self.layout_text = layout.describe()
         self.fingerprint = model_fingerprint(model_config.architecture, weights_identity(model_config.model_dir),
-                                             str(layout.dtype), self.layout_text, FORMAT_VERSION)
+                                             str(layout.dtype), self.layout_text, FORMAT_VERSION,
+                                             config_identity(model_config))
         shape = (len(layout.components), layout.num_kv_heads, layout.head_dim)
         self.health = TierHealth("kv-store", base_s=2.0, max_s=30.0)
         durable = role == "prefill" and hasattr(store, "flush")   # embedded store: the reader is elsewhere
@@ -85,13 +96,14 @@ class StoreConnector:
             return 0
         store_hit = self.loader.lookup(t.keys, t.lens)
         t.accounting = account(req.num_tokens, local_hit, store_hit, self.block_size)
-        t.published = _chunks_covered(t.lens, store_hit)     # already in the store: do not publish again
+        t.stored = t.published = _chunks_covered(t.lens, store_hit)   # already in the store: not again
         return t.accounting.need_to_load
 
     def start_load(self, req, start: int, num_tokens: int) -> None:
         t = self._reqs[req.request_id]
         slots = _slots(req.block_ids, start + num_tokens, self.block_size)
-        self.loader.start(LoadJob(req.request_id, t.keys, t.lens, slots, start, num_tokens))
+        digests = t.remote.chunk_digests if t.remote is not None else []
+        self.loader.start(LoadJob(req.request_id, t.keys, t.lens, slots, start, num_tokens, list(digests)))
 
     def finished_loads(self) -> dict[str, int]:
         done = self.loader.finished()
@@ -115,14 +127,24 @@ class StoreConnector:
     def _publish_chunk(self, req, t: _Transfer, index: int) -> None:
         start = index * self.chunk_tokens
         slots = _slots(req.block_ids, start + t.lens[index], self.block_size)[start:]
-        self.publisher.publish(req.request_id, t.keys[index], slots)
+        self.publisher.publish(req.request_id, index, t.keys[index], slots)
 
     def close(self, request_id: str) -> None:
         """The request finished: its publish is complete once ``finished_publishes`` names it."""
-        self.publisher.close_request(request_id)
+        t = self._reqs.get(request_id)
+        self.publisher.close_request(request_id, t.stored if t is not None else 0)
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted: no publish result will be asked for."""
+        self.publisher.forget(request_id)
+        self._reqs.pop(request_id, None)
 
     def finished_publishes(self) -> set[str]:
-        return self.publisher.finished()
+        done = self.publisher.finished()
+        for rid, result in done.items():
+            if rid in self._reqs:
+                self._reqs[rid].result = result
+        return set(done)
 
     # -- results ------------------------------------------------------------------------------
 
@@ -133,20 +155,30 @@ class StoreConnector:
         return t.accounting
 
     def transfer_params(self, req) -> KVTransferParams:
+        """What the decode node needs; call once ``finished_publishes`` named the request."""
         t = self._reqs[req.request_id]
-        published = sum(t.lens[:t.published])
+        chunks = t.result.chunks if t.result is not None else t.stored
+        digests = [t.result.digests.get(i, "") for i in range(chunks)] if t.result is not None else []
         first = req.output_token_ids[0] if req.output_token_ids else None
         return KVTransferParams(do_remote_prefill=True, model_fingerprint=self.fingerprint,
                                 block_size=self.block_size, chunk_tokens=self.chunk_tokens,
-                                kv_layout=self.layout_text, num_tokens=published,
-                                chunk_keys=t.keys, first_token_id=first,
+                                kv_layout=self.layout_text, num_tokens=sum(t.lens[:chunks]),
+                                chunk_keys=t.keys, chunk_digests=digests, first_token_id=first,
                                 accounting=_acc_dict(self.accounting(req)))
 
     def release(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
 
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the publisher (its queued puts go out first) and the loader; the store is closed by its owner."""
+        if not self.publisher.stop(timeout_s):
+            logger.warning("KV publisher still busy after %.0fs at shutdown; unpublished chunks are lost", timeout_s)
+        self.loader.stop(timeout_s)
+
     def stats(self) -> dict:
         return {"load_failures": self.loader.failures, "publish_failures": self.publisher.failures,
+                "load_integrity_failures": self.loader.integrity_failures,
+                "load_digest_mismatches": self.loader.digest_mismatches,
                 "publish_skipped": self.publisher.skipped, **{f"store_{k}": v for k, v in self.health.snapshot().items()}}
 
 
@@ -159,6 +191,19 @@ def weights_identity(model_dir) -> str:
             while chunk := f.read(16 << 20):
                 h.update(chunk)
     return h.hexdigest()
+
+
+_NOT_KV = ("model_dir", "eos_token_ids", "bos_token_id")   # fields that never change a KV byte
+
+
+def config_identity(model_config) -> str:
+    """sha256 over every ModelConfig field that can shape KV (RoPE, norm eps, window, dims, dtype...).
+
+    Fields are opt-out, not opt-in: a field added to ModelConfig later is covered without a change here.
+    """
+    fields = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in _NOT_KV}
+    text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(text.encode())
 
 
 def _slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:

@@ -6,15 +6,24 @@ bytes; a mismatch is refused naming both values, never loaded as wrong KV.
     proxy -> prefill   {"do_remote_decode": true}
     prefill -> proxy   {"do_remote_prefill": true, "version": 1, "model_fingerprint": ..., "block_size": 16,
                         "chunk_tokens": 256, "kv_layout": ..., "num_tokens": 300, "chunk_keys": [...],
-                        "first_token_id": 42, "accounting": {...}}
+                        "chunk_digests": [...], "first_token_id": 42, "first_token_logprob": -0.3,
+                        "first_token_top_logprobs": [[42, -0.3], ...], "sampler_draws": 1, "accounting": {...}}
     proxy -> decode    the same object; the decode node starts from prompt + first_token_id
+
+The sampling fields make the decode node's answer the one a colocated node gives: the first token's
+logprobs (emitted by the decode node as its own first token's), and ``sampler_draws``, the draws the
+prefill node's seeded generator made, which the decode node's generator skips before its first draw.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 TRANSFER_VERSION = 1
+TopLogprobs = Annotated[list[tuple[int, float]], msgspec.Meta(max_length=20)]   # SamplingParams.logprobs <= 20
+Draws = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 
 
 class TransferMismatchError(ValueError):
@@ -31,8 +40,11 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_layout: str | None = None
     num_tokens: int = 0                       # prompt tokens whose KV was published
     chunk_keys: list[str] = []
+    chunk_digests: list[str] = []             # per published chunk: seal digest of its layers ("" = unknown)
     first_token_id: int | None = None
     first_token_logprob: float | None = None
+    first_token_top_logprobs: TopLogprobs | None = None
+    sampler_draws: Draws = 0                  # draws the prefill node's seeded generator made
     accounting: dict[str, int] | None = None
 
     @classmethod

@@ -37,12 +37,21 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
         params = params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
+        encoded = [list(p) if _is_token_list(p) else self.tokenizer.encode(p) for p in prompts]
+        for ids, p in zip(encoded, params_list):      # all or nothing: a bad prompt queues none
+            self.engine.check_prompt(len(ids), p.max_tokens)
         results = {}
-        for prompt, p in zip(prompts, params_list):
-            ids = prompt if _is_token_list(prompt) else self.tokenizer.encode(prompt)
-            rid = self._next_id()
-            results[rid] = CompletionOutput(request_id=rid, prompt_token_ids=list(ids))
-            self.engine.add_request(rid, ids, p)
+        try:
+            for ids, p in zip(encoded, params_list):
+                rid = self._next_id()
+                self.engine.add_request(rid, ids, p)
+                results[rid] = CompletionOutput(request_id=rid, prompt_token_ids=ids)
+        except BaseException:
+            for rid in results:                        # leave nothing queued for a later call
+                self.engine.abort_request(rid)
+            raise
         self._run(results, use_tqdm)
         return list(results.values())
 

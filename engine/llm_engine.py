@@ -73,11 +73,17 @@ class LLMEngine:
         return ParallelExecutor(self.config, self.model_config, self.runtime.num_blocks)
 
     def shutdown(self) -> None:
-        """Stop the worker ranks of a tp x pp engine (nothing to do for one process)."""
+        """Stop the KV publisher/loader, close a store this engine built (detaching from a daemon),
+        then stop the worker ranks of a tp x pp engine. Idempotent."""
+        if self.connector is not None:
+            self.connector.shutdown()
+        if self.store is not None and self._owns_store:
+            self.store.close()
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
 
     def _build_connector(self, store):
+        self._owns_store = store is None
         store = store if store is not None else build_node_store(self.config.kv_transfer)
         if store is None:
             return None, None
@@ -124,12 +130,13 @@ class LLMEngine:
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                       eos_token_id=None if params.ignore_eos else self._eos(0),
                       extra_eos_token_ids=() if params.ignore_eos else tuple(self.model_config.eos_token_ids[1:]),
-                      arrival_time=time.monotonic(), output_token_ids=[] if first is None else [first])
+                      arrival_time=time.monotonic(), output_token_ids=[] if first is None else [first],
+                      sampler_draws=transfer.sampler_draws if first is not None else 0)
         if self.connector is not None:
             self.connector.add(req, transfer)           # raises on a prefill/decode mismatch
         self.outputs.track(req, transfer)
         if first is not None and self.outputs.first_token_from_prefill(req, check_stop(req, self.max_model_len)):
-            return                                      # finished on the prefill node's token
+            return                                      # finished on the prefill node's token: never scheduled
         self.scheduler.add_request(req)
 
     def _eos(self, i: int) -> int | None:

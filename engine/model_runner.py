@@ -13,7 +13,7 @@ import torch
 
 from pdserve.engine.input_batch import build_step_inputs
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import sample, skip_draws
 
 
 class ModelRunner:
@@ -40,19 +40,22 @@ class ModelRunner:
         return self.sample_requests(logits, inputs.sample_requests)
 
     def sample_requests(self, logits: torch.Tensor, reqs: list) -> dict:
-        """logits: [S, V] of ``reqs`` (anything with request_id, sampling_params, all_token_ids)."""
-        _suppress_stops_before_min_tokens(logits, reqs)
+        """logits: [S, V] of ``reqs`` (anything with request_id, sampling_params, all_token_ids,
+        banned_token_ids and sampler_draws, like ``Request``)."""
         results = sample(logits, [r.sampling_params for r in reqs],
-                         [self._generator(r) for r in reqs], _histories(reqs))
+                         [self._generator(r, logits.shape[1]) for r in reqs], _histories(reqs), _banned(reqs))
         return {r.request_id: res for r, res in zip(reqs, results)}
 
-    def _generator(self, req) -> torch.Generator | None:
+    def _generator(self, req, vocab_size: int) -> torch.Generator | None:
+        """The request's generator, seeded once; one that continues a request started on another node
+        first skips the draws made there, so seeded output is the same as if one node ran it all."""
         seed = req.sampling_params.seed
         if seed is None or req.sampling_params.greedy:
             return None
         gen = self._generators.get(req.request_id)
         if gen is None:
             gen = self._generators[req.request_id] = torch.Generator().manual_seed(seed)
+            skip_draws(gen, vocab_size, req.sampler_draws)
         return gen
 
     def release(self, request_id: str) -> None:
@@ -66,12 +69,7 @@ def _histories(reqs) -> list[list[int]] | None:
     return [r.all_token_ids for r in reqs]
 
 
-def _suppress_stops_before_min_tokens(logits: torch.Tensor, reqs) -> None:
+def _banned(reqs) -> list[list[int]] | None:
     """min_tokens (vLLM semantics): until reached, eos and stop_token_ids cannot be sampled."""
-    for row, r in enumerate(reqs):
-        p = r.sampling_params
-        if p.min_tokens and len(r.all_token_ids) - len(r.prompt_token_ids) < p.min_tokens:
-            eos = (getattr(r, "eos_token_id", None), *getattr(r, "extra_eos_token_ids", ()))
-            stops = [t for t in (*eos, *p.stop_token_ids) if t is not None]
-            if stops:
-                logits[row, stops] = float("-inf")
+    banned = [list(r.banned_token_ids) for r in reqs]
+    return banned if any(banned) else None

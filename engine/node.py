@@ -46,6 +46,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cpu-bytes", type=int, default=2 << 30, help="embedded store: L1 memory budget")
     p.add_argument("--kv-redis", default=None, help="embedded store: L2 redis://HOST:PORT/DB")
     p.add_argument("--kv-disk-dir", default=None, help="embedded store: L3 directory")
+    p.add_argument("--kv-writethrough-queue-bytes", type=int, default=256 << 20,
+                   help="embedded store: bytes queued for Redis/disk before writes are dropped "
+                        "(an empty queue takes any one batch)")
     p.add_argument("--kv-auth-token", default="", help="token of the store daemon")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
@@ -86,7 +89,8 @@ def config_from_args(args) -> EngineConfig:
                                 master_addr=args.master_addr, master_port=args.master_port),
         kv_transfer=KVTransferConfig(role=args.role, kv_store=args.kv_store, kv_chunk_tokens=args.kv_chunk_tokens,
                                      kv_cpu_bytes=args.kv_cpu_bytes, kv_redis=args.kv_redis,
-                                     kv_disk_dir=args.kv_disk_dir, kv_auth_token=args.kv_auth_token),
+                                     kv_disk_dir=args.kv_disk_dir, kv_auth_token=args.kv_auth_token,
+                                     kv_writethrough_queue_bytes=args.kv_writethrough_queue_bytes),
     )
 
 

@@ -8,7 +8,13 @@ and the final-output rules:
                       └─ publishing its prompt KV (prefill / both) ─> held until the store
                                                                       acknowledged every chunk
 The final output carries the KV accounting (logged once per request at INFO) and, for a request
-that asked for remote decode, the ``kv_transfer_params`` the decode node needs.
+that asked for remote decode, the ``kv_transfer_params`` the decode node needs: the KV's, plus the
+first token's logprobs and the seeded generator's draws, so that the decode node answers exactly
+what a colocated node would.
+
+Finish rules (vLLM's): a stop string wins over the length limit reached by the same token
+(``finish_reason`` "stop"); the text of an eos / stop token id is left out unless
+``include_stop_str_in_output``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import SampleResult, generator_draws
 
 logger = logging.getLogger("pdserve.kv")
 
@@ -28,6 +35,7 @@ class _Live:
     req: Request
     detok: IncrementalDetokenizer
     transfer: object | None          # KVTransferParams the request came with
+    first: SampleResult | None = None   # the first output token's sample (its logprobs go to the decode node)
 
 
 class OutputAssembler:
@@ -36,14 +44,13 @@ class OutputAssembler:
         self.connector, self.role = connector, role
         self._live: dict[str, _Live] = {}
         self._ready: list[RequestOutput] = []          # produced between steps
-        self._held: dict[str, RequestOutput] = {}      # finished, waiting for the publish ack
+        self._held: dict[str, tuple[RequestOutput, _Live]] = {}   # finished, waiting for the publish ack
         self.totals = {"total_tokens": 0, "local_hit_tokens": 0, "store_hit_tokens": 0, "loaded_tokens": 0,
                        "recomputed_tokens": 0}
 
     def track(self, req: Request, transfer) -> None:
-        p = req.sampling_params
-        self._live[req.request_id] = _Live(req, IncrementalDetokenizer(self.tokenizer, p.stop,
-                                                                       p.include_stop_str_in_output), transfer)
+        detok = IncrementalDetokenizer.for_request(self.tokenizer, req.prompt_token_ids, req.sampling_params)
+        self._live[req.request_id] = _Live(req, detok, transfer)
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self._live or request_id in self._held
@@ -57,18 +64,24 @@ class OutputAssembler:
         live = self._live.pop(request_id, None)
         self.runner.release(request_id)
         if self.connector is not None:
-            self.connector.close(request_id)
-            self.connector.release(request_id)
+            self.connector.forget(request_id)
         return live is not None
 
     def first_token_from_prefill(self, req: Request, stop_status) -> bool:
-        """A decode request starts with the prefill node's token: emit it now. True if that ended it."""
+        """A decode request starts with the prefill node's token: emit it now (with the prefill node's
+        logprobs for it). True if that ended it (eos, stop id, length or a stop string): not to be scheduled."""
         if stop_status is not None:
             req.status = stop_status
-        out = self._emit_token(req.request_id, req.output_token_ids[0], None)
+        transfer = self._live[req.request_id].transfer
+        first = req.output_token_ids[0]
+        sample = None
+        if transfer.first_token_logprob is not None:
+            sample = SampleResult(first, transfer.first_token_logprob,
+                                  _tops(transfer.first_token_top_logprobs, req.sampling_params.logprobs))
+        out = self._emit_token(req.request_id, first, sample)
         if out is not None:
             self._ready.append(out)
-        return stop_status is not None
+        return req.status.is_finished
 
     def collect(self, sampled: dict, rejected=()) -> list[RequestOutput]:
         """Deltas for the step's sampled tokens; final outputs for ``rejected`` (finished without a token)."""
@@ -85,16 +98,26 @@ class OutputAssembler:
     def _emit_token(self, request_id: str, token_id: int, result) -> RequestOutput | None:
         live = self._live[request_id]
         req, detok = live.req, live.detok
-        text = detok.add_tokens([token_id])
-        if detok.stopped_by is not None and not req.status.is_finished:
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = detok.stopped_by
+        if live.first is None:
+            live.first = result
+        stop_token = req.status == RequestStatus.FINISHED_STOPPED and \
+            not req.sampling_params.include_stop_str_in_output          # eos / stop id: no text (vLLM)
+        text = "" if stop_token else detok.add_tokens([token_id])
+        self._stop_on_string(req, detok)
         if req.status.is_finished:
-            text += detok.flush()
+            text += detok.flush()                                       # may complete a stop string too
+            self._stop_on_string(req, detok)
         logprobs = [result] if result is not None and req.sampling_params.logprobs is not None else None
         out = self._output(req, [token_id], text, logprobs, live.transfer)
         return self._finish(live, out) if req.status.is_finished else out
+
+    def _stop_on_string(self, req: Request, detok: IncrementalDetokenizer) -> None:
+        """A stop string ends the request with "stop", even one that reached max_tokens on this token."""
+        if detok.stopped_by is not None and req.status != RequestStatus.FINISHED_STOPPED:
+            if not req.status.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = detok.stopped_by
 
     def _finished_without_token(self, rejected) -> list[RequestOutput]:
         done = [self._live[r.request_id] for r in rejected if r.request_id in self._live]
@@ -109,24 +132,34 @@ class OutputAssembler:
             return out
         acc = self.connector.accounting(req)
         out.kv_accounting = self._account(req, acc)
-        if live.transfer is not None and live.transfer.do_remote_decode:
-            out.kv_transfer_params = self.connector.transfer_params(req).to_json_obj()
         if self.role == "decode" or req.status == RequestStatus.FINISHED_ABORTED:
-            self.connector.release(req.request_id)
+            self._attach_transfer(out, live)
+            self.connector.forget(req.request_id)
             return out
         self.connector.close(req.request_id)
-        self._held[req.request_id] = out
+        self._held[req.request_id] = (out, live)
         return None
+
+    def _attach_transfer(self, out: RequestOutput, live: _Live) -> None:
+        """``kv_transfer_params`` for a request that asked for remote decode (after its publish settled)."""
+        if live.transfer is not None and live.transfer.do_remote_decode:
+            params = self.connector.transfer_params(live.req)
+            if live.first is not None:
+                params.first_token_logprob = live.first.logprob
+                params.first_token_top_logprobs = live.first.top_logprobs
+            params.sampler_draws = generator_draws(live.req.sampling_params, live.req.num_output_tokens)
+            out.kv_transfer_params = params.to_json_obj()
 
     def _published(self) -> list[RequestOutput]:
         if self.connector is None or not self._held:
             return []
         outs = []
         for rid in self.connector.finished_publishes():
-            out = self._held.pop(rid, None)
+            held = self._held.pop(rid, None)
+            if held is not None:
+                self._attach_transfer(*held)
+                outs.append(held[0])
             self.connector.release(rid)
-            if out is not None:
-                outs.append(out)
         return outs
 
     def _account(self, req: Request, acc) -> dict:
@@ -144,6 +177,13 @@ class OutputAssembler:
                              finished=req.status.is_finished, finish_reason=req.finish_reason,
                              num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=cached,
                              logprobs=logprobs, error=error if isinstance(error, str) else None)
+
+
+def _tops(tops, k: int | None) -> list[tuple[int, float]] | None:
+    """The prefill node's top logprobs of the first token, as the sampler returns them for ``logprobs=k``."""
+    if k is None:
+        return None
+    return [(int(t), float(lp)) for t, lp in (tops or [])][:k]
 
 
 def _cached_tokens(req: Request, transfer) -> int:

@@ -61,6 +61,7 @@ class Request:
     num_preemptions: int = 0
     num_loaded_tokens: int = 0          # prompt tokens whose KV came from the store (KV connector)
     stop_reason: int | str | None = None  # stop token id, stop string, or an error message when aborted
+    sampler_draws: int = 0              # draws its seeded generator made on another node (the prefill node)
     _all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +90,15 @@ class Request:
     def finish_reason(self) -> str | None:
         """OpenAI ``finish_reason``: "stop" | "length" | "abort", None while unfinished."""
         return _FINISH_REASONS.get(self.status)
+
+    @property
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Ids the sampler may not pick for the next token: eos and stop ids until ``min_tokens`` (vLLM)."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            return ()
+        eos = () if self.eos_token_id is None else (self.eos_token_id,)
+        return (*eos, *self.extra_eos_token_ids, *params.stop_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

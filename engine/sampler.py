@@ -2,21 +2,28 @@
 
 Called by the model runner once per step, on the rank that holds the final logits:
 
-    results = sample(logits, params, generators, histories)
+    results = sample(logits, params, generators, histories, banned)
 
 ``logits[i]`` belongs to the request whose ``SamplingParams`` is ``params[i]``;
 ``generators[i]`` is that request's ``torch.Generator`` (the engine seeds one from
 ``params.seed``) or ``None`` for the global RNG; ``histories[i]`` is its prompt +
-output token ids (read only when ``repetition_penalty != 1``).
+output token ids (read only when ``repetition_penalty != 1``); ``banned[i]`` the token
+ids it may not pick now (eos and stop ids before ``min_tokens``).
 
 Order of the logits transforms (HF ``generate`` order):
-repetition penalty -> temperature -> top_k -> top_p -> min_p -> sample.
+repetition penalty -> banned ids -> temperature -> top_k -> top_p -> min_p -> sample.
+
+A seeded generator makes exactly one draw per sampled token (``torch.multinomial`` over the
+vocabulary, whose RNG use does not depend on the probabilities), so a node that continues a
+request another node started (disaggregated decode) reaches the same RNG position with
+``skip_draws(generator, vocab_size, generator_draws(params, num_sampled))``.
 Greedy requests (``temperature == 0`` or ``top_k == 1``) take the argmax after the
 repetition penalty, like HF and vLLM. A batch that is all greedy without penalty
 is one ``argmax`` over the batch: that is the hot path.
 
 Logprobs are from the raw, unprocessed ``log_softmax`` of the logits (vLLM's
-default ``raw_logprobs``), so a greedy and a sampled run report the same numbers.
+default ``raw_logprobs``), so a greedy and a sampled run report the same numbers, and
+``min_tokens`` suppression does not change them.
 """
 
 from __future__ import annotations
@@ -37,15 +44,16 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None],
-           histories: list[list[int]] | None = None) -> list[SampleResult]:
-    """Pick one token per row of ``logits`` ([N, V]); see the module docstring."""
+           histories: list[list[int]] | None = None,
+           banned: list[list[int]] | None = None) -> list[SampleResult]:
+    """Pick one token per row of ``logits`` ([N, V]); see the module docstring. ``logits`` is not modified."""
     n = logits.shape[0]
     if len(params) != n or len(generators) != n:
         raise ValueError(f"sample got {n} logit rows but {len(params)} params and "
                          f"{len(generators)} generators")
     logits = logits.float()                                  # [N, V]
     raw_logprobs = _raw_logprobs(logits, params)             # [N, V] or None
-    processed = _apply_repetition_penalty(logits, params, histories)
+    processed = _ban(_apply_repetition_penalty(logits, params, histories), logits, banned)
     token_ids = torch.empty(n, dtype=torch.long, device=logits.device)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -85,6 +93,30 @@ def _apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams]
         penalty = params[i].repetition_penalty
         out[i, seen] = torch.where(score < 0, score * penalty, score / penalty)
     return out
+
+
+def _ban(processed: torch.Tensor, raw: torch.Tensor, banned: list[list[int]] | None) -> torch.Tensor:
+    """-inf at each row's banned ids, on a copy when ``processed`` is still the raw logits."""
+    if not banned or not any(banned):
+        return processed
+    out = processed.clone() if processed is raw else processed
+    for row, ids in enumerate(banned):
+        if ids:
+            out[row, list(ids)] = float("-inf")
+    return out
+
+
+def generator_draws(params: SamplingParams, num_sampled: int) -> int:
+    """Draws a request's generator made for ``num_sampled`` tokens: one each when seeded and not greedy."""
+    return num_sampled if params.seed is not None and not params.greedy else 0
+
+
+def skip_draws(generator: torch.Generator, vocab_size: int, num_draws: int) -> None:
+    """Advance ``generator`` exactly as ``num_draws`` calls of ``_draw_row`` over ``vocab_size`` tokens would."""
+    if num_draws:
+        uniform = torch.ones(vocab_size, device=generator.device)
+        for _ in range(num_draws):
+            torch.multinomial(uniform, 1, generator=generator)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -46,6 +46,8 @@ class SamplingParams:
         _require(self.logprobs is None or 0 <= self.logprobs <= 20,
                  f"logprobs must be in [0, 20], got {self.logprobs}")
         _require(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        _require(all(isinstance(s, str) and s for s in self.stop),
+                 f"stop strings must be non-empty strings, got {list(self.stop)!r}")
 
     @property
     def greedy(self) -> bool:

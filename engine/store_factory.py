@@ -14,7 +14,7 @@ def build_node_store(cfg: KVTransferConfig):
         from pdserve.kvstore.config import KVStoreConfig, build_store
 
         return build_store(KVStoreConfig(cpu_bytes=cfg.kv_cpu_bytes, redis_url=cfg.kv_redis,
-                                         disk_dir=cfg.kv_disk_dir))
+                                         disk_dir=cfg.kv_disk_dir, queue_bytes=cfg.kv_writethrough_queue_bytes))
     if url.startswith("tcp://"):
         from pdserve.kvstore.client import DaemonClient
 

@@ -7,8 +7,9 @@ writes a directory that both HF transformers and ``pdserve.engine``'s loader rea
     generation_config.json         bos / eos ids
     model.safetensors              fp32, HF parameter names (or model-0000i-of-0000N.safetensors
                                    + model.safetensors.index.json when shards > 1)
-    tokenizer.json                 byte-level BPE trained offline on CORPUS (vocab 512)
-    tokenizer_config.json          ChatML chat_template, eos <|im_end|>
+    tokenizer.json                 trained offline (``tiny_tokenizer``): byte-level BPE (default, vocab 512) or,
+                                   with tokenizer="metaspace", SentencePiece-style (Llama-2 layout, vocab 768)
+    tokenizer_config.json          chat_template (ChatML / [INST]), eos <|im_end|> / </s>
     special_tokens_map.json
 
 Everything is a pure function of the arguments: the same seed gives byte-identical files.
@@ -25,17 +26,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pdserve.engine.tiny_tokenizer import (ENDOFTEXT_ID, FLAVOURS, IM_END_ID, IM_START_ID,  # noqa: F401 (re-exported)
+                                           SPECIAL_TOKENS, TokenizerFlavour)
+
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")   # ids 0, 1, 2
-ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
-TOKENIZER_VOCAB = 512
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 EMBED_STD = 0.05    # embeddings (and lm_head): small, so a tied lm_head does not just echo the last token
 PROJ_GAIN = 2.0     # projections: std = PROJ_GAIN / sqrt(fan_in), so each layer visibly moves the residual
 NORM_STD = 0.1      # RMSNorm weights: 1 + N(0, 0.1) ...
@@ -69,38 +64,43 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, *, 
                     hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
                     intermediate_size: int = 128, shards: int = 1, tie_word_embeddings: bool | None = None,
                     rope_scaling: dict | None = None, max_position_embeddings: int = 2048,
-                    head_dim: int | None = None) -> Path:
+                    head_dim: int | None = None, tokenizer: str = "bpe") -> Path:
     """Write a random ``arch`` checkpoint into ``out_dir`` and return its path.
 
     ``tie_word_embeddings`` defaults to False for llama/mistral and True for qwen2/qwen3;
     ``head_dim`` defaults to hidden_size // num_heads, except qwen3 which gets twice that
-    (like Qwen3-0.6B, where num_heads * head_dim != hidden_size).
+    (like Qwen3-0.6B, where num_heads * head_dim != hidden_size). ``tokenizer``: "bpe" or "metaspace".
     """
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not one of {sorted(ARCHS)}")
+    if tokenizer not in FLAVOURS:
+        raise ValueError(f"tokenizer={tokenizer!r} is not one of {sorted(FLAVOURS)}")
+    flavour = FLAVOURS[tokenizer]
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"hidden_size={hidden_size} must divide by num_heads={num_heads}, "
                          f"and num_heads by num_kv_heads={num_kv_heads}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tok = flavour.build(tokenizer)
     spec = TinySpec(
         arch=arch, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim or hidden_size // num_heads * (2 if arch == "qwen3" else 1),
         intermediate_size=intermediate_size,
-        vocab_size=-(-tokenizer.get_vocab_size() // 64) * 64,
+        vocab_size=-(-tok.get_vocab_size() // 64) * 64,
         tie_word_embeddings=arch in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings)
-    _write_json(out / "config.json", hf_config(spec, rope_scaling, max_position_embeddings))
+    _write_json(out / "config.json", hf_config(spec, rope_scaling, max_position_embeddings, flavour))
     _write_json(out / "generation_config.json", {
-        "bos_token_id": ENDOFTEXT_ID, "eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "pad_token_id": ENDOFTEXT_ID})
+        "bos_token_id": flavour.bos_id, "eos_token_id": list(flavour.eos_ids), "pad_token_id": flavour.pad_id})
     save_weights(out, random_weights(spec, seed), shards)
-    write_tokenizer_files(out, tokenizer, chat_template=CHATML_TEMPLATE, eos_token="<|im_end|>",
-                          bos_token=None, pad_token="<|endoftext|>", model_max_length=max_position_embeddings)
+    write_tokenizer_files(out, tok, chat_template=flavour.chat_template, eos_token=flavour.eos_token,
+                          bos_token=flavour.bos_token, pad_token=flavour.pad_token, unk_token=flavour.unk_token,
+                          model_max_length=max_position_embeddings)
     return out
 
 
-def hf_config(spec: TinySpec, rope_scaling: dict | None, max_position_embeddings: int) -> dict:
+def hf_config(spec: TinySpec, rope_scaling: dict | None, max_position_embeddings: int,
+              flavour: TokenizerFlavour = FLAVOURS["bpe"]) -> dict:
     """config.json for transformers 4.x (rope_scaling, rope_theta) and 5.x (rope_parameters) alike."""
     rope_theta = 1_000_000.0 if spec.arch.startswith("qwen") else 10_000.0
     scaling = dict(rope_scaling) if rope_scaling else None
@@ -112,8 +112,8 @@ def hf_config(spec: TinySpec, rope_scaling: dict | None, max_position_embeddings
         "head_dim": spec.head_dim, "hidden_act": "silu", "rms_norm_eps": 1e-6,
         "max_position_embeddings": max_position_embeddings, "rope_theta": rope_theta,
         "rope_scaling": scaling, "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": rope_theta},
-        "tie_word_embeddings": spec.tie_word_embeddings, "bos_token_id": ENDOFTEXT_ID,
-        "eos_token_id": IM_END_ID, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "tie_word_embeddings": spec.tie_word_embeddings, "bos_token_id": flavour.bos_id,
+        "eos_token_id": flavour.eos_ids[0], "attention_dropout": 0.0, "initializer_range": 0.02,
         "use_cache": True, "dtype": "float32",
     }
     if spec.arch in ("llama", "qwen3"):
@@ -193,19 +193,6 @@ def save_weights(out: Path, weights: dict[str, torch.Tensor], shards: int) -> No
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def build_tokenizer():
-    """Byte-level BPE trained on CORPUS: specials at ids 0-2, then the 256 bytes, then merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(corpus_lines(), trainer=trainer)
-    return tokenizer
-
-
 def write_tokenizer_files(out: Path, tokenizer, *, chat_template: str, eos_token: str, bos_token: str | None,
                           pad_token: str | None, model_max_length: int, unk_token: str | None = None) -> None:
     """tokenizer.json + tokenizer_config.json (chat template inline) + special_tokens_map.json.
@@ -224,32 +211,6 @@ def write_tokenizer_files(out: Path, tokenizer, *, chat_template: str, eos_token
     _write_json(out / "special_tokens_map.json", {k: v for k, v in specials.items() if v is not None})
 
 
-_SUBJECTS = ("The old sailor", "A curious child", "My neighbour", "The quiet engineer", "Every student",
-             "The tired doctor", "Our small team", "A hungry fox", "The city council", "Her younger brother",
-             "The red train")
-_VERBS = ("carefully painted", "quickly repaired", "never forgot", "slowly climbed", "happily shared",
-          "suddenly noticed", "often visited", "bravely crossed", "politely asked about", "finally opened",
-          "loudly praised", "gently moved", "proudly built")
-_OBJECTS = ("the wooden bridge", "a bright yellow kite", "the library near the river", "three green apples",
-            "the broken clock", "a letter from Paris", "the mountain path", "an empty glass jar",
-            "the noisy market", "a map of the island", "the winter garden", "forty-two paper boats",
-            "the silver key", "a warm loaf of bread", "the final exam", "the server logs", "a cup of tea")
-_ENDINGS = (".", "!", " yesterday.", " in 1999.", " before noon.", "?", " on Monday, 3 May.")
-
-
-def corpus_lines() -> list[str]:
-    """A few KB of varied English, built by index arithmetic so it never changes."""
-    lines = [f"{_SUBJECTS[i % 11]} {_VERBS[i * 7 % 13]} {_OBJECTS[i * 5 % 17]}{_ENDINGS[i % 7]}"
-             for i in range(160)]
-    lines += ["What is the capital of France? Paris is the capital of France.",
-              "Count with me: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10.",
-              "def add(a, b):\n    return a + b  # small code, tabs\tand newlines",
-              "Hello, world! How are you today? I am fine, thank you.",
-              "user: tell me a story. assistant: Once upon a time there was a tiny model.",
-              "system: you are a helpful assistant. user: hi! assistant: Hello! How can I help you?"]
-    return lines
-
-
 def register(subparsers) -> None:
     """Adds ``make-tiny-model`` to the ``pdserve`` CLI (engine/cli.py calls this)."""
     p = subparsers.add_parser("make-tiny-model", help="write a tiny random HF checkpoint (tests, demos)")
@@ -259,12 +220,14 @@ def register(subparsers) -> None:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--tokenizer", choices=sorted(FLAVOURS), default="bpe",
+                   help="bpe: byte-level BPE + ChatML; metaspace: SentencePiece-style (Llama-2 / Mistral-v0.1)")
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
     path = make_tiny_model(args.dir, args.arch, args.seed, num_layers=args.num_layers,
-                           hidden_size=args.hidden_size, shards=args.shards)
+                           hidden_size=args.hidden_size, shards=args.shards, tokenizer=args.tokenizer)
     print(path)
     return 0
 

@@ -17,9 +17,10 @@ def load_tokenizer(model_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat messages -> prompt token ids, with the assistant turn opened (add_generation_prompt)."""
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Chat messages -> prompt token ids: the template rendered to text, then encoded without extra
+    special tokens (the template has them), as vLLM does. The node and the proxy both call this."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat_template; use /v1/completions")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)

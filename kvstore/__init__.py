@@ -19,6 +19,8 @@ Who calls it: the engine's KV connector (prefill: ``put``; decode: ``lookup`` th
     daemon.py      KVDaemon (zmq ROUTER);  client.py  DaemonClient (same interface)
     cli.py         ``pdserve kvstore`` flags;  metrics.py  Prometheus export
     accounting.py  per-request hit/load/recompute accounting (need_to_load never < 0)
+    seal.py        sealed objects: key hash + checksum checked end to end (publisher -> loader)
+    stats_cache.py store stats refreshed off the event loop (the node's /metrics)
 """
 
 from pdserve.kvstore.accounting import KVAccounting, account

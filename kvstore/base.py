@@ -81,7 +81,11 @@ class KVStore(abc.ABC):
 
 @dataclass
 class TierStats:
-    """Counters one tier keeps; ``snapshot()`` is what ``stats()`` and /metrics report."""
+    """Counters one tier keeps; ``snapshot()`` is what ``stats()`` and /metrics report.
+
+    ``objects``/``bytes`` are levels (gauges); the rest count events (counters). The one
+    classification of every stat name lives in ``kvstore/metrics.py``.
+    """
 
     objects: int = 0
     bytes: int = 0
@@ -92,6 +96,7 @@ class TierStats:
     bytes_out: int = 0
     errors: int = 0
     checksum_failures: int = 0
+    key_mismatch: int = 0       # intact objects written for another key (counted misses, deleted)
     rejected: int = 0
 
     def __post_init__(self) -> None:

@@ -3,7 +3,8 @@
 Who calls it: ``RedisTier`` and ``DiskTier`` subclass it and provide four byte-level
 methods (``_write``, ``_read``, ``_exists``, ``_remove``). This class encodes on put,
 decodes and validates on get, and turns a corrupt object into a miss: logged, counted
-(``checksum_failures``), deleted. Backend errors (connection refused, disk full) are
+(``checksum_failures``; ``key_mismatch`` when an intact object was written for another key),
+deleted. The store key (without any backend prefix) is written into every object's header. Backend errors (connection refused, disk full) are
 counted in ``errors`` and raised, so ``TieredStore`` can mark the tier down.
 """
 
@@ -43,7 +44,7 @@ class BlobTier(KVStore):
     def _remove(self, keys: list[str]) -> None: ...
 
     def put(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        blobs = [(check_key(k), codec.encode(t, self.codec_name)) for k, t in items]
+        blobs = [(check_key(k), codec.encode(t, self.codec_name, k)) for k, t in items]
         self._guarded(self._write, blobs)
         self._stats.add(bytes_in=sum(len(b) for _, b in blobs))
 
@@ -70,10 +71,13 @@ class BlobTier(KVStore):
 
     def _decode(self, key: str, blob: bytes | memoryview, corrupt: list[str]) -> torch.Tensor | None:
         try:
-            return codec.decode(blob)
+            return codec.decode(blob, key)
         except codec.CorruptObject as exc:
             log.warning("%s tier: object %s is corrupt (%s); counted as a miss and deleted", self.name, key, exc)
-            self._stats.add(checksum_failures=1)
+            if isinstance(exc, codec.KeyMismatch):
+                self._stats.add(key_mismatch=1)
+            else:
+                self._stats.add(checksum_failures=1)
             corrupt.append(key)
             return None
 

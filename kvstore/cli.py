@@ -32,8 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-disk-dir", default=None)
     p.add_argument("--kv-disk-bytes", type=int, default=d.disk_bytes)
     p.add_argument("--kv-codec", choices=["none", "lz4"], default=d.codec, help="codec for Redis and disk")
+    p.add_argument("--kv-writethrough-queue-bytes", type=int, default=d.queue_bytes,
+                   help="bytes queued for Redis/disk; an empty queue takes any batch, a full one drops (counted)")
     p.add_argument("--kv-max-object-bytes", type=int, default=DaemonLimits.max_object_bytes)
-    p.add_argument("--kv-max-shm-bytes", type=int, default=DaemonLimits.max_shm_bytes)
+    p.add_argument("--kv-max-shm-bytes", type=int, default=DaemonLimits.max_shm_bytes,
+                   help="largest shared-memory segment one client may attach")
+    p.add_argument("--kv-max-shm-clients", type=int, default=DaemonLimits.max_shm_clients,
+                   help="attached segments; past it a new client uses zmq frames (live clients keep theirs)")
     p.add_argument("--auth-token", default="", help="required by every request when set")
     p.add_argument("--log-level", default="INFO")
 
@@ -48,13 +53,14 @@ def register(subparsers) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
     return KVStoreConfig(cpu_bytes=args.kv_cpu_bytes, redis_url=args.kv_redis, redis_prefix=args.kv_redis_prefix,
                          redis_ttl_s=args.kv_redis_ttl, disk_dir=args.kv_disk_dir, disk_bytes=args.kv_disk_bytes,
-                         codec=args.kv_codec)
+                         codec=args.kv_codec, queue_bytes=args.kv_writethrough_queue_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    limits = DaemonLimits(max_object_bytes=args.kv_max_object_bytes, max_shm_bytes=args.kv_max_shm_bytes)
+    limits = DaemonLimits(max_object_bytes=args.kv_max_object_bytes, max_shm_bytes=args.kv_max_shm_bytes,
+                          max_shm_clients=args.kv_max_shm_clients)
     store = build_store(config_from_args(args))
     daemon = KVDaemon(store, args.host, args.port, args.auth_token, limits)
     stop = threading.Event()

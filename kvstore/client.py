@@ -1,19 +1,38 @@
 """``DaemonClient``: the ``KVStore`` interface over a store daemon (``--kv-store tcp://...``).
 
-Who calls it: an engine whose store lives in another process, the bench, tests.
-Requests go one at a time (a lock) over a zmq DEALER; replies are matched by id, so a
-reply that arrives after a timeout is discarded. With ``shm_bytes > 0`` (daemon on the
-same host) payloads travel through a shared-memory segment and zmq carries headers only;
-an object larger than the segment falls back to a zmq frame. Batches are split to the
-daemon's limits. Daemon errors raise ``DaemonError``; a silent daemon raises
-``TimeoutError`` naming the URL -- the caller (engine) treats both as a store miss.
+Who calls it: an engine whose store lives in another process (its publisher and loader
+threads share one client), the bench, tests. Daemon errors raise ``DaemonError``; a silent
+daemon raises ``TimeoutError`` naming the URL -- the caller treats both as a store miss.
+
+Who owns what (issue 9):
+  * ``_lock`` serialises whole requests: one request in flight per client, so one per
+    segment. A put holds it from the segment write to the reply; a get from the send to
+    the last copy out of the segment. No thread touches the socket, the segment or the
+    counters without it; ``close`` takes it too, so it is safe from any thread, and
+    idempotent.
+  * The segment is the daemon's (it creates, reserves and names it on ``Attach``); the
+    client maps it and unlinks the name. A region of it belongs to the request holding
+    the lock and is reused only after that request's reply has been consumed.
+  * A request that times out may still run in the daemon later, so its segment is
+    abandoned (never written again) and the next put/get attaches a new one with a new
+    generation; the daemon refuses requests naming an old generation. Replies are
+    matched by request id, so a late reply is discarded.
+  * When the daemon has no segment of ours (restarted, or reclaimed it) the request is
+    retried once after a fresh ``Attach``. A refused ``Attach`` (limit reached, no room in
+    /dev/shm) means zmq frames, and another try after ``SHM_RETRY_S``.
+Every payload carries an xxh3 digest of key + bytes (see protocol.py); a get whose bytes
+do not match is a miss, logged and counted under ``stats()["client"]``. Objects larger
+than the segment travel as zmq frames; batches are split to the daemon's limits.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import secrets
 import threading
+import time
 
 import numpy as np
 import torch
@@ -25,9 +44,18 @@ from pdserve.kvstore.codec import tensor_bytes
 from pdserve.kvstore.keys import check_key
 from pdserve.kvstore.shm import ShmSegment, align
 
+log = logging.getLogger(__name__)
+SHM_RETRY_S = 30.0      # after a refused Attach, use frames this long before asking again
+_COUNTERS = ("checksum_failures", "timeouts", "shm_attaches", "shm_refused", "shm_abandoned",
+             "shm_objects", "frame_objects")
+
 
 class DaemonError(RuntimeError):
     """The daemon answered ``ok=False``; the message is its reason."""
+
+
+class _SegmentLost(DaemonError):
+    """The daemon has no segment of our generation (restarted, or reclaimed it)."""
 
 
 class DaemonClient(KVStore):
@@ -43,29 +71,22 @@ class DaemonClient(KVStore):
         self._sock.connect(url)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._seg: ShmSegment | None = None
-        if shm_bytes:
-            self._attach(shm_bytes)
+        self._closed = False
+        self._shm_bytes, self._seg = shm_bytes, None    # attached lazily by the first put/get
+        self._attach_at = 0.0 if shm_bytes else float("inf")
+        self._counters = dict.fromkeys(_COUNTERS, 0)
 
     def put(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        batch: list[tuple[P.ObjMeta, memoryview | None]] = []
-        offset = 0
+        objs = []
         for key, tensor in items:
-            meta = P.meta_of(check_key(key), tensor)
-            full = len(batch) >= self.max_batch
-            fits = self._seg is not None and meta.nbytes <= self._seg.size
-            if full or (fits and offset + meta.nbytes > self._seg.size):
-                self._send_put(batch)
-                batch, offset = [], 0
-            if fits:
-                self._seg.write(offset, tensor)
-                meta.offset, offset = offset, align(offset + meta.nbytes)
-            batch.append((meta, None if fits else tensor_bytes(tensor)))
-        if batch:
-            self._send_put(batch)
+            data = tensor_bytes(tensor)
+            objs.append((P.meta_of(check_key(key), tensor, digest=P.digest_of(key, data)), data))
+        done = 0
+        while done < len(objs):
+            done = self._with_segment(lambda seg: self._put_batch(objs, done, seg))
 
     def get(self, keys: list[str]) -> list[torch.Tensor | None]:
-        return [t for b in self._batches(keys) for t in self._get_batch(b)]
+        return [t for b in self._batches(keys) for t in self._with_segment(lambda seg: self._get_batch(b, seg))]
 
     def contains(self, keys: list[str]) -> list[bool]:
         return [p for b in self._batches(keys) for p in self._request(P.Contains(keys=b))[0].present]
@@ -80,76 +101,155 @@ class DaemonClient(KVStore):
             self._request(P.Delete(keys=b))
 
     def stats(self) -> StatsDict:
-        return self._request(P.Stats())[0].stats
+        with self._lock:
+            self._check_open()
+            return {**self._call(P.Stats())[0].stats, "client": dict(self._counters)}
 
     def ping(self) -> bool:
         return self._request(P.Ping())[0].ok
 
     def close(self) -> None:
-        if self._sock.closed:
-            return
-        if self._seg is not None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._seg is not None:
+                try:
+                    self.timeout_ms = min(self.timeout_ms, 1000)
+                    self._call(P.Detach())
+                except (TimeoutError, DaemonError):
+                    pass
+                self._drop_segment()
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+    # --- under the lock ------------------------------------------------------------
+
+    def _with_segment(self, fn):
+        """``fn(segment or None)`` under the lock; once more after re-attaching if the
+        daemon lost our segment."""
+        with self._lock:
+            self._check_open()
             try:
-                self.timeout_ms = min(self.timeout_ms, 1000)
-                self._request(P.Detach())
-            except (TimeoutError, DaemonError):
-                pass
-            self._seg.close()
-        self._sock.close(linger=0)
-        self._ctx.term()
+                return fn(self._segment())
+            except _SegmentLost as exc:
+                self._abandon(str(exc))
+                return fn(self._segment())
 
-    def _attach(self, shm_bytes: int) -> None:
-        seg = ShmSegment.create(shm_bytes)
-        try:
-            self._request(P.Attach(path=str(seg.path), size=shm_bytes))
-        finally:
-            seg.unlink()        # both sides hold the mapping; the name is no longer needed
-        self._seg = seg
+    def _put_batch(self, objs: list, start: int, seg: ShmSegment | None) -> int:
+        """Send objs[start:] up to the batch limit and what fits in ``seg``; the next start."""
+        metas, frames, offset = [], [], 0
+        for meta, data in objs[start:start + self.max_batch]:
+            if seg is not None and meta.nbytes <= seg.size:
+                if offset + meta.nbytes > seg.size:
+                    break
+                seg.write(offset, data)
+                meta.offset, offset = offset, align(offset + meta.nbytes)
+            else:
+                meta.offset = P.FRAME
+                frames.append(data)
+            metas.append(meta)
+        self._count(len(metas) - len(frames), len(frames))
+        self._call(P.Put(objs=metas, gen=seg.gen if len(frames) < len(metas) else 0), frames)
+        return start + len(metas)
 
-    def _send_put(self, batch: list[tuple[P.ObjMeta, memoryview | None]]) -> None:
-        frames = [payload for _, payload in batch if payload is not None]
-        self._request(P.Put(objs=[meta for meta, _ in batch]), frames)
-
-    def _get_batch(self, keys: list[str]) -> list[torch.Tensor | None]:
+    def _get_batch(self, keys: list[str], seg: ShmSegment | None) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = [None] * len(keys)
-        todo, use_shm = list(range(len(keys))), self._seg is not None
+        todo = list(range(len(keys)))
         while todo:
-            reply, frames = self._request(P.Get(keys=[keys[i] for i in todo], shm=use_shm))
+            reply, frames = self._call(P.Get(keys=[keys[i] for i in todo], gen=seg.gen if seg else 0))
             frames, deferred = iter(frames), []
             for i, meta in zip(todo, reply.objs):
                 if meta is not None and meta.offset == P.DEFERRED:
                     deferred.append(i)
                 elif meta is not None:
-                    out[i] = self._payload(meta, frames)
-            use_shm = use_shm and len(deferred) < len(todo)   # nothing fit: fall back to frames
+                    out[i] = self._payload(meta, frames, seg)
+            seg = seg if len(deferred) < len(todo) else None    # nothing fit: fall back to frames
             todo = deferred
         return out
 
-    def _payload(self, meta: P.ObjMeta, frames) -> torch.Tensor:
+    def _payload(self, meta: P.ObjMeta, frames, seg: ShmSegment | None) -> torch.Tensor | None:
+        """Our own copy of one object; None (a counted miss) when its digest is wrong."""
         if meta.offset == P.FRAME:
             raw = torch.empty(meta.nbytes, dtype=torch.uint8)
             raw.numpy()[:] = np.frombuffer(next(frames).buffer, dtype=np.uint8)
         else:
-            raw = self._seg.read(meta.offset, meta.nbytes)
+            raw = seg.read(meta.offset, meta.nbytes)
+        self._count(meta.offset != P.FRAME, meta.offset == P.FRAME)
+        if not P.check_digest(meta, raw.numpy()):
+            self._counters["checksum_failures"] += 1
+            log.warning("KV daemon at %s: object %r failed its digest check (%d bytes); treated as a miss",
+                        self.url, meta.key, meta.nbytes)
+            return None
         return raw.view(P.dtype_of(meta.dtype)).reshape(meta.shape)
+
+    def _segment(self) -> ShmSegment | None:
+        """The attached segment, attaching when due; None means zmq frames."""
+        if self._seg is None and time.monotonic() >= self._attach_at:
+            self._attach()
+        return self._seg
+
+    def _attach(self) -> None:
+        try:
+            info = self._call(P.Attach(pid=os.getpid(), size=self._shm_bytes))[0].segment
+            if info is None:
+                raise DaemonError(f"KV daemon at {self.url}: Attach reply names no segment")
+            self._seg = ShmSegment.open(info.path, info.size, info.gen)
+            self._counters["shm_attaches"] += 1
+        except TimeoutError:
+            raise                       # a silent daemon is not a refusal: attach again next time
+        except (DaemonError, OSError, ValueError) as exc:
+            self._attach_at = time.monotonic() + SHM_RETRY_S
+            self._counters["shm_refused"] += 1
+            log.warning("KV daemon at %s: no shared memory (%s); using zmq frames, next try in %.0f s",
+                        self.url, exc, SHM_RETRY_S)
+
+    def _abandon(self, why: str) -> None:
+        """Never touch the segment again: the daemon may still act on a request naming it."""
+        if self._seg is not None:
+            log.warning("KV daemon at %s: abandoning shm segment generation %d (%s)", self.url, self._seg.gen, why)
+            self._counters["shm_abandoned"] += 1
+            self._drop_segment()
+            self._attach_at = 0.0
+
+    def _drop_segment(self) -> None:
+        self._seg.close()
+        self._seg = None
+
+    def _call(self, req, frames=()) -> tuple[P.Reply, list]:
+        """One request, one reply (matched by id; late replies are discarded)."""
+        req.id, req.token = next(self._ids), self.token
+        self._sock.send_multipart([P.ENCODER.encode(req), *frames], copy=False)
+        while True:
+            if not self._sock.poll(self.timeout_ms):
+                self._counters["timeouts"] += 1
+                if getattr(req, "gen", 0):
+                    self._abandon(f"{type(req).__name__} timed out")
+                raise TimeoutError(f"KV daemon at {self.url} did not answer {type(req).__name__} "
+                                   f"within {self.timeout_ms} ms")
+            reply_frames = self._sock.recv_multipart(copy=False)
+            reply = P.REPLY_DECODER.decode(reply_frames[0].buffer)
+            if reply.id == req.id:
+                break
+        if not reply.ok:
+            lost = reply.code == P.NO_SEGMENT
+            raise (_SegmentLost if lost else DaemonError)(f"KV daemon at {self.url}: {reply.error}")
+        return reply, reply_frames[1:]
+
+    def _request(self, req) -> tuple[P.Reply, list]:
+        with self._lock:
+            self._check_open()
+            return self._call(req)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"DaemonClient for {self.url} is closed")
+
+    def _count(self, shm: int, frames: int) -> None:
+        self._counters["shm_objects"] += shm
+        self._counters["frame_objects"] += frames
 
     def _batches(self, keys: list[str]):
         for key in keys:
             check_key(key)
         return [keys[i:i + self.max_batch] for i in range(0, len(keys), self.max_batch)]
-
-    def _request(self, req, frames=()) -> tuple[P.Reply, list]:
-        with self._lock:
-            req.id, req.token = next(self._ids), self.token
-            self._sock.send_multipart([P.ENCODER.encode(req), *frames], copy=False)
-            while True:
-                if not self._sock.poll(self.timeout_ms):
-                    raise TimeoutError(f"KV daemon at {self.url} did not answer {type(req).__name__} "
-                                       f"within {self.timeout_ms} ms")
-                reply_frames = self._sock.recv_multipart(copy=False)
-                reply = P.REPLY_DECODER.decode(reply_frames[0].buffer)
-                if reply.id == req.id:
-                    break
-        if not reply.ok:
-            raise DaemonError(f"KV daemon at {self.url}: {reply.error}")
-        return reply, reply_frames[1:]

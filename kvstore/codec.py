@@ -11,13 +11,16 @@ tensors and never serialises. Never pickle: the format is this header and the by
     8       1     ndim (<= 8)
     9       3     padding
     12      64    shape, 8 x uint64 (unused dims 0)
-    76      8     payload length (bytes after the header)
-    84      8     raw length (numel * itemsize)
-    92      8     xxh3_64 of bytes 0..91 and the payload
-    100           payload
+    76      8     key hash: xxh3_64 of the store key (utf-8) the object was written for
+    84      8     payload length (bytes after the header)
+    92      8     raw length (numel * itemsize)
+    100     8     xxh3_64 of bytes 0..99 and the payload
+    108           payload
 
-``decode`` raises ``CorruptObject`` for a bad magic/version/codec/dtype, a truncated
-payload, a checksum mismatch or a size mismatch; tiers turn that into a counted miss.
+``decode(blob, key)`` raises ``CorruptObject`` for a bad magic/version/codec/dtype, a truncated
+payload, a checksum mismatch or a size mismatch, and its subclass ``KeyMismatch`` when the
+object is intact but was written for another key (a value copied or misplaced between keys);
+tiers turn either into a counted miss and delete the object.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ import torch
 import xxhash
 
 MAGIC = b"PDKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                     # 2: key hash in the header
 CODECS = {"none": 0, "lz4": 1}
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
            torch.uint8, torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2]
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-_HEADER = struct.Struct("<4sHBBB3x8QQQQ")
+_HEADER = struct.Struct("<4sHBBB3x8QQQQQ")
 HEADER_BYTES = _HEADER.size
 MAX_DIMS = 8
 
@@ -44,8 +47,16 @@ class CorruptObject(ValueError):
     """A stored object failed validation; the caller counts a miss and deletes it."""
 
 
-def encode(tensor: torch.Tensor, codec: str = "none") -> bytes:
-    """Header + payload for one CPU tensor (any shape, dtypes in _DTYPES)."""
+class KeyMismatch(CorruptObject):
+    """An intact object read under a key other than the one it was written for."""
+
+
+def key_hash(key: str) -> int:
+    return xxhash.xxh3_64_intdigest(key.encode())
+
+
+def encode(tensor: torch.Tensor, codec: str, key: str) -> bytes:
+    """Header + payload for one CPU tensor (any shape, dtypes in _DTYPES) stored under ``key``."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {sorted(CODECS)} (--kv-codec)")
     if tensor.dtype not in _DTYPE_CODE or tensor.dim() > MAX_DIMS:
@@ -54,18 +65,18 @@ def encode(tensor: torch.Tensor, codec: str = "none") -> bytes:
     payload = raw if codec == "none" else lz4.block.compress(_shuffle(raw, tensor.element_size()), store_size=False)
     shape = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
     fields = (MAGIC, FORMAT_VERSION, CODECS[codec], _DTYPE_CODE[tensor.dtype], tensor.dim(), *shape,
-              len(payload), len(raw))
+              key_hash(key), len(payload), len(raw))
     header = _HEADER.pack(*fields, _checksum(_HEADER.pack(*fields, 0), payload))
     return b"".join((header, payload))
 
 
-def decode(blob: bytes | memoryview) -> torch.Tensor:
-    """The tensor stored in ``blob`` (a fresh, writable tensor), or raise CorruptObject."""
+def decode(blob: bytes | memoryview, key: str) -> torch.Tensor:
+    """The tensor stored in ``blob`` under ``key`` (a fresh, writable tensor), or raise CorruptObject."""
     view = memoryview(blob)
     if len(view) < HEADER_BYTES:
         raise CorruptObject(f"object of {len(view)} bytes is shorter than the {HEADER_BYTES}-byte header")
     magic, version, codec, dcode, ndim, *rest = _HEADER.unpack_from(view)
-    shape, (payload_len, raw_len, checksum) = rest[:MAX_DIMS], rest[MAX_DIMS:]
+    shape, (stored_key_hash, payload_len, raw_len, checksum) = rest[:MAX_DIMS], rest[MAX_DIMS:]
     if magic != MAGIC or version != FORMAT_VERSION:
         raise CorruptObject(f"bad magic/version {magic!r}/{version} (want {MAGIC!r}/{FORMAT_VERSION})")
     if codec not in CODECS.values() or dcode >= len(_DTYPES) or ndim > MAX_DIMS:
@@ -75,6 +86,9 @@ def decode(blob: bytes | memoryview) -> torch.Tensor:
         raise CorruptObject(f"payload is {len(payload)} bytes, header says {payload_len} (truncated?)")
     if _checksum(view[:HEADER_BYTES - 8], payload) != checksum:
         raise CorruptObject("payload checksum mismatch")
+    if stored_key_hash != key_hash(key):
+        raise KeyMismatch(f"object was written for another key (key hash {stored_key_hash:#018x}), "
+                          f"read as {key!r} (key hash {key_hash(key):#018x})")
     dtype, dims = _DTYPES[dcode], tuple(shape[:ndim])
     itemsize = torch.empty((), dtype=dtype).element_size()
     if raw_len != itemsize * _numel(dims):

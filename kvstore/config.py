@@ -16,6 +16,10 @@ from pdserve.kvstore.redis_tier import RedisTier
 from pdserve.kvstore.tiered import TieredStore
 
 
+_BYTE_FLAGS = {"cpu_bytes": "--kv-cpu-bytes", "disk_bytes": "--kv-disk-bytes",
+               "queue_bytes": "--kv-writethrough-queue-bytes"}
+
+
 @dataclass(frozen=True)
 class KVStoreConfig:
     cpu_bytes: int = 4 << 30                 # --kv-cpu-bytes (L1 budget)
@@ -25,16 +29,16 @@ class KVStoreConfig:
     disk_dir: str | None = None              # --kv-disk-dir
     disk_bytes: int = 64 << 30               # --kv-disk-bytes (L3 budget)
     codec: str = "none"                      # --kv-codec, for Redis and disk ("none" | "lz4")
-    queue_bytes: int = 256 << 20             # write-through queue bound
+    queue_bytes: int = 256 << 20             # --kv-writethrough-queue-bytes (write-through queue bound)
     backoff_base_s: float = 0.5              # first retry delay of a tier marked down
     backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
             raise ValueError(f"--kv-codec {self.codec!r} is not one of {sorted(CODECS)}")
-        for name in ("cpu_bytes", "disk_bytes", "queue_bytes"):
+        for name, flag in _BYTE_FLAGS.items():
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be > 0 bytes, got {getattr(self, name)} ({flag})")
 
 
 def build_store(config: KVStoreConfig) -> TieredStore:

@@ -4,7 +4,11 @@ Who calls it: ``cli.run`` builds the store and a ``KVDaemon`` and calls ``serve`
 clients are ``DaemonClient``s (see protocol.py for the wire format). One thread serves
 requests in arrival order; the store's write-through thread feeds Redis/disk behind it.
 Every message gets exactly one reply: a malformed, oversized or unauthorised message
-gets ``ok=False`` with the reason, and the daemon keeps serving.
+gets ``ok=False`` with the reason, and the daemon keeps serving. A Put whose digest
+does not match its bytes stores nothing. Shared-memory segments (shm.py) are created
+by this daemon on Attach and looked up by (client identity, generation); segments of
+dead client processes are reclaimed on Attach at the limit and every
+``DaemonLimits.shm_reclaim_s`` in the serve loop.
 Standalone: ``python -m pdserve.kvstore.daemon --port 5557`` (same flags as the CLI).
 """
 
@@ -14,16 +18,17 @@ import hmac
 import ipaddress
 import logging
 import threading
-from collections import OrderedDict
+import time
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 import zmq
 
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.base import KVStore
-from pdserve.kvstore.shm import ShmSegment, align
+from pdserve.kvstore.shm import NoSegment, SegmentTable, ShmSegment, align
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +39,8 @@ class DaemonLimits:
     max_object_bytes: int = 256 << 20     # one payload frame / object
     max_header_bytes: int = 8 << 20
     max_shm_bytes: int = 4 << 30          # one client's segment
-    max_shm_clients: int = 64
+    max_shm_clients: int = 64             # attached segments (a live client's is never evicted)
+    shm_reclaim_s: float = 5.0            # how often segments of dead clients are looked for
 
 
 class KVDaemon:
@@ -49,8 +55,8 @@ class KVDaemon:
         self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_object_bytes + limits.max_header_bytes)
         self._sock.bind(f"tcp://{host}:{port}" if port else f"tcp://{host}:*")
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._segments: OrderedDict[bytes, ShmSegment] = OrderedDict()
-        self._counters = {"requests": 0, "errors": 0, "shm_clients": 0}
+        self._segments = SegmentTable(limits.max_shm_clients, limits.max_shm_bytes)
+        self._counters = {"requests": 0, "errors": 0, "checksum_failures": 0}
         self._handlers = {P.Put: self._put, P.Get: self._get, P.Contains: self._contains,
                           P.Lookup: self._lookup, P.Delete: self._delete, P.Stats: self._stats,
                           P.Ping: lambda req, ident, frames: (P.Reply(), []),
@@ -59,7 +65,11 @@ class KVDaemon:
     def serve(self, stop: threading.Event) -> None:
         """Answer requests until ``stop`` is set (checked every 100 ms)."""
         log.info("KV store daemon listening on %s", self.endpoint)
+        next_reclaim = time.monotonic() + self.limits.shm_reclaim_s
         while not stop.is_set():
+            if time.monotonic() >= next_reclaim:
+                self._reclaim()
+                next_reclaim = time.monotonic() + self.limits.shm_reclaim_s
             if not self._sock.poll(100):
                 continue
             frames = self._sock.recv_multipart(copy=False)
@@ -67,9 +77,7 @@ class KVDaemon:
             self._sock.send_multipart([ident, *self.handle(ident, body)], copy=False)
 
     def close(self) -> None:
-        for seg in self._segments.values():
-            seg.close()
-        self._segments.clear()
+        self._segments.close()
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -86,17 +94,21 @@ class KVDaemon:
             self._counters["errors"] += 1
             log.debug("KV daemon: bad request: %s: %s", type(exc).__name__, exc)
             reply, payload = P.Reply(ok=False, error=f"{type(exc).__name__}: {exc}"), []
+            reply.code = P.NO_SEGMENT if isinstance(exc, NoSegment) else ""
         reply.id = req_id
         return [P.ENCODER.encode(reply), *payload]
 
     def _parse(self, frames: list):
         if not frames or len(frames[0]) > self.limits.max_header_bytes:
             raise ValueError(f"header missing or over {self.limits.max_header_bytes} bytes")
-        return P.REQUEST_DECODER.decode(frames[0].buffer)
+        try:
+            return P.REQUEST_DECODER.decode(frames[0].buffer)
+        except msgspec.ValidationError:
+            _check_version(frames[0].buffer)        # an old client: say so rather than "unknown field"
+            raise
 
     def _admit(self, req) -> None:
-        if req.v != P.PROTOCOL_VERSION:
-            raise ValueError(f"protocol version {req.v}; this daemon speaks {P.PROTOCOL_VERSION}")
+        _check_version(req)
         if self.token and not hmac.compare_digest(req.token.encode(), self.token.encode()):
             raise PermissionError("bad or missing auth token (--auth-token)")
 
@@ -111,12 +123,14 @@ class KVDaemon:
         framed = [m for m in req.objs if m.offset == P.FRAME]
         if len(framed) != len(frames):
             raise ValueError(f"{len(framed)} objects expect payload frames but {len(frames)} frames came")
+        seg = self._segments.get(ident, req.gen) if len(framed) < len(req.objs) else None
         payload = iter(frames)
-        items = [(m.key, self._read_payload(m, ident, payload)) for m in req.objs]
+        items = [(m.key, self._read_payload(m, seg, payload)) for m in req.objs]
         self.store.adopt(items)
         return P.Reply(), []
 
-    def _read_payload(self, meta: P.ObjMeta, ident: bytes, frames) -> torch.Tensor:
+    def _read_payload(self, meta: P.ObjMeta, seg: ShmSegment | None, frames) -> torch.Tensor:
+        """A private copy of one object's bytes, its digest verified on that copy."""
         if meta.offset == P.FRAME:
             frame = next(frames)
             if len(frame) != meta.nbytes:
@@ -124,27 +138,34 @@ class KVDaemon:
             raw = torch.empty(meta.nbytes, dtype=torch.uint8)
             raw.numpy()[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
         else:
-            raw = self._segment(ident).read(meta.offset, meta.nbytes)
+            raw = seg.read(meta.offset, meta.nbytes)
+        if not P.check_digest(meta, raw.numpy()):
+            self._counters["checksum_failures"] += 1
+            raise ValueError(f"object {meta.key!r}: digest {meta.digest:#x} does not match its "
+                             f"{meta.nbytes} bytes; nothing stored")
         return raw.view(P.dtype_of(meta.dtype)).reshape(meta.shape)
 
     def _get(self, req: P.Get, ident: bytes, frames: list):
         self._check_batch(len(req.keys))
-        seg = self._segment(ident) if req.shm else None
+        seg = self._segments.get(ident, req.gen) if req.gen else None
         objs, payload, offset = [], [], 0
         with self.store.borrow(req.keys) as tensors:
             for key, tensor in zip(req.keys, tensors):
                 if tensor is None:
                     objs.append(None)
                     continue
+                data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
                 meta = P.meta_of(key, tensor)
+                objs.append(meta)
                 if seg is None:
-                    payload.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+                    payload.append(data)
                 elif offset + meta.nbytes <= seg.size:
-                    seg.write(offset, tensor)
+                    seg.write(offset, data)
                     meta.offset, offset = offset, align(offset + meta.nbytes)
                 else:
-                    meta.offset = P.DEFERRED
-                objs.append(meta)
+                    meta.offset = P.DEFERRED        # the client asks again; no digest yet
+                    continue
+                meta.digest = P.digest_of(key, data)
         return P.Reply(objs=objs), payload
 
     def _contains(self, req: P.Contains, ident: bytes, frames: list):
@@ -161,31 +182,37 @@ class KVDaemon:
         return P.Reply(), []
 
     def _stats(self, req: P.Stats, ident: bytes, frames: list):
-        self._counters["shm_clients"] = len(self._segments)
-        return P.Reply(stats={**self.store.stats(), "daemon": dict(self._counters)}), []
+        t = self._segments
+        shm = {"shm_clients": len(t), "shm_reclaimed": t.reclaimed, "shm_refused": t.refused}
+        return P.Reply(stats={**self.store.stats(), "daemon": {**self._counters, **shm}}), []
 
     def _attach(self, req: P.Attach, ident: bytes, frames: list):
-        seg = ShmSegment.attach(req.path, req.size, self.limits.max_shm_bytes)
-        self._drop_segment(ident)
-        self._segments[ident] = seg
-        while len(self._segments) > self.limits.max_shm_clients:
-            self._drop_segment(next(iter(self._segments)))
-        return P.Reply(), []
+        seg = self._segments.attach(ident, req.pid, req.size)
+        return P.Reply(segment=P.SegmentInfo(str(seg.path), seg.size, seg.gen)), []
 
     def _detach(self, req: P.Detach, ident: bytes, frames: list):
-        self._drop_segment(ident)
+        self._segments.drop(ident)
         return P.Reply(), []
 
-    def _segment(self, ident: bytes) -> ShmSegment:
-        seg = self._segments.get(ident)
-        if seg is None:
-            raise ValueError("no shared-memory segment attached for this client (send Attach first)")
-        return seg
+    def _reclaim(self) -> None:
+        n = self._segments.reclaim_dead()
+        if n:
+            log.info("KV daemon: reclaimed %d shm segments of exited clients", n)
 
-    def _drop_segment(self, ident: bytes) -> None:
-        seg = self._segments.pop(ident, None)
-        if seg is not None:
-            seg.close()
+
+class _Version(msgspec.Struct):
+    v: int = P.PROTOCOL_VERSION
+
+
+def _check_version(req) -> None:
+    """``req``: a decoded request, or header bytes that did not decode (read leniently)."""
+    if not hasattr(req, "v"):
+        try:
+            req = msgspec.msgpack.decode(req, type=_Version)
+        except msgspec.DecodeError:
+            return
+    if req.v != P.PROTOCOL_VERSION:
+        raise ValueError(f"protocol version {req.v}; this daemon speaks {P.PROTOCOL_VERSION}")
 
 
 def _is_loopback(host: str) -> bool:

@@ -5,7 +5,8 @@ A file is named by the xxh3_128 of its key and written atomically (temp file + r
 so a reader never sees half an object. The index (file -> size, LRU order) lives in
 memory and is rebuilt from the directory at start (oldest mtime first). One process owns
 a directory. Budget: ``bytes <= capacity_bytes`` after every put; an object larger than
-the budget is rejected and counted.
+the budget is rejected and counted. A write that fails (ENOSPC) deletes its temp file and
+raises (counted in ``errors``; ``TieredStore`` marks the tier down).
 """
 
 from __future__ import annotations
@@ -46,11 +47,19 @@ class DiskTier(BlobTier):
                 self._stats.add(rejected=1)
                 continue
             path = self.path_of(key)
-            tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{threading.get_ident()}")
-            tmp.write_bytes(blob)
-            os.replace(tmp, path)
+            self._write_file(path, blob)
             with self._lock:
                 self._account(path.name, len(blob))
+
+    def _write_file(self, path: Path, blob: bytes) -> None:
+        """Temp file + rename; a failed write (disk full) removes its temp file and raises."""
+        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{threading.get_ident()}")
+        try:
+            tmp.write_bytes(blob)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)     # else it stays, outside the budget, and a full disk stays full
+            raise
 
     def _read(self, keys: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = []

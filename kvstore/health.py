@@ -5,6 +5,8 @@ Who calls it: ``TieredStore`` before and after every call into Redis or disk.
                                              --probe works--> up
 While down, ``available()`` is False until the back-off expires; then one call is let
 through as the probe. Transitions are logged once each (WARNING down, INFO up).
+Only the probe brings a tier back up: a call admitted before the tier went down that happens
+to succeed afterwards says nothing about the tier now (several threads share one TierHealth).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class TierHealth:
         self.transitions_down = 0
         self._retry_at = 0.0
         self._probing = False
+        self._prober: int | None = None         # thread id of the call let through as the probe
 
     def available(self) -> bool:
         """True when up, or when down and this caller may probe (one at a time)."""
@@ -35,14 +38,16 @@ class TierHealth:
                 return True
             if self._probing or self._clock() < self._retry_at:
                 return False
-            self._probing = True
+            self._probing, self._prober = True, threading.get_ident()
             return True
 
     def ok(self) -> None:
         with self._lock:
+            if self.down and self._prober != threading.get_ident():
+                return                  # a call from before the failure: only the probe decides
             if self.down:
                 log.info("KV tier %s is back up after %d failed attempts", self.name, self.failures)
-            self.down, self.failures, self._probing = False, 0, False
+            self.down, self.failures, self._probing, self._prober = False, 0, False, None
 
     def failed(self, exc: BaseException) -> None:
         with self._lock:
@@ -53,6 +58,7 @@ class TierHealth:
                 log.warning("KV tier %s marked down (%s: %s); retrying in %.2fs; serving from the other tiers",
                             self.name, type(exc).__name__, exc, delay)
             self.down, self._probing, self._retry_at = True, False, self._clock() + delay
+            self._prober = None
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

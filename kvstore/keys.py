@@ -21,17 +21,23 @@ import hashlib
 import re
 import struct
 
-KEY_FORMAT_VERSION = 1
+KEY_FORMAT_VERSION = 2
 _ROOT_TAG = b"pdserve-kv-root"
 _KEY_HEX_CHARS = 32
 _VALID_KEY = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
 
 
 def model_fingerprint(
-    architecture: str, weights_id: str, dtype: str, kv_layout_text: str, format_version: int
+    architecture: str, weights_id: str, dtype: str, kv_layout_text: str, format_version: int,
+    config_id: str = "",
 ) -> str:
-    """A salt that changes whenever the KV bytes of a prompt could change."""
-    fields = [architecture, weights_id, dtype, kv_layout_text, f"v{format_version}", f"k{KEY_FORMAT_VERSION}"]
+    """A salt that changes whenever the KV bytes of a prompt could change.
+
+    ``config_id`` hashes the model config's KV-relevant fields (RoPE theta and scaling, norm eps,
+    sliding window, ...): two checkpoints with identical weights but another RoPE must not share keys.
+    """
+    fields = [architecture, weights_id, dtype, kv_layout_text, f"v{format_version}", f"k{KEY_FORMAT_VERSION}",
+              f"c{config_id}"]
     return hashlib.sha256("\x1f".join(fields).encode()).hexdigest()[:_KEY_HEX_CHARS]
 
 

@@ -4,7 +4,9 @@ Who calls it: ``TieredStore`` (as L1), the daemon (through TieredStore), tests.
 An entry is pinned while a reader copies it (``get``/``borrow``); eviction skips pinned
 entries, so a load never loses its source and the budget holds exactly: ``bytes <=
 capacity_bytes`` at all times. An object that cannot fit (bigger than the budget, or
-everything else pinned) is rejected and counted, never raised.
+everything else pinned) is rejected and counted, never raised. ``adopt`` keeps a tensor
+that owns exactly its bytes and copies a view of a larger storage (``compact``), so
+``bytes`` is the memory L1 really holds, not the sum of views into one big tensor.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ class MemoryTier(KVStore):
     def adopt(self, items: list[tuple[str, torch.Tensor]]) -> None:
         for key, tensor in items:
             check_key(key)
+            tensor = compact(tensor.detach())
             nbytes = tensor.numel() * tensor.element_size()
             with self._lock:
-                self._insert(key, _Entry(tensor.detach(), nbytes))
+                self._insert(key, _Entry(tensor, nbytes))
 
     def get(self, keys: list[str]) -> list[torch.Tensor | None]:
         with self.borrow(keys) as shared:
@@ -130,3 +133,16 @@ class MemoryTier(KVStore):
             self._stats.add(objects=-1, bytes=-entry.nbytes, evictions=1)
             log.debug("memory tier evicted %s (%d bytes)", key, entry.nbytes)
         return True
+
+
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when it owns exactly its bytes; else a contiguous copy that does.
+
+    A view (one layer of ``layers.unbind(0)``, a slice, a transpose) keeps its whole base
+    storage alive: L1 would count the view's bytes while holding the base's. Copying it
+    makes L1's ``bytes`` the memory it really holds.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == nbytes:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)

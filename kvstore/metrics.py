@@ -1,20 +1,65 @@
-"""Prometheus export of the store's counters.
+"""Prometheus export of the store's stats, and the one gauge/counter classification of their names.
 
-Who calls it: the node's ``/metrics`` endpoint (mounts ``StoreCollector`` on its
-registry), the daemon's ``stats`` reply feeds the same names. Every counter of every
-tier becomes ``pdserve_kvstore_<counter>{tier="memory|redis|disk|writethrough|..."}``,
-read from ``store.stats()`` at scrape time (no second set of counters to drift).
+Who calls it: the node's ``/metrics`` (``engine/server/metrics.py`` calls ``families`` with a
+``model_name`` label, and ``metric_kind`` for the KV connector's names), a standalone store
+(``render``), tests. Every stat of every tier becomes one sample with a ``tier`` label
+(memory | redis | disk | writethrough | daemon), read from ``store.stats()`` at scrape time:
+
+    level (GAUGES)       -> gauge    pdserve_kvstore_bytes{tier="memory"}
+    event count (COUNTERS) -> counter  pdserve_kvstore_hits_total{tier="memory"}
+
+Counters only ever grow, so a scraper (``bench/scrape.py``) may take deltas of every
+``*_total``; a level exported as a counter would give negative deltas. A name in neither
+set is exported as a gauge (never delta'd) and logged once: add it to one set here.
 """
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.kvstore.base import KVStore, StatsDict
 
+log = logging.getLogger(__name__)
 PREFIX = "pdserve_kvstore_"
+
+GAUGES = frozenset({
+    "objects", "bytes", "pinned",                       # TierStats levels, MemoryTier
+    "down", "consecutive_failures",                     # TierHealth
+    "queued_bytes", "queued_objects",                   # TieredStore write-through queue
+    "shm_clients",                                      # KVDaemon
+    "store_down", "store_consecutive_failures",         # KV connector's store health
+})
+COUNTERS = frozenset({
+    "hits", "misses", "evictions", "bytes_in", "bytes_out", "errors", "checksum_failures",
+    "key_mismatch", "rejected",                         # TierStats events
+    "marked_down",                                      # TierHealth
+    "wt_written", "wt_failed", "wt_skipped_down",       # TieredStore, per lower tier (objects)
+    "dropped", "lost",                                  # TieredStore write-through (objects)
+    "requests",                                         # KVDaemon
+    "load_failures", "publish_failures", "load_integrity_failures", "load_digest_mismatches",
+    "publish_skipped", "store_marked_down",             # KV connector
+})
+_warned: set[str] = set()
+
+
+def metric_kind(name: str) -> str:
+    """``"gauge"`` for a level, ``"counter"`` for an event count; unknown names are gauges (logged once)."""
+    if name in COUNTERS:
+        return "counter"
+    if name not in GAUGES and name not in _warned:
+        _warned.add(name)
+        log.warning("KV stat %r is neither in GAUGES nor COUNTERS (kvstore/metrics.py); exported as a gauge", name)
+    return "gauge"
+
+
+def family(stat: str, metric_name: str, doc: str, labels: list[str]) -> Metric:
+    """An empty gauge or counter family (as ``metric_kind(stat)``); a counter is exposed as ``*_total``."""
+    kind = CounterMetricFamily if metric_kind(stat) == "counter" else GaugeMetricFamily
+    return kind(metric_name, doc, labels=labels)
 
 
 class StoreCollector(Collector):
@@ -25,16 +70,16 @@ class StoreCollector(Collector):
         return families(self.store.stats())
 
 
-def families(stats: StatsDict) -> list[GaugeMetricFamily]:
-    """One gauge family per counter name, one sample per tier."""
-    by_name: dict[str, GaugeMetricFamily] = {}
+def families(stats: StatsDict, extra: dict[str, str] | None = None) -> list[Metric]:
+    """One family per stat name, one sample per tier; ``extra`` labels go before ``tier``."""
+    extra = extra or {}
+    by_name: dict[str, Metric] = {}
     for tier, counters in sorted(stats.items()):
-        for counter, value in sorted(counters.items()):
-            family = by_name.get(counter)
-            if family is None:
-                family = GaugeMetricFamily(PREFIX + counter, f"KV store {counter} per tier", labels=["tier"])
-                by_name[counter] = family
-            family.add_metric([tier], float(value))
+        for stat, value in sorted(counters.items()):
+            fam = by_name.get(stat)
+            if fam is None:
+                fam = by_name[stat] = family(stat, PREFIX + stat, f"KV store {stat} per tier", [*extra, "tier"])
+            fam.add_metric([*extra.values(), tier], float(value))
     return list(by_name.values())
 
 

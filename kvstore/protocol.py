@@ -3,11 +3,23 @@
 Transport: a zmq DEALER (client) talks to a ROUTER (daemon). A message is multipart:
     [header, payload_0, payload_1, ...]        header = msgpack of one Request / Reply
 Payload frames carry raw tensor bytes (no serialisation header: zmq frames arrive whole),
-one per ``ObjMeta`` whose ``offset`` is FRAME. With a shared-memory data plane (``Attach``
-first) payloads live in the client's segment instead, at ``ObjMeta.offset``, and only
-the header travels over zmq. Order of a session: [Attach] -> any of Put/Get/Contains/
-Lookup/Delete/Stats/Ping -> [Detach]. Every request carries ``v`` (PROTOCOL_VERSION),
-``id`` (echoed in the reply) and ``token`` (checked when the daemon has one).
+one per ``ObjMeta`` whose ``offset`` is FRAME.
+
+Shared memory (same host only): ``Attach(pid, size)`` asks the daemon to create a
+segment; the reply's ``segment`` names its path, size and generation (``gen``: never
+reused by a daemon, and randomly based so a restarted daemon does not repeat one).
+A Put or Get that uses the segment names that ``gen``; the daemon refuses any other
+(reply ``code=NO_SEGMENT``: attach again). Payloads then live in the segment at
+``ObjMeta.offset`` and only the header travels over zmq. The daemon reclaims the
+segment once process ``pid`` has exited; ``Detach`` drops it at once.
+
+Integrity: every payload carries ``ObjMeta.digest`` = xxh3_64(key utf-8 bytes, then the
+payload bytes). The sender computes it (client on Put, daemon on Get); the receiver
+verifies it on its own copy (daemon: Put refused; client: that object is a miss).
+
+Order of a session: [Attach] -> any of Put/Get/Contains/Lookup/Delete/Stats/Ping ->
+[Detach]. Every request carries ``v`` (PROTOCOL_VERSION), ``id`` (echoed in the reply)
+and ``token`` (checked when the daemon has one); unknown fields are refused.
 """
 
 from __future__ import annotations
@@ -16,10 +28,12 @@ from typing import Union
 
 import msgspec
 import torch
+import xxhash
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 FRAME = -1          # ObjMeta.offset: payload is the next zmq frame
 DEFERRED = -2       # ObjMeta.offset in a Get reply: did not fit in shm this time, ask again
+NO_SEGMENT = "no-segment"   # Reply.code: no segment of the request's generation; Attach again
 
 _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
@@ -32,9 +46,16 @@ class ObjMeta(msgspec.Struct, array_like=True):
     shape: list[int]
     nbytes: int
     offset: int = FRAME
+    digest: int = 0     # xxh3_64(key, payload); see digest_of
 
 
-class _Req(msgspec.Struct, tag_field="op", kw_only=True):
+class SegmentInfo(msgspec.Struct, array_like=True):
+    path: str           # /dev/shm/pdserve-kv-<hex>, made by the daemon; the client unlinks it
+    size: int
+    gen: int
+
+
+class _Req(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
     v: int = PROTOCOL_VERSION
     id: int = 0
     token: str = ""
@@ -42,11 +63,12 @@ class _Req(msgspec.Struct, tag_field="op", kw_only=True):
 
 class Put(_Req, tag="put"):
     objs: list[ObjMeta]
+    gen: int = 0        # segment generation; required when an object's offset is in the segment
 
 
 class Get(_Req, tag="get"):
     keys: list[str]
-    shm: bool = False
+    gen: int = 0        # 0: payloads as frames; else the daemon writes them into that segment
 
 
 class Contains(_Req, tag="contains"):
@@ -71,7 +93,7 @@ class Ping(_Req, tag="ping"):
 
 
 class Attach(_Req, tag="attach"):
-    path: str
+    pid: int            # the client's process: its segment is reclaimed once it is gone
     size: int
 
 
@@ -86,10 +108,12 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
     id: int = 0
     ok: bool = True
     error: str = ""
+    code: str = ""                        # machine-readable error kind (NO_SEGMENT) or ""
     objs: list[ObjMeta | None] = []
     present: list[bool] = []
     count: int = 0
     stats: dict[str, dict[str, int]] = {}
+    segment: SegmentInfo | None = None    # Attach reply
 
 
 REQUEST_DECODER = msgspec.msgpack.Decoder(Request)
@@ -107,8 +131,20 @@ def dtype_of(name: str) -> torch.dtype:
     return _DTYPE_NAMES[name]
 
 
-def meta_of(key: str, tensor: torch.Tensor, offset: int = FRAME) -> ObjMeta:
-    return ObjMeta(key, dtype_name(tensor.dtype), list(tensor.shape), tensor.numel() * tensor.element_size(), offset)
+def meta_of(key: str, tensor: torch.Tensor, offset: int = FRAME, digest: int = 0) -> ObjMeta:
+    return ObjMeta(key, dtype_name(tensor.dtype), list(tensor.shape), tensor.numel() * tensor.element_size(),
+                   offset, digest)
+
+
+def digest_of(key: str, payload) -> int:
+    """xxh3_64 over the key's utf-8 bytes then ``payload`` (any contiguous buffer)."""
+    h = xxhash.xxh3_64(key.encode())
+    h.update(payload)
+    return h.intdigest()
+
+
+def check_digest(meta: ObjMeta, payload) -> bool:
+    return digest_of(meta.key, payload) == meta.digest
 
 
 def check_meta(meta: ObjMeta, max_object_bytes: int) -> None:

@@ -1,11 +1,16 @@
 """The shared-memory data plane for clients on the daemon's host.
 
 Loopback TCP copies every byte through the kernel twice; a shared segment does not.
-The client creates a file in /dev/shm and maps it; the daemon maps the same file on
-``Attach``; the client then unlinks the name (the mapping lives on, nothing leaks if
-either side dies). Payloads are written at 64-byte aligned offsets chosen by the writer
-of each message (client for Put, daemon for Get); zmq carries only the headers.
-Who calls it: ``DaemonClient`` (create) and the daemon (attach).
+The DAEMON owns every segment: on ``Attach`` it creates /dev/shm/pdserve-kv-<hex>,
+reserves its pages with posix_fallocate (a full /dev/shm is an error reply now, never a
+SIGBUS later), maps it and replies with path, size and generation. The client opens that
+path, checks its size, maps it and unlinks the name (the daemon unlinks it too when it
+drops the segment); the daemon never maps a file a client made. Payloads sit at 64-byte
+aligned offsets chosen by the writer of each message (client for Put, daemon for Get).
+
+Who calls it: the daemon (``SegmentTable``: create, look up by client and generation,
+drop, reclaim segments whose owner process is gone) and ``DaemonClient``
+(``ShmSegment.open``, ``write``/``read``, ``close``).
 """
 
 from __future__ import annotations
@@ -24,35 +29,52 @@ _NAME = re.compile(r"^pdserve-kv-[0-9a-f]{8,64}$")
 ALIGN = 64
 
 
+class NoSegment(LookupError):
+    """The daemon has no segment of the request's generation for this client (Attach again)."""
+
+
 class ShmSegment:
-    def __init__(self, path: Path, size: int, create: bool) -> None:
-        self.path, self.size = path, size
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    """One mapped segment; ``gen`` is the daemon's generation number for it."""
+
+    def __init__(self, path: Path, size: int, gen: int, mm: mmap.mmap) -> None:
+        self.path, self.size, self.gen, self._mm = path, size, gen, mm
+        self.buf = np.frombuffer(mm, dtype=np.uint8)
+
+    @classmethod
+    def create(cls, size: int, gen: int) -> "ShmSegment":
+        """Daemon side: a new file whose pages are reserved before anyone maps it."""
+        path = SHM_DIR / f"pdserve-kv-{secrets.token_hex(16)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
-                raise ValueError(f"shm segment {path} has {os.fstat(fd).st_size} bytes, client says {size}")
-            self._mm = mmap.mmap(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            return cls(path, size, gen, mmap.mmap(fd, size))
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise OSError(exc.errno, f"cannot reserve a {size}-byte shm segment in {SHM_DIR}: {exc.strerror} "
+                                     "(free /dev/shm or lower the client's shm_bytes)") from None
         finally:
             os.close(fd)
-        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
 
     @classmethod
-    def create(cls, size: int) -> "ShmSegment":
-        return cls(SHM_DIR / f"pdserve-kv-{os.getpid():x}{secrets.token_hex(8)}", size, create=True)
-
-    @classmethod
-    def attach(cls, path: str, size: int, max_size: int) -> "ShmSegment":
+    def open(cls, path: str, size: int, gen: int) -> "ShmSegment":
+        """Client side: map the daemon's segment, check its size, unlink the name."""
         p = Path(path)
         if p.parent != SHM_DIR or not _NAME.match(p.name):
             raise ValueError(f"shm path {path!r} is not a pdserve segment under {SHM_DIR}")
-        if not 0 < size <= max_size:
-            raise ValueError(f"shm segment of {size} bytes; limit is {max_size} (--kv-max-shm-bytes)")
-        return cls(p, size, create=False)
+        fd = os.open(p, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != size:
+                raise ValueError(f"shm segment {path} has {os.fstat(fd).st_size} bytes, daemon says {size}")
+            return cls(p, size, gen, mmap.mmap(fd, size))
+        finally:
+            os.close(fd)
+            p.unlink(missing_ok=True)
 
-    def write(self, offset: int, tensor: torch.Tensor) -> None:
-        src = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    def write(self, offset: int, data) -> None:
+        """Copy a tensor (or a uint8 buffer) to ``offset``."""
+        if isinstance(data, torch.Tensor):
+            data = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        src = np.frombuffer(data, dtype=np.uint8)
         self._check(offset, src.size)
         self.buf[offset:offset + src.size] = src
 
@@ -67,8 +89,9 @@ class ShmSegment:
         self.path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        self.buf = None
-        self._mm.close()
+        if self.buf is not None:
+            self.buf = None
+            self._mm.close()
 
     def _check(self, offset: int, nbytes: int) -> None:
         if offset < 0 or offset + nbytes > self.size:
@@ -77,3 +100,74 @@ class ShmSegment:
 
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (start time, clock ticks); None if gone or a zombie.
+
+    pid + start time names a process even after its pid is reused."""
+    if pid <= 0:
+        return None
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()      # fields[0] is field 3 (state)
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+class SegmentTable:
+    """The daemon's segments by client identity, with owner pid and start time.
+
+    ``attach`` reclaims segments of dead owners when at ``max_clients`` and refuses a new
+    client when every owner is alive: a live client's segment is never evicted."""
+
+    def __init__(self, max_clients: int, max_bytes: int) -> None:
+        self.max_clients, self.max_bytes = max_clients, max_bytes
+        self._segs: dict[bytes, tuple[ShmSegment, int, int]] = {}    # ident -> (seg, pid, start)
+        self._next_gen = secrets.randbits(48) + 1    # random start: a restarted daemon reuses none
+        self.reclaimed = self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._segs)
+
+    def attach(self, ident: bytes, pid: int, size: int) -> ShmSegment:
+        if not 0 < size <= self.max_bytes:
+            raise ValueError(f"shm segment of {size} bytes; limit is {self.max_bytes} (--kv-max-shm-bytes)")
+        start = process_start_time(pid)
+        if start is None:
+            raise ValueError(f"pid {pid} is not a live process on the daemon's host (shm needs the same host)")
+        self.drop(ident)
+        if len(self._segs) >= self.max_clients and not self.reclaim_dead():
+            self.refused += 1
+            raise ValueError(f"{len(self._segs)} shm clients attached, all alive; limit is {self.max_clients} "
+                             "(--kv-max-shm-clients); use zmq frames")
+        seg = ShmSegment.create(size, self._next_gen)
+        self._next_gen += 1
+        self._segs[ident] = (seg, pid, start)
+        return seg
+
+    def get(self, ident: bytes, gen: int) -> ShmSegment:
+        seg = self._segs.get(ident, (None,))[0]
+        if seg is None or seg.gen != gen:
+            have = f"generation {seg.gen}" if seg else "none"
+            raise NoSegment(f"no shm segment of generation {gen} for this client (it has {have}); Attach again")
+        return seg
+
+    def drop(self, ident: bytes) -> None:
+        entry = self._segs.pop(ident, None)
+        if entry is not None:
+            entry[0].unlink()
+            entry[0].close()
+
+    def reclaim_dead(self) -> int:
+        """Drop the segments whose owner process is gone; how many."""
+        dead = [i for i, (_, pid, start) in self._segs.items() if process_start_time(pid) != start]
+        for ident in dead:
+            self.drop(ident)
+        self.reclaimed += len(dead)
+        return len(dead)
+
+    def close(self) -> None:
+        for ident in list(self._segs):
+            self.drop(ident)

@@ -3,15 +3,31 @@
 Who calls it: the engine's KV connector (embedded store, the default), the daemon
 (``pdserve kvstore``), the bench, tests. Built from flags by ``config.build_store``.
 
-    put/adopt ──> L1 (sync) ──> write-through queue (bounded by bytes; full -> drop, count)
+    put/adopt ──> L1 (sync) ──> write-through queue (bounded by bytes, see below)
                                    └─ worker thread ──> L2.put, L3.put   (tiers that are up)
     get/borrow ──> L1 ──miss──> L2 ──miss──> L3 ; a lower-tier hit is promoted to L1
     contains/lookup: L1, then the lower tiers for what L1 lacks
     delete: L1, wait for queued writes, then every lower tier
 
+Write-through queue: an empty queue accepts any batch (one batch may exceed
+``queue_bytes``); a non-empty queue that the batch would overflow drops it: memory stays
+bounded, the drop is counted (``writethrough.dropped``) and logged at WARNING once per
+full episode (until a batch is accepted again).
+
+Durable writers (the prefill publisher: one thread, ``adopt()`` then ``flush()`` per
+chunk) rely on ``flush(timeout_s)``: True only if every write enqueued since the previous
+flush reached every lower tier; False if any was dropped, failed in a tier (it raised)
+or was skipped because a tier was down, or on timeout. The report is per store, not per
+thread: a flush from another thread would consume it (``delete`` waits without flushing).
+
 A lower tier that raises is marked down (``TierHealth``: back-off, then a probe) and
 skipped meanwhile: a dead Redis costs hits, never a failed call. L1 errors do propagate
 (they are programming errors, not outages).
+
+Stats: each lower tier's entry adds its health and its write-through outcomes in objects
+(``wt_written``, ``wt_failed``, ``wt_skipped_down``); ``writethrough`` has ``dropped``,
+``lost`` (objects that did not reach every tier, drops included), ``queued_bytes``,
+``queued_objects``.
 """
 
 from __future__ import annotations
@@ -40,9 +56,12 @@ class TieredStore(KVStore):
         self.l1, self.lower, self.queue_bytes = l1, list(lower), queue_bytes
         self.health = {t.name: TierHealth(t.name, backoff_base_s, backoff_max_s) for t in self.lower}
         self._queue: queue.Queue = queue.Queue()
-        self._queued_bytes = 0
         self._lock = threading.Lock()
-        self._wt = {"written": 0, "dropped": 0, "skipped_down": 0}
+        self._queued_bytes = self._queued_objects = 0
+        self._episode_dropped = 0          # objects dropped since the queue last accepted a batch
+        self._wt = {"dropped": 0, "lost": 0}
+        self._tier_wt = {t.name: {"wt_written": 0, "wt_failed": 0, "wt_skipped_down": 0} for t in self.lower}
+        self._unreported_lost = 0          # worker thread only: lost since the last flush marker
         self._worker = threading.Thread(target=self._write_loop, name="kv-write-through", daemon=True)
         self._closed = False
         if self.lower:
@@ -73,32 +92,40 @@ class TieredStore(KVStore):
         present = self.l1.contains(keys)
         for tier in self.lower:
             missing = [i for i, p in enumerate(present) if not p]
-            found = self._call(tier, "contains", [keys[i] for i in missing]) if missing else None
+            found = self._read(tier, "contains", [keys[i] for i in missing]) if missing else None
             for i, hit in zip(missing, found or []):
                 present[i] = hit
         return present
 
     def delete(self, keys: list[str]) -> None:
         self.l1.delete(keys)
-        self.flush()
+        self._wait_queued(("barrier", _Marker()))
         for tier in self.lower:
-            self._call(tier, "delete", keys)
+            self._read(tier, "delete", keys)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every write queued so far reached the lower tiers (or was skipped)."""
-        if not self.lower or self._closed:
+        """True iff every write enqueued since the previous flush reached every lower tier.
+
+        False when one was dropped (queue full), failed in a tier, was skipped because a tier
+        was down, or when the queued writes did not finish within ``timeout_s``.
+        """
+        if not self.lower:
             return True
-        done = threading.Event()
-        self._queue.put(("flush", done))
-        return done.wait(timeout_s)
+        if self._closed:                   # the worker wrote everything before it stopped
+            lost, self._unreported_lost = self._unreported_lost, 0
+            return lost == 0
+        marker = _Marker()
+        return self._wait_queued(("flush", marker), timeout_s) and marker.ok
 
     def stats(self) -> StatsDict:
         out = self.l1.stats()
+        with self._lock:
+            tier_wt = {name: dict(c) for name, c in self._tier_wt.items()}
+            out["writethrough"] = {**self._wt, "queued_bytes": self._queued_bytes,
+                                   "queued_objects": self._queued_objects}
         for tier in self.lower:
             for name, counters in tier.stats().items():
-                out[name] = {**counters, **self.health[tier.name].snapshot()}
-        with self._lock:
-            out["writethrough"] = {**self._wt, "queued_bytes": self._queued_bytes}
+                out[name] = {**counters, **self.health[tier.name].snapshot(), **tier_wt[tier.name]}
         return out
 
     def close(self) -> None:
@@ -118,56 +145,109 @@ class TieredStore(KVStore):
             missing = [i for i, t in enumerate(out) if t is None]
             if not missing:
                 break
-            found = self._call(tier, "get", [keys[i] for i in missing]) or []
+            found = self._read(tier, "get", [keys[i] for i in missing]) or []
             for i, tensor in zip(missing, found):
                 if tensor is not None:
                     out[i] = tensor
                     filled.append(i)
         return filled
 
+    # -- write-through: callers enqueue, one worker thread writes ---------------------------
+
     def _enqueue(self, items: Items) -> None:
         if not self.lower or not items:
             return
         nbytes = sum(t.numel() * t.element_size() for _, t in items)
-        with self._lock:
-            if self._queued_bytes + nbytes > self.queue_bytes:
-                self._wt["dropped"] += len(items)
-                log.debug("write-through queue full (%d bytes queued, limit %d): dropped %d objects",
-                          self._queued_bytes, self.queue_bytes, len(items))
+        with self._lock:                   # the queue order is the accounting order
+            if self._queued_objects and self._queued_bytes + nbytes > self.queue_bytes:
+                self._drop(len(items), nbytes)
+                self._queue.put(("dropped", len(items)))
                 return
+            self._end_full_episode()
             self._queued_bytes += nbytes
-        self._queue.put(("put", (items, nbytes)))
+            self._queued_objects += len(items)
+            self._queue.put(("put", (items, nbytes)))
+
+    def _drop(self, n: int, nbytes: int) -> None:
+        """Count a dropped batch (lock held); WARNING once per full episode."""
+        if not self._episode_dropped:
+            log.warning("KV write-through queue full (%d bytes in %d objects queued, limit %d; "
+                        "--kv-writethrough-queue-bytes): dropping writes to %s until it drains "
+                        "(first drop: %d objects, %d bytes); counted in writethrough.dropped",
+                        self._queued_bytes, self._queued_objects, self.queue_bytes,
+                        ", ".join(t.name for t in self.lower), n, nbytes)
+        self._episode_dropped += n
+        self._wt["dropped"] += n
+        self._wt["lost"] += n
+
+    def _end_full_episode(self) -> None:
+        if self._episode_dropped:
+            log.info("KV write-through queue accepts writes again; %d objects were dropped while it was full",
+                     self._episode_dropped)
+            self._episode_dropped = 0
+
+    def _wait_queued(self, marker_op: tuple, timeout_s: float = 30.0) -> bool:
+        """Queue a marker behind every write queued so far; True once the worker reached it."""
+        if not self.lower or self._closed:
+            return True
+        self._queue.put(marker_op)
+        return marker_op[1].done.wait(timeout_s)
 
     def _write_loop(self) -> None:
         while True:
             op, arg = self._queue.get()
             if op == "stop":
                 return
-            if op == "flush":
-                arg.set()
-                continue
-            items, nbytes = arg
-            for tier in self.lower:
-                written = self._call(tier, "put", items, skipped=len(items))
-                with self._lock:
-                    self._wt["written"] += len(items) if written is not _FAILED else 0
-            with self._lock:
-                self._queued_bytes -= nbytes
+            if op == "put":
+                self._write_batch(*arg)
+            elif op == "dropped":
+                self._unreported_lost += arg
+            else:                          # "flush" reports and resets the losses; "barrier" only waits
+                if op == "flush":
+                    arg.ok, self._unreported_lost = self._unreported_lost == 0, 0
+                arg.done.set()
 
-    def _call(self, tier: KVStore, method: str, arg, skipped: int = 0):
-        """``tier.method(arg)`` if the tier is up; _FAILED (or None for reads) when down or failing."""
+    def _write_batch(self, items: Items, nbytes: int) -> None:
+        outcomes = [self._write_to(tier, items) for tier in self.lower]
+        lost = any(o != "wt_written" for o in outcomes)
+        with self._lock:
+            for tier, outcome in zip(self.lower, outcomes):
+                self._tier_wt[tier.name][outcome] += len(items)
+            self._queued_bytes -= nbytes
+            self._queued_objects -= len(items)
+            self._wt["lost"] += len(items) if lost else 0
+        self._unreported_lost += len(items) if lost else 0
+
+    def _write_to(self, tier: KVStore, items: Items) -> str:
+        """The outcome's counter name: wt_written, wt_failed (the tier raised) or wt_skipped_down."""
+        result = self._call(tier, "put", items)
+        return "wt_skipped_down" if result is _DOWN else "wt_failed" if result is _FAILED else "wt_written"
+
+    def _read(self, tier: KVStore, method: str, arg):
+        """``tier.method(arg)``, or None when the tier is down or failed."""
+        result = self._call(tier, method, arg)
+        return None if result is _DOWN or result is _FAILED else result
+
+    def _call(self, tier: KVStore, method: str, arg):
+        """``tier.method(arg)`` if the tier is up; _DOWN when skipped, _FAILED when it raised."""
         health = self.health[tier.name]
         if not health.available():
-            with self._lock:
-                self._wt["skipped_down"] += skipped
-            return _FAILED if method == "put" else None
+            return _DOWN
         try:
             result = getattr(tier, method)(arg)
         except Exception as exc:  # noqa: BLE001 - any backend failure marks the tier down
             health.failed(exc)
-            return _FAILED if method == "put" else None
+            return _FAILED
         health.ok()
         return result
 
 
-_FAILED = object()
+class _Marker:
+    """A flush or barrier in the write-through queue; the worker sets ``done`` on reaching it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ok = False
+
+
+_DOWN, _FAILED = object(), object()

@@ -3,8 +3,14 @@
 Called by ``app`` for every /v1/completions and /v1/chat/completions request:
 
     req = await parse_request(endpoint, raw_body, tokenizer, routing)   # APIError(4xx) on bad input
-    prefill_body(req)  ->  client body + max_tokens=1, stream=false, prompt_token_ids, do_remote_decode
-    decode_body(req, kv_transfer_params)  ->  client body + prompt_token_ids + what prefill returned
+    prefill_body(req, model, i)  ->  client body + prompt i's token ids, max_tokens=1, stream=false,
+                                     n=1, min_tokens=min(client's, 1), do_remote_decode
+    decode_body(req, model, kv)  ->  client body + prompt_token_ids + what prefill returned (a list of
+                                     both, one per prompt, when the client sent several prompts)
+
+The prefill node samples the first token with the client's parameters (seed, logprobs, stop ids,
+``min_tokens`` capped at the one token it makes), so that the first token is the one a colocated
+node would pick; it travels to the decode node in ``kv_transfer_params``.
 
 Validation reuses the nodes' own pydantic models and ``SamplingParams`` checks, so a request
 the proxy accepts is one the nodes accept, and a bad one is refused before any node is called.
@@ -21,7 +27,7 @@ from pydantic import ValidationError
 
 from pdserve.engine.sampling_params import SamplingParamsError
 from pdserve.engine.server.errors import APIError, bad_request, describe_validation_errors
-from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
+from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest, message_dicts, prompt_list
 from pdserve.engine.tokenizer import apply_chat_template
 from pdserve.kvstore.keys import chunk_keys
 
@@ -36,23 +42,39 @@ class Routing:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    chunk_keys: list[str]          # full routing chunks of the prompt, in order
+
+
+@dataclass(frozen=True)
 class ProxyRequest:
     endpoint: str                  # COMPLETIONS or CHAT
     body: dict[str, Any]           # the client's JSON body, untouched
-    prompt_ids: list[int]
-    chunk_keys: list[str]          # full routing chunks of the prompt, in order
+    prompts: list[Prompt]          # one for chat; one per prompt of a completions prompt list
     stream: bool
     max_tokens: int | None         # as the client asked; None: the node decides
+    min_tokens: int = 0            # as the client asked
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The first prompt's token ids (the only one, unless a completions prompt list)."""
+        return self.prompts[0].ids
+
+    @property
+    def chunk_keys(self) -> list[str]:
+        """Routing keys of the first prompt (decode routing)."""
+        return self.prompts[0].chunk_keys
 
     @property
     def prefill_only(self) -> bool:
-        """A non-streaming one-token request: the prefill answer is the whole answer."""
-        return self.max_tokens == 1 and not self.stream
+        """A non-streaming one-token request for one prompt: the prefill answer is the whole answer."""
+        return self.max_tokens == 1 and not self.stream and len(self.prompts) == 1
 
     @property
     def decode_tokens(self) -> int:
         """In-flight tokens a decode call counts for least_loaded routing."""
-        return len(self.prompt_ids) + (self.max_tokens or 0)
+        return sum(len(p.ids) + (self.max_tokens or 0) for p in self.prompts)
 
 
 async def parse_request(endpoint: str, raw: bytes, tokenizer, routing: Routing) -> ProxyRequest:
@@ -64,28 +86,34 @@ async def parse_request(endpoint: str, raw: bytes, tokenizer, routing: Routing) 
         message, param = describe_validation_errors(exc.errors())
         raise bad_request(message, param) from None
     max_tokens = _check_sampling(parsed)
-    prompt_ids = await asyncio.to_thread(_tokenize, parsed, tokenizer)
-    if not prompt_ids:
+    prompts = await asyncio.to_thread(_tokenize, parsed, tokenizer)
+    if not prompts or not all(prompts):
         raise bad_request("the prompt is empty (0 tokens)", "prompt" if endpoint == COMPLETIONS else "messages")
-    keys = chunk_keys(prompt_ids, routing.chunk_tokens, routing.salt)
-    return ProxyRequest(endpoint, body, prompt_ids, keys, parsed.stream, max_tokens)
+    routed = [Prompt(ids, chunk_keys(ids, routing.chunk_tokens, routing.salt)) for ids in prompts]
+    return ProxyRequest(endpoint, body, routed, parsed.stream, max_tokens, parsed.min_tokens)
 
 
-def prefill_body(req: ProxyRequest, model_name: str | None) -> dict[str, Any]:
+def prefill_body(req: ProxyRequest, model_name: str | None, index: int = 0) -> dict[str, Any]:
+    """The prefill call for prompt ``index``: the client's sampling parameters, one token."""
     body = _with_model(req.body, model_name)
     body.pop("stream_options", None)
-    body.update(max_tokens=1, stream=False, prompt_token_ids=req.prompt_ids,
+    body.update(max_tokens=1, stream=False, prompt_token_ids=req.prompts[index].ids,
+                min_tokens=min(req.min_tokens, 1),
                 kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
-    if not req.prefill_only:            # decode samples the choices; prefill only has to run the prompt
-        body.update(n=1, min_tokens=0)
+    if not req.prefill_only:            # decode samples the choices; prefill only makes choice 0's first token
+        body["n"] = 1
     return body
 
 
-def decode_body(req: ProxyRequest, model_name: str | None, kv_transfer_params: Any) -> dict[str, Any]:
+def decode_body(req: ProxyRequest, model_name: str | None, kv_transfer_params: list[Any]) -> dict[str, Any]:
+    """The decode call: the client's body, its prompts' token ids and what each prompt's prefill returned."""
     body = _with_model(req.body, model_name)
-    body.update(prompt_token_ids=req.prompt_ids, kv_transfer_params=kv_transfer_params)
+    if len(req.prompts) == 1:
+        body.update(prompt_token_ids=req.prompt_ids, kv_transfer_params=kv_transfer_params[0])
+    else:
+        body.update(prompt_token_ids=[p.ids for p in req.prompts], kv_transfer_params=list(kv_transfer_params))
     return body
 
 
@@ -124,20 +152,13 @@ def _check_sampling(parsed) -> int | None:
     return max_tokens
 
 
-def _tokenize(parsed, tokenizer) -> list[int]:
+def _tokenize(parsed, tokenizer) -> list[list[int]]:
+    """Token ids of each prompt, exactly as the node would compute them."""
     if isinstance(parsed, ChatCompletionRequest):
         try:
-            return apply_chat_template(tokenizer, message_dicts(parsed.messages))
+            return [apply_chat_template(tokenizer, message_dicts(parsed.messages), parsed.add_generation_prompt)]
         except APIError:
             raise
         except Exception as exc:            # template errors are jinja's, not ours
             raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
-    prompt = parsed.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"the proxy serves one prompt per request, got {len(prompt)}; "
-                              "send one request per prompt", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    return list(prompt)
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt_list(parsed.prompt)]

@@ -5,12 +5,14 @@ Called by ``app`` once the request is parsed (``inputs.parse_request``):
     response = await orchestrator.handle(req, on_end)    # JSONResponse or StreamingResponse
 
 1. Prefill: ``prefill_body`` (max_tokens=1, stream=false, prompt_token_ids, do_remote_decode)
-   goes to a prefill node; its answer's top-level ``kv_transfer_params`` (opaque here; null when
-   the node has none, e.g. a ``--role both`` node) is kept. A non-streaming request for one
-   token is answered from this response (``kv_transfer_params`` removed) and skips decode.
-2. Decode: ``decode_body`` (the client's body + prompt_token_ids + kv_transfer_params) goes to
-   a decode node; its answer -- JSON, or the SSE events one by one -- is passed through as is.
-   The decode node emits the first token itself, so no token is dropped or generated twice.
+   goes to a prefill node, one call per prompt (a completions prompt list: concurrently, each
+   routed by its own prefix); each answer's top-level ``kv_transfer_params`` (opaque here; null
+   when the node has none, e.g. a ``--role both`` node) is kept. A non-streaming request for one
+   token and one prompt is answered from this response (``kv_transfer_params`` removed).
+2. Decode: ``decode_body`` (the client's body + prompt_token_ids + kv_transfer_params, lists of
+   both for several prompts) goes to one decode node; its answer -- JSON, or the SSE events one
+   by one -- is passed through as is. The decode node emits each prompt's first token itself
+   (with the logprobs the prefill node computed), so no token is dropped or generated twice.
 
 Each phase tries up to ``max_attempts`` nodes while nothing has reached the client: a node that
 is unreachable or answers 5xx is skipped (and, if unreachable, taken out of rotation); a 4xx is
@@ -21,6 +23,7 @@ which makes the node abort the request and free its blocks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -65,34 +68,38 @@ class Orchestrator:
     async def _handle(self, req: ProxyRequest, on_end: OnEnd) -> Response:
         prefilled = await self.prefill(req)
         if req.prefill_only:
-            prefilled.pop("kv_transfer_params", None)
+            prefilled[0].pop("kv_transfer_params", None)
             on_end("ok")
-            return JSONResponse(prefilled)
-        kv = prefilled.get("kv_transfer_params")
+            return JSONResponse(prefilled[0])
+        kv = [p.get("kv_transfer_params") for p in prefilled]
         if not req.stream:
-            payload = await self._retrying(self._decode, req, lambda node: self._decode_json(node, req, kv))
+            payload = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_json(node, req, kv))
             on_end("ok")
             return JSONResponse(payload)
-        stream = await self._retrying(self._decode, req, lambda node: self._decode_stream(node, req, kv))
+        stream = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_stream(node, req, kv))
         return RelayResponse(stream, on_end)
 
-    async def prefill(self, req: ProxyRequest) -> dict[str, Any]:
-        body = prefill_body(req, self._model_name())
+    async def prefill(self, req: ProxyRequest) -> list[dict[str, Any]]:
+        """One prefill answer per prompt, in prompt order."""
+        start = time.perf_counter()
+        payloads = await _all_or_cancel([self._prefill_one(req, i) for i in range(len(req.prompts))])
+        self._metrics.phase_latency.labels("prefill").observe(time.perf_counter() - start)
+        return payloads
+
+    async def _prefill_one(self, req: ProxyRequest, index: int) -> dict[str, Any]:
+        body, prompt = prefill_body(req, self._model_name(), index), req.prompts[index]
 
         async def call(node: Node) -> dict[str, Any]:
-            with self._prefill.lease(node, len(req.prompt_ids)):
+            with self._prefill.lease(node, len(prompt.ids)):
                 return await post_json(self._client, node, req.endpoint, body)
 
-        start = time.perf_counter()
-        payload = await self._retrying(self._prefill, req, call)
-        self._metrics.phase_latency.labels("prefill").observe(time.perf_counter() - start)
-        return payload
+        return await self._retrying(self._prefill, prompt.chunk_keys, call)
 
-    async def _decode_json(self, node: Node, req: ProxyRequest, kv: Any) -> dict[str, Any]:
+    async def _decode_json(self, node: Node, req: ProxyRequest, kv: list[Any]) -> dict[str, Any]:
         with self._decode.lease(node, req.decode_tokens):
             return await post_json(self._client, node, req.endpoint, decode_body(req, self._model_name(), kv))
 
-    async def _decode_stream(self, node: Node, req: ProxyRequest, kv: Any) -> NodeStream:
+    async def _decode_stream(self, node: Node, req: ProxyRequest, kv: list[Any]) -> NodeStream:
         start = time.perf_counter()
         release = self._decode.acquire(node, req.decode_tokens)
         try:
@@ -104,12 +111,12 @@ class Orchestrator:
         self._metrics.phase_latency.labels("decode_first_byte").observe(time.perf_counter() - start)
         return stream
 
-    async def _retrying(self, pool: NodePool, req: ProxyRequest, call: Callable[[Node], Awaitable[T]]) -> T:
+    async def _retrying(self, pool: NodePool, keys: list[str], call: Callable[[Node], Awaitable[T]]) -> T:
         tried: set[str] = set()
         last: NodeFailed | None = None
         for attempt in range(self._max_attempts):
             try:
-                node = pool.choose(req.chunk_keys, exclude=tried)
+                node = pool.choose(keys, exclude=tried)
             except NoHealthyNode:
                 if last is not None:
                     raise last from None
@@ -126,6 +133,18 @@ class Orchestrator:
                 last = exc
         assert last is not None
         raise last
+
+
+async def _all_or_cancel(calls: list[Awaitable[T]]) -> list[T]:
+    """Results in order; the first failure cancels the calls still running and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class RelayResponse(StreamingResponse):

@@ -42,6 +42,15 @@ def tiny_llama(tiny_models) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_metaspace(tmp_path_factory) -> Path:
+    """A tiny llama with a SentencePiece/Metaspace-style tokenizer (Llama-2 / Mistral-v0.1 layout)."""
+    from pdserve.engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-metaspace") / "llama", arch="llama", seed=0,
+                           tokenizer="metaspace")
+
+
+@pytest.fixture(scope="session")
 def model_cache(pytestconfig, tmp_path_factory):
     """Where converted real models live across runs (.pytest_cache/d/pdserve-models)."""
     cache = getattr(pytestconfig, "cache", None)

@@ -103,6 +103,27 @@ def test_allocation_that_does_not_fit_changes_nothing():
     bm.check_integrity()
 
 
+def test_cached_free_blocks_a_hit_takes_count_against_free_space():
+    """A prefix hit on cached blocks that sit in the free list takes them out of it: they cannot also
+    serve as new blocks. Mutation caught: ``touched_free = 0`` in ``allocate_slots`` -> the check
+    passes with 4 free blocks, then the free list runs dry (KeyError) half-way through the allocation.
+    """
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = make_request("a", range(8))
+    compute(bm, a)
+    bm.free(a)                                                   # blocks 0, 1 cached and free
+    assert bm.num_free_blocks == 4
+    b = make_request("b", list(range(8)) + list(range(100, 109)))   # 17 tokens: hit 8, 9 new = 3 blocks
+    blocks, hit = bm.get_computed_blocks(b)
+    assert (blocks, hit) == ([0, 1], 8)
+    assert not bm.allocate_slots(b, 9, blocks)                   # 4 free - 2 taken by the hit < 3 new
+    assert b.block_ids == [] and bm.num_free_blocks == 4
+    bm.check_integrity()
+    assert bm.allocate_slots(b, 8, blocks)                       # 16 tokens: 2 hit + 2 new blocks fit
+    assert b.block_ids[:2] == [0, 1] and bm.num_free_blocks == 0
+    bm.check_integrity()
+
+
 def test_free_twice_is_harmless_and_a_stale_block_table_is_caught():
     bm = BlockManager(num_blocks=4, block_size=2)
     a = make_request("a", range(3))

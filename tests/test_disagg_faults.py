@@ -99,8 +99,9 @@ def test_corrupted_object_in_redis_is_recomputed(tiny_llama, expected):
             assert out["choices"][0]["text"] == expected[0]
             acc = out["usage"]["kv_transfer"]["decode"]
             assert acc["store_hit_tokens"] > 0 and acc["loaded_tokens"] == 0
-            metrics = httpx.get(decode + "/metrics", timeout=5).text
-            assert _metric(metrics, 'pdserve_kvstore_checksum_failures_total{model_name="llama",tier="redis"}') >= 1
+            name = 'pdserve_kvstore_checksum_failures_total{model_name="llama",tier="redis"}'
+            wait_until(lambda: _metric(httpx.get(decode + "/metrics", timeout=5).text, name) >= 1, 10,
+                       "checksum failure in the store stats (refreshed once a second off the event loop)")
     finally:
         redis_server.kill()
 
@@ -121,8 +122,9 @@ def test_random_aborts_leak_nothing(tiny_llama):
                 _aborted_stream(client, cluster.url, f"{PROMPTS[i % 6]} {i}", rng.randint(0, 6))
         for url, before in free_before.items():
             wait_until(lambda: _free_blocks(url) == before and _running(url) == 0, 30, f"{url} blocks back")
-        stats = httpx.get(cluster.decode_urls[0] + "/metrics", timeout=5).text
-        assert _metric(stats, 'pdserve_kvstore_pinned_total{model_name="llama",tier="memory"}') == 0
+        pinned = 'pdserve_kvstore_pinned{model_name="llama",tier="memory"}'
+        wait_until(lambda: _metric(httpx.get(cluster.decode_urls[0] + "/metrics", timeout=5).text, pinned) == 0,
+                   10, "no store object pinned (stats refresh once a second)")
 
 
 def _aborted_stream(client: httpx.Client, url: str, prompt: str, after_chunks: int) -> None:

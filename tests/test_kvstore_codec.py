@@ -1,13 +1,16 @@
-"""Serialisation: bit-identical round trips, every corruption is CorruptObject, lz4+shuffle."""
+"""Serialisation: bit-identical round trips, every corruption is CorruptObject, the header names
+the key it was written for (KeyMismatch), lz4+shuffle."""
 
 from __future__ import annotations
 
 import lz4.block
 import pytest
 import torch
+import xxhash
 
 from pdserve.kvstore import codec
 
+KEY = "chunk0:0"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int64,
           torch.float8_e4m3fn]
 
@@ -21,7 +24,7 @@ def _sample(dtype: torch.dtype, shape=(3, 5, 7)) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_round_trip_is_bit_identical(name, dtype):
     t = _sample(dtype)
-    back = codec.decode(codec.encode(t, name))
+    back = codec.decode(codec.encode(t, name, KEY), KEY)
     assert back.dtype == dtype and back.shape == t.shape
     assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
 
@@ -30,40 +33,59 @@ def test_round_trip_is_bit_identical(name, dtype):
 def test_edge_shapes(shape):
     t = torch.ones(shape, dtype=torch.bfloat16)
     for name in codec.CODECS:
-        assert torch.equal(codec.decode(codec.encode(t, name)), t)
+        assert torch.equal(codec.decode(codec.encode(t, name, KEY), KEY), t)
 
 
 def test_layout_starts_with_magic_and_never_pickles():
-    blob = codec.encode(torch.zeros(4), "none")
-    assert blob[:4] == codec.MAGIC and len(blob) == codec.HEADER_BYTES + 16
+    blob = codec.encode(torch.zeros(4), "none", KEY)
+    assert blob[:4] == codec.MAGIC and len(blob) == codec.HEADER_BYTES + 16 and codec.HEADER_BYTES == 108
+    assert int.from_bytes(blob[4:6], "little") == codec.FORMAT_VERSION == 2
+    assert int.from_bytes(blob[76:84], "little") == xxhash.xxh3_64_intdigest(KEY.encode())
     assert b"torch" not in blob and b"\x80\x04" not in blob[:2]
 
 
 @pytest.mark.parametrize("name", ["none", "lz4"])
 def test_any_flipped_byte_or_truncation_is_corrupt(name):
-    blob = codec.encode(_sample(torch.float16, (4, 8)), name)
+    blob = codec.encode(_sample(torch.float16, (4, 8)), name, KEY)
     for i in range(len(blob)):
         bad = bytearray(blob)
         bad[i] ^= 0x40
         with pytest.raises(codec.CorruptObject):
-            codec.decode(bytes(bad))
+            codec.decode(bytes(bad), KEY)
     for n in (0, 10, codec.HEADER_BYTES, len(blob) - 1):
         with pytest.raises(codec.CorruptObject):
-            codec.decode(blob[:n])
+            codec.decode(blob[:n], KEY)
     with pytest.raises(codec.CorruptObject):
-        codec.decode(blob + b"\0")
+        codec.decode(blob + b"\0", KEY)
+
+
+@pytest.mark.parametrize("name", ["none", "lz4"])
+def test_object_read_under_another_key_is_a_key_mismatch(name):
+    """Catches: the header named no key, so a value copied or misplaced under another key
+    decoded as a valid object of that key (format 1 had no key hash)."""
+    blob = codec.encode(_sample(torch.bfloat16), name, KEY)
+    with pytest.raises(codec.KeyMismatch, match="written for another key"):
+        codec.decode(blob, "chunk1:0")
+    assert issubclass(codec.KeyMismatch, codec.CorruptObject)
+
+
+def test_version_1_objects_are_corrupt_not_misread():
+    blob = bytearray(codec.encode(torch.zeros(4), "none", KEY))
+    blob[4:6] = (1).to_bytes(2, "little")
+    with pytest.raises(codec.CorruptObject, match="version"):
+        codec.decode(bytes(blob), KEY)
 
 
 def test_byte_shuffle_is_what_makes_lz4_pay_on_bf16():
     t = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     raw = bytes(codec.tensor_bytes(t))
     plain = len(lz4.block.compress(raw, store_size=False))
-    shuffled = len(codec.encode(t, "lz4")) - codec.HEADER_BYTES
+    shuffled = len(codec.encode(t, "lz4", KEY)) - codec.HEADER_BYTES
     assert shuffled < plain and shuffled < len(raw)
 
 
 def test_unknown_codec_and_dtype_are_rejected():
     with pytest.raises(ValueError, match="--kv-codec"):
-        codec.encode(torch.zeros(1), "zstd")
+        codec.encode(torch.zeros(1), "zstd", KEY)
     with pytest.raises(ValueError, match="cannot store dtype"):
-        codec.encode(torch.zeros(1, dtype=torch.complex64))
+        codec.encode(torch.zeros(1, dtype=torch.complex64), "none", KEY)

@@ -74,9 +74,13 @@ BAD = {
     "dtype": (P.Put(objs=[P.ObjMeta("a:0", "complex64", [1], 8)]), [b"x" * 8], "unsupported dtype"),
     "batch": (P.Get(keys=[f"k{i}:0" for i in range(9)]), [], "limit is 8"),
     "bad key": (P.Get(keys=["../x"]), [], "invalid store key"),
-    "shm without attach": (P.Get(keys=["a:0"], shm=True), [], "no shared-memory segment"),
-    "shm path": (P.Attach(path="/etc/passwd", size=4096), [], "not a pdserve segment"),
+    "shm without attach": (P.Get(keys=["a:0"], gen=1), [], "no shm segment of generation 1"),
+    "shm put without attach": (P.Put(objs=[P.ObjMeta("a:0", "uint8", [4], 4, 0)], gen=1), [], "Attach again"),
+    "shm size": (P.Attach(pid=1, size=1 << 40), [], "--kv-max-shm-bytes"),
+    "shm dead pid": (P.Attach(pid=1 << 30, size=4096), [], "not a live process"),
+    "digest": (P.Put(objs=[P.ObjMeta("a:0", "uint8", [4], 4, digest=1)]), [b"abcd"], "digest"),
 }
+OLD_CLIENT = {"op": "get", "v": 1, "id": 3, "token": "", "keys": ["a:0"], "shm": True}
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -88,11 +92,18 @@ def test_malformed_requests_are_answered_with_the_reason(raw_socket, case):
     assert _ping_ok(raw_socket)
 
 
+def test_a_version_1_client_is_told_the_protocol_version(raw_socket):
+    reply = _exchange(raw_socket, [msgspec.msgpack.encode(OLD_CLIENT)])
+    assert not reply.ok and "protocol version 1; this daemon speaks 2" in reply.error
+    assert _ping_ok(raw_socket)
+
+
 def test_protocol_messages_round_trip():
-    for req in [P.Put(objs=[P.ObjMeta("a:0", "bfloat16", [2, 3], 12, 64)]), P.Lookup(chunk_keys=["a"], num_layers=2),
-                P.Attach(path="/dev/shm/pdserve-kv-00000000", size=4096)]:
+    for req in [P.Put(objs=[P.ObjMeta("a:0", "bfloat16", [2, 3], 12, 64, 2**64 - 1)], gen=3),
+                P.Lookup(chunk_keys=["a"], num_layers=2), P.Attach(pid=4242, size=4096), P.Get(keys=["a:0"], gen=9)]:
         assert P.REQUEST_DECODER.decode(P.ENCODER.encode(req)) == req
-    reply = P.Reply(objs=[None, P.ObjMeta("a:0", "float32", [1], 4)], stats={"memory": {"hits": 1}})
+    reply = P.Reply(objs=[None, P.ObjMeta("a:0", "float32", [1], 4, digest=7)], stats={"memory": {"hits": 1}},
+                    segment=P.SegmentInfo("/dev/shm/pdserve-kv-00000000", 4096, 2), code=P.NO_SEGMENT)
     assert P.REPLY_DECODER.decode(P.ENCODER.encode(reply)) == reply
     with pytest.raises(msgspec.ValidationError):
         P.REQUEST_DECODER.decode(msgspec.msgpack.encode({"op": "put", "objs": "nope"}))
@@ -125,12 +136,16 @@ def test_shm_client_falls_back_to_frames_for_objects_larger_than_its_segment(dae
         client.put([("shm-big:0", big), ("shm-small:0", small)])
         got = client.get(["shm-big:0", "shm-small:0", "shm-none:0"])
         assert torch.equal(got[0], big) and torch.equal(got[1], small) and got[2] is None
-        assert client.stats()["daemon"]["shm_clients"] >= 1
+        stats = client.stats()
+        assert stats["daemon"]["shm_clients"] >= 1
+        assert stats["client"]["shm_objects"] == 2 and stats["client"]["frame_objects"] == 2
 
 
 def test_cli_registers_the_kvstore_subcommand():
     parser = argparse.ArgumentParser(prog="pdserve")
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["kvstore", "--port", "6000", "--kv-redis", "redis://127.0.0.1:6379/0",
-                              "--kv-disk-dir", "/tmp/x", "--kv-cpu-bytes", "1024", "--auth-token", "t"])
+                              "--kv-disk-dir", "/tmp/x", "--kv-cpu-bytes", "1024", "--auth-token", "t",
+                              "--kv-max-shm-clients", "3"])
     assert (args.port, args.kv_cpu_bytes, args.auth_token) == (6000, 1024, "t") and callable(args.func)
+    assert args.kv_max_shm_clients == 3

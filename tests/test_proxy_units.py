@@ -146,10 +146,10 @@ def test_parse_tokenizes_like_the_node_and_builds_prefill_and_decode_bodies(toke
     assert len(req.chunk_keys) == len(req.prompt_ids) // 4 and req.stream and req.max_tokens == 7
     pre = prefill_body(req, "node-model")
     assert pre["max_tokens"] == 1 and pre["stream"] is False and "stream_options" not in pre
-    assert (pre["n"], pre["min_tokens"], pre["model"]) == (1, 0, "node-model")
+    assert (pre["n"], pre["min_tokens"], pre["model"]) == (1, 1, "node-model")   # min_tokens capped at 1
     assert pre["prompt_token_ids"] == req.prompt_ids
     assert pre["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
-    dec = decode_body(req, "node-model", {"chunk_keys": ["x"]})
+    dec = decode_body(req, "node-model", [{"chunk_keys": ["x"]}])
     assert dec == {**body, "model": "node-model", "prompt_token_ids": req.prompt_ids,
                    "kv_transfer_params": {"chunk_keys": ["x"]}}
     assert body["max_tokens"] == 7                           # the client's body is not mutated
@@ -166,7 +166,7 @@ def test_parse_tokenizes_like_the_node_and_builds_prefill_and_decode_bodies(toke
     (COMPLETIONS, b"[1, 2]", "must be a JSON object"),
     (COMPLETIONS, {"max_tokens": 3}, "prompt"),
     (COMPLETIONS, {"prompt": "x", "temperature": -1}, "temperature"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, "one prompt per request, got 2"),
+    (COMPLETIONS, {"prompt": ["a", ""]}, "the prompt is empty"),
     (COMPLETIONS, {"prompt": "x", "prompt_token_ids": [1]}, "set by the proxy"),
     (COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
     (CHAT, {"messages": []}, "messages"),

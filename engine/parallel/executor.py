@@ -263,7 +263,8 @@ def _step_request(item, block_size: int) -> m.StepRequest:
         return m.StepRequest(req.request_id, tokens, start, blocks, False)
     params = req.sampling_params
     history = list(req.all_token_ids) if params.repetition_penalty != 1.0 else None
-    return m.StepRequest(req.request_id, tokens, start, blocks, True, params, history)
+    return m.StepRequest(req.request_id, tokens, start, blocks, True, params, history,
+                         list(req.banned_token_ids), req.sampler_draws)
 
 
 def _tops(tops):

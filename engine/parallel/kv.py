@@ -29,7 +29,6 @@ import torch
 from pdserve.decode.loader import ChunkLoader
 from pdserve.engine.parallel import messages as m
 from pdserve.kernels.transfer import gather_kv, scatter_kv
-from pdserve.kvstore.keys import object_key
 from pdserve.prefill.publisher import ChunkPublisher
 
 logger = logging.getLogger(__name__)
@@ -119,32 +118,22 @@ class KVRelay:
 
 
 class RankPublisher(ChunkPublisher):
-    """``ChunkPublisher`` whose gather runs on the ranks (the queueing and acks are the parent's)."""
+    """``ChunkPublisher`` whose gather runs on the ranks (sealing, queueing and acks are the parent's)."""
 
     def __init__(self, store, relay: KVRelay, health, durable: bool):
         super().__init__(store, [], 0, health, durable)
         self.relay = relay
 
-    def publish(self, request_id: str, chunk_key: str, slots: torch.Tensor) -> None:
-        items = [(object_key(chunk_key, layer), obj) for layer, obj in enumerate(self.relay.gather(slots))]
-        with self._lock:
-            self._outstanding[request_id] += 1
-        self._queue.put((request_id, items))
+    def publish(self, request_id: str, index: int, chunk_key: str, slots: torch.Tensor) -> None:
+        self._enqueue(request_id, index, chunk_key, self.relay.gather(slots), 0)
 
 
 class RankLoader(ChunkLoader):
-    """``ChunkLoader`` whose scatter runs on the ranks (lookup, threading and failure rules are the parent's)."""
+    """``ChunkLoader`` whose scatter runs on the ranks (lookup, checks, threading and failure rules are the parent's)."""
 
     def __init__(self, store, relay: KVRelay, shape, health):
         super().__init__(store, [None] * relay.num_layers, 0, shape, health)   # lookup counts every layer
         self.relay = relay
 
-    def _load_chunk(self, key: str, length: int, slots, a: int, b: int) -> bool:
-        with self.store.borrow([object_key(key, layer) for layer in range(self.relay.num_layers)]) as objs:
-            if any(o is None or tuple(o.shape) != self._shape(length) for o in objs):
-                self.failures += 1
-                logger.warning("chunk %s: missing or malformed object; recomputing from here", key)
-                return False
-            data = torch.stack([o[:, a:b] for o in objs])                          # [L, C, b - a, Hkv, D]
-        self.relay.scatter(slots, data)
-        return True
+    def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int) -> None:
+        self.relay.scatter(slots, torch.stack([v[:, a:b] for v in views]))          # [L, C, b - a, Hkv, D]

@@ -29,6 +29,8 @@ class StepRequest(msgspec.Struct, frozen=True, array_like=True):
     sample: bool                    # the chunk ends at the request's last token: sample one
     params: SamplingParams | None = None     # set when sample
     history: list[int] | None = None         # all token ids, only when repetition_penalty != 1
+    banned: list[int] = []                   # ids it may not sample now (eos / stop ids before min_tokens)
+    sampler_draws: int = 0                   # draws its seeded generator made on the prefill node
 
 
 class Tensor(msgspec.Struct, frozen=True, array_like=True):

@@ -137,6 +137,7 @@ class _Request:
         self.request_id, self.block_ids, self.num_computed_tokens = r.request_id, r.block_ids, r.start
         self.num_tokens = r.start + n + (0 if r.sample else 1)     # sampled iff the chunk reaches the end
         self.sampling_params = r.params
+        self.banned_token_ids, self.sampler_draws = r.banned, r.sampler_draws
         self.all_token_ids = r.history if r.history is not None else _Tokens(r.start, r.token_ids)
 
 

@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: messages -> the model's chat template -> n choices, SSE streaming.
 
-Registered by ``app.build_app``. The prompt is ``tokenizer.apply_chat_template(messages,
-add_generation_prompt=True)`` rendered to text and encoded without extra special tokens (the
-template already has them), as vLLM does. Unset ``max_tokens`` means "up to --max-model-len".
+Registered by ``app.build_app``. The prompt is ``engine.tokenizer.apply_chat_template(messages,
+add_generation_prompt)``: rendered to text and encoded without extra special tokens (the template
+already has them), as vLLM does; the proxy tokenizes with the same function. Unset ``max_tokens``
+means "up to --max-model-len".
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, cre
 from pdserve.engine.server.errors import APIError, bad_request
 from pdserve.engine.server.generation import Choice, EngineCall, Generation
 from pdserve.engine.server.protocol import ChatCompletionRequest, ChatMessage, message_dicts
+from pdserve.engine.tokenizer import apply_chat_template
 
 router = APIRouter()
 
@@ -27,9 +29,10 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
     state, model = admit(request, body)
-    prompt_ids = body_prompt_ids(state, body)
-    if prompt_ids is None:
-        prompt_ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+    given = body_prompt_ids(state, body)
+    if given is not None and len(given) != 1:
+        raise bad_request(f"a chat request has one prompt; prompt_token_ids has {len(given)}", "prompt_token_ids")
+    prompt_ids = given[0] if given is not None else chat_prompt_ids(state, body.messages, body.add_generation_prompt)
     max_tokens = resolve_max_tokens(state, body.requested_max_tokens, len(prompt_ids))
     params = body.to_sampling_params(max_tokens, body.engine_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -41,15 +44,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 def chat_prompt_ids(state: NodeState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
     """Also used by ``/tokenize`` with ``messages``."""
-    tokenizer = state.engine.tokenizer
     try:
-        text = tokenizer.apply_chat_template(message_dicts(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        return apply_chat_template(state.engine.tokenizer, message_dicts(messages), add_generation_prompt)
     except APIError:
         raise
     except Exception as exc:   # jinja errors, missing template: the request cannot be rendered
         raise bad_request(f"cannot apply the chat template: {type(exc).__name__}: {exc}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _response(state: NodeState, request_id: str, model: str, calls: list[EngineCall],

@@ -106,28 +106,43 @@ def resolve_max_tokens(state: NodeState, requested: int | None, num_prompt_token
 
 
 def make_calls(request_id: str, prompts: list[list[int]], params: list[SamplingParams],
-               n: int, kv_transfer_params: dict | None = None) -> list[EngineCall]:
+               n: int, kv_transfer_params: dict | list[dict | None] | None = None) -> list[EngineCall]:
     """prompts x n engine requests; choice index = prompt index * n + sample index (like vLLM).
     With a seed, sample i uses seed + i so that the n choices differ but stay reproducible.
-    ``kv_transfer_params`` (one prompt only) goes to choice 0; other choices compute their own KV."""
-    if kv_transfer_params and len(prompts) != 1:
-        raise bad_request(f"kv_transfer_params needs exactly one prompt, got {len(prompts)}", "prompt")
+    ``kv_transfer_params`` (one dict, or a list with one per prompt) goes to sample 0 of its prompt;
+    the other samples compute their own KV."""
+    transfers = _per_prompt(kv_transfer_params, len(prompts))
     calls = []
     for p, (ids, base) in enumerate(zip(prompts, params)):
         for i in range(n):
             index = p * n + i
             sp = base if base.seed is None or i == 0 else replace(base, seed=base.seed + i)
-            transfer = kv_transfer_params if index == 0 else None
-            calls.append(EngineCall(f"{request_id}-{index}", index, ids, sp, transfer))
+            calls.append(EngineCall(f"{request_id}-{index}", index, ids, sp, transfers[p] if i == 0 else None))
     return calls
 
 
-def body_prompt_ids(state: NodeState, body) -> list[int] | None:
-    """The proxy's ``prompt_token_ids`` (it tokenized once, like the nodes), checked; None if absent."""
-    if body.prompt_token_ids is None:
+def _per_prompt(kv_transfer_params, num_prompts: int) -> list[dict | None]:
+    if not isinstance(kv_transfer_params, list):
+        if kv_transfer_params and num_prompts != 1:
+            raise bad_request(f"kv_transfer_params needs exactly one prompt, got {num_prompts}; send a list "
+                              "with one per prompt", "kv_transfer_params")
+        return [kv_transfer_params or None] * num_prompts
+    if len(kv_transfer_params) != num_prompts:
+        raise bad_request(f"kv_transfer_params has {len(kv_transfer_params)} entries for {num_prompts} prompts",
+                          "kv_transfer_params")
+    return [t or None for t in kv_transfer_params]
+
+
+def body_prompt_ids(state: NodeState, body) -> list[list[int]] | None:
+    """The proxy's ``prompt_token_ids`` (it tokenized once, like the nodes) as a list of prompts, checked;
+    None if absent."""
+    given = body.prompt_token_ids
+    if given is None:
         return None
-    check_token_ids(state, body.prompt_token_ids)
-    return list(body.prompt_token_ids)
+    prompts = [list(given)] if not given or isinstance(given[0], int) else [list(p) for p in given]
+    for ids in prompts:
+        check_token_ids(state, ids)
+    return prompts
 
 
 def kv_fields(role: str, choices: list[Choice]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, che
                                           kv_fields, make_calls, resolve_max_tokens, respond, sse, usage)
 from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.generation import Choice, EngineCall, Generation
-from pdserve.engine.server.protocol import CompletionRequest
+from pdserve.engine.server.protocol import CompletionRequest, prompt_list
 
 router = APIRouter()
 
@@ -28,7 +28,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
     state, model = admit(request, body)
     given = body_prompt_ids(state, body)
-    prompts = [given] if given is not None else _tokenize_prompts(state, body.prompt)
+    prompts = given if given is not None else _tokenize_prompts(state, body.prompt)
     params = [body.to_sampling_params(resolve_max_tokens(state, body.max_tokens, len(ids)), body.logprobs)
               for ids in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -39,10 +39,7 @@ async def create_completion(body: CompletionRequest, request: Request):
 
 
 def _tokenize_prompts(state: NodeState, prompt) -> list[list[int]]:
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompt = [prompt]
+    prompt = prompt_list(prompt)
     if not prompt:
         raise bad_request("prompt is empty; send at least one token", "prompt")
     out = []

@@ -2,7 +2,9 @@
 
 Two sources:
 - engine state, read at scrape time from ``engine.stats()`` by ``_EngineStatsCollector``:
-  running / waiting requests, KV usage, prefix-cache queries and hits (tokens);
+  running / waiting requests, KV usage, prefix-cache queries and hits (tokens), the KV
+  connector's and the attached store's stats (gauges vs counters as ``pdserve.kvstore.metrics``
+  classifies them: ``pdserve_kvstore_bytes`` is a gauge, ``pdserve_kvstore_hits_total`` a counter);
 - per-request timings and counts, recorded by ``generation.py`` through a ``RequestTracker``
   for every engine request: TTFT, inter-token latency, end-to-end latency, prompt and
   generation tokens, finished requests by reason (stop, length, abort, error).
@@ -18,6 +20,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from pdserve.kvstore import metrics as store_metrics
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
@@ -112,21 +116,21 @@ class _EngineStatsCollector(Collector):
 
 
 def _kv_transfer_families(stats, labels: list[str]):
-    """KV accounting (tokens, summed over finished requests) and the attached store's counters."""
+    """KV accounting (tokens, summed over finished requests), the connector's and the store's stats.
+
+    Connector and store stats are gauges or counters as ``pdserve.kvstore.metrics`` classifies
+    them (``bytes`` is a level, ``hits`` an event count): one classification for every exporter.
+    """
     for name, value in sorted(stats.kv_totals.items()):
         yield _counter(f"pdserve_kv_{name}", f"KV accounting: {name.replace('_', ' ')}, summed over requests",
                        value, labels)
     for name, value in sorted(stats.kv_transfer.items()):
-        yield _counter(f"pdserve_kv_transfer_{name}", f"KV connector: {name.replace('_', ' ')}", value, labels)
+        family = store_metrics.family(name, f"pdserve_kv_transfer_{name}",
+                                      f"KV connector: {name.replace('_', ' ')}", ["model_name"])
+        family.add_metric(labels, value)
+        yield family
     if stats.kv_store:
-        counters = sorted({c for tier in stats.kv_store.values() for c in tier})
-        for counter in counters:
-            family = CounterMetricFamily(f"pdserve_kvstore_{counter}", f"KV store tier counter {counter}",
-                                         labels=["model_name", "tier"])
-            for tier, values in sorted(stats.kv_store.items()):
-                if counter in values:
-                    family.add_metric([labels[0], tier], values[counter])
-            yield family
+        yield from store_metrics.families(stats.kv_store, {"model_name": labels[0]})
 
 
 def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:

@@ -45,10 +45,10 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    # pdserve P/D extensions (set by the proxy): token ids to use instead of re-tokenizing, and the
-    # KV hand-off (see pdserve.engine.kv_transfer)
-    prompt_token_ids: list[int] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    # pdserve P/D extensions (set by the proxy): token ids to use instead of re-tokenizing (one prompt,
+    # or one list per prompt), and the KV hand-off (see pdserve.engine.kv_transfer; a list: one per prompt)
+    prompt_token_ids: list[int] | list[list[int]] | None = None
+    kv_transfer_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
 
     def unsupported(self) -> str | None:
         """A message naming a field we would otherwise silently ignore, or None."""
@@ -125,6 +125,13 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
+
+
+def prompt_list(prompt: Prompt) -> list[str | list[int]]:
+    """A completions ``prompt`` as its list of prompts (text or token ids); the node and the proxy agree."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 def _as_list(stop: str | list[str] | None) -> list[str]:

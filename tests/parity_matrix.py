@@ -1,0 +1,119 @@
+"""The request matrix of the P/D parity suite (test_pd_parity.py) and how two answers are compared.
+
+``cases(base)`` builds every request body from a ``Baseline``: the colocated node's greedy texts after
+k tokens and the greedy token ids, from which the stop strings and stop ids are cut (a stop string
+is chosen so that its first occurrence ends where the case wants it: inside the first token, across
+tokens 2-3, on the last allowed token). ``differences(a, b)`` compares two answers field by field,
+ids and timestamps aside, floats (logprobs) to 1e-3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+# With the Metaspace model these make greedy outputs that start with "▁word" pieces and hold byte tokens
+# (partial UTF-8), the cases where detokenization differs between tokenizer kinds.
+PROMPTS = {CMPL: "The quiet engineer politely asked about the server logs in 1999.",
+           CHAT: [{"role": "user", "content": "Every student never forgot three green apples before noon."}]}
+SECOND_PROMPT = "Her younger brother bravely crossed the winter garden before noon."
+CONTINUE = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "Paris is the capital"}]
+TEXT_LENGTHS = (1, 2, 3, 6, 8)           # baseline texts after k greedy tokens
+COMMON = ("greedy", "greedy-max1", "logprobs", "logprobs-max1", "seeded", "seeded-n3", "seeded-n3-max1",
+          "n3-logprobs", "stop-first-token", "stop-inside-first-token", "stop-across-tokens", "stop-last-token",
+          "stop-include", "stop-id-first-min-tokens", "stop-id-across", "min-tokens-stop-string", "min-tokens-eos")
+NAMES = {CMPL: (*COMMON, "prompt-list", "prompt-list-n2-seeded"), CHAT: (*COMMON, "no-generation-prompt")}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    texts: dict[int, str]            # greedy text after k tokens (ignore_eos)
+    token_ids: list[int]             # the first greedy token ids
+
+
+def cases(endpoint: str, base: Baseline) -> dict[str, dict[str, Any]]:
+    """name -> request body, for the names in ``NAMES[endpoint]``."""
+    t = base.texts
+    greedy = {**prompt_field(endpoint), "temperature": 0.0, "ignore_eos": True}
+    lp = {"logprobs": 3} if endpoint == CMPL else {"logprobs": True, "top_logprobs": 3}
+    seeded = {**prompt_field(endpoint), "temperature": 1.0, "top_p": 0.95, "top_k": 50}
+    across = _ending_at(t[8], len(t[3]), start_before=len(t[2]))
+    body = {
+        "greedy": {**greedy, "max_tokens": 8},
+        "greedy-max1": {**greedy, "max_tokens": 1},
+        "logprobs": {**greedy, **lp, "max_tokens": 6},
+        "logprobs-max1": {**greedy, **lp, "max_tokens": 1},
+        "seeded": {**seeded, "seed": 1234, "max_tokens": 10},
+        "seeded-n3": {**seeded, "seed": 7, "n": 3, "max_tokens": 6},
+        "seeded-n3-max1": {**seeded, "seed": 7, "n": 3, "max_tokens": 1},
+        "n3-logprobs": {**seeded, **lp, "seed": 3, "n": 3, "max_tokens": 4},
+        "stop-first-token": {**greedy, "max_tokens": 8, "stop": [_ending_at(t[8], len(t[1]), whole=True)]},
+        "stop-inside-first-token": {**greedy, "max_tokens": 8, "stop": [_ending_at(t[8], len(t[1]))]},
+        "stop-across-tokens": {**greedy, "max_tokens": 8, "stop": [across]},
+        "stop-last-token": {**greedy, "max_tokens": 6, "stop": [_ending_at(t[6], len(t[6]))]},
+        "stop-include": {**greedy, "max_tokens": 8, "stop": [across, "\u2603"], "include_stop_str_in_output": True},
+        "stop-id-first-min-tokens": {**greedy, "max_tokens": 6, "stop_token_ids": [base.token_ids[0]],
+                                     "min_tokens": 2},
+        "stop-id-across": {**greedy, "max_tokens": 8, "stop_token_ids": [base.token_ids[2]]},
+        "min-tokens-stop-string": {**greedy, "max_tokens": 8, "min_tokens": 4,
+                                   "stop": [_ending_at(t[8], len(t[1]), whole=True)]},
+        "min-tokens-eos": {**prompt_field(endpoint), "temperature": 0.0, "max_tokens": 8, "min_tokens": 5},
+    }
+    if endpoint == CHAT:
+        body["no-generation-prompt"] = {**greedy, "messages": CONTINUE, "add_generation_prompt": False,
+                                        "max_tokens": 6}
+    else:
+        prompts = {"prompt": [PROMPTS[CMPL], SECOND_PROMPT]}
+        body["prompt-list"] = {**greedy, **prompts, **lp, "max_tokens": 5}
+        body["prompt-list-n2-seeded"] = {**seeded, **prompts, "n": 2, "seed": 11, "max_tokens": 5}
+    return body
+
+
+def prompt_field(endpoint: str) -> dict[str, Any]:
+    return {"prompt": PROMPTS[CMPL]} if endpoint == CMPL else {"messages": PROMPTS[CHAT]}
+
+
+def _ending_at(text: str, end: int, start_before: int | None = None, whole: bool = False) -> str:
+    """A substring of ``text`` whose first occurrence ends at ``end``: the whole prefix when ``whole``,
+    else the shortest that starts before ``start_before`` (if given), is not blank and has no U+FFFD."""
+    if whole:
+        return text[:end]
+    for n in range(1, end + 1):
+        s, start = text[end - n:end], end - n
+        if s.strip() and "\ufffd" not in s and text.find(s) == start and start < (start_before or end):
+            return s
+    return text[:end]
+
+
+# ---- comparing two answers -----------------------------------------------------------------------
+
+IGNORED = {"id", "created", "system_fingerprint", "prompt_tokens_details", "kv_transfer"}
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Every place where two JSON values differ (ids, timestamps and KV accounting aside)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = (set(a) | set(b)) - IGNORED
+        return [d for k in sorted(keys) for d in differences(a.get(k), b.get(k), f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items vs {len(b)}: {a!r} vs {b!r}"[:600]]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float):
+        return [] if math.isclose(a, b, abs_tol=1e-3) else [f"{path}: {a!r} vs {b!r}"]
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"[:600]]
+
+
+def by_choice(events: list[dict]) -> dict[str, list]:
+    """A stream as per-choice event lists (choices interleave differently across nodes) + usage events."""
+    out: dict[str, list] = {"usage": []}
+    for event in events:
+        rest = {k: v for k, v in event.items() if k != "choices"}
+        if not event["choices"]:
+            out["usage"].append(rest)
+        for choice in event["choices"]:
+            out.setdefault(f"choice {choice['index']}", []).append({**rest, "choice": choice})
+    return out

@@ -1,0 +1,136 @@
+"""Disaggregated equals colocated, field by field, over one request matrix (issue 10).
+
+Per tokenizer kind (byte-level BPE; SentencePiece/Metaspace, Llama-2 style) one cluster -- KV store
+daemon, prefill node, decode node, proxy -- and one colocated ``--role both`` node serve the same
+tiny model. Every case of ``parity_matrix.cases`` (completions and chat, streaming and not, n 1 and 3,
+max_tokens 1 and more, logprobs, greedy and seeded sampling, stop strings in / across / at the last
+token, stop ids, min_tokens, add_generation_prompt, prompt lists, include_stop_str_in_output) is
+sent to both, all cases concurrently, once per module; each test compares one case's two answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from conftest import NodeProcess
+from parity_matrix import (CHAT, CMPL, NAMES, PROMPTS, TEXT_LENGTHS, Baseline, by_choice, cases, differences,
+                           prompt_field)
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.engine.tokenizer import apply_chat_template
+from pdserve.proxy.cluster import ClusterSpec, LocalCluster
+
+KINDS = ("bpe", "metaspace")
+NODE_FLAGS = ("--kv-chunk-tokens", "32", "--block-size", "16")
+CONCURRENCY = 8
+CASES = [(endpoint, name, stream)
+         for endpoint in (CMPL, CHAT) for name in NAMES[endpoint] for stream in (False, True)]
+
+
+@dataclass
+class Served:
+    kind: str
+    base: dict               # endpoint -> Baseline
+    answers: dict            # (endpoint, name, stream) -> ((status, disaggregated answer), (status, colocated))
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def served(request, tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp(f"parity-{request.param}") / "llama", "llama",
+                            tokenizer=request.param)
+    cluster = LocalCluster(str(model), ClusterSpec(prefill=1, decode=1, node_flags=NODE_FLAGS))
+    with ThreadPoolExecutor(2) as pool:                     # start both at once: startup dominates
+        started, node = pool.submit(cluster.start), pool.submit(NodeProcess, model, *NODE_FLAGS)
+        try:
+            started.result()
+            colocated = node.result()
+        except BaseException:
+            cluster.stop()
+            if node.done() and node.exception() is None:
+                node.result().stop()
+            raise
+    try:
+        base = _baseline(model, colocated.url)
+        yield Served(request.param, base, asyncio.run(_run_matrix(cluster.url, colocated.url, base)))
+    finally:
+        colocated.stop()
+        cluster.stop()
+
+
+@pytest.mark.parametrize("endpoint, name, stream", CASES,
+                         ids=[f"{'chat' if e == CHAT else 'cmpl'}-{n}-{'sse' if s else 'json'}" for e, n, s in CASES])
+def test_disaggregated_equals_colocated(served, endpoint, name, stream):
+    (pd_status, pd), (co_status, co) = served.answers[(endpoint, name, stream)]
+    assert (pd_status, co_status) == (200, 200), (pd, co)
+    if stream:
+        pd, co = by_choice(pd), by_choice(co)
+    diffs = differences(pd, co)
+    assert not diffs, "disaggregated vs colocated:\n" + "\n".join(diffs[:20])
+
+
+def test_the_matrix_exercises_what_it_claims(served):
+    """The stop cases cut where they say; with Metaspace the first token is a "▁word" piece (its space)."""
+    for endpoint in (CMPL, CHAT):
+        t, body = served.base[endpoint].texts, cases(endpoint, served.base[endpoint])
+        assert len(t[1]) and len(t[2]) < len(t[3]) and len(t[3]) < len(t[8]), t
+        assert all(s for name in ("stop-first-token", "stop-inside-first-token", "stop-across-tokens",
+                                  "stop-last-token") for s in body[name]["stop"])
+        ok = [served.answers[(endpoint, name, False)][1][1]["choices"][0]["finish_reason"]
+              for name in ("stop-first-token", "stop-across-tokens", "stop-last-token")]
+        assert ok == ["stop"] * 3
+        if served.kind == "metaspace":
+            assert t[1].startswith(" ")
+
+
+def _baseline(model, colocated: str) -> dict[str, Baseline]:
+    """Greedy texts after k tokens (from the colocated node) and greedy ids (same engine, in process)."""
+    llm = LLM(str(model))
+    prompts = {CMPL: llm.tokenizer.encode(PROMPTS[CMPL]), CHAT: apply_chat_template(llm.tokenizer, PROMPTS[CHAT])}
+    out = {}
+    with httpx.Client(timeout=120) as client:
+        for endpoint in (CMPL, CHAT):
+            texts = {k: _text(client.post(colocated + endpoint, json={
+                **prompt_field(endpoint), "max_tokens": k, "temperature": 0.0, "ignore_eos": True}).json())
+                for k in TEXT_LENGTHS}
+            [ids] = llm.generate([prompts[endpoint]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            out[endpoint] = Baseline(texts, ids.token_ids)
+    llm.shutdown()
+    return out
+
+
+async def _run_matrix(proxy: str, colocated: str, base: dict[str, Baseline]) -> dict:
+    limit = asyncio.Semaphore(CONCURRENCY)
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def both(endpoint: str, body: dict, stream: bool):
+            async with limit:
+                body = {**body, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+                return await asyncio.gather(_ask(client, proxy + endpoint, body, stream),
+                                            _ask(client, colocated + endpoint, body, stream))
+
+        jobs = {(endpoint, name, stream): both(endpoint, body, stream)
+                for endpoint in (CMPL, CHAT) for name, body in cases(endpoint, base[endpoint]).items()
+                for stream in (False, True)}
+        return dict(zip(jobs, await asyncio.gather(*jobs.values())))
+
+
+async def _ask(client: httpx.AsyncClient, url: str, body: dict, stream: bool):
+    if not stream:
+        r = await client.post(url, json=body)
+        return r.status_code, r.json()
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            return r.status_code, json.loads(await r.aread())
+        lines = [line[len("data: "):] async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert lines and lines[-1] == "[DONE]", lines[-3:]
+    return 200, [json.loads(line) for line in lines[:-1]]
+
+
+def _text(answer: dict) -> str:
+    choice = answer["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
