@@ -9,8 +9,10 @@ Who calls what, in order:
     async for delta  <──call_soon_threadsafe── (one asyncio.Queue per request)
     abort(id) / client gone ──"abort"──>    engine.abort_request (frees its blocks)
 
-Only the engine thread touches ``LLMEngine``; the inbox is the single hand-off point. An exception
-inside a step marks the engine unhealthy and fails every in-flight request with its message.
+Only the engine thread touches ``LLMEngine``; the inbox is the single hand-off point. A request's own
+failure fails that request inside ``LLMEngine.step``; an exception that escapes a step is unrecoverable:
+it fails every in-flight request with its message, marks the engine dead and calls ``on_fatal`` (the
+node then exits non-zero, so that its supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._fatal: str | None = None
+        self.on_fatal = None                 # called once (from the engine thread) when the engine dies
         self._store_stats = StatsCache(self.engine.store) if self.engine.store is not None else None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -99,6 +102,11 @@ class AsyncEngine:
                            kv_transfer=self.engine.connector.stats() if self.engine.connector else {},
                            num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks)
 
+    @property
+    def fatal(self) -> str | None:
+        """Why the engine died (None while it is alive)."""
+        return self._fatal
+
     def is_healthy(self) -> bool:
         """False once a step failed, or once a tp x pp worker rank died or stalled (even while idle)."""
         return self._fatal is None and self._thread.is_alive() and getattr(self.engine.runner, "failure", None) is None
@@ -127,8 +135,10 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug or a broken model: fail loudly, never hang the clients
-                logger.exception("engine step failed; failing %d requests", len(self._streams))
+                logger.exception("engine step failed beyond recovery; failing %d requests", len(self._streams))
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                if self.on_fatal is not None:
+                    self.on_fatal(self._fatal)
                 return
             for out in outputs:
                 self._deliver(out.request_id, out, final=out.finished)

@@ -120,9 +120,15 @@ class StoreConnector:
             if t is None or not t.publish or not req.block_ids:
                 continue
             done_tokens = min(item.first_token_index + item.num_new_tokens, req.num_prompt_tokens)
-            while t.published < len(t.keys) and sum(t.lens[:t.published + 1]) <= done_tokens:
-                self._publish_chunk(req, t, t.published)
-                t.published += 1
+            try:
+                while t.published < len(t.keys) and sum(t.lens[:t.published + 1]) <= done_tokens:
+                    self._publish_chunk(req, t, t.published)
+                    t.published += 1
+            except Exception as exc:  # noqa: BLE001 - this request's KV stays unpublished; decode recomputes
+                logger.warning("publishing KV of %s failed (%s: %s); its later chunks are not published",
+                               req.request_id, type(exc).__name__, exc)
+                self.publisher.failures += 1
+                t.publish = False
 
     def _publish_chunk(self, req, t: _Transfer, index: int) -> None:
         start = index * self.chunk_tokens

@@ -24,7 +24,7 @@ from pdserve.engine.config import ConfigError, EngineConfig, EngineRuntime
 from pdserve.engine.kv_transfer import KVTransferParams, TransferMismatchError
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, SampleFailure
 from pdserve.engine.output_assembler import OutputAssembler
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, check_stop
@@ -151,15 +151,38 @@ class LLMEngine:
         return self.outputs.has_live() or self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        """One schedule -> execute -> publish -> update -> outputs round.
+
+        Failure isolation: a request whose sampling or output processing raises fails alone (its client
+        gets the error, its blocks are freed); a batched forward pass that raises fails that step's
+        requests, then the scheduler and block manager are checked and stepping goes on. Only what
+        cannot be recovered (a dead worker rank, inconsistent block tables) propagates.
+        """
         sched_out = self.scheduler.schedule()
-        sampled = self.runner.execute(sched_out)
+        try:
+            sampled = self.runner.execute(sched_out)
+        except Exception as exc:  # noqa: BLE001 - the batch's failure, decided in _failed_step
+            return self._failed_step(sched_out, exc)
         if self.connector is not None:
             self.connector.after_step(sched_out.scheduled)   # copy finished chunks before blocks are freed
+        failed = [self.outputs.fail(rid, sampled.pop(rid).message)
+                  for rid in [rid for rid, r in sampled.items() if isinstance(r, SampleFailure)]]
         self.scheduler.update_from_output(sched_out, {rid: r.token_id for rid, r in sampled.items()})
-        outputs = self.outputs.collect(sampled, sched_out.rejected)
+        outputs = [o for o in failed if o is not None] + self.outputs.collect(sampled, sched_out.rejected)
         if not sched_out.scheduled and not outputs:
             time.sleep(0.001)                                # only waiting on KV loads / publishes
         return outputs
+
+    def _failed_step(self, sched_out, exc: Exception) -> list[RequestOutput]:
+        """The forward pass raised: fail the step's requests, keep the engine if its state is sound."""
+        if getattr(self.runner, "failure", None) is not None:
+            raise exc                                        # a worker rank died or stalled: unrecoverable
+        logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        outs = [self.outputs.fail(item.request.request_id, message) for item in sched_out.scheduled]
+        outs += self.outputs.collect({}, sched_out.rejected)
+        self.scheduler.check_integrity()                     # raises if the step left blocks inconsistent
+        return [o for o in outs if o is not None]
 
 
 def _load(config: EngineConfig):

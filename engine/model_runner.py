@@ -16,6 +16,15 @@ from pdserve.engine.kv_layout import KVLayout
 from pdserve.engine.sampler import sample, skip_draws
 
 
+class SampleFailure:
+    """In place of a ``SampleResult``: sampling this request raised; ``message`` says why."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+
 class ModelRunner:
     def __init__(self, model, layout: KVLayout, num_blocks: int, block_size: int, device: str = "cpu"):
         self.model = model
@@ -41,9 +50,36 @@ class ModelRunner:
 
     def sample_requests(self, logits: torch.Tensor, reqs: list) -> dict:
         """logits: [S, V] of ``reqs`` (anything with request_id, sampling_params, all_token_ids,
-        banned_token_ids and sampler_draws, like ``Request``)."""
-        results = sample(logits, [r.sampling_params for r in reqs],
-                         [self._generator(r, logits.shape[1]) for r in reqs], _histories(reqs), _banned(reqs))
+        banned_token_ids and sampler_draws, like ``Request``) -> {request_id: SampleResult}.
+
+        One request's bad parameters (a generator it cannot seed, a token id outside the vocabulary)
+        fail that request only: its entry is a ``SampleFailure`` and the others get their tokens. If
+        the batch raises, the generators are put back where they were and each request is sampled alone.
+        """
+        out, rows, ok, gens = {}, [], [], []
+        for i, r in enumerate(reqs):
+            try:
+                gens.append(self._generator(r, logits.shape[1]))
+                rows.append(i)
+                ok.append(r)
+            except Exception as exc:  # noqa: BLE001 - a seed the generator refuses
+                out[r.request_id] = SampleFailure(f"sampler seeding failed: {type(exc).__name__}: {exc}")
+        states = [None if g is None else g.get_state() for g in gens]
+        try:
+            batch = logits if len(rows) == len(reqs) else logits[rows]
+            return {**out, **self._sample(batch, ok, gens)}
+        except Exception:  # noqa: BLE001 - find the culprit(s) row by row (the rare path)
+            for r, g, st, i in zip(ok, gens, states, rows):
+                if g is not None:
+                    g.set_state(st)
+                try:
+                    out.update(self._sample(logits[i:i + 1], [r], [g]))
+                except Exception as exc:  # noqa: BLE001 - that request fails, nobody else does
+                    out[r.request_id] = SampleFailure(f"sampling failed: {type(exc).__name__}: {exc}")
+            return out
+
+    def _sample(self, logits: torch.Tensor, reqs: list, gens: list) -> dict:
+        results = sample(logits, [r.sampling_params for r in reqs], gens, _histories(reqs), _banned(reqs))
         return {r.request_id: res for r, res in zip(reqs, results)}
 
     def _generator(self, req, vocab_size: int) -> torch.Generator | None:

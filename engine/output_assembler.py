@@ -88,12 +88,31 @@ class OutputAssembler:
         outs, self._ready = self._ready, []
         for rid, res in sampled.items():
             if rid in self._live:
-                out = self._emit_token(rid, res.token_id, res)
+                out = self._emit_safely(rid, res)
                 if out is not None:
                     outs.append(out)
         outs += self._finished_without_token(rejected)
         outs += self._published()
         return outs
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """End a live request with an error: its blocks are freed, its final output carries ``message``."""
+        live = self._live.get(request_id)
+        if live is None:
+            return None
+        req = live.req
+        logger.warning("request %s failed: %s", request_id, message)
+        req.stop_reason = message
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        req.status = RequestStatus.FINISHED_ABORTED
+        return self._finish(live, self._output(req, [], "", None, live.transfer))
+
+    def _emit_safely(self, request_id: str, result) -> RequestOutput | None:
+        """``_emit_token``; an exception there (detokenizer, stop strings) fails this request only."""
+        try:
+            return self._emit_token(request_id, result.token_id, result)
+        except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
+            return self.fail(request_id, f"output processing failed: {type(exc).__name__}: {exc}")
 
     def _emit_token(self, request_id: str, token_id: int, result) -> RequestOutput | None:
         live = self._live[request_id]

@@ -251,26 +251,36 @@ class Scheduler:
         Returns the requests that finished in this step (rejected ones included); they are
         already freed. Requests finished or aborted since ``schedule()`` are skipped.
         """
-        finished = list(output.rejected)
+        finished, retired = list(output.rejected), False
         for item in output.scheduled:
             req = item.request
             if req.status != RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
-            if not item.samples:
-                continue
-            if req.request_id not in sampled:
-                raise KeyError(f"the runner returned no token for request {req.request_id!r}, whose "
-                               f"chunk reached its last token ({req.num_tokens})")
-            req.append_output_token(sampled[req.request_id])
-            status = check_stop(req, self.max_model_len)
+            try:
+                status = self._advance(req, item, sampled)
+            except Exception as exc:  # noqa: BLE001 - fails this request only (logged by the engine)
+                req.stop_reason = f"stop check failed: {type(exc).__name__}: {exc}"
+                status = RequestStatus.FINISHED_ABORTED
+                output.rejected.append(req)
             if status is not None:
                 self._retire(req, status)
                 finished.append(req)
-        if len(finished) > len(output.rejected):
+                retired = True
+        if retired:
             self.running = [r for r in self.running if not r.status.is_finished]
         return finished
+
+    def _advance(self, req: Request, item: ScheduledRequest, sampled: dict[str, int]) -> RequestStatus | None:
+        """Count the computed tokens, append the sampled one; the finish status if it stops."""
+        req.num_computed_tokens += item.num_new_tokens
+        self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
+        if not item.samples:
+            return None
+        if req.request_id not in sampled:
+            raise KeyError(f"the runner returned no token for request {req.request_id!r}, whose "
+                           f"chunk reached its last token ({req.num_tokens})")
+        req.append_output_token(sampled[req.request_id])
+        return check_stop(req, self.max_model_len)
 
     def _retire(self, req: Request, status: RequestStatus) -> None:
         self.block_manager.free(req)

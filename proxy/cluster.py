@@ -9,10 +9,16 @@ Used by ``pdserve serve`` (the one-command demo), the benchmark sweeps and the e
 Start order: store daemon -> nodes (all at once, then wait for each /health) -> proxy (waits for
 its /health: >= 1 healthy prefill and decode). Stop order is the reverse; every child is ended
 by PID (SIGTERM, then SIGKILL after a grace period). Logs go to one file per child in ``log_dir``.
+
+Supervision (``supervise()``, called by ``pdserve serve`` twice a second): a child that exited is
+started again with the same flags and port, after a back-off that doubles per restart (1 s .. 30 s)
+and resets once the child has stayed up for a minute; meanwhile the proxy's health probes route
+around it. A node exits non-zero when its engine dies beyond recovery, so this is its restart path.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -23,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+logger = logging.getLogger(__name__)
+BACKOFF_BASE_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,7 @@ class ClusterSpec:
     store: str = "daemon"                     # "daemon": one `pdserve kvstore`; "embedded": each node
                                               # embeds a store whose shared tier is --kv-redis
     node_flags: tuple[str, ...] = ()          # passed to every node (e.g. --max-num-batched-tokens 512)
+    store_flags: tuple[str, ...] = ()         # passed to the store daemon (e.g. --kv-cpu-bytes 8388608)
     proxy_flags: tuple[str, ...] = ()
     num_threads: int = 1
     startup_timeout_s: float = 300.0
@@ -52,6 +62,10 @@ class Child:
     proc: subprocess.Popen
     log: Path
     url: str = ""
+    args: list[str] = field(default_factory=list)    # its ``pdserve`` command line, reused on restart
+    started_at: float = 0.0
+    restarts: int = 0
+    restart_at: float | None = None                  # when a dead child is due to start again
 
 
 @dataclass
@@ -101,7 +115,7 @@ class LocalCluster:
             return
         port = free_port()
         flags = ["--port", str(port)] + (["--kv-redis", self.spec.kv_redis] if self.spec.kv_redis else [])
-        child = self._spawn("kvstore", ["kvstore", "--host", "127.0.0.1", *flags])
+        child = self._spawn("kvstore", ["kvstore", "--host", "127.0.0.1", *flags, *self.spec.store_flags])
         self.store_url = f"tcp://127.0.0.1:{port}"
         _wait_for_port(port, child, self.spec.startup_timeout_s)
 
@@ -131,17 +145,37 @@ class LocalCluster:
         child.url = f"http://127.0.0.1:{port}"
         _wait_healthy(child, self.spec.startup_timeout_s)
 
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Restart children that exited, each after its back-off; returns the names restarted now."""
+        now = time.monotonic() if now is None else now
+        restarted = []
+        for child in self.dead_children():
+            if child.restart_at is None:
+                up_s = now - child.started_at
+                child.restarts = 0 if up_s >= STABLE_S else child.restarts
+                delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** child.restarts)
+                child.restart_at = now + delay
+                logger.error("%s exited with code %s after %.0fs up; restarting it in %.0fs (log %s)",
+                             child.name, child.proc.returncode, up_s, delay, child.log)
+            elif now >= child.restart_at:
+                child.proc, child.started_at = self._popen(child.args, child.log, append=True), now
+                child.restarts, child.restart_at = child.restarts + 1, None
+                restarted.append(child.name)
+        return restarted
+
     def _spawn(self, name: str, args: list[str]) -> Child:
         log = self.log_dir / f"{name}.log"
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.num_threads),
-                   PDSERVE_NUM_THREADS=str(self.spec.num_threads), TOKENIZERS_PARALLELISM="false")
-        with open(log, "wb") as out:
-            # cwd: not the repo root, whose generic folder names (kernels/) would shadow real packages
-            proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.cli", *args], stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.log_dir)
-        child = Child(name, proc, log)
+        child = Child(name, self._popen(args, log, append=False), log, args=list(args), started_at=time.monotonic())
         self.children.append(child)
         return child
+
+    def _popen(self, args: list[str], log: Path, append: bool) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.num_threads),
+                   PDSERVE_NUM_THREADS=str(self.spec.num_threads), TOKENIZERS_PARALLELISM="false")
+        with open(log, "ab" if append else "wb") as out:
+            # cwd: not the repo root, whose generic folder names (kernels/) would shadow real packages
+            return subprocess.Popen([sys.executable, "-m", "pdserve.engine.cli", *args], stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.log_dir)
 
     def _find(self, name: str) -> Child:
         for c in self.children:

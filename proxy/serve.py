@@ -57,9 +57,8 @@ def run(args) -> int:
     with LocalCluster(model, spec) as cluster:
         _announce(cluster, flags[1])
         while not stop["now"]:
-            if cluster.dead_children():
-                logger.error("stopping: %s exited", ", ".join(c.name for c in cluster.dead_children()))
-                return 1
+            for name in cluster.supervise():             # a child that died comes back, with back-off
+                logger.warning("restarted %s", name)
             time.sleep(0.5)
         print("stopping the cluster ...", flush=True)
     return 0

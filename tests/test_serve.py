@@ -44,3 +44,34 @@ def test_serve_answers_and_ctrl_c_stops_everything(tiny_llama):
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_supervise_restarts_a_dead_child_with_doubling_backoff(tmp_path):
+    """``pdserve serve`` brings back a child that exited (a node whose engine died exits non-zero).
+
+    Mutation caught: the old loop stopped the whole cluster when any child exited.
+    """
+    from pdserve.proxy.cluster import BACKOFF_MAX_S, LocalCluster
+
+    cluster = LocalCluster("unused", log_dir=tmp_path)
+    child = cluster._spawn("flaky", ["no-such-subcommand"])       # argparse exits 2 at once
+    try:
+        now, delays = 1000.0, []
+        for _ in range(3):
+            assert child.proc.wait(timeout=60) == 2
+            assert cluster.supervise(now) == []                    # exit seen: restart scheduled
+            delays.append(child.restart_at - now)
+            assert cluster.supervise(child.restart_at - 0.01) == []
+            now = child.restart_at
+            assert cluster.supervise(now) == ["flaky"]
+        assert delays == [1.0, 2.0, 4.0]
+        child.proc.wait(timeout=60)
+        child.restarts = 10
+        cluster.supervise(now)
+        assert child.restart_at - now == BACKOFF_MAX_S             # capped
+        child.restart_at, child.started_at = None, now - 61.0      # it had stayed up a minute: back-off resets
+        cluster.supervise(now)
+        assert child.restart_at - now == 1.0
+        assert child.log.read_text().count("invalid choice") == 4  # every start logged to the same file
+    finally:
+        cluster.stop()
