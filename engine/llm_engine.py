@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
@@ -54,6 +55,8 @@ class LLMEngine:
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
         self.runner = self._build_runner()
         self.store, self.connector = self._build_connector(store)
+        if self.connector is not None:   # an engine dropped without shutdown() must not keep its cache alive
+            weakref.finalize(self, _release, self.connector, self.store if self._owns_store else None)
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_batched_tokens,
                                    config.scheduler.max_num_seqs, self.runtime.max_model_len, self.connector)
         self.outputs = OutputAssembler(self.tokenizer, self.scheduler, self.runner, self.connector,
@@ -183,6 +186,13 @@ class LLMEngine:
         outs += self.outputs.collect({}, sched_out.rejected)
         self.scheduler.check_integrity()                     # raises if the step left blocks inconsistent
         return [o for o in outs if o is not None]
+
+
+def _release(connector, store) -> None:
+    """Stop the connector's threads (they hold the KV cache tensors) and close a store the engine built."""
+    connector.shutdown(timeout_s=2.0)
+    if store is not None:
+        store.close()
 
 
 def _load(config: EngineConfig):
