@@ -35,6 +35,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.client import DaemonClient
 
 BATCH = 4                  # requests an engine thread takes at once
+KV_BYTES = 32 << 20        # per engine: seven engines at the default 512 MiB would hold 3.5 GiB
 
 
 @dataclass
@@ -97,7 +98,7 @@ def make_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 def reference(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Colocated greedy output of every prompt (one engine, no store)."""
-    engine = LLMEngine(EngineConfig(model=model, cache=CacheConfig(block_size=8)))
+    engine = LLMEngine(EngineConfig(model=model, cache=CacheConfig(block_size=8, kv_cache_memory_bytes=KV_BYTES)))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -109,7 +110,7 @@ def reference(model: str, prompts: list[list[int]], max_tokens: int) -> list[lis
 
 
 def _engine(cfg: StressConfig, role: str, store) -> LLMEngine:
-    ec = EngineConfig(model=cfg.model, cache=CacheConfig(block_size=cfg.block_size),
+    ec = EngineConfig(model=cfg.model, cache=CacheConfig(block_size=cfg.block_size, kv_cache_memory_bytes=KV_BYTES),
                       scheduler=SchedulerConfig(max_num_batched_tokens=256),
                       kv_transfer=KVTransferConfig(role=role, kv_store="embedded", kv_chunk_tokens=cfg.chunk_tokens))
     return LLMEngine(ec, store=store)
