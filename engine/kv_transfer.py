@@ -24,6 +24,8 @@ import msgspec
 TRANSFER_VERSION = 1
 TopLogprobs = Annotated[list[tuple[int, float]], msgspec.Meta(max_length=20)]   # SamplingParams.logprobs <= 20
 Draws = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{0,16}$")]            # kvstore.seal.chunk_digest
+Digests = Annotated[list[Digest], msgspec.Meta(max_length=1 << 16)]
 
 
 class TransferMismatchError(ValueError):
@@ -40,7 +42,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_layout: str | None = None
     num_tokens: int = 0                       # prompt tokens whose KV was published
     chunk_keys: list[str] = []
-    chunk_digests: list[str] = []             # per published chunk: seal digest of its layers ("" = unknown)
+    chunk_digests: Digests = []             # per published chunk: seal digest of its layers ("" = unknown)
     first_token_id: int | None = None
     first_token_logprob: float | None = None
     first_token_top_logprobs: TopLogprobs | None = None

@@ -126,8 +126,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params,
                     kv_transfer_params: dict | None = None) -> None:
         self.check_prompt(len(prompt_token_ids), params.max_tokens)
-        if self.outputs.is_live(request_id):
-            raise ValueError(f"request id {request_id!r} is already running")
+        if self.outputs.is_live(request_id) or request_id in self.scheduler.loading:
+            raise ValueError(f"request id {request_id!r} is already running (or its aborted KV load is "
+                             "still finishing)")
         transfer = KVTransferParams.from_json_obj(kv_transfer_params) if kv_transfer_params else None
         first = transfer.first_token_id if transfer and transfer.do_remote_prefill else None
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,

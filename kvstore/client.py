@@ -158,15 +158,26 @@ class DaemonClient(KVStore):
         todo = list(range(len(keys)))
         while todo:
             reply, frames = self._call(P.Get(keys=[keys[i] for i in todo], gen=seg.gen if seg else 0))
+            if len(reply.objs) != len(todo):
+                raise DaemonError(f"KV daemon at {self.url} answered {len(reply.objs)} objects for {len(todo)} keys")
             frames, deferred = iter(frames), []
             for i, meta in zip(todo, reply.objs):
                 if meta is not None and meta.offset == P.DEFERRED:
                     deferred.append(i)
                 elif meta is not None:
-                    out[i] = self._payload(meta, frames, seg)
+                    out[i] = self._own(keys[i], meta, self._payload(meta, frames, seg))
             seg = seg if len(deferred) < len(todo) else None    # nothing fit: fall back to frames
             todo = deferred
         return out
+
+    def _own(self, key: str, meta: P.ObjMeta, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """The object only if the reply names the key that was asked for (else a counted miss)."""
+        if tensor is not None and meta.key != key:
+            self._counters["checksum_failures"] += 1
+            log.warning("KV daemon at %s answered object %r for key %r; treated as a miss", self.url,
+                        meta.key[:80], key)
+            return None
+        return tensor
 
     def _payload(self, meta: P.ObjMeta, frames, seg: ShmSegment | None) -> torch.Tensor | None:
         """Our own copy of one object; None (a counted miss) when its digest is wrong."""

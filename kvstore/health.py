@@ -49,6 +49,12 @@ class TierHealth:
                 log.info("KV tier %s is back up after %d failed attempts", self.name, self.failures)
             self.down, self.failures, self._probing, self._prober = False, 0, False, None
 
+    def release(self) -> None:
+        """The call said nothing about the tier (a bad request, not an outage): let the next one probe."""
+        with self._lock:
+            if self._prober == threading.get_ident():
+                self._probing, self._prober = False, None
+
     def failed(self, exc: BaseException) -> None:
         with self._lock:
             self.failures += 1

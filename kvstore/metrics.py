@@ -39,7 +39,8 @@ COUNTERS = frozenset({
     "marked_down",                                      # TierHealth
     "wt_written", "wt_failed", "wt_skipped_down",       # TieredStore, per lower tier (objects)
     "dropped", "lost",                                  # TieredStore write-through (objects)
-    "requests",                                         # KVDaemon
+    "requests", "shm_reclaimed", "shm_refused",          # KVDaemon
+    "timeouts", "shm_attaches", "shm_abandoned", "shm_objects", "frame_objects",   # DaemonClient
     "load_failures", "publish_failures", "load_integrity_failures", "load_digest_mismatches",
     "publish_skipped", "store_marked_down",             # KV connector
 })

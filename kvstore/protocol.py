@@ -30,6 +30,7 @@ import msgspec
 import torch
 import xxhash
 
+MAX_DIMS = 8        # what every tier can store (kvstore.codec.MAX_DIMS)
 PROTOCOL_VERSION = 2
 FRAME = -1          # ObjMeta.offset: payload is the next zmq frame
 DEFERRED = -2       # ObjMeta.offset in a Get reply: did not fit in shm this time, ask again
@@ -150,6 +151,8 @@ def check_digest(meta: ObjMeta, payload) -> bool:
 def check_meta(meta: ObjMeta, max_object_bytes: int) -> None:
     """Reject a meta whose size disagrees with its dtype/shape or exceeds the limit."""
     dtype = dtype_of(meta.dtype)
+    if len(meta.shape) > MAX_DIMS:
+        raise ValueError(f"object {meta.key!r} has {len(meta.shape)} dimensions; the store keeps at most {MAX_DIMS}")
     numel = 1
     for d in meta.shape:
         if d < 0:

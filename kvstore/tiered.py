@@ -17,8 +17,8 @@ full episode (until a batch is accepted again).
 Durable writers (the prefill publisher: one thread, ``adopt()`` then ``flush()`` per
 chunk) rely on ``flush(timeout_s)``: True only if every write enqueued since the previous
 flush reached every lower tier; False if any was dropped, failed in a tier (it raised)
-or was skipped because a tier was down, or on timeout. The report is per store, not per
-thread: a flush from another thread would consume it (``delete`` waits without flushing).
+or was skipped because a tier was down, or on timeout. Losses are kept per writer thread:
+two prefill engines sharing one embedded store each get their own report.
 
 A lower tier that raises is marked down (``TierHealth``: back-off, then a probe) and
 skipped meanwhile: a dead Redis costs hits, never a failed call. L1 errors do propagate
@@ -61,7 +61,7 @@ class TieredStore(KVStore):
         self._episode_dropped = 0          # objects dropped since the queue last accepted a batch
         self._wt = {"dropped": 0, "lost": 0}
         self._tier_wt = {t.name: {"wt_written": 0, "wt_failed": 0, "wt_skipped_down": 0} for t in self.lower}
-        self._unreported_lost = 0          # worker thread only: lost since the last flush marker
+        self._unreported_lost: dict[int, int] = {}   # worker only: writer thread -> lost since its last flush
         self._worker = threading.Thread(target=self._write_loop, name="kv-write-through", daemon=True)
         self._closed = False
         if self.lower:
@@ -104,16 +104,16 @@ class TieredStore(KVStore):
             self._read(tier, "delete", keys)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """True iff every write enqueued since the previous flush reached every lower tier.
+        """True iff every write this thread enqueued since its previous flush reached every lower tier.
 
         False when one was dropped (queue full), failed in a tier, was skipped because a tier
-        was down, or when the queued writes did not finish within ``timeout_s``.
+        was down, or when the queued writes did not finish within ``timeout_s``. Losses are kept
+        per writer thread, so one writer's flush never consumes another's report.
         """
         if not self.lower:
             return True
         if self._closed:                   # the worker wrote everything before it stopped
-            lost, self._unreported_lost = self._unreported_lost, 0
-            return lost == 0
+            return self._unreported_lost.pop(threading.get_ident(), 0) == 0
         marker = _Marker()
         return self._wait_queued(("flush", marker), timeout_s) and marker.ok
 
@@ -159,14 +159,15 @@ class TieredStore(KVStore):
             return
         nbytes = sum(t.numel() * t.element_size() for _, t in items)
         with self._lock:                   # the queue order is the accounting order
+            writer = threading.get_ident()
             if self._queued_objects and self._queued_bytes + nbytes > self.queue_bytes:
                 self._drop(len(items), nbytes)
-                self._queue.put(("dropped", len(items)))
+                self._queue.put(("dropped", (len(items), writer)))
                 return
             self._end_full_episode()
             self._queued_bytes += nbytes
             self._queued_objects += len(items)
-            self._queue.put(("put", (items, nbytes)))
+            self._queue.put(("put", (items, nbytes, writer)))
 
     def _drop(self, n: int, nbytes: int) -> None:
         """Count a dropped batch (lock held); WARNING once per full episode."""
@@ -201,13 +202,16 @@ class TieredStore(KVStore):
             if op == "put":
                 self._write_batch(*arg)
             elif op == "dropped":
-                self._unreported_lost += arg
-            else:                          # "flush" reports and resets the losses; "barrier" only waits
+                self._count_lost(*arg)
+            else:                          # "flush" reports and resets its writer's losses; "barrier" only waits
                 if op == "flush":
-                    arg.ok, self._unreported_lost = self._unreported_lost == 0, 0
+                    arg.ok = self._unreported_lost.pop(arg.writer, 0) == 0
                 arg.done.set()
 
-    def _write_batch(self, items: Items, nbytes: int) -> None:
+    def _count_lost(self, n: int, writer: int) -> None:
+        self._unreported_lost[writer] = self._unreported_lost.get(writer, 0) + n
+
+    def _write_batch(self, items: Items, nbytes: int, writer: int) -> None:
         outcomes = [self._write_to(tier, items) for tier in self.lower]
         lost = any(o != "wt_written" for o in outcomes)
         with self._lock:
@@ -216,7 +220,8 @@ class TieredStore(KVStore):
             self._queued_bytes -= nbytes
             self._queued_objects -= len(items)
             self._wt["lost"] += len(items) if lost else 0
-        self._unreported_lost += len(items) if lost else 0
+        if lost:
+            self._count_lost(len(items), writer)
 
     def _write_to(self, tier: KVStore, items: Items) -> str:
         """The outcome's counter name: wt_written, wt_failed (the tier raised) or wt_skipped_down."""
@@ -235,6 +240,10 @@ class TieredStore(KVStore):
             return _DOWN
         try:
             result = getattr(tier, method)(arg)
+        except ValueError as exc:  # the object cannot be stored there (dtype, dims): not an outage
+            health.release()
+            log.warning("KV tier %s refused %s: %s", tier.name, method, exc)
+            return _FAILED
         except Exception as exc:  # noqa: BLE001 - any backend failure marks the tier down
             health.failed(exc)
             return _FAILED
@@ -248,6 +257,7 @@ class _Marker:
     def __init__(self) -> None:
         self.done = threading.Event()
         self.ok = False
+        self.writer = threading.get_ident()      # whose losses a flush marker reports
 
 
 _DOWN, _FAILED = object(), object()

@@ -9,8 +9,10 @@ which mutation of the code each one catches).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import threading
 
 import pytest
 import torch
@@ -182,3 +184,35 @@ def test_same_weights_other_rope_do_not_share_keys(tiny_llama, reference, store,
     tokens, out = _run(b, "b", prompt, greedy)
     assert tokens == alone
     assert out.kv_accounting["store_hit_tokens"] == 0
+
+
+def test_an_id_whose_aborted_load_is_still_running_is_refused_not_fatal(tiny_llama, reference, store):
+    """Before: re-adding the id of a request aborted during its KV load made the next ``step()`` raise
+    ``another request with id ... already holds blocks`` (fatal for a node's engine thread)."""
+    prompt = random_prompt(reference.config.vocab_size, 70, seed=17)
+    params = _prefill(tiny_llama, store, prompt)
+    gate, entered, real_borrow = threading.Event(), threading.Event(), store.borrow
+
+    @contextlib.contextmanager
+    def slow_borrow(keys):
+        entered.set()
+        gate.wait(30)
+        with real_borrow(keys) as objs:
+            yield objs
+
+    store.borrow = slow_borrow
+    decode = _engine(tiny_llama, "decode", store)
+    greedy = SamplingParams(max_tokens=4, **GREEDY)
+    decode.add_request("r1", prompt, greedy, params)
+    decode.step()
+    assert entered.wait(10)
+    decode.abort_request("r1")
+    with pytest.raises(ValueError, match="still finishing"):
+        decode.add_request("r1", prompt, greedy, params)
+    gate.set()
+    while decode.has_unfinished() or decode.scheduler.loading:
+        decode.step()
+    store.borrow = real_borrow
+    tokens, _ = _run(decode, "r1", prompt, greedy, params)
+    assert tokens == hf_greedy(reference, prompt, 4)
+    assert decode.block_manager.num_free_blocks == decode.runtime.num_blocks

@@ -196,6 +196,7 @@ def test_redis_killed_and_restarted_under_load(own_redis, tmp_path):
         assert s["marked_down"] == 1 and s["errors"] >= 1      # one transition while it stays dead
         wait_for(lambda: store.stats()["redis"]["wt_skipped_down"] + store.stats()["redis"]["wt_failed"] > 0,
                  what="writes failing or skipped while redis is dead")
+        _put(store, "while-dead")                              # this thread's own write, while redis is dead
         assert not store.flush()                               # lost writes are reported, not acknowledged
         restarted = RedisServer(own_redis.port).start()        # same port, empty
         wait_for(lambda: store.stats()["redis"]["down"] == 0 and raw.dbsize() > 0,

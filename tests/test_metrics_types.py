@@ -88,3 +88,29 @@ def test_bench_counter_deltas_stay_non_negative_when_levels_fall(store):
     assert "pdserve_kvstore_bytes_total" not in delta and "pdserve_kvstore_objects_total" not in delta
     assert all(v >= 0 for v in delta.values()), {k: v for k, v in delta.items() if v < 0}
     assert delta["pdserve_kvstore_hits_total"] == 1 and delta["pdserve_kvstore_wt_written_total"] == 1
+
+
+def test_every_name_a_real_daemon_and_client_report_is_classified():
+    """Names come from a live daemon and a DaemonClient (shm and frames), not from a list typed here.
+
+    Mutation caught: a client/daemon counter (``timeouts``, ``shm_reclaimed`` ...) missing from
+    COUNTERS -> exported as a gauge (the review found seven).
+    """
+    from kvstore_fixtures import DaemonProcess
+    from pdserve.kvstore.client import DaemonClient
+
+    daemon = DaemonProcess("--log-level", "WARNING")
+    try:
+        for shm in (1 << 20, 0):
+            client = DaemonClient(daemon.url, shm_bytes=shm)
+            try:
+                client.put([("a:0", torch.zeros(8))])
+                assert client.get(["a:0", "b:0"])[1] is None
+                stats = client.stats()
+            finally:
+                client.close()
+            names = {n for tier in stats.values() for n in tier}
+            assert {"daemon", "client", "memory"} <= set(stats)
+            assert names - store_metrics.GAUGES - store_metrics.COUNTERS == set(), names
+    finally:
+        daemon.stop()
