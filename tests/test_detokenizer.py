@@ -38,3 +38,30 @@ def test_stop_string_included_when_asked(tiny_llama):
         if detok.stopped_by:
             break
     assert detok.text == "Hello wörld"
+
+
+def test_text_held_back_for_a_stop_string_is_emitted_when_the_request_ends_by_length(tiny_llama):
+    """The stop matcher holds back a suffix that could start a stop string; a request that then ends by
+    ``max_tokens`` must still get that text. Mutation caught: dropping ``detok.flush()`` at the finish
+    in ``OutputAssembler._emit_token`` -> the last characters are lost (no other test noticed)."""
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), cache=CacheConfig(block_size=8)))
+    prompt = list(range(5, 30))
+
+    def run(rid, **extra):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **extra))
+        text, reason = "", None
+        while engine.has_unfinished():
+            for d in engine.step():
+                text += d.new_text
+                reason = d.finish_reason or reason
+        return text, reason
+
+    full, _ = run("plain")
+    assert len(full) >= 2
+    stop = full[-2:] + "\x00never"                 # its start matches the text's end; it never completes
+    held, reason = run("held", stop=[stop])
+    assert (held, reason) == (full, "length")

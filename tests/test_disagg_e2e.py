@@ -61,7 +61,8 @@ def test_shared_prefix_hits_the_store(cluster, colocated):
     assert kv["prefill"]["local_hit_tokens"] > 0                    # the prefill node's own prefix cache
     assert kv["decode"]["store_hit_tokens"] > 0 and kv["decode"]["loaded_tokens"] > 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == kv["prefill"]["local_hit_tokens"]
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    pf = first["usage"]["kv_transfer"]["prefill"]                   # cached = what the prefill node reused
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == pf["local_hit_tokens"] + pf["loaded_tokens"]
 
 
 def test_openai_client_streams_through_proxy(cluster, colocated):
@@ -84,9 +85,22 @@ def test_openai_client_streams_through_proxy(cluster, colocated):
 
 
 def test_node_metrics_export_accounting(cluster):
-    text = httpx.get(cluster.decode_urls[0] + "/metrics", timeout=10).text
-    assert "pdserve_kv_loaded_tokens_total" in text and "pdserve_kvstore_hits_total" in text
-    assert "pdserve_kv_cache_free_blocks" in text
+    """Sends its own request and checks the counters moved by exactly its figures (any test order)."""
+    def loaded() -> float:
+        text = httpx.get(cluster.decode_urls[0] + "/metrics", timeout=10).text
+        assert "pdserve_kvstore_hits_total" in text and "pdserve_kv_cache_free_blocks" in text
+        return _metric(text, "pdserve_kv_loaded_tokens_total")
+
+    before = loaded()
+    out = _complete(cluster.url, LONG + " A sentence only this test sends, about owls.")
+    assert loaded() - before == out["usage"]["kv_transfer"]["decode"]["loaded_tokens"] > 0
+
+
+def _metric(text: str, prefix: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{prefix} not in /metrics")
 
 
 def _model(cluster) -> str:

@@ -41,7 +41,36 @@ def test_layout_starts_with_magic_and_never_pickles():
     assert blob[:4] == codec.MAGIC and len(blob) == codec.HEADER_BYTES + 16 and codec.HEADER_BYTES == 108
     assert int.from_bytes(blob[4:6], "little") == codec.FORMAT_VERSION == 2
     assert int.from_bytes(blob[76:84], "little") == xxhash.xxh3_64_intdigest(KEY.encode())
-    assert b"torch" not in blob and b"\x80\x04" not in blob[:2]
+    assert blob[codec.HEADER_BYTES:] == torch.zeros(4).numpy().tobytes()     # header + raw bytes, nothing else
+
+
+def test_no_store_path_unpickles(monkeypatch, tmp_path):
+    """Every decode path runs with pickle and torch.load disabled (they raise if anything calls them)."""
+    import pickle
+
+    from pdserve.kvstore.disk import DiskTier
+    from pdserve.kvstore.memory import MemoryTier
+    from pdserve.kvstore.seal import seal, unseal
+    from pdserve.kvstore.tiered import TieredStore
+
+    def forbidden(*a, **k):
+        raise AssertionError("unpickling on a store path")
+
+    for name in ("loads", "load", "Unpickler"):
+        monkeypatch.setattr(pickle, name, forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    t = _sample(torch.bfloat16, (2, 3, 4))
+    for name in ("none", "lz4"):
+        assert torch.equal(codec.decode(codec.encode(t, name, KEY), KEY).view(torch.uint8), t.view(torch.uint8))
+    obj, _ = seal(KEY, t)
+    store = TieredStore(MemoryTier(1), [DiskTier(tmp_path, 1 << 20)])            # L1 too small: disk serves
+    try:
+        store.put([(KEY, obj)])
+        assert store.flush()
+        got = store.get([KEY])[0]
+        assert torch.equal(unseal(KEY, got)[0].view(torch.uint8), t.view(torch.uint8))
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("name", ["none", "lz4"])

@@ -67,6 +67,8 @@ def test_stream_broken_by_a_dying_node_ends_with_an_error_event(tiny_llama, node
     only_c = proxy_factory(tiny_llama, [a.url], [c.url])
     pooled = proxy_factory(tiny_llama, [a.url, c.url], [a.url, c.url], "--health-interval", "0.5",
                            "--prefill-policy", "round_robin", "--decode-policy", "round_robin")
+    wait_for(lambda: sorted(httpx.get(pooled.url + "/health").json()["decode_healthy"]) == sorted([a.url, c.url]),
+             10, "the pooled proxy has seen c healthy (else dropping it below proves nothing)")
     with httpx.stream("POST", only_c.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
         lines = r.iter_lines()
         for line in lines:
