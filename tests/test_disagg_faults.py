@@ -117,14 +117,23 @@ def test_random_aborts_leak_nothing(tiny_llama):
     rng = random.Random(0)
     with LocalCluster(str(tiny_llama), ClusterSpec(node_flags=FLAGS)) as cluster:
         free_before = {u: _free_blocks(u) for u in cluster.prefill_urls + cluster.decode_urls}
+        aborted_before = _aborted(cluster.decode_urls[0])
         with httpx.Client(timeout=60) as client:
             for i in range(200):
                 _aborted_stream(client, cluster.url, f"{PROMPTS[i % 6]} {i}", rng.randint(0, 6))
+        wait_until(lambda: _aborted(cluster.decode_urls[0]) - aborted_before >= 100, 30,
+                   "the disconnects reached the decode node as aborts (else this test proves nothing)")
         for url, before in free_before.items():
             wait_until(lambda: _free_blocks(url) == before and _running(url) == 0, 30, f"{url} blocks back")
         pinned = 'pdserve_kvstore_pinned{model_name="llama",tier="memory"}'
         wait_until(lambda: _metric(httpx.get(cluster.decode_urls[0] + "/metrics", timeout=5).text, pinned) == 0,
                    10, "no store object pinned (stats refresh once a second)")
+
+
+def _aborted(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve_request_success_total{") and 'finished_reason="abort"' in line)
 
 
 def _aborted_stream(client: httpx.Client, url: str, prompt: str, after_chunks: int) -> None:

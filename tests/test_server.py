@@ -161,14 +161,20 @@ def test_repeated_prompt_reports_cached_tokens(node, client, model):
 
 
 def test_metrics_count_requests_tokens_and_latencies(node, client, model):
-    before = _metric(node.url, "pdserve_generation_tokens_total")
+    """Every figure is a before/after difference of this test's own request (any order, shared node)."""
+    names = [("pdserve_generation_tokens_total", {}), ("pdserve_time_to_first_token_seconds_count", {}),
+             ("pdserve_inter_token_latency_seconds_count", {}), ("pdserve_prompt_tokens_total", {}),
+             ("pdserve_request_success_total", {"finished_reason": "length"}),
+             ("pdserve_prefix_cache_queries_total", {})]
+    before = [_metric(node.url, n, required=False, **labels) for n, labels in names]
     client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0,
                               extra_body={"ignore_eos": True})
-    assert _metric(node.url, "pdserve_generation_tokens_total") == before + 5
-    assert _metric(node.url, "pdserve_time_to_first_token_seconds_count") >= 1
-    assert _metric(node.url, "pdserve_inter_token_latency_seconds_count") >= 4
-    assert _metric(node.url, "pdserve_request_success_total", finished_reason="length") >= 1
-    assert _metric(node.url, "pdserve_prompt_tokens_total") >= len(_tokenize(node, PROMPT))
+    prompt_len = len(_tokenize(node, PROMPT))
+
+    def deltas() -> list[float]:
+        return [_metric(node.url, n, required=False, **labels) - b for (n, labels), b in zip(names, before)]
+
+    _wait_for(lambda: deltas() == [5, 1, 4, prompt_len, 1, prompt_len], f"metric deltas {deltas()}", 10)
     hits = _metric(node.url, "pdserve_prefix_cache_hits_total")
     assert _metric(node.url, "pdserve_prefix_cache_queries_total") >= hits
     assert 0.0 <= _metric(node.url, "pdserve_kv_cache_usage_perc") <= 1.0
