@@ -128,6 +128,9 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopping:
             self._drain_inbox()
+            rank_failure = getattr(self.engine.runner, "failure", None)
+            if rank_failure is not None:      # a tp x pp rank died or stalled, even while idle
+                return self._die(f"engine stopped: {rank_failure}")
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -136,12 +139,15 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug or a broken model: fail loudly, never hang the clients
                 logger.exception("engine step failed beyond recovery; failing %d requests", len(self._streams))
-                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
-                if self.on_fatal is not None:
-                    self.on_fatal(self._fatal)
-                return
+                return self._die(f"engine step failed: {type(exc).__name__}: {exc}")
             for out in outputs:
                 self._deliver(out.request_id, out, final=out.finished)
+
+    def _die(self, message: str) -> None:
+        """Unrecoverable: fail every stream, then let the node stop (it exits non-zero)."""
+        self._fail_all(message)
+        if self.on_fatal is not None:
+            self.on_fatal(message)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -5,6 +5,7 @@
 | PDSERVE_CACHE_DIR     | where downloaded models are converted and kept   | ~/.cache/pdserve           |
 | PDSERVE_NUM_THREADS   | torch intra-op threads per process               | 1                          |
 | PDSERVE_LOG_LEVEL     | logging level of pdserve's loggers               | INFO                       |
+| PDSERVE_FAULTS        | tests only: faults injected into tp/pp ranks     | "" (``parallel/faults.py``)|
 """
 
 from __future__ import annotations
@@ -36,3 +37,4 @@ def _level(name: str, default: str) -> str:
 PDSERVE_CACHE_DIR = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 PDSERVE_NUM_THREADS = _int("PDSERVE_NUM_THREADS", 1, 1)
 PDSERVE_LOG_LEVEL = _level("PDSERVE_LOG_LEVEL", "INFO")
+PDSERVE_FAULTS = os.environ.get("PDSERVE_FAULTS", "")     # parsed and checked by engine/parallel/faults.py

@@ -1,7 +1,8 @@
 """The broadcast queue: many steps, small and large messages, slow / dead / stopped readers, zmq readers.
 
 Readers are real processes (``python -c``) that read ``count`` messages and print a digest of
-each, so the test compares what every reader saw with what the writer sent.
+each, so the test compares what every reader saw with what the writer sent. They inherit the
+ring's fd (``pass_fds``), as the launcher and the ranks do.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
 
-from pdserve.engine.parallel.broadcast import (MessageQueue, QueueHandle, ReaderDeadError, ReaderStalledError,
-                                               WriterDeadError, unlink)
+from pdserve.engine.parallel.broadcast import (MessageQueue, QueueAborted, QueueHandle, ReaderDeadError,
+                                               ReaderStalledError, WriterDeadError, release)
 
 READER = """
 import hashlib, sys, time, msgspec
@@ -29,6 +31,10 @@ for i in range(int(sys.argv[3])):
     print(hashlib.sha1(data).hexdigest(), len(data), flush=True)
     time.sleep(float(sys.argv[4]))
 """
+
+
+def _fds(handle: QueueHandle) -> list[int]:
+    return [handle.fd] if handle.fd >= 0 else []
 
 
 def _messages(n: int) -> list[bytes]:
@@ -45,7 +51,7 @@ class Readers:
 
     def start(self, handle: QueueHandle, index: int, count: int, delay: float = 0.0) -> subprocess.Popen:
         p = subprocess.Popen([sys.executable, "-c", READER, msgspec.json.encode(handle).decode(), str(index),
-                              str(count), str(delay)], stdout=subprocess.PIPE, text=True)
+                              str(count), str(delay)], stdout=subprocess.PIPE, text=True, pass_fds=_fds(handle))
         self.procs.append(p)
         assert p.stdout.readline().strip() == "ready"
         return p
@@ -74,7 +80,7 @@ def ring():
 
     yield make
     for h in handles:
-        unlink(h)
+        release(h)
 
 
 def _digests(msgs):
@@ -131,6 +137,25 @@ def test_stopped_reader_is_reported_after_the_timeout_and_slow_one_is_not(ring, 
     writer2.close()
 
 
+def test_writer_waits_on_a_live_reader_until_its_caller_aborts(ring, readers):
+    """No stall verdict from the ring itself: a stopped reader is waited for (no timeout) until ``abort``
+    gives a reason, as the executor's watchdog does from heartbeats."""
+    handle = ring(num_local_readers=1, num_slots=4, slot_bytes=256)
+    writer = MessageQueue.writer(handle)
+    stopped = readers.start(handle, 0, 100)
+    os.kill(stopped.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    verdict = lambda: "rank 0 stalled (the watchdog's report)" if time.monotonic() - start > 1.0 else None  # noqa: E731
+    try:
+        with pytest.raises(QueueAborted, match=r"rank 0 stalled \(the watchdog's report\)"):
+            for _ in range(100):
+                writer.enqueue(b"w", abort=verdict)
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    assert time.monotonic() - start > 1.0
+    writer.close()
+
+
 def test_inbound_queue_carries_many_writers_to_one_reader(ring):
     handle = MessageQueue.create_inbound("127.0.0.1")
     reader = MessageQueue.reader(handle, -1)
@@ -151,7 +176,8 @@ def test_reader_notices_a_dead_writer(ring):
     handle = ring(num_local_readers=1)
     code = ("import sys, msgspec\nfrom pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle\n"
             "MessageQueue.writer(msgspec.json.decode(sys.argv[1].encode(), type=QueueHandle)).enqueue(b'one')\n")
-    subprocess.run([sys.executable, "-c", code, msgspec.json.encode(handle).decode()], check=True)
+    subprocess.run([sys.executable, "-c", code, msgspec.json.encode(handle).decode()], check=True,
+                   pass_fds=_fds(handle))
     reader = MessageQueue.reader(handle, 0)
     assert reader.dequeue(timeout=5) == b"one"
     with pytest.raises(WriterDeadError, match="the writer .* exited"):

@@ -86,3 +86,34 @@ def test_mismatched_layouts_decode_like_single_rank(tiny_llama, case, prefill_la
         for e in engines:
             e.shutdown()
         store.close()
+
+
+def test_a_rank_copy_error_fails_that_chunk_not_the_node(tiny_llama, case):
+    """The tp2 decode node's second chunk scatter fails on every rank (slots past the cache): the ranks
+    answer with the error instead of dying, the load keeps chunk 1 (32 tokens), the rest is recomputed,
+    and the output is still HF's."""
+    prompt, expected, _, _ = case
+    store = TieredStore(MemoryTier(64 << 20))
+    engines = [_engine(tiny_llama, "prefill", store), _engine(tiny_llama, "decode", store, 2, 1)]
+    decode = engines[1]
+    relay, calls = decode.runner.kv_io, []
+    scatter = relay.scatter
+
+    def second_chunk_breaks(slots, data):
+        calls.append(len(slots))
+        scatter(slots + decode.runtime.num_blocks * 8 if len(calls) == 2 else slots, data)
+
+    relay.scatter = second_chunk_breaks
+    try:
+        params = _prefill(engines[0], prompt)
+        tokens, final = _run(decode, "d", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                             params)
+        assert tokens == expected
+        assert final.kv_accounting["loaded_tokens"] == 32 and len(calls) == 2
+        assert decode.connector.stats()["load_failures"] == 1
+        assert decode.runner.failure is None
+        assert _run(decode, "again", prompt[:20], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+    finally:
+        for e in engines:
+            e.shutdown()
+        store.close()

@@ -62,15 +62,30 @@ def expected(tiny_llama, prompts):
     return hf
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_greedy_equals_tp1pp1_and_hf(tiny_llama, prompts, expected, tp, pp):
-    engine = make_engine(tiny_llama, tp, pp)
-    try:
-        assert run(engine, prompts, GREEDY) == expected
-        assert engine.block_manager.num_free_blocks == engine.runtime.num_blocks
-        engine.block_manager.check_integrity()
-    finally:
-        shutdown(engine)
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2pp2"])
+def layout_engine(request, tiny_llama):
+    """One engine per layout, shared by the tests that only read from it."""
+    engine = make_engine(tiny_llama, *request.param)
+    yield engine
+    shutdown(engine)
+
+
+def test_greedy_equals_tp1pp1_and_hf(layout_engine, prompts, expected):
+    engine = layout_engine
+    assert run(engine, prompts, GREEDY) == expected
+    assert engine.block_manager.num_free_blocks == engine.runtime.num_blocks
+    engine.block_manager.check_integrity()
+
+
+def test_min_tokens_bans_eos_and_stop_ids_as_tp1(layout_engine, tiny_llama, prompts, expected):
+    """The ranks see each request's banned ids: eos and stop_token_ids are not sampled before min_tokens.
+    The stop ids are the greedy continuation's first tokens, so the ban changes the output."""
+    stop = expected[1][:2]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, min_tokens=4, stop_token_ids=stop),
+              SamplingParams(max_tokens=6, temperature=0.0, min_tokens=1, stop_token_ids=stop)]
+    single = run(make_engine(tiny_llama), prompts[1:2] * 2, params)
+    assert not set(single[0][:4]) & set(stop) and single[0][:4] != expected[1][:4]
+    assert run(layout_engine, prompts[1:2] * 2, params) == single
 
 
 def test_tied_embeddings_and_qkv_bias_split_over_tp2pp2(tiny_models):

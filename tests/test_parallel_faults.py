@@ -2,7 +2,8 @@
 
 - SIGKILL rank 1 (tp 1, pp 0) while it is inside a step -> the in-flight request fails with a report
   naming rank 1, its coordinates, the step and phase it died in; the engine turns unhealthy; every
-  rank is gone; all within --rank-timeout + 5 s.
+  rank is gone; all within --rank-timeout + 5 s; the driver signalled no pid but its own launcher's
+  (the launcher kills the ranks it has not reaped: a reaped rank's pid may belong to anyone now).
 - SIGSTOP rank 2 (tp 0, pp 1) -> the same, "stalled ... (process stopped)", after --rank-timeout.
 - A rank stopped again and again for 0.6 s (the generation is slow but moves) is never reported.
 
@@ -22,6 +23,7 @@ import time
 import pytest
 
 from hf_reference import random_prompt
+from parallel_probes import SignalLog
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig
 from pdserve.engine.sampling_params import SamplingParams
@@ -96,8 +98,11 @@ def _assert_all_gone(pids: list[int]) -> None:
             os.kill(pid, 0)
 
 
-def test_sigkill_names_rank_coordinates_and_phase(engine):
+def test_sigkill_names_rank_coordinates_and_phase(engine, monkeypatch):
+    signals = SignalLog(monkeypatch)
     elapsed, state, message, pids = asyncio.run(_fault_run(engine, 1, signal.SIGKILL))
+    launcher = engine.engine.runner.launcher.pid
+    assert all(pid == launcher for pid, _ in signals.calls if (pid, _) != (state.pid, signal.SIGKILL)), signals.calls
     assert re.search(rf"rank 1 \(tp 1, pp 0\) exited \(killed by SIGKILL\) in step {state.step} "
                      rf"at phase {state.phase}; ", message), message
     assert elapsed < RANK_TIMEOUT + 5

@@ -30,12 +30,12 @@ def sleepers():
 @pytest.fixture()
 def board(sleepers):
     """tp 2 x pp 2: ranks 0, 1 in stage 0, ranks 2, 3 in stage 1."""
-    path = Heartbeat.create(4)
-    hb = Heartbeat(path)
+    fd = Heartbeat.create(4)
+    hb = Heartbeat(fd)
+    os.close(fd)                                 # the mapping keeps the records
     ranks = [RankInfo(r, r % 2, r // 2) for r in range(4)]
     yield hb, ranks
     hb.close()
-    os.unlink(path)
 
 
 def _set(hb: Heartbeat, rank: int, step: int, phase: str, seq: int, age_s: float, pid: int) -> None:

@@ -4,8 +4,10 @@ Used by ``LLMEngine`` instead of ``ModelRunner`` when ``--tensor-parallel-size``
 ``--pipeline-parallel-size`` > 1 (or with ``--debug-sync``). Map, in the order a step meets it:
 
     executor    driver side: starts the ranks (gloo, TCP rendezvous), sends steps, collects tokens
+    rendezvous  the loopback-bound rendezvous store and the launcher process (fds, lifeline)
     channels    the driver's queues to and from the ranks
     broadcast   THE message queue: where the scheduler output is broadcast to the workers
+    shm         anonymous shared memory (memfd) handed down by fd: nothing in /dev/shm to leak
     messages    the typed (msgspec) messages between driver and ranks
     launcher    one process per machine that imports torch once and forks the ranks
     worker      one rank's main loop
@@ -14,4 +16,5 @@ Used by ``LLMEngine`` instead of ``ModelRunner`` when ``--tensor-parallel-size``
     kv          KV publish / load when the cache lives in the ranks
     watchdog    per-rank heartbeat (step, phase) and the report that names a dead or stuck rank
     mirror      heartbeats of ranks on other machines (--nnodes > 1)
+    faults      fault injection for tests (PDSERVE_FAULTS: slowed layers, a slow start)
 """

@@ -5,10 +5,11 @@ once and ``enqueue``s the bytes; every worker rank's main loop (``worker.py``) `
 message, in order. The same class carries the step results back (writer: the last pipeline stage's
 tensor-parallel rank 0; reader: the driver).
 
-    driver ── enqueue(bytes) ─┬─> shared-memory ring (/dev/shm file) ──> readers on this machine
-                              └─> zmq XPUB tcp://host:port ───────────> SUB readers on other machines
+    driver ── enqueue(bytes) ─┬─> shared-memory ring (an inherited memfd) ──> readers on this machine
+                              └─> zmq XPUB tcp://host:port ─────────────────> SUB readers on other machines
 
-Ring layout (one mmap'ed file, created and unlinked by ``MessageQueue.create``'s caller):
+Ring layout (one anonymous shared file, ``shm.py``: created by ``MessageQueue.create``, whose caller
+passes its fd to the processes that attach and then ``release``s it; nothing in /dev/shm to leak):
 
     [write_seq, writer_pid] [read_seq_0, pid_0] ... [read_seq_{R-1}, pid_{R-1}] [slot 0] ... [slot S-1]
     slot = [u32 payload length, u32 more-frames flag, payload <= slot_bytes]
@@ -24,26 +25,29 @@ results and KV parts from ranks on other machines, heartbeat mirrors) is ``creat
 reader binds a zmq PULL socket and writers connect PUSH sockets; no ring.
 
 Failures are named, never hangs: a writer blocked on a full ring raises ``ReaderDeadError`` when
-the lagging reader's process is gone and ``ReaderStalledError`` when it read nothing for
-``timeout`` seconds; a reader raises ``WriterDeadError`` when the writer's process is gone.
+the lagging reader's process is gone; a reader raises ``WriterDeadError`` when the writer's process
+is gone. Whether a live reader that reads nothing is stalled is not the ring's call (it cannot tell
+a stuck rank from one inside a long step): the writer waits until its caller's ``abort`` gives a
+reason (the executor passes the watchdog's report, judged from heartbeats) and raises
+``QueueAborted`` with it; only an explicit ``timeout`` raises ``ReaderStalledError``.
 Messages are bytes (msgspec-encoded by the caller), never pickle.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 import time
-import uuid
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 import numpy as np
 import zmq
 
+from pdserve.engine.parallel import shm
+
 _FRAME = struct.Struct("<II")           # payload length, more-frames flag
-_SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 
 class QueueError(RuntimeError):
@@ -62,9 +66,14 @@ class WriterDeadError(QueueError):
     pass
 
 
+class QueueAborted(QueueError):
+    """The writer's ``abort`` callback gave a reason to stop waiting (e.g. the watchdog's report)."""
+
+
 class QueueHandle(msgspec.Struct, frozen=True):
-    """Everything a process needs to attach (sent as JSON through the rendezvous store)."""
-    path: str                     # the ring file ("" when there are no local readers)
+    """Everything a process needs to attach (sent as JSON through the rendezvous store); a ring reader or
+    writer must also have inherited ``fd`` (the launcher and its ranks do)."""
+    fd: int                       # the ring: an anonymous file at this fd number in every local process (-1: none)
     num_slots: int
     slot_bytes: int
     num_local_readers: int
@@ -81,7 +90,7 @@ class MessageQueue:
         self._seq = 0
         self._mm = self._counters = None
         self._sock = None
-        if handle.path and not (role == "reader" and index < 0):
+        if handle.fd >= 0 and not (role == "reader" and index < 0):
             self._map(handle)
 
     # -- construction ---------------------------------------------------------------------------
@@ -89,23 +98,22 @@ class MessageQueue:
     @staticmethod
     def create(num_local_readers: int, num_remote_readers: int = 0, num_slots: int = 16,
                slot_bytes: int = 1 << 18, bind_host: str = "127.0.0.1") -> QueueHandle:
-        """Allocate the ring file; the caller ``unlink``s it. Remote readers get an address to connect to."""
+        """Allocate the ring; the caller passes ``handle.fd`` to the local processes that attach (``pass_fds``,
+        or fork), then ``release``s it. Remote readers get an address to connect to."""
         if num_slots < 2 or slot_bytes < 64:
             raise ValueError(f"a ring needs >= 2 slots of >= 64 bytes, got {num_slots} x {slot_bytes}")
-        path = ""
+        fd = -1
         if num_local_readers:
-            path = str(_SHM_DIR / f"pdserve-mq-{uuid.uuid4().hex[:16]}")
-            with open(path, "wb") as f:
-                f.truncate(_header_bytes(num_local_readers) + num_slots * (slot_bytes + _FRAME.size))
+            fd = shm.create(_header_bytes(num_local_readers) + num_slots * (slot_bytes + _FRAME.size), "pdserve-mq")
         zmq_addr = ""
         if num_remote_readers:
             zmq_addr = f"tcp://{bind_host}:{_free_port(bind_host)}"
-        return QueueHandle(path, num_slots, slot_bytes, num_local_readers, zmq_addr, num_remote_readers)
+        return QueueHandle(fd, num_slots, slot_bytes, num_local_readers, zmq_addr, num_remote_readers)
 
     @staticmethod
     def create_inbound(bind_host: str) -> QueueHandle:
         """A queue read by the creator's process only, written from anywhere (zmq PUSH -> PULL)."""
-        return QueueHandle("", 0, 0, 0, f"tcp://{bind_host}:{_free_port(bind_host)}", 0, inbound=True)
+        return QueueHandle(-1, 0, 0, 0, f"tcp://{bind_host}:{_free_port(bind_host)}", 0, inbound=True)
 
     @classmethod
     def writer(cls, handle: QueueHandle) -> MessageQueue:
@@ -157,18 +165,15 @@ class MessageQueue:
                 seen += 1
 
     def _map(self, handle: QueueHandle) -> None:
-        fd = os.open(handle.path, os.O_RDWR)
-        try:
-            self._mm = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
+        self._mm = shm.map(handle.fd)
         self._counters = np.frombuffer(self._mm, dtype=np.int64, count=2 + 2 * handle.num_local_readers)
         self._slots_at = _header_bytes(handle.num_local_readers)
 
     # -- writer ---------------------------------------------------------------------------------
 
-    def enqueue(self, data: bytes, timeout: float = 60.0) -> None:
-        """Hand ``data`` to every reader; blocks while the ring is full (see the module docstring)."""
+    def enqueue(self, data: bytes, timeout: float | None = None, abort: Callable[[], str | None] | None = None) -> None:
+        """Hand ``data`` to every reader; blocks while the ring is full, as long as the lagging reader lives,
+        ``abort()`` (checked every few ms) returns None and, if given, a read came within ``timeout`` s."""
         if self._sock is not None:
             self._sock.send(data, copy=False)
         if self._mm is None:
@@ -176,10 +181,10 @@ class MessageQueue:
         view, step = memoryview(data), self.handle.slot_bytes
         starts = range(0, max(len(data), 1), step)
         for i, start in enumerate(starts):
-            self._wait_for_space(timeout)
+            self._wait_for_space(timeout, abort)
             self._write_frame(view[start:start + step], more=i < len(starts) - 1)
 
-    def _wait_for_space(self, timeout: float) -> None:
+    def _wait_for_space(self, timeout: float | None, abort: Callable[[], str | None] | None) -> None:
         c, n, backoff = self._counters, self.handle.num_local_readers, _Backoff()
         last_min, since = -1, time.monotonic()
         while True:
@@ -194,7 +199,10 @@ class MessageQueue:
             if pid and not _alive(pid):
                 raise ReaderDeadError(f"reader {lagging} (pid {pid}) exited; it last read frame {lowest}, "
                                       f"the writer is at frame {self._seq}")
-            if time.monotonic() - since > timeout:
+            reason = abort() if abort is not None else None
+            if reason:
+                raise QueueAborted(reason)
+            if timeout is not None and time.monotonic() - since > timeout:
                 raise ReaderStalledError(f"reader {lagging} (pid {pid}) read nothing for {timeout:.1f}s "
                                          f"(frame {lowest}, writer at {self._seq}; ring of {self.handle.num_slots})")
             backoff.wait()
@@ -262,10 +270,11 @@ class MessageQueue:
             self._mm = None
 
 
-def unlink(handle: QueueHandle) -> None:
-    """Remove the ring file (the creator calls this once every process is done with it)."""
-    if handle.path:
-        Path(handle.path).unlink(missing_ok=True)
+def release(handle: QueueHandle) -> None:
+    """The creator's fd of the ring (call once, after the last child that needs it was started); mappings
+    stay valid and the memory goes with the last process that holds one."""
+    if handle.fd >= 0:
+        shm.close(handle.fd)
 
 
 class _Backoff:

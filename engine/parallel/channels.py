@@ -5,16 +5,17 @@
     kv_parts    rank r -> driver           one per rank, the same rule
     mirror      other launchers -> driver  heartbeat mirrors (zmq PULL; only with --nnodes > 1)
 
-Handles go to the ranks inside the ``WorkerSpec``; ``close`` removes the ring files.
+Handles go to the ranks inside the ``WorkerSpec``; the rings themselves are anonymous shared files
+(``shm.py``) whose fds (``fds``) the executor passes to the launcher, then ``release``s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
-from pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle, unlink
+from pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle, release
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Channels:
     results: QueueHandle
     kv_parts: list[QueueHandle]
     mirror: QueueHandle | None
+    _released: bool = field(default=False, repr=False)
 
     @classmethod
     def create(cls, world_size: int, local: list[int], results_rank: int, host: str) -> Channels:
@@ -43,6 +45,13 @@ class Channels:
         """The driver's end of an inbound channel (ring reader 0, or the bound PULL socket)."""
         return MessageQueue.reader(handle, -1 if handle.inbound else 0)
 
-    def close(self) -> None:
-        for handle in (self.broadcast, self.results, *self.kv_parts):
-            unlink(handle)
+    def fds(self) -> list[int]:
+        """The rings' fds, for the launcher's ``pass_fds`` (its forked ranks inherit them)."""
+        return [h.fd for h in (self.broadcast, self.results, *self.kv_parts) if h.fd >= 0]
+
+    def release(self) -> None:
+        """Close the creator's fds (once; the mappings made before stay valid)."""
+        if not self._released:
+            self._released = True
+            for handle in (self.broadcast, self.results, *self.kv_parts):
+                release(handle)

@@ -6,15 +6,25 @@
     sampled = executor.execute(scheduler_output)       # {request_id: SampleResult}; raises RankFailedError
     executor.release(request_id)                       # sampler state dropped with the next step
     executor.kv_io                                     # StoreConnector's publisher/loader (parallel/kv.py)
-    executor.shutdown()                                # Shutdown message, then SIGKILL what is left
+    executor.shutdown()                                # ranks exit in order; kills what did not
 
-Start-up: the driver hosts the rendezvous ``TCPStore`` on --master-addr:--master-port, publishes
-the ``WorkerSpec`` there (queue handles, heartbeat file), and starts its machine's ranks with
-one ``python -m pdserve.engine.parallel.launcher`` (which forks one process per rank). The
-watchdog thread checks every 0.2 s; on a report it kills every rank, and the waiting ``execute``
-raises with the report. With --nnodes N the driver's machine runs ranks [0, W/N); ``pdserve node
---node-rank n`` on machine n runs the n-th slice (``launcher.launch``), mirrors their heartbeats
-here and kills them when this executor reports a failure (``mirror.py``).
+Start-up: the driver hosts the rendezvous ``TCPStore``, listening on --master-addr:--master-port
+only (``rendezvous_store``; port 0 picks a free one), publishes the ``WorkerSpec`` there (queue
+handles), and starts its machine's ranks with one ``python -m pdserve.engine.parallel.launcher``
+(its own session; it forks one process per rank) that inherits the shared-memory rings and the
+heartbeat as fds and the read end of a lifeline pipe. An exception or a signal during start-up
+(``NodeStopped``) stops the launcher before it propagates. The watchdog thread checks every
+0.2 s; on a report it stops every rank, and the waiting ``execute`` raises with the report.
+With --nnodes N the driver's machine runs ranks [0, W/N); ``pdserve node --node-rank n`` on
+machine n runs the n-th slice (``launcher.launch``), mirrors their heartbeats here and kills them
+when this executor reports a failure (``mirror.py``).
+
+Stopping: the driver signals no rank itself (a rank's pid may have been reaped and reused). It
+closes the lifeline, and the launcher, the ranks' parent, kills those it has not reaped; only if
+the launcher does not exit is it SIGKILLed (its own unreaped child), its ranks following by
+``PR_SET_PDEATHSIG``. Every broadcast goes through ``send`` under one lock, ``shutdown`` included,
+so no message interleaves with another's frames. A full ring never times out on its own: the
+writer waits while the readers live, until the watchdog (heartbeats) reports.
 """
 
 from __future__ import annotations
@@ -24,29 +34,29 @@ import contextlib
 import itertools
 import logging
 import os
-import signal
 import subprocess
-import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import msgspec
-import torch.distributed as dist
 
 from pdserve.engine.models.llama import ShardSizes
+from pdserve.engine.parallel import faults  # noqa: F401 - a bad PDSERVE_FAULTS fails in the driver, not in every rank
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue, QueueError
 from pdserve.engine.parallel.channels import Channels
 from pdserve.engine.parallel.kv import KVRelay
 from pdserve.engine.parallel.mirror import FAILED_KEY, MirrorReceiver
+from pdserve.engine.parallel.rendezvous import rendezvous_store, spawn_launcher
 from pdserve.engine.parallel.stage import stage_layers
 from pdserve.engine.parallel.watchdog import Heartbeat, RankInfo, Watchdog
 from pdserve.engine.parallel.worker import READY_KEY, SPEC_KEY
 from pdserve.engine.sampler import SampleResult
 
 logger = logging.getLogger(__name__)
+
+STOP_WAIT_S = 10.0                 # how long the launcher gets to exit before it is SIGKILLed
 
 
 class RankFailedError(RuntimeError):
@@ -68,29 +78,41 @@ class ParallelExecutor:
         self._busy_ids = itertools.count()
         self._lock, self._send_lock = threading.Lock(), threading.Lock()
         self._stopping = False
-        self.store = dist.TCPStore(par.master_addr, par.master_port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=start_timeout))
+        self._mirror = None
+        self.store = rendezvous_store(par.master_addr, par.master_port, start_timeout)
         local = list(range(par.ranks_per_node))                 # node 0's ranks; node n has the n-th slice
         self.ch = Channels.create(par.world_size, local, (par.pipeline_parallel_size - 1) * par.tensor_parallel_size,
                                   par.master_addr)
-        self._hb_path = Heartbeat.create(par.world_size)
-        self.heartbeat = Heartbeat(self._hb_path)
+        hb_fd = Heartbeat.create(par.world_size)
+        self.heartbeat = Heartbeat(hb_fd)
         self.outbox = MessageQueue.writer(self.ch.broadcast)
         self.inbox = Channels.read(self.ch.results)
         self.kv_io = KVRelay(self, {r: Channels.read(h) for r, h in enumerate(self.ch.kv_parts)},
                              model_config.num_layers, par.tensor_parallel_size)
         self.ranks = [RankInfo(r, r % par.tensor_parallel_size, r // par.tensor_parallel_size, r in local)
                       for r in range(par.world_size)]
-        self.launcher = spawn_launcher(par.master_addr, self.store.port, local, self._hb_path, par.debug_sync)
+        try:
+            self.launcher, self._lifeline = spawn_launcher(par.master_addr, self.store.port, local, hb_fd,
+                                                           self.ch.fds(), par.debug_sync, par.nnodes == 1)
+        finally:
+            self.ch.release()                                   # the launcher holds them now (or nobody)
+            os.close(hb_fd)
         self.watchdog = Watchdog(self.heartbeat, self.ranks, par.rank_timeout, self.launcher)
-        self._mirror = MirrorReceiver(self.ch.mirror, self.heartbeat, self.watchdog) if self.ch.mirror else None
-        if self._mirror is not None:
-            self._mirror.start()
-        self.store.set(SPEC_KEY, msgspec.json.encode(self._spec(config, num_blocks, local)))
+        try:
+            self._start(config, num_blocks, local, start_timeout)
+        except BaseException:                                   # a failed start, or a signal (NodeStopped)
+            self._fail("start-up was interrupted", log=False)
+            raise
         atexit.register(self.shutdown)
-        self._wait_ready(start_timeout)
         self._thread = threading.Thread(target=self._watch, name="pdserve-watchdog", daemon=True)
         self._thread.start()
+
+    def _start(self, config, num_blocks: int, local: list[int], start_timeout: float) -> None:
+        if self.ch.mirror:
+            self._mirror = MirrorReceiver(self.ch.mirror, self.heartbeat, self.watchdog)
+            self._mirror.start()
+        self.store.set(SPEC_KEY, msgspec.json.encode(self._spec(config, num_blocks, local)))
+        self._wait_ready(start_timeout)
 
     def _spec(self, config, num_blocks: int, local: list[int]) -> m.WorkerSpec:
         par = config.parallel
@@ -110,7 +132,6 @@ class ParallelExecutor:
             time.sleep(0.05)
         if self.ch.broadcast.num_remote_readers:
             self.outbox.wait_for_remote_readers(timeout)
-        self._unlink_files()                # every process has them mapped: nothing to leak from here on
         logger.info("%d worker ranks ready (tp %d x pp %d): pids %s", self.par.world_size,
                     self.par.tensor_parallel_size, self.par.pipeline_parallel_size, self.rank_pids())
 
@@ -148,7 +169,7 @@ class ParallelExecutor:
         data = m.encode(message)
         try:
             with self._send_lock:
-                self.outbox.enqueue(data, timeout=self.par.rank_timeout)
+                self.outbox.enqueue(data, abort=lambda: self._report)    # a full ring waits for the watchdog
         except QueueError as exc:
             self._fail(self.watchdog.check(self._busy_since()) or str(exc))
             raise RankFailedError(self._report) from None
@@ -188,7 +209,7 @@ class ParallelExecutor:
     def _watch(self) -> None:
         while self._report is None and not self._stopping:
             report = self.watchdog.check(self._busy_since())
-            if report:
+            if report and not self._stopping:               # ranks exit on purpose once shutdown began
                 self._fail(report)
                 return
             time.sleep(0.2)
@@ -208,51 +229,35 @@ class ParallelExecutor:
     # -- teardown -------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Ask every rank to exit, then kill any that did not within 10 s; remove the shared files."""
-        self._stopping = True
-        if self._report is None:
+        """Stop the ranks in order: a Shutdown message after any message in flight (under the send lock, so
+        never inside a multi-frame KV scatter), every rank exits 0, then the launcher; kill what did not.
+        Idempotent."""
+        if self._report is None and self._send_lock.acquire(timeout=self.par.rank_timeout + 5):
             try:
-                self.outbox.enqueue(m.encode(m.Shutdown("driver shutdown")), timeout=2.0)
-                self.launcher.wait(timeout=10)
-            except (QueueError, subprocess.TimeoutExpired):
-                pass
+                if self._report is None:
+                    self._stopping = True                   # from here a rank's exit is no failure
+                    self.outbox.enqueue(m.encode(m.Shutdown("driver shutdown")), timeout=self.par.rank_timeout)
+                    self.launcher.wait(timeout=STOP_WAIT_S)
+            except (QueueError, subprocess.TimeoutExpired) as exc:
+                logger.warning("the ranks did not stop in order (%s); killing them", exc)
+            finally:
+                self._send_lock.release()
         self._fail("the executor was shut down", log=False)
 
     def _kill_all(self) -> None:
-        for pid in self.rank_pids():
-            _kill(pid)                                     # SIGKILL also ends a SIGSTOPped rank
+        """Close the lifeline: the launcher kills the ranks it has not reaped, reaps them and exits. If it does
+        not, SIGKILL it (the only process the driver signals; its ranks die with it)."""
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
         try:
-            self.launcher.wait(timeout=10)                 # it exits once it reaped every rank
+            self.launcher.wait(timeout=STOP_WAIT_S)
         except subprocess.TimeoutExpired:
-            _kill(self.launcher.pid)
+            logger.error("the rank launcher (pid %d) did not exit; killing it", self.launcher.pid)
+            self.launcher.kill()
             self.launcher.wait()
-        self._unlink_files()
         if self._mirror is not None:
             self._mirror.stop.set()
-
-    def _unlink_files(self) -> None:
-        self.ch.close()
-        try:
-            os.unlink(self._hb_path)
-        except FileNotFoundError:
-            pass
-
-
-def spawn_launcher(master_addr: str, master_port: int, ranks: list[int], heartbeat: str,
-                   debug_sync: bool = False) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    if debug_sync:
-        env["CUDA_LAUNCH_BLOCKING"] = "1"                 # every kernel synchronous, errors at their call site
-    cmd = [sys.executable, "-m", "pdserve.engine.parallel.launcher", "--master-addr", master_addr,
-           "--master-port", str(master_port), "--ranks", ",".join(map(str, ranks)), "--heartbeat", heartbeat]
-    return subprocess.Popen(cmd, env=env)
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _step_request(item, block_size: int) -> m.StepRequest:

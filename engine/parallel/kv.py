@@ -16,6 +16,9 @@ so an embedded (in-process) store works as well as a daemon or Redis.
 
 Both are synchronous round trips; ranks handle messages in queue order, so a gather always sees
 the step before it and a scatter lands before any step scheduled after the load reported back.
+A copy that fails on a rank comes back as the part's ``error`` (the rank lives on): ``KVCopyError``
+fails that chunk's publish (the connector stops publishing the request) or load (the loader keeps the
+chunks before it and the scheduler recomputes the rest).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from pdserve.kernels.transfer import gather_kv, scatter_kv
 from pdserve.prefill.publisher import ChunkPublisher
 
 logger = logging.getLogger(__name__)
+
+
+class KVCopyError(RuntimeError):
+    """A rank could not copy its share of a KV chunk; the message names each rank and its error."""
 
 
 def to_wire(t: torch.Tensor) -> m.Tensor:
@@ -103,7 +110,7 @@ class KVRelay:
                 parts = [self._part(rank, q, op_id) for rank, q in self.queues.items()]
         errors = [f"rank {p.rank}: {p.error}" for p in parts if p.error]
         if errors:
-            raise RuntimeError("KV copy failed on " + "; ".join(errors))
+            raise KVCopyError("KV copy failed on " + "; ".join(errors))
         return parts
 
     def _part(self, rank: int, queue, op_id: int) -> m.KVPart:
@@ -137,3 +144,13 @@ class RankLoader(ChunkLoader):
 
     def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int) -> None:
         self.relay.scatter(slots, torch.stack([v[:, a:b] for v in views]))          # [L, C, b - a, Hkv, D]
+
+    def _load_chunk(self, job, index: int, slots, a: int, b: int) -> bool:
+        """A rank's copy error fails this chunk only: the chunks before it stay loaded (the store is fine)."""
+        try:
+            return super()._load_chunk(job, index, slots, a, b)
+        except KVCopyError as exc:
+            self.failures += 1
+            logger.warning("KV load of %s: chunk %d failed on the ranks (%s); recomputing from there",
+                           job.request_id, index, exc)
+            return False

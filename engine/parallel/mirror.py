@@ -6,6 +6,7 @@
                                                    watchdog.saw_mirror(N, ranks)
     every 0.5 s: store has FAILED_KEY, or the      ParallelExecutor._fail: store.set(FAILED_KEY, report)
     store is gone -> SIGKILL this node's ranks
+    (``launcher.Children.kill_all``: only ranks not reaped yet)
 
 Records travel as ages (monotonic clocks do not compare across machines) and carry whether the
 rank's process is stopped (the driver cannot read another machine's /proc).
@@ -14,10 +15,9 @@ rank's process is stopped (the driver cannot read another machine's /proc).
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
+from typing import Callable
 
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue
@@ -29,9 +29,10 @@ FAILED_KEY = "pdserve/failed"
 class MirrorSender(threading.Thread):
     """Runs in a launcher on another machine, after it forked its ranks."""
 
-    def __init__(self, heartbeat, node_rank: int, ranks: list[int], handle, store, pids: list[int]):
+    def __init__(self, heartbeat, node_rank: int, ranks: list[int], handle, store, kill_ranks: Callable[[], None]):
         super().__init__(name="pdserve-mirror", daemon=True)
-        self.heartbeat, self.node_rank, self.ranks, self.store, self.pids = heartbeat, node_rank, ranks, store, pids
+        self.heartbeat, self.node_rank, self.ranks, self.store = heartbeat, node_rank, ranks, store
+        self.kill_ranks = kill_ranks
         self.queue = MessageQueue.writer(handle)
         self.stop = threading.Event()
 
@@ -54,11 +55,7 @@ class MirrorSender(threading.Thread):
             logger.error("node %d: the driver's rendezvous store is unreachable (%s)", self.node_rank, exc)
         if failed:
             logger.error("node %d: the node failed; killing ranks %s", self.node_rank, self.ranks)
-            for pid in self.pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            self.kill_ranks()
             self.stop.set()
 
 

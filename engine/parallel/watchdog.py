@@ -26,15 +26,15 @@ since monotonic clocks compare only on one machine; ``stopped`` is set by that m
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import signal
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from pdserve.engine.parallel import shm
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ PHASES = ("starting", "recv_scheduler_output", "recv_from_prev_stage", "forward"
 WAITING = frozenset({"recv_scheduler_output", "recv_from_prev_stage", "all_reduce", "all_gather",
                      "send_to_next_stage"})
 _FIELDS = 7                                       # step, phase, seq, t_ns, pid, exit, stopped
-_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 
 @dataclass(frozen=True)
@@ -58,15 +57,12 @@ class RankState:
 
 
 class Heartbeat:
-    """``create`` (driver) a file for ``world_size`` ranks; a rank opens it with its index and writes."""
+    """``create`` (driver) the shared records of ``world_size`` ranks -> an fd its descendants inherit
+    (``shm.py``); a rank maps it with its index and writes, the launcher and the driver map it to read."""
 
-    def __init__(self, path: str, rank: int | None = None, log_phases: bool = False, coords: str = ""):
-        self.path, self.rank, self.log_phases, self.coords = path, rank, log_phases, coords
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._mm = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
+    def __init__(self, fd: int, rank: int | None = None, log_phases: bool = False, coords: str = ""):
+        self.fd, self.rank, self.log_phases, self.coords = fd, rank, log_phases, coords
+        self._mm = shm.map(fd)
         self._rec = np.frombuffer(self._mm, dtype=np.int64).reshape(-1, _FIELDS)
         self.step = 0
         if rank is not None:
@@ -74,11 +70,8 @@ class Heartbeat:
             self.enter("starting")
 
     @staticmethod
-    def create(world_size: int) -> str:
-        path = str(_DIR / f"pdserve-hb-{uuid.uuid4().hex[:16]}")
-        with open(path, "wb") as f:
-            f.truncate(world_size * _FIELDS * 8)
-        return path
+    def create(world_size: int) -> int:
+        return shm.create(world_size * _FIELDS * 8, "pdserve-hb")
 
     @property
     def world_size(self) -> int:

@@ -11,11 +11,17 @@ Start-up, in order:
 Then the loop, one ``StepMessage`` from the broadcast queue at a time (heartbeat phases in brackets):
 
     [recv_scheduler_output] msg = queue.dequeue()     Shutdown -> exit 0; the driver gone -> exit 1
-    KVGather / KVScatter   [kv_save / kv_load]        copy this rank's layers and heads (parallel/kv.py)
+    KVGather / KVScatter   [kv_save / kv_load]        copy this rank's layers and heads (parallel/kv.py);
+                                                      an error is the reply's ``error``, never the rank's end
     stage.execute(msg)     [recv_from_prev_stage, forward, all_reduce, send_to_next_stage, sample]
     last stage, tp rank 0: results.enqueue(StepResult)
 
 Rank r has coordinates tp = r % T, pp = r // T. Every process uses one torch thread.
+
+Who judges a stall: only the driver's watchdog, from heartbeats. The rank's own waits never time out
+on a live peer: its queue writes wait while the driver lives, and gloo's collective timeout
+(``COLLECTIVE_TIMEOUT``) is a day, far beyond any --rank-timeout, so a stage waiting on a slow but
+moving stage is never killed by gloo.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch.distributed as dist
 
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.parallel import faults
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle, WriterDeadError
 from pdserve.engine.parallel.kv import gather_part, scatter_part
@@ -38,6 +45,12 @@ from pdserve.engine.parallel.watchdog import Heartbeat
 
 logger = logging.getLogger("pdserve.worker")
 SPEC_KEY, READY_KEY = "pdserve/spec", "pdserve/ready"
+COLLECTIVE_TIMEOUT = timedelta(days=1)     # gloo's own give-up: a backstop only; stalls are the watchdog's call
+
+
+def collective_timeout(rank_timeout: float) -> timedelta:
+    """Far beyond the watchdog: the watchdog reports a stuck rank within --rank-timeout, gloo never first."""
+    return max(COLLECTIVE_TIMEOUT, timedelta(seconds=100 * rank_timeout))
 
 
 def connect_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -45,17 +58,17 @@ def connect_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 
 class Worker:
-    def __init__(self, store: dist.TCPStore, rank: int, heartbeat_path: str):
+    def __init__(self, store: dist.TCPStore, rank: int, heartbeat_fd: int):
         self.spec = msgspec.json.decode(store.get(SPEC_KEY), type=m.WorkerSpec)
         spec = self.spec
         self.coords = Coords(rank, rank % spec.tp, rank // spec.tp, spec.tp, spec.pp)
         local = rank in spec.local_ranks
         if spec.debug_sync:
             logging.getLogger("pdserve.engine.parallel.watchdog").setLevel(logging.INFO)
-        self.heartbeat = Heartbeat(heartbeat_path, rank, spec.debug_sync, str(self.coords))
+        self.heartbeat = Heartbeat(heartbeat_fd, rank, spec.debug_sync, str(self.coords))
         torch.manual_seed(spec.seed)
         dist.init_process_group("gloo", store=dist.PrefixStore("pdserve/pg", store), rank=rank,
-                                world_size=spec.tp * spec.pp, timeout=timedelta(seconds=2 * spec.rank_timeout + 60))
+                                world_size=spec.tp * spec.pp, timeout=collective_timeout(spec.rank_timeout))
         self.tp_group = self._tp_groups()[self.coords.pp]
         self.stage = self._load()
         handle = msgspec.convert(spec.broadcast, QueueHandle)
@@ -67,7 +80,9 @@ class Worker:
 
     def _tp_groups(self) -> list:
         t = self.spec.tp
-        groups = [dist.new_group(list(range(p * t, (p + 1) * t))) for p in range(self.spec.pp)]   # all ranks, same order
+        timeout = collective_timeout(self.spec.rank_timeout)       # new_group does not inherit it (gloo: 30 min)
+        groups = [dist.new_group(list(range(p * t, (p + 1) * t)), timeout=timeout)
+                  for p in range(self.spec.pp)]                                # all ranks, same order
         return [TPGroup(g, t, self.heartbeat, self.spec.debug_sync) for g in groups]
 
     def _load(self) -> StageRunner:
@@ -76,11 +91,13 @@ class Worker:
 
         num_layers = ModelConfig.from_dir(spec.model, dtype=spec.dtype).num_layers
         first, count = stage_layers(num_layers, spec.pp)[c.pp]
+        faults.before_load()
         model, config = load_model(spec.model, spec.dtype, first_layer=first, num_layers=count,
                                    tp_rank=c.tp, tp_size=c.tp_size)
         attach(model, self.tp_group)
         layout = config.kv_layout(num_kv_heads=config.num_kv_heads // c.tp_size, num_layers=count, first_layer=first)
         runner = ModelRunner(model, layout, spec.num_blocks, spec.block_size)
+        faults.install(model, c.rank, self.heartbeat)
         return StageRunner(model, runner, c, self.heartbeat, config.hidden_size, config.dtype)
 
     def run(self) -> int:
@@ -107,25 +124,28 @@ class Worker:
             self.stage.runner.release(rid)
         tokens = self.stage.execute(msg)
         if self.results is not None:
-            self.results.enqueue(m.encode(m.StepResult(msg.step, tokens or [])), timeout=self.spec.rank_timeout)
+            self.results.enqueue(m.encode(m.StepResult(msg.step, tokens or [])))
 
     def _kv(self, msg: m.KVGather | m.KVScatter) -> None:
+        """Answer every KV op, an error included: a bad copy fails that chunk on the driver, not this rank."""
         runner, c = self.stage.runner, self.coords
-        if isinstance(msg, m.KVGather):
-            self.heartbeat.enter("kv_save")
-            part = gather_part(runner, c.rank, msg)
-        else:
-            self.heartbeat.enter("kv_load")
-            part = scatter_part(runner, c.rank, c.tp, msg)
-        self.kv_out.enqueue(m.encode(part), timeout=self.spec.rank_timeout)
+        gather = isinstance(msg, m.KVGather)
+        self.heartbeat.enter("kv_save" if gather else "kv_load")
+        try:
+            part = gather_part(runner, c.rank, msg) if gather else scatter_part(runner, c.rank, c.tp, msg)
+        except Exception as exc:  # noqa: BLE001 - reported to the driver in the reply
+            logger.warning("rank %d (%s): KV %s op %d failed: %s: %s", c.rank, c, "gather" if gather else "scatter",
+                           msg.op_id, type(exc).__name__, exc)
+            part = m.KVPart(msg.op_id, c.rank, runner.layout.first_layer, error=f"{type(exc).__name__}: {exc}")
+        self.kv_out.enqueue(m.encode(part))
 
 
-def run_rank(master_addr: str, master_port: int, rank: int, heartbeat_path: str,
+def run_rank(master_addr: str, master_port: int, rank: int, heartbeat_fd: int,
              connect_timeout: float = 300.0) -> int:
     """A rank's whole life (called in the process forked for it by ``launcher.py``); -> exit code."""
     torch.set_num_threads(1)
     store = connect_store(master_addr, master_port, connect_timeout)
-    worker = Worker(store, rank, heartbeat_path)
+    worker = Worker(store, rank, heartbeat_fd)
     try:
         return worker.run()
     finally:
