@@ -1,12 +1,28 @@
-"""``pdserve node``: build an ``EngineConfig`` from vLLM-style flags and serve it over HTTP."""
+"""``pdserve node``: build an ``EngineConfig`` from vLLM-style flags and serve it over HTTP.
+
+Lifecycle (every node, tp1 or tp x pp). SIGINT and SIGTERM are handled from the first line of
+``run_node``; the ranks of a tp x pp node ignore both (``parallel/launcher.py``):
+
+    start-up    a signal unwinds the start (the executor stops its ranks on the way) -> exit 0
+    serving     the first signal drains: the listening socket closes, in-flight requests finish
+                (up to --drain-timeout, then they are cancelled); a second signal stops at once
+    stopping    ``AsyncEngine.shutdown``: the engine thread, the KV publisher (queued puts flushed),
+                the store, then the ranks in order -> exit 0, or 1 if the engine had failed
+                (a dead or stalled rank), so a supervisor restarts it
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import logging
+import signal
+import time
 from pathlib import Path
 
 from pdserve.engine import envs
+from pdserve.engine.request_limits import add_limit_flags, limits_from_args
 from pdserve.engine.config import (CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig,
                                    SchedulerConfig)
 
@@ -27,7 +43,10 @@ def register(subparsers) -> None:
                    help="where the model and KV cache live (auto: cuda when available)")
     p.add_argument("--num-threads", type=int, default=envs.PDSERVE_NUM_THREADS,
                    help="torch intra-op threads (default 1: on small boxes more threads thrash)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM / SIGINT: seconds in-flight requests may take to finish before they are cancelled")
     _add_engine_flags(p)
+    add_limit_flags(p)
     p.set_defaults(func=run_node)
 
 
@@ -94,23 +113,82 @@ def config_from_args(args) -> EngineConfig:
     )
 
 
+class NodeStopped(BaseException):
+    """SIGINT / SIGTERM during start-up: unwinds like KeyboardInterrupt (the executor stops its ranks on the way)."""
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM for the node's whole life: raise during start-up, drain while serving, then ignore."""
+
+    def __init__(self, drain_timeout: float):
+        self.drain_timeout = drain_timeout
+        self.server = None                        # set once serving
+        self.stopping = False
+        self.first: str | None = None             # the first signal's name, and when it came (monotonic)
+        self.since = 0.0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.first is None:
+            self.first, self.since = name, time.monotonic()
+        if self.stopping:
+            logger.warning("%s: already stopping", name)
+        elif self.server is None:
+            raise NodeStopped(name)
+        elif self.server.should_exit:
+            logger.warning("%s again: cancelling in-flight requests and stopping now", name)
+            self.server.force_exit = True
+        else:
+            logger.info("%s: draining (no new connections; in-flight requests get up to %.0fs), then stopping",
+                        name, self.drain_timeout)
+            self.server.should_exit = True
+
+
+def _server(app, args):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn without its own signal handling: it would re-raise the signal after its shutdown, killing
+        the process before the engine and the ranks are stopped."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                 timeout_graceful_shutdown=args.drain_timeout))
+
+
 def run_node(args) -> int:
     config = config_from_args(args)
     if config.parallel.node_rank > 0:
         return run_worker_node(config)
-    import uvicorn
-
-    from pdserve.engine.async_engine import AsyncEngine
-    from pdserve.engine.server import build_app
-
-    engine = AsyncEngine(config)
-    app = build_app(engine, api_key=args.api_key)
-    logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name, args.host, args.port)
+    signals = _StopSignals(args.drain_timeout)
+    engine, healthy = None, True
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        from pdserve.engine.async_engine import AsyncEngine
+        from pdserve.engine.server import build_app
+
+        engine = AsyncEngine(config)
+        gc.freeze()                           # start-up objects (65k KV blocks...): never scanned again, not at exit either
+        server = _server(build_app(engine, api_key=args.api_key, limits=limits_from_args(args)), args)
+        logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name, args.host, args.port)
+        signals.server = server
+        engine.on_fatal = lambda reason: setattr(server, "should_exit", True)   # exit 1: a supervisor restarts us
+        server.run()
+    except NodeStopped as exc:
+        logger.info("%s during start-up: stopping", exc)
     finally:
-        engine.shutdown()
-    return 0
+        signals.stopping = True
+        if engine is not None:
+            healthy = engine.is_healthy()
+            engine.shutdown()
+    if signals.first is not None:
+        state = "during start-up" if engine is None else "healthy" if healthy else "the engine had failed: exit 1"
+        logger.info("stopped %.1fs after %s (%s)", time.monotonic() - signals.since, signals.first, state)
+    return 0 if healthy else 1
 
 
 def run_worker_node(config: EngineConfig) -> int:

@@ -17,8 +17,8 @@ A seeded generator makes exactly one draw per sampled token (``torch.multinomial
 vocabulary, whose RNG use does not depend on the probabilities), so a node that continues a
 request another node started (disaggregated decode) reaches the same RNG position with
 ``skip_draws(generator, vocab_size, generator_draws(params, num_sampled))``.
-Greedy requests (``temperature == 0`` or ``top_k == 1``) take the argmax after the
-repetition penalty, like HF and vLLM. A batch that is all greedy without penalty
+Greedy requests (``temperature`` below ``GREEDY_TEMPERATURE``, 1e-5, or ``top_k == 1``) take the
+argmax after the repetition penalty, like HF and vLLM. A batch that is all greedy without penalty
 is one ``argmax`` over the batch: that is the hot path.
 
 Logprobs are from the raw, unprocessed ``log_softmax`` of the logits (vLLM's
@@ -96,13 +96,16 @@ def _apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams]
 
 
 def _ban(processed: torch.Tensor, raw: torch.Tensor, banned: list[list[int]] | None) -> torch.Tensor:
-    """-inf at each row's banned ids, on a copy when ``processed`` is still the raw logits."""
+    """-inf at each row's banned ids, on a copy when ``processed`` is still the raw logits. An id outside
+    [0, V) cannot be sampled anyway, so it is not banned (a negative one would index from the end)."""
     if not banned or not any(banned):
         return processed
     out = processed.clone() if processed is raw else processed
+    vocab = out.shape[1]
     for row, ids in enumerate(banned):
+        ids = [t for t in ids if 0 <= t < vocab]
         if ids:
-            out[row, list(ids)] = float("-inf")
+            out[row, ids] = float("-inf")
     return out
 
 

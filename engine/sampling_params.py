@@ -2,15 +2,32 @@
 
 Built by the HTTP server (from a request body) or by users of ``LLM.generate``;
 read by the sampler (``pdserve.engine.sampler``) and by the scheduler's stop checks.
+Every field is checked for its type and range here, so a value that passes cannot fail a step:
+``seed`` fits a ``torch.Generator`` (int64 .. uint64), floats are finite (and fit float32, the
+sampler's dtype, where a temperature of 3.4e38 becomes inf), token ids are >= 0
+(ids past the vocabulary, which only the node knows, are refused by the HTTP edge and never
+banned by the sampler). A temperature below ``GREEDY_TEMPERATURE`` is greedy, as in vLLM: dividing
+logits by it would overflow them to inf and the distribution to NaN.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1      # what torch.Generator.manual_seed accepts
+GREEDY_TEMPERATURE = 1e-5                   # vLLM's _SAMPLING_EPS: below it, sampling is argmax
+MAX_TEMPERATURE = 1e6                       # far beyond uniform; float32 logits / inf would be NaN at -inf
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)      # beyond it logits / penalty overflow (or vanish)
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message names the value and the limit."""
+    """A sampling parameter is out of range; the message names the value and the limit, ``param`` the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -33,27 +50,69 @@ class SamplingParams:
         # Accept lists from JSON; keep the dataclass hashable/frozen.
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._check_types()
         self._check()
 
+    def _check_types(self) -> None:
+        """Integers and finite numbers (numpy scalars too), stored as plain int / float."""
+        for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None or name not in ("seed", "logprobs"):
+                _require(_is_int(value), f"{name} must be an integer, got {_short(value)}", name)
+                object.__setattr__(self, name, int(value))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            _require(_is_number(value) and math.isfinite(value), f"{name} must be a finite number, got {_short(value)}",
+                     name)
+            object.__setattr__(self, name, float(value))
+        _require(all(_is_int(t) for t in self.stop_token_ids),
+                 f"stop_token_ids must be integers, got {_short(list(self.stop_token_ids))}", "stop_token_ids")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
     def _check(self) -> None:
-        _require(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-        _require(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _require(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or >= 0, got {self.top_k}")
-        _require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _require(self.repetition_penalty > 0.0,
-                 f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _require(self.max_tokens >= 1, f"max_tokens must be >= 1, got {_short(self.max_tokens)}", "max_tokens")
+        _require(self.temperature >= 0.0, f"temperature must be >= 0, got {_short(self.temperature)}", "temperature")
+        _require(self.temperature <= MAX_TEMPERATURE,
+                 f"temperature must be at most {MAX_TEMPERATURE:g}, got {_short(self.temperature)}", "temperature")
+        _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {_short(self.top_p)}", "top_p")
+        _require(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or >= 0, got {_short(self.top_k)}",
+                 "top_k")
+        _require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {_short(self.min_p)}", "min_p")
+        low, high = REPETITION_PENALTY_RANGE
+        _require(low <= self.repetition_penalty <= high,
+                 f"repetition_penalty must be in [{low:g}, {high:g}], got {_short(self.repetition_penalty)}",
+                 "repetition_penalty")
         _require(self.logprobs is None or 0 <= self.logprobs <= 20,
-                 f"logprobs must be in [0, 20], got {self.logprobs}")
-        _require(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+                 f"logprobs must be in [0, 20], got {_short(self.logprobs)}", "logprobs")
+        _require(self.min_tokens >= 0, f"min_tokens must be >= 0, got {_short(self.min_tokens)}", "min_tokens")
+        _require(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+                 f"seed must be in [-2^63, 2^64 - 1], got {_short(self.seed)}", "seed")
+        _require(all(t >= 0 for t in self.stop_token_ids),
+                 f"stop_token_ids must be >= 0, got {_short(list(self.stop_token_ids))}", "stop_token_ids")
         _require(all(isinstance(s, str) and s for s in self.stop),
-                 f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+                 f"stop strings must be non-empty strings, got {_short(list(self.stop))}", "stop")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
-def _require(ok: bool, message: str) -> None:
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _short(value, limit: int = 80) -> str:
+    """``value`` for an error message: huge integers by their size, long reprs cut."""
+    if _is_int(value) and abs(value) >= 10**30:
+        return f"{'-' if value < 0 else ''}<{value.bit_length()}-bit integer>"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _require(ok: bool, message: str, param: str) -> None:
     if not ok:
-        raise SamplingParamsError(message)
+        raise SamplingParamsError(message, param)

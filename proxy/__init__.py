@@ -7,7 +7,7 @@ OpenAI server: /v1/completions, /v1/chat/completions (SSE streaming, usage), /v1
 
 P->D protocol, per client request (``orchestrate``):
 
-    client ──> proxy: validate (OpenAI 4xx body), tokenize once -> prompt_token_ids, routing chunk keys
+    client ──> proxy: validate like a node (the same 4xx body), tokenize once -> prompt_token_ids, routing keys
       (1) POST <same endpoint> to a prefill node:
             client body + max_tokens=1, stream=false, prompt_token_ids,
             kv_transfer_params={"do_remote_decode": true, "do_remote_prefill": false}
@@ -19,8 +19,10 @@ P->D protocol, per client request (``orchestrate``):
     A non-streaming request with max_tokens == 1 is answered from (1).
 
 Modules: ``config`` (ProxyConfig), ``nodes`` + ``router`` (node pools, in-flight leases),
-``policies`` (round_robin, least_loaded, prefix_aware), ``health`` (periodic /health probes),
-``inputs`` (validation, tokenization, downstream bodies), ``upstream`` (one node call and how it
-failed), ``orchestrate`` (the two phases, retries on another node before the first byte, SSE
-relay that ends a broken stream with an error event), ``metrics``, ``app`` (FastAPI), ``cli``.
+``policies`` (round_robin, least_loaded, prefix_aware), ``health`` (periodic /health probes on their
+own connections), ``inputs`` (the nodes' validation and limits, tokenization, downstream bodies),
+``upstream`` (one node call and how it failed: unreachable, 5xx, busy 429/503, an error streamed
+before the first token, or the client's fault), ``orchestrate`` (the two phases, retries on another
+node before the first byte, SSE relay that ends a broken stream with an error event), ``metrics``,
+``app`` (FastAPI), ``cli``.
 """

@@ -1,16 +1,18 @@
 """The proxy's FastAPI app: the public OpenAI API in front of the prefill and decode pools.
 
 Built by ``cli.run_proxy`` (or a test) with ``build_app(config, tokenizer)`` and served by uvicorn.
-Routes: POST /v1/completions and /v1/chat/completions (``inputs.parse_request`` then
-``Orchestrator.handle``), GET /v1/models, /health (200 only while >= 1 prefill and >= 1 decode
-node are healthy), /metrics. With ``--api-key`` the /v1 routes want ``Authorization: Bearer``;
-/health and /metrics stay open. The lifespan owns the one pooled httpx client and the prober.
+Routes: POST /v1/completions and /v1/chat/completions (the body parsed into the nodes' own pydantic
+models, ``inputs.admit_request``, then ``Orchestrator.handle``), GET /v1/models, /health (200 only while
+>= 1 prefill and >= 1 decode node are healthy), /metrics, /openapi.json. In front of the routes, outermost
+first: ``BearerAuth`` with ``--api-key`` (every path but /health and /metrics), then ``BodyLimits``
+(``--max-request-bytes``, JSON nesting) -- the node's own middleware. The lifespan owns the pooled
+httpx client of node calls (``--max-node-connections``) and the prober, which has its own client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import json
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,13 +20,16 @@ from typing import Any, Awaitable
 
 import anyio
 import httpx
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.engine.server.app import BearerAuth
 from pdserve.engine.server.errors import APIError, error_response, install_error_handlers
+from pdserve.engine.server.limits import BodyLimits
+from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.health import HealthChecker
-from pdserve.proxy.inputs import CHAT, COMPLETIONS, Routing, parse_request
+from pdserve.proxy.inputs import CHAT, COMPLETIONS, Gate, Routing, admit_request
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.orchestrate import Orchestrator
 from pdserve.proxy.router import NodePool
@@ -43,12 +48,13 @@ class ProxyState:
         self.decode = NodePool("decode", config.decode_urls, config.decode_policy, self.metrics)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
-        self.health = HealthChecker([self.prefill, self.decode], self.client,
-                                    config.health_interval_s, config.probe_timeout_s)
+            limits=httpx.Limits(max_connections=config.max_node_connections,
+                                max_keepalive_connections=min(256, config.max_node_connections)))
+        self.health = HealthChecker([self.prefill, self.decode], config.health_interval_s, config.probe_timeout_s)
         self.orchestrator = Orchestrator(self.client, self.prefill, self.decode, self.metrics,
                                          config.max_attempts, lambda: self.health.model_name)
-        self.routing = Routing(config.prefix_chunk_tokens, f"proxy:{Path(config.model).name}")
+        self.gate = Gate.build(tokenizer, Routing(config.prefix_chunk_tokens, f"proxy:{Path(config.model).name}"),
+                               config.limits, lambda: self.health.max_model_len, _model_vocab_size(config.model))
 
     @property
     def model_name(self) -> str:
@@ -72,24 +78,28 @@ def build_app(config: ProxyConfig, tokenizer) -> FastAPI:
         finally:
             await state.health.stop()
             await state.client.aclose()
+            state.gate.prompts.shutdown()
 
-    app = FastAPI(title="pdserve proxy", lifespan=lifespan)
+    app = FastAPI(title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.proxy = state
     install_error_handlers(app)
-    _add_routes(app, state, _auth_dependency(config.api_key))
+    _add_routes(app, state)
+    app.add_middleware(BodyLimits, limits=config.limits)
+    if config.api_key:
+        app.add_middleware(BearerAuth, api_key=config.api_key)
     return app
 
 
-def _add_routes(app: FastAPI, state: ProxyState, auth) -> None:
-    @app.post(COMPLETIONS, dependencies=[auth])
-    async def completions(request: Request) -> Response:
-        return await _serve(state, request, COMPLETIONS)
+def _add_routes(app: FastAPI, state: ProxyState) -> None:
+    @app.post(COMPLETIONS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _serve(state, request, COMPLETIONS, body)
 
-    @app.post(CHAT, dependencies=[auth])
-    async def chat(request: Request) -> Response:
-        return await _serve(state, request, CHAT)
+    @app.post(CHAT)
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _serve(state, request, CHAT, body)
 
-    @app.get("/v1/models", dependencies=[auth])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "pdserve", "root": state.config.model}]}
@@ -105,7 +115,7 @@ def _add_routes(app: FastAPI, state: ProxyState, auth) -> None:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
 
-async def _serve(state: ProxyState, request: Request, endpoint: str) -> Response:
+async def _serve(state: ProxyState, request: Request, endpoint: str, parsed) -> Response:
     start = time.perf_counter()
 
     def on_end(outcome: str) -> None:
@@ -113,8 +123,8 @@ async def _serve(state: ProxyState, request: Request, endpoint: str) -> Response
         state.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 
     try:
-        req = await parse_request(endpoint, await request.body(), state.tokenizer, state.routing)
-        _check_model(state, req.body.get("model"))
+        _check_model(state, parsed.model)
+        req = await admit_request(endpoint, await request.json(), parsed, state.gate)   # json: FastAPI's, cached
     except APIError:
         on_end("client_error")
         raise
@@ -154,16 +164,9 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _auth_dependency(api_key: str | None):
-    expected = api_key.encode() if api_key else None
-
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <--api-key>'",
-                           code="invalid_api_key")
-
-    return Depends(check)
+def _model_vocab_size(model_dir: str) -> int | None:
+    """The model's ``vocab_size`` from its config.json (the proxy has no weights); None without one."""
+    try:
+        return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 
+from pdserve.engine.request_limits import add_limit_flags, limits_from_args
 from pdserve.proxy.config import POLICIES, ProxyConfig
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,9 @@ def register(subparsers) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a node call may take")
     p.add_argument("--max-attempts", type=int, default=3, help="nodes tried per phase before failing")
     p.add_argument("--prefix-chunk-tokens", type=int, default=256, help="chunk size of prefix-routing keys")
+    p.add_argument("--max-node-connections", type=int, default=1024,
+                   help="connections to the nodes the proxy keeps open at most (health probes have their own)")
+    add_limit_flags(p)
     p.set_defaults(func=run_proxy)
 
 
@@ -42,7 +46,8 @@ def config_from_args(args) -> ProxyConfig:
         model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key, prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
-        max_attempts=args.max_attempts, prefix_chunk_tokens=args.prefix_chunk_tokens)
+        max_attempts=args.max_attempts, prefix_chunk_tokens=args.prefix_chunk_tokens,
+        max_node_connections=args.max_node_connections, limits=limits_from_args(args))
 
 
 def run_proxy(args) -> int:

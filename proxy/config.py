@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pdserve.engine.request_limits import RequestLimits
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 
@@ -23,6 +25,8 @@ class ProxyConfig:
     connect_timeout_s: float = 2.0
     max_attempts: int = 3                        # per phase, each on another node
     prefix_chunk_tokens: int = 256               # chunk size of the routing keys (the store's default)
+    max_node_connections: int = 1024             # the pool of node calls (health probes have their own)
+    limits: RequestLimits = field(default_factory=RequestLimits)   # body size, tokenization (as on the nodes)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -35,6 +39,7 @@ class ProxyConfig:
         _positive("--request-timeout", self.request_timeout_s)
         _positive("--max-attempts", self.max_attempts)
         _positive("--prefix-chunk-tokens", self.prefix_chunk_tokens)
+        _positive("--max-node-connections", self.max_node_connections)
         for flag, urls in (("--prefill", self.prefill_urls), ("--decode", self.decode_urls)):
             _check_urls(flag, urls)
 

@@ -2,13 +2,19 @@
 
 Started and stopped by ``app``'s lifespan:
 
-    checker = HealthChecker(pools, client, interval_s, timeout_s)
+    checker = HealthChecker(pools, interval_s, timeout_s)
     await checker.probe_all()        # once before serving, so a ready cluster is ready at once
     checker.start() ... await checker.stop()
 
 Every ``interval_s`` each node of each pool gets ``GET /health``; 200 within ``timeout_s``
-puts it in rotation, anything else takes it out. The first healthy node's ``/v1/models``
-names the model the proxy reports (unless ``--served-model-name`` is given).
+puts it in rotation, anything else takes it out. Probes use their own small httpx client, never the
+request pool: with every pooled connection held by slow requests a probe would otherwise wait for
+the pool, time out, and take healthy nodes out of rotation. For the same reason a probe that times
+out waiting for a connection of its own pool (``PoolTimeout``: this proxy is short of connections)
+is no verdict on the node and changes nothing.
+Each node's ``/v1/models`` is read once it is healthy: the first names the model the proxy reports
+(unless ``--served-model-name`` is given), and ``max_model_len`` is the smallest any node reports
+(the proxy refuses prompts that cannot fit it before tokenizing them, as a node would).
 """
 
 from __future__ import annotations
@@ -25,11 +31,19 @@ logger = logging.getLogger(__name__)
 
 
 class HealthChecker:
-    def __init__(self, pools: list[NodePool], client: httpx.AsyncClient, interval_s: float, timeout_s: float):
-        self._pools, self._client = pools, client
+    def __init__(self, pools: list[NodePool], interval_s: float, timeout_s: float):
+        self._pools = pools
         self._interval_s, self._timeout_s = interval_s, timeout_s
+        num_nodes = sum(len(pool.nodes) for pool in pools)
+        self._client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(
+            max_connections=2 * num_nodes, max_keepalive_connections=num_nodes))
         self._task: asyncio.Task | None = None
+        self._max_model_lens: dict[str, int | None] = {}   # per node that was read (None: no figure)
         self.model_name: str | None = None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return min((n for n in self._max_model_lens.values() if n is not None), default=None)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="proxy-health")
@@ -38,6 +52,7 @@ class HealthChecker:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await self._client.aclose()
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self._probe(pool, node) for pool in self._pools for node in pool.nodes))
@@ -52,18 +67,25 @@ class HealthChecker:
 
     async def _probe(self, pool: NodePool, node: Node) -> None:
         try:
-            response = await self._client.get(node.url + "/health", timeout=self._timeout_s)
+            response = await self._client.get(node.url + "/health")
             ok, why = response.status_code == 200, f"/health answered {response.status_code}"
+        except httpx.PoolTimeout:
+            logger.warning("health probe of %s waited too long for a connection; no verdict", node.url)
+            return
         except httpx.HTTPError as exc:
             ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
         pool.set_health(node, ok, why)
-        if ok and self.model_name is None:
-            self.model_name = await self._model_name(node)
+        if ok and node.url not in self._max_model_lens:
+            await self._read_model(node)
 
-    async def _model_name(self, node: Node) -> str | None:
+    async def _read_model(self, node: Node) -> None:
+        self._max_model_lens[node.url] = None
         try:
-            response = await self._client.get(node.url + "/v1/models", timeout=self._timeout_s)
-            return response.json()["data"][0]["id"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-            logger.warning("could not read the model name from %s/v1/models: %s", node.url, exc)
-            return None
+            card = (await self._client.get(node.url + "/v1/models")).json()["data"][0]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            logger.warning("could not read the model card from %s/v1/models: %s", node.url, exc)
+            return
+        if self.model_name is None and isinstance(card.get("id"), str):
+            self.model_name = card["id"]
+        if isinstance(card.get("max_model_len"), int) and card["max_model_len"] > 0:
+            self._max_model_lens[node.url] = card["max_model_len"]

@@ -1,34 +1,40 @@
 """Validate a client request once, tokenize it once, and build the bodies sent to the nodes.
 
-Called by ``app`` for every /v1/completions and /v1/chat/completions request:
+Called by ``app`` for every /v1/completions and /v1/chat/completions request, once FastAPI has parsed
+the body into the nodes' own pydantic model (so a bad body gets the node's 400 word for word):
 
-    req = await parse_request(endpoint, raw_body, tokenizer, routing)   # APIError(4xx) on bad input
+    req = await admit_request(endpoint, body, parsed, gate)    # APIError(4xx) on bad input
     prefill_body(req, model, i)  ->  client body + prompt i's token ids, max_tokens=1, stream=false,
                                      n=1, min_tokens=min(client's, 1), do_remote_decode
     decode_body(req, model, kv)  ->  client body + prompt_token_ids + what prefill returned (a list of
                                      both, one per prompt, when the client sent several prompts)
 
+``admit_request`` runs the nodes' checks in the nodes' order: ``checks.check_request`` (unsupported
+fields, vocabulary, choices, SamplingParams ranges), the character limit of each prompt, tokenizing
+(``PromptWork``: worker thread, deadline), token ids against the vocabulary, and -- once a node has
+told its ``max_model_len`` -- the prompt against it. A request the proxy accepts is one the nodes
+accept; a bad one is refused before any node is called. ``parse_request`` does the same from raw
+bytes (tests, tools).
+
 The prefill node samples the first token with the client's parameters (seed, logprobs, stop ids,
 ``min_tokens`` capped at the one token it makes), so that the first token is the one a colocated
 node would pick; it travels to the decode node in ``kv_transfer_params``.
-
-Validation reuses the nodes' own pydantic models and ``SamplingParams`` checks, so a request
-the proxy accepts is one the nodes accept, and a bad one is refused before any node is called.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
-from pdserve.engine.sampling_params import SamplingParamsError
-from pdserve.engine.server.errors import APIError, bad_request, describe_validation_errors
+from pdserve.engine.request_limits import RequestLimits
+from pdserve.engine.server.checks import check_request, check_token_ids, resolve_max_tokens, vocab_size
+from pdserve.engine.server.errors import bad_request, describe_validation_errors
+from pdserve.engine.server.prompt_work import PromptWork
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest, message_dicts, prompt_list
-from pdserve.engine.tokenizer import apply_chat_template
 from pdserve.kvstore.keys import chunk_keys
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -77,7 +83,24 @@ class ProxyRequest:
         return sum(len(p.ids) + (self.max_tokens or 0) for p in self.prompts)
 
 
-async def parse_request(endpoint: str, raw: bytes, tokenizer, routing: Routing) -> ProxyRequest:
+@dataclass(frozen=True)
+class Gate:
+    """What the proxy checks requests against: the nodes' tokenizer and vocabulary, its limits."""
+    prompts: PromptWork
+    vocab_size: int
+    routing: Routing
+    max_model_len: Callable[[], int | None]      # the nodes' (health probes); None until one answered
+
+    @classmethod
+    def build(cls, tokenizer, routing: Routing, limits: RequestLimits = RequestLimits(),
+              max_model_len: Callable[[], int | None] = lambda: None, model_vocab_size: int | None = None) -> "Gate":
+        return cls(PromptWork(tokenizer, limits, max_model_len), vocab_size(tokenizer, model_vocab_size), routing,
+                   max_model_len)
+
+
+async def parse_request(endpoint: str, raw: bytes, tokenizer, routing: Routing,
+                        gate: Gate | None = None) -> ProxyRequest:
+    """``admit_request`` from raw bytes: JSON, then the nodes' pydantic model."""
     body = _json_object(raw)
     model = CompletionRequest if endpoint == COMPLETIONS else ChatCompletionRequest
     try:
@@ -85,12 +108,22 @@ async def parse_request(endpoint: str, raw: bytes, tokenizer, routing: Routing) 
     except ValidationError as exc:
         message, param = describe_validation_errors(exc.errors())
         raise bad_request(message, param) from None
-    max_tokens = _check_sampling(parsed)
-    prompts = await asyncio.to_thread(_tokenize, parsed, tokenizer)
+    return await admit_request(endpoint, body, parsed, gate or Gate.build(tokenizer, routing))
+
+
+async def admit_request(endpoint: str, body: dict[str, Any], parsed, gate: Gate) -> ProxyRequest:
+    """``body``: the client's JSON object; ``parsed``: it as a CompletionRequest / ChatCompletionRequest."""
+    _check_client_fields(body)
+    check_request(parsed, gate.vocab_size)
+    prompts = await _tokenize(parsed, gate)
+    param = "prompt" if endpoint == COMPLETIONS else "messages"
     if not prompts or not all(prompts):
-        raise bad_request("the prompt is empty (0 tokens)", "prompt" if endpoint == COMPLETIONS else "messages")
-    routed = [Prompt(ids, chunk_keys(ids, routing.chunk_tokens, routing.salt)) for ids in prompts]
-    return ProxyRequest(endpoint, body, routed, parsed.stream, max_tokens, parsed.min_tokens)
+        raise bad_request("the prompt is empty (0 tokens)", param)
+    if (limit := gate.max_model_len()) is not None:
+        for ids in prompts:
+            resolve_max_tokens(limit, parsed.requested_max_tokens, len(ids))
+    routed = [Prompt(ids, chunk_keys(ids, gate.routing.chunk_tokens, gate.routing.salt)) for ids in prompts]
+    return ProxyRequest(endpoint, body, routed, parsed.stream, parsed.requested_max_tokens, parsed.min_tokens)
 
 
 def prefill_body(req: ProxyRequest, model_name: str | None, index: int = 0) -> dict[str, Any]:
@@ -127,38 +160,30 @@ def _with_model(body: dict[str, Any], model_name: str | None) -> dict[str, Any]:
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
-    for field in ("prompt_token_ids", "kv_transfer_params"):
-        if field in body:
-            raise bad_request(f"{field} is set by the proxy, not by clients", field)
     return body
 
 
-def _check_sampling(parsed) -> int | None:
-    """The node's own range checks; returns the requested max_tokens."""
-    if (message := parsed.unsupported()) is not None:
-        raise bad_request(message)
-    if isinstance(parsed, ChatCompletionRequest):
-        max_tokens, logprobs = parsed.requested_max_tokens, parsed.engine_logprobs
-    else:
-        max_tokens, logprobs = parsed.max_tokens, parsed.logprobs
-    try:
-        parsed.to_sampling_params(max_tokens if max_tokens is not None else 1, logprobs)
-    except SamplingParamsError as exc:
-        raise bad_request(str(exc)) from None
-    return max_tokens
+def _check_client_fields(body: dict[str, Any]) -> None:
+    for field in ("prompt_token_ids", "kv_transfer_params"):
+        if field in body:
+            raise bad_request(f"{field} is set by the proxy, not by clients", field)
 
 
-def _tokenize(parsed, tokenizer) -> list[list[int]]:
-    """Token ids of each prompt, exactly as the node would compute them."""
+async def _tokenize(parsed, gate: Gate) -> list[list[int]]:
+    """Token ids of each prompt, exactly as the node computes them (and with its limits)."""
     if isinstance(parsed, ChatCompletionRequest):
-        try:
-            return [apply_chat_template(tokenizer, message_dicts(parsed.messages), parsed.add_generation_prompt)]
-        except APIError:
-            raise
-        except Exception as exc:            # template errors are jinja's, not ours
-            raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt_list(parsed.prompt)]
+        return [await gate.prompts.chat(message_dicts(parsed.messages), parsed.add_generation_prompt)]
+    prompts = prompt_list(parsed.prompt)
+    for p in prompts:                        # every character limit before any tokenizing
+        if isinstance(p, str):
+            gate.prompts.check_chars(len(p), "prompt")
+    out = []
+    for p in prompts:
+        ids = await gate.prompts.encode(p) if isinstance(p, str) else list(p)
+        check_token_ids(ids, gate.vocab_size)
+        out.append(ids)
+    return out

@@ -18,7 +18,7 @@ class ProxyMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_proxy_requests", "client requests by endpoint and outcome "
-                                "(ok, client_error, upstream_error, no_node, aborted, stream_error)",
+                                "(ok, client_error, busy, upstream_error, no_node, aborted, stream_error)",
                                 ["endpoint", "outcome"], registry=r)
         self.retries = Counter("pdserve_proxy_retries", "node calls retried on another node, by role",
                                ["role"], registry=r)

@@ -15,8 +15,10 @@ Called by ``app`` once the request is parsed (``inputs.parse_request``):
    (with the logprobs the prefill node computed), so no token is dropped or generated twice.
 
 Each phase tries up to ``max_attempts`` nodes while nothing has reached the client: a node that
-is unreachable or answers 5xx is skipped (and, if unreachable, taken out of rotation); a 4xx is
-the client's fault and returned unchanged. A stream that breaks later ends with an SSE error
+is unreachable, answers 5xx, or streams a server error before its first token is skipped (and, if
+unreachable, taken out of rotation); one that answers 429 or 503 is busy: skipped too, and its
+answer (with ``Retry-After``) reaches the client only if the last node tried was busy as well; any
+other 4xx is the client's fault and returned unchanged. A stream that breaks later ends with an SSE error
 event and ``[DONE]``. Closing a stream (client gone, cancellation) closes the node's response,
 which makes the node abort the request and free its blocks.
 """
@@ -38,7 +40,7 @@ from pdserve.proxy.inputs import ProxyRequest, decode_body, prefill_body
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.nodes import Node
 from pdserve.proxy.router import NoHealthyNode, NodePool
-from pdserve.proxy.upstream import NodeFailed, NodeRejected, NodeStream, open_stream, post_json
+from pdserve.proxy.upstream import NodeBusy, NodeFailed, NodeRejected, NodeStream, open_stream, post_json
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,6 +60,10 @@ class Orchestrator:
         except NodeRejected as exc:
             on_end("client_error")
             return Response(exc.content, status_code=exc.status, media_type="application/json")
+        except NodeBusy as exc:                  # every node tried was full: the last one's answer
+            on_end("busy")
+            headers = {"Retry-After": exc.retry_after} if exc.retry_after else None
+            return Response(exc.content, status_code=exc.status, media_type="application/json", headers=headers)
         except NoHealthyNode as exc:
             on_end("no_node")
             return error_response(503, str(exc))

@@ -1,7 +1,7 @@
 """``build_app(engine, api_key=...)``: the node's FastAPI app, served by uvicorn from ``pdserve node``.
 
     engine = AsyncEngine(config)            # pdserve.engine.async_engine
-    app = build_app(engine, api_key=key)    # routes, error handlers, metrics, auth
+    app = build_app(engine, api_key=key, limits=RequestLimits(...))   # routes, errors, metrics, auth, limits
     uvicorn.run(app, host=..., port=...)
 
 Routes: completions.py, chat.py, info.py (models, health, metrics, tokenize). The app holds no
@@ -15,20 +15,25 @@ import hmac
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.engine.request_limits import RequestLimits
 from pdserve.engine.server import chat, completions, info
 from pdserve.engine.server.common import make_node_state
 from pdserve.engine.server.errors import error_response, install_error_handlers
+from pdserve.engine.server.limits import BodyLimits
 from pdserve.engine.server.metrics import ServerMetrics
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
-def build_app(engine, *, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.node = make_node_state(engine, ServerMetrics(engine, engine.model_name))
+def build_app(engine, *, api_key: str | None = None, limits: RequestLimits = RequestLimits()) -> FastAPI:
+    """``/openapi.json`` describes every route with its bounded request schema (``protocol``); the
+    fuzz test reads it. Middleware, outermost first: the API key, then ``BodyLimits``."""
+    app = FastAPI(title="pdserve node", docs_url=None, redoc_url=None)
+    app.state.node = make_node_state(engine, ServerMetrics(engine, engine.model_name), limits)
     install_error_handlers(app)
     for router in (completions.router, chat.router, info.router, info.open_router):
         app.include_router(router)
+    app.add_middleware(BodyLimits, limits=limits)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     return app

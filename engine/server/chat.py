@@ -1,9 +1,10 @@
 """``POST /v1/chat/completions``: messages -> the model's chat template -> n choices, SSE streaming.
 
 Registered by ``app.build_app``. The prompt is ``engine.tokenizer.apply_chat_template(messages,
-add_generation_prompt)``: rendered to text and encoded without extra special tokens (the template
-already has them), as vLLM does; the proxy tokenizes with the same function. Unset ``max_tokens``
-means "up to --max-model-len".
+add_generation_prompt)`` (through ``NodeState.prompts``: a sandboxed template, a worker thread, a
+deadline): rendered to text and encoded without extra special tokens (the template already has
+them), as vLLM does; the proxy tokenizes with the same function. Unset ``max_tokens`` means "up to
+--max-model-len".
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from fastapi import APIRouter, Request
 
 from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, created, kv_fields, make_calls,
                                           resolve_max_tokens, respond, sse, usage)
-from pdserve.engine.server.errors import APIError, bad_request
+from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.generation import Choice, EngineCall, Generation
-from pdserve.engine.server.protocol import ChatCompletionRequest, ChatMessage, message_dicts
-from pdserve.engine.tokenizer import apply_chat_template
+from pdserve.engine.server.protocol import ChatCompletionRequest, message_dicts
 
 router = APIRouter()
 
@@ -32,7 +32,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     given = body_prompt_ids(state, body)
     if given is not None and len(given) != 1:
         raise bad_request(f"a chat request has one prompt; prompt_token_ids has {len(given)}", "prompt_token_ids")
-    prompt_ids = given[0] if given is not None else chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+    prompt_ids = given[0] if given is not None else \
+        await state.prompts.chat(message_dicts(body.messages), body.add_generation_prompt)
     max_tokens = resolve_max_tokens(state, body.requested_max_tokens, len(prompt_ids))
     params = body.to_sampling_params(max_tokens, body.engine_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -40,16 +41,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     return await respond(request, state, body, calls, arrival,
                          lambda gen: _stream(state, body, request_id, model, calls, gen),
                          lambda choices: _response(state, request_id, model, calls, choices, body.n))
-
-
-def chat_prompt_ids(state: NodeState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """Also used by ``/tokenize`` with ``messages``."""
-    try:
-        return apply_chat_template(state.engine.tokenizer, message_dicts(messages), add_generation_prompt)
-    except APIError:
-        raise
-    except Exception as exc:   # jinja errors, missing template: the request cannot be rendered
-        raise bad_request(f"cannot apply the chat template: {type(exc).__name__}: {exc}", "messages") from None
 
 
 def _response(state: NodeState, request_id: str, model: str, calls: list[EngineCall],

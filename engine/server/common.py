@@ -17,10 +17,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from pdserve.engine.request_limits import RequestLimits
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.server import checks
+from pdserve.engine.server.checks import check_request, vocab_size
 from pdserve.engine.server.errors import APIError, bad_request, error_event
 from pdserve.engine.server.generation import Choice, ClientDisconnected, EngineCall, Generation
 from pdserve.engine.server.metrics import ServerMetrics
+from pdserve.engine.server.prompt_work import PromptWork
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,8 @@ class NodeState:
     engine: Any                         # AsyncEngine (pdserve.engine.async_engine)
     metrics: ServerMetrics
     token_text: Callable[[int], str]    # one token id -> its text, cached
+    prompts: PromptWork                 # tokenization and chat templating, bounded and off the event loop
+    vocab_size: int                     # token ids a request may name: [0, vocab_size)
 
     @property
     def max_model_len(self) -> int:
@@ -38,14 +44,20 @@ class NodeState:
         return getattr(self.engine, "role", "both")
 
 
-def make_node_state(engine, metrics: ServerMetrics) -> NodeState:
+def make_node_state(engine, metrics: ServerMetrics, limits: RequestLimits) -> NodeState:
     decode = engine.tokenizer.decode
 
     @lru_cache(maxsize=1 << 16)
     def token_text(token_id: int) -> str:
         return decode([token_id])
 
-    return NodeState(engine, metrics, token_text)
+    prompts = PromptWork(engine.tokenizer, limits, lambda: engine.max_model_len)
+    return NodeState(engine, metrics, token_text, prompts, vocab_size(engine.tokenizer, _model_vocab(engine)))
+
+
+def _model_vocab(engine) -> int | None:
+    model_config = getattr(getattr(engine, "engine", None), "model_config", None)
+    return getattr(model_config, "vocab_size", None)
 
 
 def node_state(request: Request) -> NodeState:
@@ -53,11 +65,10 @@ def node_state(request: Request) -> NodeState:
 
 
 def admit(request: Request, body) -> tuple[NodeState, str]:
-    """The checks every generation endpoint starts with: the model name and unsupported fields."""
+    """The checks every generation endpoint starts with: the model name, then ``checks.check_request``."""
     state = node_state(request)
     model = check_model(state, body.model)
-    if message := body.unsupported():
-        raise bad_request(message)
+    check_request(body, state.vocab_size)
     return state, model
 
 
@@ -83,26 +94,12 @@ def check_model(state: NodeState, model: str | None) -> str:
     return name
 
 
-def check_token_ids(state: NodeState, ids: list[int]) -> None:
-    vocab = len(state.engine.tokenizer)
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"token id {bad[0]} is out of range; the vocabulary has {vocab} tokens", "prompt")
+def check_token_ids(state: NodeState, ids: list[int], param: str = "prompt") -> None:
+    checks.check_token_ids(ids, state.vocab_size, param)
 
 
 def resolve_max_tokens(state: NodeState, requested: int | None, num_prompt_tokens: int) -> int:
-    """vLLM's rule: unset means 'up to --max-model-len'; a set value must fit, else 400."""
-    limit = state.max_model_len
-    if num_prompt_tokens < 1:
-        raise bad_request("prompt is empty; send at least one token", "prompt")
-    if num_prompt_tokens >= limit:
-        raise bad_request(f"prompt has {num_prompt_tokens} tokens; --max-model-len is {limit}", "prompt")
-    if requested is None:
-        return limit - num_prompt_tokens
-    if requested >= 1 and num_prompt_tokens + requested > limit:
-        raise bad_request(f"prompt has {num_prompt_tokens} tokens and max_tokens is {requested}: "
-                          f"{num_prompt_tokens + requested} > --max-model-len {limit}", "max_tokens")
-    return requested
+    return checks.resolve_max_tokens(state.max_model_len, requested, num_prompt_tokens)
 
 
 def make_calls(request_id: str, prompts: list[list[int]], params: list[SamplingParams],

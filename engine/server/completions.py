@@ -28,7 +28,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
     state, model = admit(request, body)
     given = body_prompt_ids(state, body)
-    prompts = given if given is not None else _tokenize_prompts(state, body.prompt)
+    prompts = given if given is not None else await _tokenize_prompts(state, body.prompt)
     params = [body.to_sampling_params(resolve_max_tokens(state, body.max_tokens, len(ids)), body.logprobs)
               for ids in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -38,13 +38,18 @@ async def create_completion(body: CompletionRequest, request: Request):
                          lambda choices: _response(state, request_id, model, calls, choices, body.n))
 
 
-def _tokenize_prompts(state: NodeState, prompt) -> list[list[int]]:
-    prompt = prompt_list(prompt)
-    if not prompt:
+async def _tokenize_prompts(state: NodeState, prompt) -> list[list[int]]:
+    """Each prompt's token ids: text through ``state.prompts`` (character limit, worker thread, deadline),
+    token ids checked against the vocabulary."""
+    prompts = prompt_list(prompt)
+    if not prompts:
         raise bad_request("prompt is empty; send at least one token", "prompt")
+    for p in prompts:                      # every character limit before any tokenizing
+        if isinstance(p, str):
+            state.prompts.check_chars(len(p), "prompt")
     out = []
-    for p in prompt:
-        ids = state.engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+    for p in prompts:
+        ids = await state.prompts.encode(p) if isinstance(p, str) else list(p)
         check_token_ids(state, ids)
         out.append(ids)
     return out

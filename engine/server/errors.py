@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import reprlib
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,15 +25,17 @@ from pdserve.engine.sampling_params import SamplingParamsError
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 503: "server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
 
 
 class APIError(Exception):
     """An error with its HTTP status, raised by handlers and turned into the OpenAI body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -63,7 +66,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else exc.headers
     return error_response(exc.status, exc.message, exc.param, exc.code, headers)
 
 
@@ -73,7 +76,7 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
 
 
 async def _on_sampling_params_error(request: Request, exc: SamplingParamsError) -> JSONResponse:
-    return error_response(400, str(exc))
+    return error_response(400, str(exc), exc.param)
 
 
 async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -87,20 +90,50 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """pydantic's error list -> one readable message naming each field, its problem and its value."""
+    """pydantic's error list -> one readable message naming each field, its problem (with the limit) and
+    its value, cut short; at most ``_MAX_ERRORS`` of them (a list of a million bad ids is one message)."""
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
         return f"request body is not valid JSON: {detail}".rstrip(": "), None
-    parts, first_param = [], None
-    for e in errors:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        first_param = first_param or param
+    errors = _most_specific(errors)
+    parts = []
+    for loc, e in errors[:_MAX_ERRORS]:
         got = f" (got {_short(e['input'])})" if "input" in e and e.get("type") != "missing" else ""
-        parts.append(f"{param or 'body'}: {e.get('msg', 'invalid')}{got}")
-    return "; ".join(parts), first_param
+        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}{got}")
+    if len(errors) > _MAX_ERRORS:
+        parts.append(f"and {len(errors) - _MAX_ERRORS} more")
+    return "; ".join(parts), ".".join(errors[0][0]) or None if errors else None
+
+
+def _most_specific(errors: list[dict[str, Any]]) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    """One error per field path, without pydantic's union branch names (``prompt.list[constrained-int].0``
+    -> ``prompt.0``); of a union's errors, those that go deeper win, then those about the value (a limit)
+    over those about its type."""
+    located = [(tuple(str(x) for x in e.get("loc", ()) if x != "body" and not _is_union_branch(x)), e)
+               for e in errors]
+    prefixes = {loc[:i] for loc, _ in located for i in range(len(loc))}     # paths with a deeper error
+    best: dict[tuple[str, ...], dict[str, Any]] = {}
+    for loc, e in located:
+        if loc not in prefixes and (loc not in best or _is_type_error(best[loc]) and not _is_type_error(e)):
+            best[loc] = e
+    return list(best.items())
+
+
+def _is_type_error(error: dict[str, Any]) -> bool:
+    return str(error.get("type", "")).endswith(("_type", "_parsing"))
+
+
+def _is_union_branch(part: Any) -> bool:
+    return isinstance(part, str) and (any(c in part for c in "[-,") or part in ("str", "int", "float", "bool"))
+
+
+_MAX_ERRORS = 5
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel = 60, 60, 40, 3
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    """A bounded repr: big strings, lists and dicts are cut before they are formatted."""
+    text = _REPR.repr(value)
     return text if len(text) <= limit else text[:limit] + "..."

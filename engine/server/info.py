@@ -11,11 +11,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.engine.server.chat import chat_prompt_ids
 from pdserve.engine.server.common import check_model, check_token_ids, created, node_state
 from pdserve.engine.server.errors import bad_request, error_response
 from pdserve.engine.server.metrics import CONTENT_TYPE
-from pdserve.engine.server.protocol import DetokenizeRequest, TokenizeRequest
+from pdserve.engine.server.protocol import DetokenizeRequest, TokenizeRequest, message_dicts
 
 router = APIRouter()      # behind the API key when one is set
 open_router = APIRouter()  # always open: probes and scrapers carry no key
@@ -37,9 +36,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of 'prompt' or 'messages'")
     if body.messages is not None:
-        ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+        ids = await state.prompts.chat(message_dicts(body.messages), body.add_generation_prompt)
     else:
-        ids = state.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await state.prompts.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": None}
 
 
@@ -47,8 +46,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     state = node_state(request)
     check_model(state, body.model)
-    check_token_ids(state, body.tokens)
-    return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+    check_token_ids(state, body.tokens, "tokens")
+    return {"prompt": await state.prompts.decode(body.tokens)}
 
 
 @open_router.get("/health")

@@ -1,22 +1,83 @@
-"""Request bodies of the node's HTTP API (OpenAI + the vLLM extras), validated by pydantic.
+"""Request bodies of the node's HTTP API (OpenAI + the vLLM extras), typed and bounded by pydantic.
 
-Parsed by FastAPI for ``completions.py``, ``chat.py`` and ``app.py``; ``to_sampling_params``
+Parsed by FastAPI for ``completions.py``, ``chat.py`` and ``info.py`` -- and by the proxy's routes, so a
+bad request gets the same 400 from the proxy as from a node, and the proxy never forwards it.
+``checks.check_request`` then runs what needs the model (vocabulary size) and ``to_sampling_params``
 turns the shared sampling fields into a ``SamplingParams`` (which checks the ranges).
+
+Every field is bounded where it enters: integers to the width the engine uses (token ids and counts
+to int32, ``seed`` to int64 so that ``seed + choice index`` still fits the generator), floats finite,
+strings, lists and dicts to the lengths below; JSON nesting is bounded before parsing (``limits``).
+Unknown fields are ignored, like OpenAI and vLLM do; known-but-unsupported ones that would change the
+output (``echo``, penalties other than repetition, ``logit_bias``) are rejected, not ignored.
 Responses are plain dicts built next to their handlers: their shape is the OpenAI one.
-Unknown fields are ignored, like OpenAI and vLLM do; known-but-unsupported ones that would
-change the output (``echo``, penalties other than repetition) are rejected, not ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StringConstraints, Tag
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server.errors import bad_request
 
-Prompt = Union[str, list[int], list[str], list[list[int]]]
+INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -2**63, 2**63 - 1
+MAX_N = 16                     # choices per prompt; seed + (n - 1) <= 2^63 + 14 < 2^64: the generator's range
+MAX_PROMPTS = 64               # prompts in one completions request
+MAX_CHOICES = 256              # prompts x n: engine requests one HTTP request may start
+MAX_TOKEN_IDS = 1 << 20        # token ids in one prompt (more never fits a --max-model-len)
+MAX_STOP = 64                  # stop strings; each at most MAX_STOP_CHARS
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 256        # parts of one message's content
+MAX_NAME_CHARS = 256           # model names, roles, part types
+
+
+def _bounded(container, limit: int):
+    """``container`` (a list or dict type) of at most ``limit`` items: the length is checked before the
+    items are (a million-item list is refused at once, not after a million validations), validation
+    stops at the first bad item, and the OpenAPI schema says ``maxItems`` / ``maxProperties``."""
+    def check(value):
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise ValueError(f"has {len(value)} items; the limit is {limit}")
+        return value
+    return Annotated[container, Field(max_length=limit, fail_fast=True), BeforeValidator(check)]
+
+
+Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]          # anything the engine compares
+Count = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]       # token counts (sign checked by SamplingParams)
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]              # against the vocabulary: checks.py
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Float = Annotated[float, Field(allow_inf_nan=False)]             # JSON's NaN / Infinity / 1e999 refused
+Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
+TokenIds = _bounded(list[TokenId], MAX_TOKEN_IDS)
+TokenIdLists = _bounded(list[TokenIds], MAX_PROMPTS)
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which form of a prompt ``value`` is, judged by its first item, so that a bad prompt is reported
+    against the form it is (the branch names are dropped from error paths by ``errors``)."""
+    if not isinstance(value, list):
+        return "str"
+    first = value[0] if value else None
+    return {str: "list[str]", list: "list[list[int]]"}.get(type(first), "list[int]")
+
+
+def _ids_kind(value: Any) -> str:
+    return "list[list[int]]" if isinstance(value, list) and value and isinstance(value[0], list) else "list[int]"
+
+
+Prompt = Annotated[Union[Annotated[str, Tag("str")], Annotated[TokenIds, Tag("list[int]")],
+                         Annotated[_bounded(list[str], MAX_PROMPTS), Tag("list[str]")],
+                         Annotated[TokenIdLists, Tag("list[list[int]]")]], Discriminator(_prompt_kind)]
+PromptIds = Annotated[Union[Annotated[TokenIds, Tag("list[int]")], Annotated[TokenIdLists, Tag("list[list[int]]")]],
+                      Discriminator(_ids_kind)]
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
+LogitBias = _bounded(dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")],
+                          Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]], MAX_LOGIT_BIAS)
 
 
 class StreamOptions(BaseModel):
@@ -27,34 +88,37 @@ class _SamplingFields(BaseModel):
     """Fields shared by completions and chat; defaults follow the OpenAI API."""
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    n: int = Field(1, ge=1, le=16)
+    model: Name | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    temperature: Float | None = None
+    top_p: Float | None = None
+    stop: StopString | _bounded(list[StopString], MAX_STOP) | None = None
+    seed: Seed | None = None
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    logit_bias: LogitBias | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Count = 0
+    stop_token_ids: _bounded(list[TokenId], MAX_STOP_TOKEN_IDS) | None = None
     include_stop_str_in_output: bool = False
     # pdserve P/D extensions (set by the proxy): token ids to use instead of re-tokenizing (one prompt,
     # or one list per prompt), and the KV hand-off (see pdserve.engine.kv_transfer; a list: one per prompt)
-    prompt_token_ids: list[int] | list[list[int]] | None = None
-    kv_transfer_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    prompt_token_ids: PromptIds | None = None
+    kv_transfer_params: dict[str, Any] | _bounded(list[dict[str, Any] | None], MAX_PROMPTS) | None = None
 
     def unsupported(self) -> str | None:
         """A message naming a field we would otherwise silently ignore, or None."""
         if self.presence_penalty or self.frequency_penalty:
             return ("presence_penalty and frequency_penalty are not supported (got "
                     f"{self.presence_penalty}, {self.frequency_penalty}); use repetition_penalty")
+        if self.logit_bias:
+            return f"logit_bias is not supported (got {len(self.logit_bias)} entries)"
         return None
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -75,8 +139,8 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Count | None = 16
+    logprobs: Count | None = None
     echo: bool = False
 
     def unsupported(self) -> str | None:
@@ -84,20 +148,43 @@ class CompletionRequest(_SamplingFields):
             return "echo=true is not supported"
         return super().unsupported()
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_prompts(self) -> int:
+        return len(prompt_list(self.prompt))
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``text`` parts are supported (others are refused by name)."""
+    model_config = ConfigDict(extra="allow")
+
+    type: Name
+    text: str | None = None
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")   # name, tool_call_id ... go to the template as is
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Name
+    content: str | _bounded(list[ContentPart], MAX_CONTENT_PARTS) | None = None
+
+
+Messages = Annotated[_bounded(list[ChatMessage], MAX_MESSAGES), Field(min_length=1)]
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Messages
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
     add_generation_prompt: bool = True
 
     @property
@@ -112,19 +199,23 @@ class ChatCompletionRequest(_SamplingFields):
             return None
         return self.top_logprobs or 0
 
+    @property
+    def num_prompts(self) -> int:
+        return 1
+
 
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: either ``prompt`` or chat ``messages``."""
-    model: str | None = None
+    model: Name | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
+    model: Name | None = None
+    tokens: TokenIds
 
 
 def prompt_list(prompt: Prompt) -> list[str | list[int]]:
@@ -152,11 +243,11 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _text_of_parts(parts: list[dict[str, Any]], index: int) -> str:
+def _text_of_parts(parts: list[ContentPart], index: int) -> str:
     texts = []
     for part in parts:
-        if part.get("type") != "text":
-            raise bad_request(f"messages[{index}] has a content part of type {part.get('type')!r}; "
+        if part.type != "text":
+            raise bad_request(f"messages[{index}] has a content part of type {part.type!r}; "
                               "only 'text' parts are supported", f"messages.{index}.content")
-        texts.append(str(part.get("text", "")))
+        texts.append(part.text or "")
     return "".join(texts)

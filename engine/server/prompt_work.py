@@ -1,0 +1,87 @@
+"""Tokenization and chat templating for requests: limited before, bounded during, off the event loop.
+
+One ``PromptWork`` per process (node: ``NodeState.prompts``; proxy: ``ProxyState.prompts``):
+
+    work = PromptWork(tokenizer, limits, max_model_len=lambda: 2048)
+    ids = await work.encode(text, param="prompt")                # raises APIError
+    ids = await work.chat(message_dicts, add_generation_prompt)
+
+Order, per prompt: (1) the character limit -- a prompt longer than ``max_model_len`` x the longest
+token of the vocabulary cannot fit, so it is refused before a token is made (``checks.check_prompt_chars``);
+(2) the work itself runs in one of ``limits.tokenize_workers`` threads, so the event loop keeps serving
+other clients; (3) the caller waits at most ``--tokenize-timeout``: past it the client gets 503 with
+``Retry-After`` (the thread finishes on its own -- the character limit bounds it, and a chat template
+stops itself at the same deadline, see ``engine.chat_template``). ``max_model_len`` is a callable
+because the proxy learns it from the nodes' ``/v1/models``; ``None`` skips step (1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from pdserve.engine.chat_template import TemplateLimitError, TemplateLimits
+from pdserve.engine.server.checks import check_prompt_chars
+from pdserve.engine.server.errors import APIError, bad_request
+from pdserve.engine.request_limits import RequestLimits
+from pdserve.engine.tokenizer import apply_chat_template, max_chars_per_token
+
+T = TypeVar("T")
+
+
+class PromptWork:
+    def __init__(self, tokenizer, limits: RequestLimits, max_model_len: Callable[[], int | None]):
+        self.tokenizer, self.limits, self._max_model_len = tokenizer, limits, max_model_len
+        self.chars_per_token = max_chars_per_token(tokenizer)
+        self._pool = ThreadPoolExecutor(limits.tokenize_workers, thread_name_prefix="tokenize")
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        max_model_len = self._max_model_len()
+        return None if max_model_len is None else max_model_len * self.chars_per_token
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        check_prompt_chars(num_chars, self._max_model_len(), self.chars_per_token, param)
+
+    async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self.check_chars(len(text), param)
+        return await self._run(param, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        self.check_chars(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
+        limits = TemplateLimits(deadline_s=0.9 * self.limits.tokenize_timeout_s,   # its 400 before our 503
+                                max_chars=self.max_prompt_chars or TemplateLimits.max_chars)
+
+        def render() -> list[int]:
+            try:
+                return apply_chat_template(self.tokenizer, messages, add_generation_prompt, limits)
+            except APIError:
+                raise
+            except Exception as exc:   # jinja errors, template limits, no template: the request cannot be rendered
+                raise bad_request(f"cannot apply the chat template: {_describe(exc)}", "messages") from None
+
+        return await self._run("messages", render)
+
+    async def decode(self, ids: list[int]) -> str:
+        """/detokenize: up to ``MAX_TOKEN_IDS`` ids, in a worker thread with the same deadline."""
+        return await self._run("tokens", lambda: self.tokenizer.decode(ids))
+
+    async def _run(self, param: str, work: Callable[[], T]) -> T:
+        future = asyncio.get_running_loop().run_in_executor(self._pool, work)
+        try:
+            return await asyncio.wait_for(future, self.limits.tokenize_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"tokenizing the {param} took longer than --tokenize-timeout "
+                                f"{self.limits.tokenize_timeout_s:g} s; try again later or send less",
+                           param=param, headers={"Retry-After": "1"}) from None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, TemplateLimitError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

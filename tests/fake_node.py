@@ -1,0 +1,153 @@
+"""Scripted stand-ins for a node, and any ASGI app served from a thread of the test process (no tests here).
+
+    node = FakeNode()                        # /health 200, /v1/models (max_model_len), POSTs scripted
+    node.script("/v1/completions", Reply(status=429, headers={"Retry-After": "7"}))   # next POST there
+    gate = node.script("/v1/completions", Reply(hold=True))                           # ... held until
+    gate.set()                                                                         # the test says so
+    node.calls, node.health_hits            # what the proxy sent, and how often it probed
+    node.stop()
+
+A POST with no script left gets ``Reply()``: a one-token completion (JSON) or stream (SSE), in the
+endpoint's shape. Nothing here waits on time: a held reply waits on its ``threading.Event``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from conftest import free_port
+from polling import wait_until
+
+MODEL = "llama"
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    body: dict | None = None              # JSON body; None: a default completion (200) or error body
+    events: list[dict] | None = None      # SSE payloads for a 200 stream; None: one token + finish
+    headers: dict[str, str] = field(default_factory=dict)
+    hold: bool = False                    # wait for the test to set the returned gate first
+    gate: threading.Event = field(default_factory=threading.Event)
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn on 127.0.0.1 from a daemon thread; ``stop()`` ends it."""
+
+    def __init__(self, app, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                     lifespan="on"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        wait_until(lambda: self._server.started or not self._thread.is_alive(), 30, f"{self.url} started")
+        if not self._server.started:
+            raise RuntimeError(f"server on {self.url} did not start")
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+
+class FakeNode:
+    def __init__(self, max_model_len: int = 128):
+        self.calls: list[tuple[str, dict]] = []
+        self.health_hits = 0
+        self.max_model_len = max_model_len
+        self._scripts: dict[str, deque[Reply]] = defaultdict(deque)
+        self._held: list[Reply] = []
+        self._server = ServerThread(self._app())
+        self.url = self._server.url
+
+    def script(self, path: str, reply: Reply) -> threading.Event:
+        self._scripts[path].append(reply)
+        self._held.append(reply)
+        return reply.gate
+
+    def posts(self, path: str | None = None) -> list[dict]:
+        return [body for p, body in self.calls if path is None or p == path]
+
+    def stop(self) -> None:
+        for reply in self._held:            # nothing stays held past the test
+            reply.gate.set()
+        self._server.stop()
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            self.health_hits += 1
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": self.max_model_len}]}
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def generate(request: Request):
+            body = await request.json()
+            self.calls.append((request.url.path, body))
+            scripts = self._scripts[request.url.path]
+            reply = scripts.popleft() if scripts else Reply()
+            if reply.hold:
+                await asyncio.to_thread(reply.gate.wait)
+            return _response(reply, request.url.path, body)
+
+        return app
+
+
+def _response(reply: Reply, path: str, body: dict) -> Response:
+    chat = path.endswith("/chat/completions")
+    if reply.status != 200:
+        error = reply.body or {"error": {"message": f"scripted {reply.status}", "type": "server_error",
+                                         "param": None, "code": None}}
+        return JSONResponse(error, status_code=reply.status, headers=reply.headers)
+    if not body.get("stream"):
+        return JSONResponse(reply.body or _completion(chat), headers=reply.headers)
+    events = reply.events if reply.events is not None else _chunks(chat)
+    frames = [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]
+    return StreamingResponse(iter(frames), media_type="text/event-stream", headers=reply.headers)
+
+
+def _completion(chat: bool) -> dict:
+    choice = {"index": 0, "finish_reason": "length", "logprobs": None}
+    choice.update({"message": {"role": "assistant", "content": "Hi"}} if chat else {"text": "Hi"})
+    return {"id": "fake-1", "object": "chat.completion" if chat else "text_completion", "created": 0, "model": MODEL,
+            "choices": [choice], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+            "kv_transfer_params": None}
+
+
+def _chunks(chat: bool, text: str = "Hi") -> list[dict]:
+    """A stream in the node's shape: (chat: the role chunk,) one token, its finish."""
+    base = {"id": "fake-1", "object": "chat.completion.chunk" if chat else "text_completion", "created": 0,
+            "model": MODEL}
+    if chat:
+        return [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}]},
+                {**base, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
+                                      "finish_reason": "length"}]}]
+    return [{**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}]}]
+
+
+def role_chunk() -> dict:
+    """A chat stream's first chunk: the role, no token."""
+    return _chunks(True)[0]
+
+
+def error_event(kind: str = "server_error", message: str = "engine failed") -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def tokens(text: str, chat: bool) -> list[dict]:
+    return _chunks(chat, text)

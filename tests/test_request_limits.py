@@ -1,0 +1,253 @@
+"""Limits before work, without processes: JSON nesting and body size (``BodyLimits``), the character
+limit and the worker thread of tokenization (``PromptWork``), the bounded chat-template sandbox,
+pydantic errors that stay one short message, and the sampling values that used to fail a step.
+Each test's docstring says what happened before its fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI, Request
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from pdserve.engine.chat_template import TemplateLimitError, TemplateLimits, render_chat
+from pdserve.engine.download import SMOLLM2_CHAT_TEMPLATE
+from pdserve.engine.request_limits import RequestLimits
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.engine.server.errors import APIError, describe_validation_errors
+from pdserve.engine.server.limits import BodyLimits, json_depth
+from pdserve.engine.server.prompt_work import PromptWork
+from pdserve.engine.server.protocol import CompletionRequest
+from pdserve.engine.tokenizer import load_tokenizer, max_chars_per_token
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    return load_tokenizer(tiny_llama)
+
+
+# -- JSON nesting and body size ----------------------------------------------------------------------
+
+def _reference_depth(value) -> int:
+    if isinstance(value, list):
+        return 1 + max(map(_reference_depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(_reference_depth, value.values()), default=0)
+    return 0
+
+
+TRICKY = st.text(alphabet='[]{}"\\\n\u00e9 ab', max_size=8)
+JSON = st.recursive(st.none() | st.integers() | TRICKY,
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TRICKY, inner, max_size=3),
+                    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=JSON, ascii_only=st.booleans())
+def test_json_depth_counts_brackets_outside_strings_only(value, ascii_only):
+    assert json_depth(json.dumps(value, ensure_ascii=ascii_only).encode()) == _reference_depth(value)
+
+
+def _limited_app(limits: RequestLimits) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request):
+        return {"bytes": len(await request.body())}
+
+    app.add_middleware(BodyLimits, limits=limits)
+    return app
+
+
+async def _post(app, **kwargs) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.post("/echo", **kwargs)
+
+
+def test_body_limits_refuse_size_and_depth_before_the_app_reads_the_body():
+    """Before: no limit at all -- a 50 MB prompt was read, parsed and tokenized; 100,000 nested
+    brackets reached json.loads (RecursionError: a 500 from the proxy)."""
+    app = _limited_app(RequestLimits(max_request_bytes=1000, max_json_depth=4))
+    ok = asyncio.run(_post(app, content=b'{"a": [[1]], "b": "[[[[[[[["}'))
+    assert ok.status_code == 200 and ok.json() == {"bytes": 29}
+    big = asyncio.run(_post(app, content=b"x" * 1001))
+    assert big.status_code == 413 and "--max-request-bytes is 1000" in big.json()["error"]["message"]
+
+    async def chunks():
+        for _ in range(20):
+            yield b"x" * 100
+
+    streamed = asyncio.run(_post(app, content=chunks()))
+    assert streamed.status_code == 413 and "more than 1000 bytes" in streamed.json()["error"]["message"]
+    deep = asyncio.run(_post(app, content=b'{"a": [[[[1]]]]}'))
+    assert deep.status_code == 400 and "nests JSON 5 levels deep; the limit is 4" in deep.json()["error"]["message"]
+
+
+# -- pydantic errors stay short -----------------------------------------------------------------------
+
+def test_a_million_bad_token_ids_make_one_short_message_at_once():
+    """Before: one error per id (seconds of work, a multi-megabyte 400); unions named every branch."""
+    start = time.perf_counter()
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": [2**40] * 1_000_000})
+    message, param = describe_validation_errors(info.value.errors())
+    assert time.perf_counter() - start < 1.0
+    assert message == "prompt.0: Input should be less than or equal to 2147483647 (got 1099511627776)"
+    assert param == "prompt.0"
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": "hi", "stop": ["x" * 5000]})
+    message, _ = describe_validation_errors(info.value.errors())
+    assert message.startswith("stop.0: String should have at most 1024 characters (got 'xxxx") and len(message) < 200
+
+
+# -- sampling values that used to fail a step ---------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, param, words", [
+    ({"seed": 2**64}, "seed", "seed must be in [-2^63, 2^64 - 1], got 18446744073709551616"),
+    ({"seed": 10**5000}, "seed", "got <16610-bit integer>"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "stop_token_ids must be >= 0, got [-1]"),
+    ({"temperature": math.nan}, "temperature", "temperature must be a finite number, got nan"),
+    ({"temperature": math.inf}, "temperature", "finite"),
+    ({"repetition_penalty": 1e-38}, "repetition_penalty", "repetition_penalty must be in [0.001, 1000]"),
+    ({"top_k": 2.5}, "top_k", "top_k must be an integer, got 2.5"),
+    ({"max_tokens": True}, "max_tokens", "max_tokens must be an integer, got True"),
+])
+def test_sampling_params_refuse_what_a_step_cannot_run(kwargs, param, words):
+    """Before: each passed construction and failed inside the engine step (generator overflow, IndexError,
+    NaN probabilities), which took the engine thread down before the engine's failure isolation."""
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param and words in str(info.value)
+
+
+def test_a_tiny_temperature_is_greedy_and_out_of_vocabulary_bans_are_ignored():
+    """Before: temperature 1e-40 divided the logits to inf and the probabilities to NaN (the request
+    failed); a banned id past the vocabulary raised IndexError and -1 banned the last token."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[:, 49] = 100.0                                        # the argmax is the last token
+    tiny = [SamplingParams(temperature=1e-40, seed=1), SamplingParams(temperature=1e-6), SamplingParams(temperature=0)]
+    assert all(p.greedy for p in tiny)
+    out = sample(logits, tiny, [torch.Generator().manual_seed(1), None, None], banned=[[50, 10**6], [], [-1]])
+    assert [r.token_id for r in out] == [49, 49, 49] and all(math.isfinite(r.logprob) for r in out)
+
+
+# -- tokenization: character limit, worker thread, deadline -------------------------------------------
+
+class _SpyTokenizer:
+    """The tiny tokenizer, counting encode calls and optionally blocking them until released."""
+
+    def __init__(self, inner, gate: threading.Event | None = None):
+        self.inner, self.gate, self.encodes = inner, gate, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text, **kwargs):
+        self.encodes += 1
+        if self.gate is not None:
+            self.gate.wait()
+        return self.inner.encode(text, **kwargs)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tokenizer):
+    """Before: a 50 MB prompt was tokenized (50 s of a core, 2.4 GB) before its length was checked."""
+    spy = _SpyTokenizer(tokenizer)
+    work = PromptWork(spy, RequestLimits(), lambda: 128)
+    limit = 128 * max_chars_per_token(tokenizer)
+    assert work.max_prompt_chars == limit
+    with pytest.raises(APIError) as info:
+        asyncio.run(work.encode("x" * (limit + 1)))
+    assert info.value.status == 400 and f"at most {limit} can fit --max-model-len 128" in info.value.message
+    with pytest.raises(APIError):
+        asyncio.run(work.chat([{"role": "user", "content": "x" * (limit + 1)}], True))
+    assert spy.encodes == 0
+    assert asyncio.run(work.encode("hello world")) == tokenizer.encode("hello world")
+    work.shutdown()
+
+
+def test_tokenizing_runs_off_the_event_loop_and_gives_up_at_the_deadline(tokenizer):
+    """A tokenization that does not end: the event loop keeps running other work meanwhile, and the
+    caller gets 503 + Retry-After at --tokenize-timeout. Before: encode ran on the event loop."""
+    gate = threading.Event()
+    work = PromptWork(_SpyTokenizer(tokenizer, gate), RequestLimits(tokenize_timeout_s=0.5), lambda: 128)
+
+    async def scenario():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(ticker())
+        try:
+            with pytest.raises(APIError) as info:
+                await work.encode("hello")
+        finally:
+            task.cancel()
+        return info.value, ticks
+
+    try:
+        error, ticks = asyncio.run(scenario())
+    finally:
+        gate.set()
+        work.shutdown()
+    assert error.status == 503 and "--tokenize-timeout 0.5 s" in error.message
+    assert error.headers == {"Retry-After": "1"} and ticks > 5
+
+
+# -- the chat-template sandbox ------------------------------------------------------------------------
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there, ünï"},
+        {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Why?"}]
+
+
+@pytest.mark.parametrize("template", ["own", "smollm2"])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_the_sandbox_renders_what_transformers_renders(tiny_llama, tiny_llama_metaspace, template,
+                                                       add_generation_prompt):
+    for model in (tiny_llama, tiny_llama_metaspace):
+        tok = load_tokenizer(model)
+        if template == "smollm2":
+            tok.chat_template = SMOLLM2_CHAT_TEMPLATE
+        chat = CHAT if model == tiny_llama or template == "smollm2" else CHAT[1:]   # [INST] has no system turn
+        want = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert render_chat(tok, chat, add_generation_prompt) == want
+
+
+ABUSIVE = {
+    "loops": "{% for a in range(10000) %}{% for b in range(10000) %}{% endfor %}{% endfor %}",
+    "repeat": "{{ messages[0]['content'] * 1000000000 }}",
+    "doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "replace": "{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s|replace('a','aa') %}"
+               "{% endfor %}",
+    "power": "{{ 2 ** (2 ** 40) }}",
+    "range": "{{ range(10 ** 9)|length }}",
+    "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "output": "{% for m in messages %}{% for n in messages %}{{ m.content }}{% endfor %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", list(ABUSIVE))
+def test_a_runaway_template_stops_at_its_limits(tokenizer, name):
+    """Before: transformers' sandbox has no deadline and no size limit: each of these ran for minutes or
+    until memory ran out, on the event loop."""
+    tok = load_tokenizer(tokenizer.name_or_path)
+    tok.chat_template = ABUSIVE[name]
+    start = time.monotonic()
+    with pytest.raises(TemplateLimitError):
+        render_chat(tok, [{"role": "user", "content": "x" * 1000}] * 2000, True, TemplateLimits(1.0, 1 << 20))
+    assert time.monotonic() - start < 5.0
