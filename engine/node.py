@@ -43,6 +43,9 @@ def register(subparsers) -> None:
                    help="where the model and KV cache live (auto: cuda when available)")
     p.add_argument("--num-threads", type=int, default=envs.PDSERVE_NUM_THREADS,
                    help="torch intra-op threads (default 1: on small boxes more threads thrash)")
+    p.add_argument("--max-inflight-requests", type=int, default=1024,
+                   help="generation requests served at once; beyond it a request gets 503 + Retry-After (the proxy "
+                        "tries another node)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM / SIGINT: seconds in-flight requests may take to finish before they are cancelled")
     _add_engine_flags(p)
@@ -157,8 +160,10 @@ def _server(app, args):
         def capture_signals(self):
             yield
 
+    # keep-alive 5 s: idle connections do not pile up; h11's incomplete-event bound caps header size
     return Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                 timeout_graceful_shutdown=args.drain_timeout))
+                                 timeout_graceful_shutdown=args.drain_timeout, timeout_keep_alive=5,
+                                 h11_max_incomplete_event_size=64 << 10, backlog=4096))
 
 
 def run_node(args) -> int:
@@ -173,7 +178,8 @@ def run_node(args) -> int:
 
         engine = AsyncEngine(config)
         gc.freeze()                           # start-up objects (65k KV blocks...): never scanned again, not at exit either
-        server = _server(build_app(engine, api_key=args.api_key, limits=limits_from_args(args)), args)
+        server = _server(build_app(engine, api_key=args.api_key, limits=limits_from_args(args),
+                                   max_inflight=args.max_inflight_requests), args)
         logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name, args.host, args.port)
         signals.server = server
         engine.on_fatal = lambda reason: setattr(server, "should_exit", True)   # exit 1: a supervisor restarts us

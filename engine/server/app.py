@@ -19,21 +19,25 @@ from pdserve.engine.request_limits import RequestLimits
 from pdserve.engine.server import chat, completions, info
 from pdserve.engine.server.common import make_node_state
 from pdserve.engine.server.errors import error_response, install_error_handlers
+from pdserve.engine.server.inflight import InflightLimit
 from pdserve.engine.server.limits import BodyLimits
 from pdserve.engine.server.metrics import ServerMetrics
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
-def build_app(engine, *, api_key: str | None = None, limits: RequestLimits = RequestLimits()) -> FastAPI:
+def build_app(engine, *, api_key: str | None = None, limits: RequestLimits = RequestLimits(),
+              max_inflight: int = 1024) -> FastAPI:
     """``/openapi.json`` describes every route with its bounded request schema (``protocol``); the
-    fuzz test reads it. Middleware, outermost first: the API key, then ``BodyLimits``."""
+    fuzz test reads it. Middleware, outermost first: the API key, ``BodyLimits``, then ``InflightLimit``
+    (503 + Retry-After past ``max_inflight`` generation requests whose body has arrived)."""
     app = FastAPI(title="pdserve node", docs_url=None, redoc_url=None)
     app.state.node = make_node_state(engine, ServerMetrics(engine, engine.model_name), limits)
     install_error_handlers(app)
     for router in (completions.router, chat.router, info.router, info.open_router):
         app.include_router(router)
-    app.add_middleware(BodyLimits, limits=limits)
+    app.add_middleware(InflightLimit, max_inflight=max_inflight)   # inside BodyLimits: a body still arriving
+    app.add_middleware(BodyLimits, limits=limits)                  # holds a connection, never a slot
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     return app
