@@ -144,3 +144,23 @@ def _stream(url: str, path: str, body: dict) -> list[dict]:
         events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("status", [500, 502])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_5xx_before_the_first_byte_is_retried_on_another_node(fakes, proxy, status, role):
+    """Issue 15's untested rule: a node that answers 5xx before any byte reached the client is not the
+    client's problem -- another node of the same role answers. Mutation caught: passing a 5xx through
+    (before, only "connection refused" was injected, and a pass-through mutation survived every test)."""
+    a, b, other = fakes(3)
+    first, second = sorted((a, b), key=lambda n: n.url)
+    first.script(CMPL, Reply(status=status))
+    url = proxy([a, b], [other], prefill_policy="round_robin") if role == "prefill" else \
+        proxy([other], [a, b], decode_policy="round_robin")
+    body = {**BODIES[CMPL], "max_tokens": 1 if role == "prefill" else 4, "stream": role == "decode"}
+    if role == "prefill":
+        r = httpx.post(url + CMPL, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    else:
+        assert not any("error" in p for p in _stream(url, CMPL, body))
+    assert len(first.posts(CMPL)) == len(second.posts(CMPL)) == 1
