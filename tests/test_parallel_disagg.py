@@ -62,7 +62,21 @@ def case(tiny_llama):
     params = _prefill(single, prompt)
     objects = _objects(store, params, ref.config.num_hidden_layers)
     store.close()
+    _check_against_hf(ref, prompt, objects, params["chunk_tokens"])
     return prompt, hf_greedy(ref, prompt, 8), objects, ref.config.num_hidden_layers
+
+
+def _check_against_hf(ref, prompt, objects, chunk_tokens):
+    """The single-rank objects the tp/pp layouts are compared with are themselves checked against an
+    independent reference: HF transformers' own KV cache for the prompt (post-RoPE K, V)."""
+    with torch.no_grad():
+        cache = ref(torch.tensor([prompt]), use_cache=True).past_key_values
+    num_layers = ref.config.num_hidden_layers
+    for j, obj in enumerate(objects):                                    # chunk-major, then layer
+        chunk, layer = divmod(j, num_layers)
+        lo, hi = chunk * chunk_tokens, min(len(prompt), (chunk + 1) * chunk_tokens)
+        hf = torch.stack([cache.layers[layer].keys[0], cache.layers[layer].values[0]])   # [2, Hkv, T, D]
+        assert torch.allclose(obj, hf[:, :, lo:hi].transpose(1, 2), atol=1e-5), (chunk, layer)
 
 
 @pytest.mark.parametrize("prefill_layout,decode_layout", [((1, 1), (2, 1)), ((2, 1), (1, 2))])
