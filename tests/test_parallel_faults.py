@@ -105,8 +105,7 @@ def test_sigkill_names_rank_coordinates_and_phase(engine, monkeypatch):
     assert all(pid == launcher for pid, _ in signals.calls if (pid, _) != (state.pid, signal.SIGKILL)), signals.calls
     assert re.search(rf"rank 1 \(tp 1, pp 0\) exited \(killed by SIGKILL\) in step {state.step} "
                      rf"at phase {state.phase}; ", message), message
-    assert elapsed < RANK_TIMEOUT + 5
-    assert not engine.is_healthy()
+    assert not engine.is_healthy()             # time to report: bench/parallel_lifecycle.py (not a test's clock)
     _assert_all_gone(pids)
 
 
@@ -114,37 +113,32 @@ def test_sigstop_is_reported_as_a_stall_after_the_rank_timeout(engine):
     elapsed, state, message, pids = asyncio.run(_fault_run(engine, 2, signal.SIGSTOP))
     assert re.search(rf"rank 2 \(tp 0, pp 1\) stalled in step {state.step} at phase {state.phase} "
                      rf"for \d+\.\ds \(process stopped\)", message), message
-    assert elapsed < RANK_TIMEOUT + 5
     assert not engine.is_healthy()
     _assert_all_gone(pids)
 
 
 def test_slow_but_progressing_rank_is_not_reported(engine, tiny_llama):
+    """A rank frozen for less than --rank-timeout, three times, while a request is necessarily in flight
+    (it cannot finish while the rank is stopped): every answer is right and nothing is reported. Each
+    freeze starts before its request, so the test does not depend on how long a generation lasts."""
     from pdserve.engine import LLM
 
     prompt = random_prompt(500, 30, seed=2)
-    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     [expected] = LLM(str(tiny_llama), block_size=8).generate([prompt], params)
     pid = engine.engine.runner.heartbeat.states()[3].pid
-    done, cycles = threading.Event(), []
-
-    def stutter():                                   # 0.6 s frozen, 0.15 s running, while it generates
-        while not done.is_set() and len(cycles) < 6:
-            os.kill(pid, signal.SIGSTOP)
-            done.wait(0.6)
+    for i in range(3):
+        got = []
+        os.kill(pid, signal.SIGSTOP)
+        worker = threading.Thread(target=lambda: got.append(asyncio.run(_collect(engine, prompt, params, f"slow{i}"))))
+        try:
+            worker.start()
+            worker.join(timeout=0.3 * RANK_TIMEOUT)           # the freeze: well under --rank-timeout
+            assert worker.is_alive(), "a request finished while a rank was stopped"
+        finally:
             os.kill(pid, signal.SIGCONT)
-            cycles.append(1)
-            done.wait(0.15)
-
-    thread = threading.Thread(target=stutter)
-    thread.start()
-    try:
-        tokens = asyncio.run(_collect(engine, prompt, params, "slow"))
-    finally:
-        done.set()
-        thread.join()
-    assert tokens == expected.token_ids
-    assert len(cycles) >= 3, "the generation ended before the rank was slowed down"
+        worker.join(timeout=120)
+        assert got == [expected.token_ids]
     assert engine.is_healthy() and engine.engine.runner.failure is None
 
 
