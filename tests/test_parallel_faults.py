@@ -54,8 +54,10 @@ def _signal_mid_step(executor, rank: int, sig: int) -> tuple[float, object]:
     deadline = time.monotonic() + 60
     while True:
         state = executor.heartbeat.states()[rank]
-        if state.step > 3 and state.phase not in IDLE or time.monotonic() > deadline:
+        if state.step > 3 and state.phase not in IDLE:
             break
+        assert time.monotonic() < deadline, f"rank {rank} never got inside a step after step 3: {state}"
+        time.sleep(0.0005)                                     # poll, do not spin a core the ranks need
     pid = state.pid
     os.kill(pid, sig)
     sent = time.monotonic()
