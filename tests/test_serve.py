@@ -75,3 +75,22 @@ def test_supervise_restarts_a_dead_child_with_doubling_backoff(tmp_path):
         assert child.log.read_text().count("invalid choice") == 4  # every start logged to the same file
     finally:
         cluster.stop()
+
+
+def test_a_killed_decode_node_comes_back_and_the_cluster_serves_again(tiny_llama):
+    """End to end: SIGKILL the decode node; ``supervise()`` starts it again on the same port, the
+    proxy's probes see it healthy again and a request through the proxy is answered."""
+    from pdserve.proxy.cluster import ClusterSpec, LocalCluster
+
+    body = {"prompt": "hello there", "max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    with LocalCluster(str(tiny_llama), ClusterSpec()) as cluster:
+        decode = next(c for c in cluster.children if c.name.startswith("decode"))
+        old_pid = decode.proc.pid
+        decode.proc.kill()
+        decode.proc.wait()
+        wait_until(lambda: cluster.supervise() == ["decode-0"] or decode.proc.pid != old_pid, 30, "decode restarted")
+        wait_until(lambda: httpx.get(cluster.url + "/health", timeout=5).json().get("decode_healthy"), 120,
+                   "the proxy sees the restarted decode node healthy")
+        r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert decode.restarts == 1
