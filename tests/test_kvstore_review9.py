@@ -101,8 +101,8 @@ def test_each_writer_thread_gets_its_own_flush_report():
 
     b = threading.Thread(target=writer_b)
     a = threading.Thread(target=writer_a)
+    b.start()                                        # b waits for a's put; a joins b before its own flush
     a.start()
-    b.start()
     a.join()
     store.close()
     assert results == {"a": False, "b": True} and tier.keys == {"b:0"}
