@@ -145,14 +145,14 @@ def test_slow_but_progressing_rank_is_not_reported(engine, tiny_llama):
 
 
 DRIVER = """
-import sys, time
+import signal, sys
 import torch
 torch.set_num_threads(1)
 from pdserve.engine.config import EngineConfig, ParallelConfig
 from pdserve.engine.llm_engine import LLMEngine
 engine = LLMEngine(EngineConfig(model=sys.argv[1], parallel=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)))
 print(" ".join(map(str, engine.runner.pids())), flush=True)
-time.sleep(600)
+signal.pause()                     # hold the ranks until the test SIGKILLs this driver
 """
 
 
