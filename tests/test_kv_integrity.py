@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 
+from engine_run import run_request
 from hf_reference import hf_greedy, hf_model, random_prompt
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -36,14 +37,7 @@ def _engine(model_dir, role, store, chunk=32):
     return LLMEngine(cfg, store=store)
 
 
-def _run(engine, rid, prompt, params, transfer=None):
-    engine.add_request(rid, prompt, params, transfer)
-    tokens, final = [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            final = out if out.finished else final
-    return tokens, final
+_run = run_request
 
 
 @pytest.fixture()

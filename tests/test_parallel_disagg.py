@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_run import run_request
 from hf_reference import hf_greedy, hf_model, random_prompt
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -31,14 +32,7 @@ def _engine(model_dir, role, store, tp=1, pp=1):
     return LLMEngine(cfg, store=store)
 
 
-def _run(engine, rid, prompt, params, transfer=None):
-    engine.add_request(rid, prompt, params, transfer)
-    tokens, final = [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            final = out if out.finished else final
-    return tokens, final
+_run = run_request
 
 
 def _prefill(engine, prompt):
