@@ -76,6 +76,17 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class ExecutionConfig:
+    """How the model runs a step (``--attention-backend``, ``--enforce-eager``)."""
+    attention_backend: str | None = None  # torch | triton; None: PDSERVE_ATTENTION_BACKEND, else triton on cuda
+    enforce_eager: bool = False           # no CUDA graphs for decode steps (vLLM's flag)
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ConfigError(f"--attention-backend must be torch or triton, got {self.attention_backend!r}")
+
+
+@dataclass(frozen=True)
 class KVTransferConfig:
     """The node's role and its KV store (``--role``, ``--kv-store``, ``--kv-*``)."""
     role: str = "both"                      # prefill | decode | both
@@ -118,6 +129,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:

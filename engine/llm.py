@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ExecutionConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import CompletionOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -18,7 +18,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
                  kv_cache_memory_bytes: int = 512 * 2**20, num_gpu_blocks_override: int | None = None,
                  enable_prefix_caching: bool = True, num_threads: int = 1, seed: int = 0,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, device: str = "cpu"):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, device: str = "cpu",
+                 attention_backend: str | None = None, enforce_eager: bool = False):
         cache = CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                             num_gpu_blocks_override=num_gpu_blocks_override,
                             enable_prefix_caching=enable_prefix_caching)
@@ -27,7 +28,8 @@ class LLM:
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size)
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, seed=seed, num_threads=num_threads,
-                                             device=device, cache=cache, scheduler=sched, parallel=parallel))
+                                             device=device, cache=cache, scheduler=sched, parallel=parallel,
+                                             execution=ExecutionConfig(attention_backend, enforce_eager)))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

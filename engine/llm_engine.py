@@ -70,7 +70,10 @@ class LLMEngine:
         """``ModelRunner`` in this process, or the ``ParallelExecutor`` of tp x pp worker processes."""
         if self.model is not None:
             return ModelRunner(self.model, self.layout, self.runtime.num_blocks, self.config.cache.block_size,
-                               device=self.config.resolved_device)
+                               device=self.config.resolved_device, max_num_seqs=self.config.scheduler.max_num_seqs,
+                               max_model_len=self.runtime.max_model_len,
+                               attention_backend=self.config.execution.attention_backend,
+                               enforce_eager=self.config.execution.enforce_eager)
         from pdserve.engine.parallel.executor import ParallelExecutor
 
         return ParallelExecutor(self.config, self.model_config, self.runtime.num_blocks)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.input_batch import build_step_inputs
+from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.engine.sampler import sample, skip_draws
+from pdserve.kernels import resolve_backend
 
 
 class SampleFailure:
@@ -26,22 +27,31 @@ class SampleFailure:
 
 
 class ModelRunner:
-    def __init__(self, model, layout: KVLayout, num_blocks: int, block_size: int, device: str = "cpu"):
+    def __init__(self, model, layout: KVLayout, num_blocks: int, block_size: int, device: str = "cpu",
+                 max_num_seqs: int = 64, max_model_len: int = 4096, attention_backend: str | None = None,
+                 enforce_eager: bool = True):
         self.model = model
         self.layout = layout
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = layout.allocate(num_blocks, block_size, self.device)   # per layer {k, v}: [N, bs, Hkv, D]
+        self.attention_backend = resolve_backend(attention_backend, self.device.type)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device, self.attention_backend)
         self._generators: dict[str, torch.Generator] = {}
+        self.graphs = None                  # DecodeGraphs on CUDA unless --enforce-eager (cuda_graphs.py)
+        if self.device.type == "cuda" and not enforce_eager:
+            from pdserve.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs.capture(self, max_num_seqs, max_model_len)
 
     @torch.inference_mode()
     def execute(self, scheduler_output) -> dict:
+        for req in (*scheduler_output.preempted, *scheduler_output.rejected):
+            self.input_batch.remove(req.request_id)       # their blocks are gone; a rerun starts a new row
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return {}
-        inputs = build_step_inputs(scheduled, self.block_size)
-        if self.device.type != "cpu":
-            inputs = inputs.to(self.device)
+        inputs = self.input_batch.prepare(scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)  # [T, D]
         if not inputs.sample_requests:
             return {}
@@ -97,6 +107,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state once the request finished or was aborted."""
         self._generators.pop(request_id, None)
+        self.input_batch.remove(request_id)
 
 
 def _histories(reqs) -> list[list[int]] | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pdserve.engine import envs
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
-from pdserve.engine.config import (CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig,
+from pdserve.engine.config import (CacheConfig, EngineConfig, ExecutionConfig, KVTransferConfig, ParallelConfig,
                                    SchedulerConfig)
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--attention-backend", default=None, choices=["torch", "triton"],
+                   help="attention kernels (default: PDSERVE_ATTENTION_BACKEND, else triton on cuda, torch on cpu)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--kv-store", default=None,
                    help="KV store: tcp://HOST:PORT (a `pdserve kvstore` daemon) or 'embedded' "
                         "(required for --role prefill/decode unless --kv-redis is given)")
@@ -104,6 +107,7 @@ def config_from_args(args) -> EngineConfig:
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
+        execution=ExecutionConfig(attention_backend=args.attention_backend, enforce_eager=args.enforce_eager),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 rank_timeout=args.rank_timeout, debug_sync=args.debug_sync,

@@ -1,12 +1,15 @@
-"""Attention kernels behind one dispatch point.
+"""Attention and KV-transfer kernels behind one dispatch point.
 
 The model's attention layers call ``paged_attention`` (write the step's K/V into the paged cache,
-then attend through the block tables). On CPU this is the plain-torch reference in
-``reference.py``; Triton kernels for CUDA plug in here and are tested against that reference.
-The model runner builds the ``AttentionMetadata`` once per step (``metadata.py``).
+then attend through the block tables); ``dispatch.py`` sends it to the plain-torch reference
+(``reference.py``, the CPU path and the oracle) or to the Triton kernels (``triton_attention.py``,
+``triton_cache.py``), as ``AttentionMetadata.backend`` says. The input batch
+(``pdserve.engine.input_batch``) builds the metadata once per step (``metadata.py``). The KV store's
+publisher and loader move chunks with ``transfer.py`` (torch) / ``triton_transfer.py`` (CUDA).
+Each Triton kernel is tested against its torch reference under ``TRITON_INTERPRET=1``.
 """
 
-from pdserve.kernels.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
-from pdserve.kernels.reference import paged_attention, write_to_cache
+from pdserve.kernels.dispatch import BACKENDS, paged_attention, resolve_backend, write_to_cache
+from pdserve.kernels.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "DecodeBatch", "PrefillSeq", "paged_attention", "write_to_cache"]
+__all__ = ["AttentionMetadata", "BACKENDS", "paged_attention", "resolve_backend", "write_to_cache"]

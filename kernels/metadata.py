@@ -1,15 +1,20 @@
-"""Per-step attention metadata, built once per step by the model runner and shared by all layers.
+"""Per-step attention metadata: built once per step by the input batch, read by every attention layer.
 
-Token rows of one step are flattened: ``T`` = sum of every scheduled request's new tokens.
+Token rows of one step are flattened and ragged: ``T`` = sum of every scheduled sequence's new tokens.
 
-    flat rows:  | req A: 5 prefill tokens | req B: 1 | req C: 1 |
-    A's query rows 0..4 attend to A's cached context (earlier chunks) + those 5 tokens.
+    flat rows:       | seq 0: 5 new tokens | seq 1: 1 | seq 2: 1 |
+    query_start_loc: [0,                    5,        6,        7]
+    seq_lens:        [12,                   40,       3]          (context incl. the new tokens)
 
-``slot_mapping[t]`` = ``block_id * block_size + offset`` where row ``t``'s K/V is written.
-Sequences with more than one new token ("prefills") are attended one at a time; single-token
-sequences ("decodes") are attended together through a padded ``[B, L]`` slot table. With a
-``block_table`` the context is gathered a whole block at a time (4x less gather time on CPU than
-token by token: contiguous 16-token rows instead of one row per token).
+Query row ``i`` of sequence ``b`` (``q_len = qsl[b+1] - qsl[b]``) sits at position
+``seq_lens[b] - q_len + i`` and sees keys ``0..`` that position (minus a sliding window).
+A sequence with ``q_len == 1`` is a decode row; anything longer a prefill or extend chunk.
+Its K/V lives in the paged cache at ``block_table[b, p // block_size] * block_size + p % block_size``.
+
+Everything a kernel reads is a device tensor; the host ints (``max_query_len``, ``max_seq_len``)
+size grids without a device sync. The ``*_cpu`` mirrors hold the same values on the host for the
+plain-torch backend (its Python loops read them; on CUDA that costs no sync either).
+CUDA-graph padding rows: ``q_len`` 1, ``seq_len`` 1, ``slot_mapping`` -1 (nothing written).
 """
 
 from __future__ import annotations
@@ -20,29 +25,44 @@ import torch
 
 
 @dataclass
-class PrefillSeq:
-    q_start: int                 # first flat row of this sequence
-    q_len: int                   # new tokens this step
-    ctx_slots: torch.Tensor      # [ctx_len] int64: slots of every token 0..ctx_len-1 (incl. new)
-    block_table: torch.Tensor | None = None   # [nb] int64: when set, context is gathered by whole blocks
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [T] int32/int64, device: cache slot of each new row; -1 = padding
+    query_start_loc: torch.Tensor       # [B + 1] int32, device
+    seq_lens: torch.Tensor              # [B] int32, device
+    block_table: torch.Tensor           # [B, max_blocks] int32, device, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    query_start_loc_cpu: torch.Tensor   # [B + 1] int32, host mirror
+    seq_lens_cpu: torch.Tensor          # [B] int32, host mirror
+    backend: str = "torch"              # which kernels attend (``dispatch.py``)
+    derived: dict = field(default_factory=dict, repr=False)   # a backend's per-step memo (built at layer 0)
 
     @property
-    def ctx_len(self) -> int:
-        return int(self.ctx_slots.numel())
+    def num_seqs(self) -> int:
+        return int(self.seq_lens_cpu.numel())
 
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc_cpu[-1])
 
-@dataclass
-class DecodeBatch:
-    rows: torch.Tensor           # [B] int64: flat row of each decode token
-    slots: torch.Tensor | None   # [B, L] int64: context slots, padded with 0 (token-gather path)
-    mask: torch.Tensor           # [B, 1, 1, L] bool: True where the key is real
-    ctx_lens: torch.Tensor       # [B] int64
-    block_table: torch.Tensor | None = None   # [B, L / block_size] int64, padded: block-gather path
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
 
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor   # [T] int64
-    prefills: list[PrefillSeq] = field(default_factory=list)
-    decodes: DecodeBatch | None = None
-    block_size: int = 16
+    @staticmethod
+    def build(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
+              device: str | torch.device = "cpu", backend: str = "torch") -> "AttentionMetadata":
+        """From plain lists (tests, tools): slot_mapping follows from the tables and lengths."""
+        qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+        width = max((len(t) for t in block_tables), default=0) or 1
+        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        slots = []
+        for b, (t, n, s) in enumerate(zip(block_tables, q_lens, seq_lens)):
+            table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            pos = torch.arange(s - n, s)
+            slots.append(table[b, pos // block_size].long() * block_size + pos % block_size)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        return AttentionMetadata(torch.cat(slots).to(device), qsl.to(device), lens.to(device), table.to(device),
+                                 max(q_lens), max(seq_lens), block_size, qsl, lens, backend)

@@ -2,42 +2,102 @@
 
 Called once per attention layer per step by the model (through ``pdserve.kernels.paged_attention``):
 
-    1. write the step's new K/V rows into the paged cache at ``meta.slot_mapping``
-    2. for each prefill sequence: gather its context from the cache, causal attention
-    3. for the decode batch: gather a padded ``[B, L]`` context, one query per sequence
+    1. write the step's new K/V rows into the paged cache at ``meta.slot_mapping`` (-1: skipped)
+    2. each prefill/extend sequence: its context gathered a whole block at a time, causal attention
+       (a first chunk with no cached context attends to the new K/V directly: no gather, no mask)
+    3. the decode rows: sorted by context length in groups of 8, each group gathers only the blocks
+       its longest member needs, one query per sequence
+
+The per-step plan (which rows are decodes, the groups, each prefill's table) is derived from the
+metadata's host mirrors once, at the first layer, and reused by the others (``meta.derived``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
+from pdserve.kernels.metadata import AttentionMetadata
+
+DECODE_GROUP = 8   # decodes attended together; sorted by context length so each group pads little
 
 
 def write_to_cache(k: torch.Tensor, v: torch.Tensor, cache: dict, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D] -> cache["k"/"v"]: [num_blocks, block_size, Hkv, D] at flat slots."""
+    """k, v: [T, Hkv, D] -> cache["k"/"v"]: [num_blocks, block_size, Hkv, D] at flat slots (< 0: skipped)."""
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
     for name, x in (("k", k), ("v", v)):
         flat = cache[name].view(-1, *cache[name].shape[2:])
-        flat.index_copy_(0, slot_mapping, x.to(flat.dtype))
+        flat.index_copy_(0, slots, x.to(flat.dtype))
 
 
 def paged_attention(q, k, v, cache: dict, meta: AttentionMetadata, scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H, D]."""
     write_to_cache(k, v, cache, meta.slot_mapping)
-    kc = cache["k"].view(-1, *cache["k"].shape[2:])   # [slots, Hkv, D]
-    vc = cache["v"].view(-1, *cache["v"].shape[2:])
+    plan = meta.derived.get("torch")
+    if plan is None:
+        plan = meta.derived["torch"] = _plan(meta, q.device)
     out = torch.empty_like(q)
-    for seq in meta.prefills:
-        rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        if seq.ctx_len == seq.q_len and sliding_window is None:   # no cached context: plain causal
+    for p in plan.prefills:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        if p.seq_len == p.q_len and sliding_window is None:   # no cached context: plain causal
             out[rows] = _causal(q[rows], k[rows], v[rows], scale)
         else:
-            out[rows] = _prefill(q[rows], kc, vc, seq, scale, sliding_window, cache)
-    if meta.decodes is not None:
-        out[meta.decodes.rows] = _decode(q[meta.decodes.rows], kc, vc, meta.decodes, scale, sliding_window, cache)
+            out[rows] = _prefill(q[rows], cache, p, scale, sliding_window)
+    for g in plan.decode_groups:
+        out[g.rows] = _decode_blocks(q[g.rows], cache, g, scale, sliding_window)
     return out
+
+
+@dataclass
+class _Prefill:
+    q_start: int
+    q_len: int
+    seq_len: int
+    table: torch.Tensor          # [nb] long: the blocks covering positions [0, seq_len)
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor           # [b] long: flat rows (one query each)
+    table: torch.Tensor          # [b, nb] long: blocks up to the group's longest context
+    lens: torch.Tensor           # [b] long
+    width: int                   # nb * block_size
+
+
+@dataclass
+class _Plan:
+    prefills: list[_Prefill]
+    decode_groups: list[_DecodeGroup]
+
+
+def _plan(meta: AttentionMetadata, device) -> _Plan:
+    qsl, lens = meta.query_start_loc_cpu.tolist(), meta.seq_lens_cpu.tolist()
+    bs = meta.block_size
+    table = meta.block_table.long()
+    prefills, decodes = [], []
+    for b, s in enumerate(lens):
+        start, n = qsl[b], qsl[b + 1] - qsl[b]
+        if n == 1:
+            decodes.append(b)
+        else:
+            prefills.append(_Prefill(start, n, s, table[b, : (s + bs - 1) // bs]))
+    decodes.sort(key=lambda b: lens[b])
+    groups = []
+    for i in range(0, len(decodes), DECODE_GROUP):
+        members = decodes[i:i + DECODE_GROUP]
+        nb = (max(lens[b] for b in members) + bs - 1) // bs
+        idx = torch.tensor(members, dtype=torch.long, device=device)
+        groups.append(_DecodeGroup(rows=torch.tensor([qsl[b] for b in members], dtype=torch.long, device=device),
+                                   table=table[idx, :nb],
+                                   lens=torch.tensor([lens[b] for b in members], dtype=torch.long, device=device),
+                                   width=nb * bs))
+    return _Plan(prefills, groups)
 
 
 def _causal(q, k, v, scale) -> torch.Tensor:
@@ -53,15 +113,12 @@ def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return blocks.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
-def _prefill(q, kc, vc, seq: PrefillSeq, scale, window, cache) -> torch.Tensor:
+def _prefill(q, cache, p: _Prefill, scale, window) -> torch.Tensor:
     # q: [Q, H, D]; context K/V: [C, Hkv, D] with C >= Q; query i sits at position C - Q + i
-    if seq.block_table is not None:
-        keys = _gather_blocks(cache["k"], seq.block_table)[: seq.ctx_len]
-        values = _gather_blocks(cache["v"], seq.block_table)[: seq.ctx_len]
-    else:
-        keys, values = kc[seq.ctx_slots], vc[seq.ctx_slots]
-    q_pos = torch.arange(seq.ctx_len - seq.q_len, seq.ctx_len, device=q.device).unsqueeze(1)   # [Q, 1]
-    k_pos = torch.arange(seq.ctx_len, device=q.device).unsqueeze(0)                            # [1, C]
+    keys = _gather_blocks(cache["k"], p.table)[: p.seq_len]
+    values = _gather_blocks(cache["v"], p.table)[: p.seq_len]
+    q_pos = torch.arange(p.seq_len - p.q_len, p.seq_len, device=q.device).unsqueeze(1)   # [Q, 1]
+    k_pos = torch.arange(p.seq_len, device=q.device).unsqueeze(0)                        # [1, C]
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
@@ -71,42 +128,14 @@ def _prefill(q, kc, vc, seq: PrefillSeq, scale, window, cache) -> torch.Tensor:
     return o.transpose(0, 1)                                                  # [Q, H, D]
 
 
-DECODE_GROUP = 8   # decodes attended together; sorted by context length so each group pads little
-
-
-def _decode(q, kc, vc, batch: DecodeBatch, scale, window, cache) -> torch.Tensor:
-    # q: [B, H, D] -> [B, H, D]
-    if batch.block_table is None:
-        keys, values = kc[batch.slots], vc[batch.slots]                      # [B, L, Hkv, D]
-        return _attend_one(q, keys, values, batch.mask, batch.ctx_lens, scale, window)
-    if q.shape[0] <= DECODE_GROUP:
-        return _decode_blocks(q, cache, batch.block_table, batch.ctx_lens, scale, window)
-    # Mixed lengths in one padded [B, max_len] batch waste most of the gather and the attention
-    # (3x on 64 decodes of 128..640 tokens); sorted groups of 8 pad only to their own maximum.
-    out = torch.empty_like(q)
-    order = torch.argsort(batch.ctx_lens)
-    for i in range(0, q.shape[0], DECODE_GROUP):
-        rows = order[i:i + DECODE_GROUP]
-        out[rows] = _decode_blocks(q[rows], cache, batch.block_table[rows], batch.ctx_lens[rows], scale, window)
-    return out
-
-
-def _decode_blocks(q, cache, table, lens, scale, window) -> torch.Tensor:
-    """q: [b, H, D]; table: [b, nb] padded; lens: [b] -> [b, H, D]; gathers only the blocks the longest needs."""
-    bs = cache["k"].shape[1]
-    nb = int((lens.max() + bs - 1) // bs)
-    table = table[:, :nb]
-    keys, values = _gather_blocks(cache["k"], table), _gather_blocks(cache["v"], table)   # [b, nb*bs, Hkv, D]
-    mask = (torch.arange(nb * bs, device=q.device).unsqueeze(0) < lens.unsqueeze(1)).view(-1, 1, 1, nb * bs)
-    return _attend_one(q, keys, values, mask, lens, scale, window)
-
-
-def _attend_one(q, keys, values, mask, lens, scale, window) -> torch.Tensor:
-    """One query per sequence: q [b, H, D], keys/values [b, L, Hkv, D], mask [b, 1, 1, L]."""
+def _decode_blocks(q, cache, g: _DecodeGroup, scale, window) -> torch.Tensor:
+    """q: [b, H, D] -> [b, H, D]; one query per sequence over its gathered blocks."""
+    keys, values = _gather_blocks(cache["k"], g.table), _gather_blocks(cache["v"], g.table)   # [b, W, Hkv, D]
+    k_pos = torch.arange(g.width, device=q.device).unsqueeze(0)                                # [1, W]
+    mask = k_pos < g.lens.unsqueeze(1)
     if window is not None:
-        k_pos = torch.arange(mask.shape[-1], device=q.device).view(1, 1, 1, -1)
-        mask = mask & (k_pos > (lens - 1 - window).view(-1, 1, 1, 1))
+        mask &= k_pos > (g.lens - 1 - window).unsqueeze(1)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=mask, scale=scale, enable_gqa=True)                        # [b, H, 1, D]
+        attn_mask=mask.view(-1, 1, 1, g.width), scale=scale, enable_gqa=True)   # [b, H, 1, D]
     return o.squeeze(2)

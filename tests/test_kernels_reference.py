@@ -1,8 +1,8 @@
 """The torch paged attention (the reference for Triton kernels) equals dense causal attention.
 
-Both context paths are checked — token-by-token slots and whole-block tables — with GQA, a
-scrambled block table, chunked prefill on top of cached context, a decode batch of mixed lengths,
-and a sliding window.
+Ragged batches over a scrambled block table: a chunked prefill on top of cached context, a first
+chunk with no context, decodes of mixed lengths (more than one sorted group), GQA, a sliding
+window; and padding rows (slot -1) write nothing.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import AttentionMetadata, DecodeBatch, PrefillSeq, paged_attention
+from pdserve.kernels import AttentionMetadata, paged_attention, write_to_cache
 
-BS, H, HKV, D, NUM_BLOCKS = 4, 4, 2, 8, 40
+BS, H, HKV, D, NUM_BLOCKS = 4, 4, 2, 8, 200
 
 
 def _dense(q, k, v, scale, window):
@@ -27,70 +27,45 @@ def _dense(q, k, v, scale, window):
     return o.transpose(0, 1)
 
 
-def _case(seed: int, use_blocks: bool, window):
+def _run(specs, window, seed=0):
+    """specs: [(seq_len, q_len)] -> (paged output, dense expected) for one ragged step."""
     g = torch.Generator().manual_seed(seed)
     cache = {c: torch.randn(NUM_BLOCKS, BS, HKV, D, generator=g) for c in ("k", "v")}
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    # seq A: 9 cached tokens + 6 new (chunked prefill); seqs B, C: decodes with 13 and 3 tokens of context
-    specs, tables = [(15, 6), (14, 1), (4, 1)], []
-    for total, _ in specs:
-        nb = (total + BS - 1) // BS
-        tables.append(torch.tensor([perm.pop() for _ in range(nb)]))
+    tables = [[perm.pop() for _ in range((s + BS - 1) // BS)] for s, _ in specs]
+    meta = AttentionMetadata.build([n for _, n in specs], [s for s, _ in specs], tables, BS)
     T = sum(n for _, n in specs)
     q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, HKV, HKV))
-    slots = [t[torch.arange(total) // BS] * BS + torch.arange(total) % BS for t, (total, _) in zip(tables, specs)]
-    slot_mapping = torch.cat([s[total - n:] for s, (total, n) in zip(slots, specs)])
-    prefill = PrefillSeq(0, 6, slots[0], block_table=tables[0] if use_blocks else None)
-    lens = torch.tensor([14, 4])
-    if use_blocks:
-        table = torch.zeros(2, 4, dtype=torch.long)
-        table[0, :4], table[1, :1] = tables[1], tables[2]
-        mask = (torch.arange(16) < lens.unsqueeze(1)).view(2, 1, 1, 16)
-        decodes = DecodeBatch(torch.tensor([6, 7]), None, mask, lens, block_table=table)
-    else:
-        padded = torch.zeros(2, 14, dtype=torch.long)
-        padded[0], padded[1, :4] = slots[1], slots[2]
-        mask = (torch.arange(14) < lens.unsqueeze(1)).view(2, 1, 1, 14)
-        decodes = DecodeBatch(torch.tensor([6, 7]), padded, mask, lens)
-    meta = AttentionMetadata(slot_mapping, [prefill], decodes, BS)
     out = paged_attention(q, k, v, cache, meta, 0.3, window)
     flat = {c: cache[c].view(-1, HKV, D) for c in cache}
-    expected = [_dense(q[:6], flat["k"][slots[0]], flat["v"][slots[0]], 0.3, window),
-                _dense(q[6:7], flat["k"][slots[1]], flat["v"][slots[1]], 0.3, window),
-                _dense(q[7:8], flat["k"][slots[2]], flat["v"][slots[2]], 0.3, window)]
+    expected, row = [], 0
+    for (s, n), t in zip(specs, tables):
+        pos = torch.arange(s)
+        slots = torch.tensor(t)[pos // BS] * BS + pos % BS
+        expected.append(_dense(q[row:row + n], flat["k"][slots], flat["v"][slots], 0.3, window))
+        row += n
     return out, torch.cat(expected)
 
 
-@pytest.mark.parametrize("use_blocks", [False, True])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_equals_dense(use_blocks, window):
-    out, expected = _case(0, use_blocks, window)
+def test_paged_attention_equals_dense(window):
+    # a 6-token chunk over 9 cached tokens, a first chunk of 7, decodes with 14 and 4 tokens of context
+    out, expected = _run([(15, 6), (7, 7), (14, 1), (4, 1)], window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_block_and_token_paths_agree():
-    a, _ = _case(1, True, None)
-    b, _ = _case(1, False, None)
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("window", [None, 7])
 def test_many_decodes_of_mixed_lengths_are_grouped_exactly(window):
-    """More decodes than one group (kernels.reference.DECODE_GROUP): sorted groups == one padded batch."""
-    g = torch.Generator().manual_seed(3)
-    cache = {c: torch.randn(NUM_BLOCKS * 4, BS, HKV, D, generator=g) for c in ("k", "v")}
-    lens = torch.randint(1, 30, (20,), generator=g)
-    nb = int((lens.max() + BS - 1) // BS)
-    table = torch.stack([torch.randperm(NUM_BLOCKS * 4, generator=g)[:nb] for _ in range(20)])   # [20, nb]
-    q, k, v = (torch.randn(20, h, D, generator=g) for h in (H, HKV, HKV))
-    pos = lens - 1
-    slot_mapping = table[torch.arange(20), pos // BS] * BS + pos % BS
-    slots = table[:, torch.arange(nb * BS) // BS] * BS + torch.arange(nb * BS) % BS                 # [20, nb*BS]
-    mask = (torch.arange(nb * BS) < lens.unsqueeze(1)).view(20, 1, 1, -1)
-    rows = torch.arange(20)
-    grouped = paged_attention(q, k, v, {c: t.clone() for c, t in cache.items()},
-                              AttentionMetadata(slot_mapping, [], DecodeBatch(rows, None, mask, lens, table), BS),
-                              0.3, window)
-    padded = paged_attention(q, k, v, {c: t.clone() for c, t in cache.items()},
-                             AttentionMetadata(slot_mapping, [], DecodeBatch(rows, slots, mask, lens), BS), 0.3, window)
-    torch.testing.assert_close(grouped, padded, rtol=1e-6, atol=1e-6)
+    """More decodes than one group (kernels.reference.DECODE_GROUP): sorted groups == dense, row order kept."""
+    lens = torch.randint(1, 30, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    out, expected = _run([(s, 1) for s in lens], window, seed=3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rows_write_nothing():
+    cache = {c: torch.zeros(4, BS, HKV, D) for c in ("k", "v")}
+    k = torch.ones(3, HKV, D)
+    write_to_cache(k, 2 * k, cache, torch.tensor([5, -1, 6]))
+    flat = cache["k"].view(-1, HKV, D)
+    assert flat.sum(dim=(1, 2)).nonzero().flatten().tolist() == [5, 6]
+    assert cache["v"].view(-1, HKV, D)[5].eq(2).all()

@@ -19,7 +19,7 @@ from pdserve.engine.loader import WeightError, WeightSource, load_model
 from pdserve.engine.model_config import ModelConfig, ModelConfigError, resolve_dtype
 from pdserve.engine.models import UnsupportedArchitectureError
 from pdserve.engine.models.rope import inv_frequencies
-from pdserve.kernels import AttentionMetadata, DecodeBatch, PrefillSeq
+from pdserve.kernels import AttentionMetadata
 
 torch.set_num_threads(1)
 
@@ -46,20 +46,12 @@ def make_hf_model(arch: str, path, seed: int = 0, **overrides):
     return model
 
 
-def _slots(n: int) -> torch.Tensor:
-    pos = torch.arange(n)
-    return torch.tensor(BLOCK_TABLE)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-
-
 def run_prefill_then_decode(model, config: ModelConfig, ids: torch.Tensor) -> torch.Tensor:
     """Logits [len(ids), V]: ids[:-1] as one prefill, then ids[-1] as a decode step."""
     caches = config.kv_layout(num_layers=model.num_layers).allocate(len(BLOCK_TABLE) + 2, BLOCK_SIZE)
-    n, slots = len(ids) - 1, _slots(len(ids))
-    prefill = AttentionMetadata(slot_mapping=slots[:n], prefills=[PrefillSeq(0, n, slots[:n])],
-                                block_size=BLOCK_SIZE)
-    decode = AttentionMetadata(slot_mapping=slots[n:], block_size=BLOCK_SIZE, decodes=DecodeBatch(
-        rows=torch.tensor([0]), slots=slots.unsqueeze(0), mask=torch.ones(1, 1, 1, n + 1, dtype=torch.bool),
-        ctx_lens=torch.tensor([n + 1])))
+    n = len(ids) - 1
+    prefill = AttentionMetadata.build([n], [n], [BLOCK_TABLE], BLOCK_SIZE)
+    decode = AttentionMetadata.build([1], [n + 1], [BLOCK_TABLE], BLOCK_SIZE)
     with torch.inference_mode():
         h1 = model(ids[:n], torch.arange(n), caches, prefill)
         h2 = model(ids[n:], torch.tensor([n]), caches, decode)
@@ -161,8 +153,7 @@ def test_pipeline_stages_compose_to_the_full_model(tmp_path):
     last, _ = load_model(tmp_path, first_layer=1)
     assert first.lm_head is None and last.embed_tokens is None and last.layers[0].layer == 1
     ids = torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(2))
-    slots = _slots(PROMPT_LEN)
-    meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillSeq(0, PROMPT_LEN, slots)], block_size=BLOCK_SIZE)
+    meta = AttentionMetadata.build([PROMPT_LEN], [PROMPT_LEN], [BLOCK_TABLE], BLOCK_SIZE)
     layout = config.kv_layout(num_layers=1)
     with torch.inference_mode():
         h = first(ids, torch.arange(PROMPT_LEN), layout.allocate(8, BLOCK_SIZE), meta)

@@ -167,8 +167,6 @@ class LlamaForCausalLM(nn.Module):
 
 def _rope_seq_lens(positions: torch.Tensor, attn_meta: AttentionMetadata) -> torch.Tensor:
     """[T]: the length each row's sequence reaches in this step (HF's dynamic-RoPE seq_len)."""
-    seq_lens = positions + 1
-    for seq in attn_meta.prefills:
-        rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        seq_lens[rows] = positions[seq.q_start + seq.q_len - 1] + 1
-    return seq_lens
+    qsl = attn_meta.query_start_loc
+    return torch.repeat_interleave(attn_meta.seq_lens.long(), (qsl[1:] - qsl[:-1]).long(),
+                                   output_size=positions.numel())

@@ -80,7 +80,7 @@ class StageRunner:
 
     def _micro_batch(self, index: int, batch: list[StepRequest]) -> tuple[list, list[SampledToken]]:
         items = [_Item(r) for r in batch]
-        inputs = build_step_inputs(items, self.runner.block_size)
+        inputs = build_step_inputs(items, self.runner.block_size, backend=self.runner.attention_backend)
         hidden = None
         if not self.coords.is_first:
             self.heartbeat.enter("recv_from_prev_stage")
