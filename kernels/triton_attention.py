@@ -1,0 +1,256 @@
+"""Triton paged attention over a packed ragged batch: decode rows and prefill/extend chunks in one kernel.
+
+Called once per attention layer per step (the CUDA twin of ``reference.paged_attention``):
+
+    paged_attention(q, k, v, cache, meta, scale)
+      1. triton_cache.write_to_cache: the step's K/V rows -> cache at meta.slot_mapping
+      2. unified_attention: every query row attends to its sequence's cache through meta.block_table
+      3. (split-K only) _reduce_kernel: combine the segments' (max, sum, acc) into out
+
+Layouts: q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]. Sequence b owns query
+rows [qsl[b], qsl[b+1]) at positions seq_len - q_len .. seq_len - 1; query position qp sees key kp
+iff kp <= qp and (no window or kp > qp - window).
+
+Grid of the attention kernel: (query blocks, Hkv, num_splits).
+  * A query block is BLOCK_Q query tokens of one sequence x the QPK = H / Hkv query heads that share
+    one KV head: BLOCK_M = BLOCK_Q * QPK rows (GQA inside the kernel: each K/V tile is read once for
+    all of them). Sequence b's blocks are numbered from qsl[b] // BLOCK_Q + b, so T // BLOCK_Q + B
+    programs always cover every sequence; a program finds its sequence by binary search over qsl
+    and exits when its block lies past the sequence's queries.
+  * The program's visible keys [lo, hi) are cut into BLOCK_N tiles; split s of num_splits takes an
+    equal run of tiles. K tiles are gathered through the block table one key at a time, so any
+    block size works. Online softmax in fp32; a split with no tiles writes (-inf, 0, 0).
+With num_splits == 1 the kernel normalises and stores out itself; otherwise it stores the
+unnormalised partials [num_splits, T, H, (D)] and ``_reduce_kernel`` (one program per token) merges them.
+Lengths are read on the device only; the grid comes from host ints (T, B, max_query_len, max_seq_len).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.triton_cache import write_to_cache
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # Triton's own switch, read once like Triton does
+TARGET_PROGRAMS = 264      # ~2 waves of programs on a 132-SM H200; fewer programs than this -> split K
+MIN_SPLIT_KEYS = 256       # a split below this many keys costs more in the reduce than it saves
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _find_seq(qsl_ptr, block_idx, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest b with qsl[b] // BLOCK_Q + b <= block_idx (sequence b's first query block)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= block_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _mma(a, b, DOT_F32: tl.constexpr):
+    """a [M, K] @ b [K, N] -> fp32; fp32 operands (exact, and the interpreter's bf16 dot is wrong) or b's dtype."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
+                 qsl_ptr, seq_lens_ptr, bt_ptr, num_seqs, num_tokens, num_splits, scale,
+                 q_t, q_h, o_t, o_h, bt_b, c_blk, c_off, c_h,      # strides; head dim is unit-stride
+                 H: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                 BS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+    blk, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = _find_seq(qsl_ptr, blk, num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    first = (blk - (q_start // BLOCK_Q + b)) * BLOCK_Q          # first query row of this block, in b
+    if first >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    pos0 = seq_len - q_len                                       # position of b's query row 0
+
+    rows = tl.arange(0, BLOCK_M)                                 # row = token * QPK + head-in-group
+    q_tok = first + rows // QPK                                  # [BLOCK_M] query row within b
+    head = kvh * QPK + rows % QPK
+    row_ok = (rows // QPK < BLOCK_Q) & (q_tok < q_len)
+    q_pos = pos0 + q_tok
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    t_row = (q_start + q_tok).to(tl.int64)
+    q = tl.load(q_ptr + t_row[:, None] * q_t + head[:, None] * q_h + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)   # [BLOCK_M, D_PAD]
+
+    # keys visible to some row of the block: [lo, hi), as tiles [tile_lo, tile_lo + n_tiles)
+    hi = tl.minimum(seq_len, pos0 + tl.minimum(q_len, first + BLOCK_Q))
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(0, pos0 + first - WINDOW + 1)
+    tile_lo = lo // BLOCK_N
+    n_tiles = tl.cdiv(hi, BLOCK_N) - tile_lo
+    per_split = tl.cdiv(n_tiles, num_splits)
+    t0 = tile_lo + split * per_split
+    t1 = tl.minimum(t0 + per_split, tile_lo + n_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for tile in range(t0, t1):
+        kp = tile * BLOCK_N + tl.arange(0, BLOCK_N)              # [BLOCK_N] key positions
+        k_ok = (kp >= lo) & (kp < hi)
+        page = tl.load(bt_ptr + b * bt_b + kp // BS, mask=k_ok, other=0).to(tl.int64)
+        kv_off = page * c_blk + (kp % BS) * c_off + kvh * c_h    # [BLOCK_N]
+        kt = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        s = _mma(q, kt, DOT_F32) * scale                         # [BLOCK_M, BLOCK_N]
+        seen = row_ok[:, None] & k_ok[None, :] & (kp[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            seen = seen & (kp[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # rows that have seen nothing yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _mma(p, v, DOT_F32)         # [BLOCK_M, D_PAD]
+        m_i = m_new
+
+    if SPLIT:
+        row = (split * num_tokens + t_row) * H + head            # partials: [num_splits, T, H, (D_PAD)]
+        tl.store(part_m + row, m_i, mask=row_ok)
+        tl.store(part_l + row, l_i, mask=row_ok)
+        tl.store(part_acc + row[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t_row[:, None] * o_t + head[:, None] * o_h + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _reduce_kernel(part_acc, part_m, part_l, out_ptr, num_tokens, num_splits, o_t, o_h,
+                   H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """One program per token: merge the splits' (max, sum, acc) of all its heads into out [T, H, D]."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    h_ok = h < H
+    m_run = tl.full([H_PAD], float("-inf"), tl.float32)
+    l_run = tl.zeros([H_PAD], tl.float32)
+    acc = tl.zeros([H_PAD, D_PAD], tl.float32)
+    for s in range(num_splits):
+        row = (s * num_tokens + t) * H + h                        # [H_PAD]
+        m_s = tl.load(part_m + row, mask=h_ok, other=float("-inf"))
+        m_new = tl.maximum(m_run, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a_run, a_s = tl.exp(m_run - m_safe), tl.exp(m_s - m_safe)
+        l_run = l_run * a_run + tl.load(part_l + row, mask=h_ok, other=0.0) * a_s
+        acc_s = tl.load(part_acc + row[:, None] * D_PAD + d[None, :], mask=h_ok[:, None], other=0.0)
+        acc = acc * a_run[:, None] + acc_s * a_s[:, None]
+        m_run = m_new
+    o = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    tl.store(out_ptr + t * o_t + h[:, None] * o_h + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & (d < D)[None, :])
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Tile sizes and split count for one launch, chosen on the host from host ints only."""
+    block_m: int        # rows per program: block_q tokens x QPK heads (>= 16 for tl.dot)
+    block_q: int
+    block_n: int        # keys per tile
+    num_splits: int
+    num_warps: int
+
+    def num_q_blocks(self, num_tokens: int, num_seqs: int) -> int:
+        return num_tokens // self.block_q + num_seqs   # >= sum_b cdiv(q_len_b, block_q), see docstring
+
+
+def plan_attention(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   max_query_len: int, max_seq_len: int, num_splits: int | None = None) -> AttentionPlan:
+    qpk, d_pad = num_heads // num_kv_heads, _pad_dim(head_dim)
+    # decode (max_query_len 1): one token x the head group, padded to 16 rows; prefill: up to 128 rows
+    block_m = min(max(16, triton.next_power_of_2(max_query_len * qpk)), 64 if d_pad > 128 else 128)
+    block_m = max(block_m, triton.next_power_of_2(qpk))
+    block_q = block_m // qpk
+    block_n = 32 if d_pad > 128 else 64
+    if num_splits is None:
+        programs = (num_tokens // block_q + num_seqs) * num_kv_heads
+        by_len = max(1, max_seq_len // MIN_SPLIT_KEYS)
+        num_splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), by_len, MAX_SPLITS))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    num_warps = 8 if block_m * d_pad > 64 * 128 else 4
+    return AttentionPlan(block_m, block_q, block_n, num_splits, num_warps)
+
+
+def paged_attention(q, k, v, cache: dict, meta, scale: float, sliding_window: int | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; writes k, v into the cache, returns out [T, H, D]."""
+    write_to_cache(k, v, cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    return unified_attention(q, cache["k"], cache["v"], out, meta, scale, sliding_window, num_splits)
+
+
+def unified_attention(q, k_cache, v_cache, out, meta, scale: float, sliding_window: int | None = None,
+                      num_splits: int | None = None) -> torch.Tensor:
+    """Attend only: q [T, H, D] over the caches [num_blocks, block_size, Hkv, D] -> out [T, H, D].
+
+    Rows past query_start_loc[B] (none under the metadata contract) are left unwritten.
+    """
+    _check(q, k_cache, v_cache, out, sliding_window)
+    (T, H, D), Hkv, B = q.shape, k_cache.shape[2], meta.seq_lens.shape[0]
+    if T == 0:
+        return out
+    plan = plan_attention(T, B, H, Hkv, D, meta.max_query_len, meta.max_seq_len, num_splits)
+    d_pad, split = _pad_dim(D), plan.num_splits > 1
+    parts = _partials(plan.num_splits, T, H, d_pad, q.device) if split else (out, out, out)
+    dot_f32 = INTERPRETED or torch.float32 in (q.dtype, k_cache.dtype)
+    grid = (plan.num_q_blocks(T, B), Hkv, plan.num_splits)
+    _attn_kernel[grid](
+        q, k_cache, v_cache, out, *parts, meta.query_start_loc, meta.seq_lens, meta.block_table,
+        B, T, plan.num_splits, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        meta.block_table.stride(0), *k_cache.stride()[:3],
+        H=H, QPK=H // Hkv, D=D, D_PAD=d_pad, BS=k_cache.shape[1], WINDOW=sliding_window or 0,
+        BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, SPLIT=split, DOT_F32=dot_f32,
+        num_warps=plan.num_warps)
+    if split:
+        _reduce_kernel[(T,)](*parts, out, T, plan.num_splits, out.stride(0), out.stride(1),
+                             H=H, H_PAD=triton.next_power_of_2(H), D=D, D_PAD=d_pad, num_warps=4)
+    return out
+
+
+def _partials(num_splits: int, T: int, H: int, d_pad: int, device) -> tuple[torch.Tensor, ...]:
+    """Unnormalised split results: acc [S, T, H, D_PAD], max and sum [S, T, H], all fp32."""
+    acc = torch.empty(num_splits, T, H, d_pad, dtype=torch.float32, device=device)
+    m, l = (torch.empty(num_splits, T, H, dtype=torch.float32, device=device) for _ in range(2))
+    return acc, m, l
+
+
+def _pad_dim(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16; the pad lanes are masked
+
+
+def _check(q, k_cache, v_cache, out, sliding_window) -> None:
+    T, H, D = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k cache {tuple(k_cache.shape)} and v cache {tuple(v_cache.shape)} must share a layout")
+    if k_cache.shape[3] != D or H % k_cache.shape[2]:
+        raise ValueError(f"q has {H} heads of dim {D}; the cache has {k_cache.shape[2]} KV heads of dim "
+                         f"{k_cache.shape[3]} (need equal dims and H a multiple of Hkv)")
+    if out.shape != q.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, q has {tuple(q.shape)}")
+    if (q.stride(2), out.stride(2), k_cache.stride(3)) != (1, 1, 1):
+        raise ValueError("q, out and the caches need a unit-stride head dim")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")

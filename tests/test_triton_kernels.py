@@ -1,0 +1,184 @@
+"""The Triton kernels equal their torch references, run on CPU under the Triton interpreter.
+
+Attention is checked on ragged batches mixing decode rows and prefill/extend chunks over a cached
+prefix, against ``reference.paged_attention`` and against a float64 oracle written here (per
+sequence: gather the context through the block table, causal + window mask, softmax). Padding
+block-table entries and never-written cache rows hold NaN in the Triton run, so a read past a
+sequence's end shows up in its output. Cache writes and chunk transfers are bit-exact.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton and the kernel modules are imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from pdserve.kernels import AttentionMetadata, reference, transfer  # noqa: E402
+from pdserve.kernels.triton_attention import paged_attention, unified_attention  # noqa: E402
+from pdserve.kernels.triton_cache import write_to_cache  # noqa: E402
+from pdserve.kernels.triton_transfer import gather_chunk, scatter_chunk  # noqa: E402
+
+NAN_BLOCK = 0   # block 0 is never allocated: padding entries of the block table point at it
+
+
+def _batch(specs, bs, hkv, d, dtype=torch.float32, qpk=1, seed=0, pad_rows=0):
+    """specs: [(seq_len, q_len)] -> (q, k, v, cache, meta). Cached prefixes are random, the rest NaN.
+
+    ``pad_rows`` CUDA-graph padding sequences (q_len 1, seq_len 1, slot -1) follow the real ones.
+    """
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [s for s, _ in specs] + [1] * pad_rows
+    q_lens = [n for _, n in specs] + [1] * pad_rows
+    table = _block_table([-(-s // bs) for s, _ in specs] + [0] * pad_rows, g)
+    cache = {c: torch.full((int(table.max()) + 1, bs, hkv, d), float("nan"), dtype=dtype) for c in "kv"}
+    slots = []
+    for b, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+        pos = torch.arange(seq_len)
+        flat = table[b, pos // bs].long() * bs + pos % bs        # [seq_len] slots of positions 0..
+        for c in "kv":                                            # the prefix written by earlier steps
+            rows = torch.randn(seq_len - q_len, hkv, d, generator=g)
+            cache[c].view(-1, hkv, d)[flat[:seq_len - q_len]] = rows.to(dtype)
+        slots.append(flat[seq_len - q_len:] if b < len(specs) else torch.tensor([-1]))
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = AttentionMetadata(torch.cat(slots), qsl, lens, table, max(q_lens), max(seq_lens), bs,
+                             qsl.clone(), lens.clone(), backend="triton")
+    q, k, v = (torch.randn(int(qsl[-1]), h, d, generator=g).to(dtype) for h in (hkv * qpk, hkv, hkv))
+    return q, k, v, cache, meta
+
+
+def _block_table(num_blocks, g) -> torch.Tensor:
+    """[B, max + 1] int32 of scrambled distinct ids >= 1; the padding entries point at NAN_BLOCK."""
+    perm = (1 + torch.randperm(sum(num_blocks), generator=g)).tolist()
+    table = torch.full((len(num_blocks), max(num_blocks) + 1), NAN_BLOCK, dtype=torch.int32)
+    for b, nb in enumerate(num_blocks):
+        table[b, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+    return table
+
+
+def _oracle(q, cache, meta, scale, window):
+    """float64 attention per sequence over the (already written) cache -> [T, H, D]; padding rows NaN."""
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    bs, hkv = cache["k"].shape[1], cache["k"].shape[2]
+    for b in range(meta.seq_lens.shape[0]):
+        lo, hi, seq_len = int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1]), int(meta.seq_lens[b])
+        if meta.slot_mapping[lo] < 0:
+            continue
+        pos = torch.arange(seq_len)
+        flat = meta.block_table[b, pos // bs].long() * bs + pos % bs
+        keys, values = (cache[c].view(-1, hkv, q.shape[2])[flat].double() for c in "kv")   # [S, Hkv, D]
+        rep = q.shape[1] // hkv
+        keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+        qp = torch.arange(seq_len - (hi - lo), seq_len).unsqueeze(1)
+        seen = (pos.unsqueeze(0) <= qp) & ((pos.unsqueeze(0) > qp - window) if window else True)
+        s = torch.einsum("qhd,khd->hqk", q[lo:hi].double(), keys) * scale
+        p = s.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", p, values)
+    return out
+
+
+DECODES = [(1, 1), (7, 1), (16, 1), (13, 1)]              # one-token context, mid-block and full-block ends
+MIXED = [(9, 9), (21, 5), (1, 1), (6, 1), (12, 3)]        # fresh prefill, extends over cached prefixes, decodes
+GQA = [(2, 1), (1, 4), (1, 8)]                            # (Hkv, H / Hkv)
+
+
+def _check(q, k, v, cache, meta, scale, window, tol=1e-5, num_splits=None):
+    """Triton on the NaN-poisoned cache == reference.paged_attention on a clean copy == the oracle."""
+    ref_cache = {c: t.nan_to_num(0.0) for c, t in cache.items()}   # the reference gathers whole blocks
+    out = paged_attention(q, k, v, cache, meta, scale, window, num_splits=num_splits)
+    expected = reference.paged_attention(q, k, v, ref_cache, meta, scale, window)
+    real = meta.slot_mapping >= 0                                  # padding rows' output is unspecified
+    assert out.dtype == q.dtype
+    torch.testing.assert_close(out[real], expected[real], atol=tol, rtol=tol)
+    torch.testing.assert_close(out[real].double(), _oracle(q, cache, meta, scale, window)[real], atol=tol, rtol=tol)
+    return out
+
+
+DECODES = [(1, 1), (7, 1), (16, 1), (13, 1)]              # one-token context, mid-block and full-block ends
+MIXED = [(9, 9), (21, 5), (1, 1), (6, 1), (12, 3)]        # fresh prefill, extends over cached prefixes, decodes
+GQA = [(2, 1), (1, 4), (1, 8)]                            # (Hkv, H / Hkv)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("hkv,qpk", GQA)
+@pytest.mark.parametrize("d,bs", [(64, 16), (48, 4)])
+@pytest.mark.parametrize("specs", [DECODES, MIXED], ids=["decode", "mixed"])
+def test_attention_matches_references(specs, d, bs, hkv, qpk, window):
+    q, k, v, cache, meta = _batch(specs, bs, hkv, d, qpk=qpk, pad_rows=1)
+    _check(q, k, v, cache, meta, 0.2, window)
+
+
+LONG = [(150, 1), (130, 10), (3, 1), (70, 70)]   # several 64-key tiles per program
+
+
+@pytest.mark.parametrize("num_splits,window", [(2, None), (5, 40)])
+def test_split_k_equals_one_pass(num_splits, window):
+    q, k, v, cache, meta = _batch(LONG, 16, 1, 64, qpk=4, seed=1)
+    split = _check(q, k, v, cache, meta, 0.1, window, num_splits=num_splits)
+    one = unified_attention(q, cache["k"], cache["v"], torch.empty_like(q), meta, 0.1, window, num_splits=1)
+    torch.testing.assert_close(split, one, atol=1e-6, rtol=1e-5)
+
+
+def test_splits_past_short_sequences_are_harmless():
+    q, k, v, cache, meta = _batch(DECODES, 4, 1, 64, qpk=4, seed=2, pad_rows=2)
+    _check(q, k, v, cache, meta, 0.3, None, num_splits=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_half_precision(dtype, num_splits):
+    q, k, v, cache, meta = _batch(MIXED, 16, 2, 80, dtype=dtype, qpk=4, seed=3)
+    _check(q, k, v, cache, meta, 80 ** -0.5, 5, tol=3e-2, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_to_cache_skips_padding(dtype):
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randn(6, 2, 3, 48, generator=g).to(dtype)       # fused rows: k, v are strided views
+    k, v = kv[:, 0], kv[:, 1]
+    cache = {c: torch.randn(4, 4, 3, 48, generator=g).to(dtype) for c in "kv"}
+    expected = {c: t.clone() for c, t in cache.items()}
+    slots = torch.tensor([5, -1, 0, 15, -1, 9])
+    write_to_cache(k, v, cache, slots)
+    reference.write_to_cache(k, v, expected, slots)
+    for c in "kv":
+        assert torch.equal(cache[c], expected[c])
+
+
+def test_write_to_cache_casts_to_the_cache_dtype():
+    k, v = torch.randn(2, 5, 1, 16).unbind(0)
+    cache = {c: torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16) for c in "kv"}
+    write_to_cache(k, v, cache, torch.tensor([1, 7, -1, 2, 0]))
+    got = cache["k"].view(-1, 1, 16)[torch.tensor([1, 7, 2, 0])].float()
+    # the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest: one bf16 ulp apart at most
+    torch.testing.assert_close(got, k[[0, 1, 3, 4]], atol=0, rtol=2 ** -7)
+
+
+def _kv(dtype, hkv=2, d=80, seed=6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 2, 5, 4, hkv, d, generator=g).to(dtype)   # [L, C, num_blocks, block_size, Hkv, D]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_chunk_bit_exact(dtype):
+    kv, slots = _kv(dtype), torch.tensor([17, 3, 4, 5, 19, 0, 8])
+    out = torch.empty(3, 2, 7, 2, 80, dtype=dtype)
+    assert gather_chunk(kv, slots, out) is out
+    assert torch.equal(out, transfer.gather_chunk(kv, slots))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_start", [0, 2])
+def test_scatter_chunk_bit_exact_with_tp_head_slice(dtype, head_start):
+    kv, slots = _kv(dtype), torch.tensor([6, 7, 8, 9, 12, 2])
+    obj = torch.randn(3, 2, 6, 4, 80).to(dtype)                # 4 heads in the object, 2 on this rank
+    expected = kv.clone()
+    scatter_chunk(kv, slots, obj, head_start)
+    transfer.scatter_chunk(expected, slots, obj, head_start)
+    assert torch.equal(kv, expected)
+    assert torch.equal(gather_chunk(kv, slots), obj[:, :, :, head_start:head_start + 2])
