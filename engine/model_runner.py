@@ -52,7 +52,9 @@ class ModelRunner:
         if not scheduled:
             return {}
         inputs = self.input_batch.prepare(scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)  # [T, D]
+        hidden = self.graphs.run(inputs) if self.graphs is not None else None                # decode: replay
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)  # [T, D]
         if not inputs.sample_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_rows])                       # [S, V]

@@ -1,0 +1,103 @@
+"""CUDA graphs for decode steps: the model's forward captured once per batch-size bucket, replayed per step.
+
+Built by ``ModelRunner`` on CUDA unless ``--enforce-eager``; ``ModelRunner.execute`` asks
+``graphs.run(inputs)`` for every step and gets ``None`` back when the step cannot replay (a prefill
+row, more rows than the largest bucket, the torch backend, dynamic RoPE):
+
+    static buffers   ids, positions, slots [Bmax]; query_start_loc [Bmax + 1] (= 0, 1, 2, ...);
+                     seq_lens [Bmax]; block_table [Bmax, max_blocks]; one output [Bmax, hidden]
+    capture(b)       forward over the first b rows, metadata with max_seq_len = max_model_len
+                     (so the Triton kernel's split count is fixed at capture)
+    run(B rows)      copy the step's B rows into the buffers, pad rows B..b (slot -1: nothing
+                     written; seq_len 1), replay bucket b >= B, return output[:B]
+
+Buckets: 1, 2, 4, then multiples of 8 up to ``--max-num-seqs`` (vLLM's shape). All graphs share one
+memory pool; the largest is captured first. Capture time and graph memory are logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pdserve.kernels import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def buckets(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_num_seqs: int, max_model_len: int):
+        self.runner, self.model = runner, runner.model
+        self.block_size, self.max_model_len = runner.block_size, max_model_len
+        dev, i32 = runner.device, torch.int32
+        self.sizes = buckets(max_num_seqs)
+        bmax = self.sizes[-1]
+        self.ids = torch.zeros(bmax, dtype=i32, device=dev)
+        self.positions = torch.zeros(bmax, dtype=i32, device=dev)
+        self.slots = torch.full((bmax,), -1, dtype=i32, device=dev)
+        self.qsl = torch.arange(bmax + 1, dtype=i32, device=dev)
+        self.seq_lens = torch.ones(bmax, dtype=i32, device=dev)
+        self.table = torch.zeros(bmax, -(-max_model_len // self.block_size), dtype=i32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def capture(cls, runner, max_num_seqs: int, max_model_len: int) -> "DecodeGraphs | None":
+        if runner.attention_backend != "triton" or getattr(runner.model.rotary, "dynamic", False):
+            logger.info("CUDA graphs off: attention backend %s%s", runner.attention_backend,
+                        ", dynamic RoPE" if getattr(runner.model.rotary, "dynamic", False) else "")
+            return None
+        graphs = cls(runner, max_num_seqs, max_model_len)
+        graphs._capture_all()
+        return graphs
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        cpu_qsl = torch.arange(b + 1, dtype=torch.int32)
+        return AttentionMetadata(self.slots[:b], self.qsl[:b + 1], self.seq_lens[:b], self.table[:b], 1,
+                                 self.max_model_len, self.block_size, cpu_qsl, torch.ones(b, dtype=torch.int32),
+                                 "triton")
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model(self.ids[:b], self.positions[:b], self.runner.kv_caches, self._meta(b))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        start, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):
+            self._forward(b)                                  # warm-up: compiles the Triton kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self._forward(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        used = free_before - torch.cuda.mem_get_info()[0]
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s, %.1f MiB of graph memory",
+                    len(self.sizes), self.sizes[0], self.sizes[-1], time.monotonic() - start, used / 2**20)
+
+    def run(self, inputs) -> torch.Tensor | None:
+        """The hidden states [B, D] of a decode-only step by replay, or None (run it eagerly)."""
+        meta = inputs.attn
+        n = meta.num_seqs
+        if not meta.is_decode_only or n > self.sizes[-1] or meta.backend != "triton":
+            return None
+        b = next(s for s in self.sizes if s >= n)
+        nb = meta.block_table.shape[1]
+        self.ids[:n].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:n].copy_(inputs.positions, non_blocking=True)
+        self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        self.table[:n, :nb].copy_(meta.block_table, non_blocking=True)
+        if b > n:
+            self.slots[n:b].fill_(-1)
+            self.seq_lens[n:b].fill_(1)
+        self.graphs[b].replay()
+        return self.outputs[b][:n]
