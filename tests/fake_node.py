@@ -2,13 +2,16 @@
 
     node = FakeNode()                        # /health 200, /v1/models (max_model_len), POSTs scripted
     node.script("/v1/completions", Reply(status=429, headers={"Retry-After": "7"}))   # next POST there
-    gate = node.script("/v1/completions", Reply(hold=True))                           # ... held until
-    gate.set()                                                                         # the test says so
+    held = node.script("/v1/completions", Reply(hold=True))                           # ... held until
+    held.gate.set()                                                                    # the test says so
+    mid = node.script("/v1/completions", Reply(events=stream_of([" a", " b"]), hold_after=1, die=True))
+    # a stream: its first event, then held; released, the connection is cut as a killed process's would be
+    mid.gone.wait()                          # set if the caller closed its connection while the reply was held
     node.calls, node.health_hits            # what the proxy sent, and how often it probed
     node.stop()
 
 A POST with no script left gets ``Reply()``: a one-token completion (JSON) or stream (SSE), in the
-endpoint's shape. Nothing here waits on time: a held reply waits on its ``threading.Event``.
+endpoint's shape. Nothing here waits on time: a held reply waits on its gate or on the caller's hang-up.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from conftest import free_port
-from polling import wait_until
+from polling import POLL_INTERVAL_S, wait_until
 
 MODEL = "llama"
 
@@ -35,8 +38,11 @@ class Reply:
     body: dict | None = None              # JSON body; None: a default completion (200) or error body
     events: list[dict] | None = None      # SSE payloads for a 200 stream; None: one token + finish
     headers: dict[str, str] = field(default_factory=dict)
-    hold: bool = False                    # wait for the test to set the returned gate first
+    hold: bool = False                    # wait for the test to set ``gate`` before answering at all
+    hold_after: int | None = None         # a stream: send this many events, then wait for ``gate``
+    die: bool = False                     # a stream: once released, cut the connection mid-body
     gate: threading.Event = field(default_factory=threading.Event)
+    gone: threading.Event = field(default_factory=threading.Event)   # the caller hung up while held
 
 
 class ServerThread:
@@ -57,6 +63,13 @@ class ServerThread:
         self._server.should_exit = True
         self._thread.join(timeout=30)
 
+    def cut(self, client: tuple[str, int]) -> None:
+        """Abort the TCP connection from ``client`` (host, port) without ending its response: what the
+        kernel does to the sockets of a SIGKILLed server."""
+        for connection in list(self._server.server_state.connections):
+            if connection.client == client:
+                connection.transport.abort()
+
 
 class FakeNode:
     def __init__(self, max_model_len: int = 128):
@@ -68,10 +81,10 @@ class FakeNode:
         self._server = ServerThread(self._app())
         self.url = self._server.url
 
-    def script(self, path: str, reply: Reply) -> threading.Event:
+    def script(self, path: str, reply: Reply) -> Reply:
         self._scripts[path].append(reply)
         self._held.append(reply)
-        return reply.gate
+        return reply
 
     def posts(self, path: str | None = None) -> list[dict]:
         return [body for p, body in self.calls if path is None or p == path]
@@ -100,14 +113,54 @@ class FakeNode:
             self.calls.append((request.url.path, body))
             scripts = self._scripts[request.url.path]
             reply = scripts.popleft() if scripts else Reply()
-            if reply.hold:
-                await asyncio.to_thread(reply.gate.wait)
-            return _response(reply, request.url.path, body)
+            if reply.hold and not await _released(reply, request):
+                return Response(status_code=499)            # nobody is listening any more
+            return _response(reply, request.url.path, body, self._stream(reply, request))
 
         return app
 
+    def _stream(self, reply: Reply, request: Request):
+        """The SSE frames of a streamed ``reply``, held after ``hold_after`` of them (then cut if ``die``)."""
+        async def frames(all_frames: list[str]):
+            held = len(all_frames) if reply.hold_after is None else reply.hold_after
+            for frame in all_frames[:held]:
+                yield frame
+            if reply.hold_after is None or not await _released(reply, request):
+                return
+            if reply.die:
+                self._server.cut(tuple(request.client))
+                await _disconnected(request)          # the response ends as the caller's did
+                return
+            for frame in all_frames[held:]:
+                yield frame
 
-def _response(reply: Reply, path: str, body: dict) -> Response:
+        return frames
+
+
+async def _released(reply: Reply, request: Request) -> bool:
+    """Wait until the test sets ``reply.gate`` (-> True) or the caller closes its connection (-> False,
+    and ``reply.gone`` is set)."""
+    hang_up = asyncio.ensure_future(_disconnected(request))
+    try:
+        while not reply.gate.is_set():
+            if hang_up.done():
+                reply.gone.set()
+                return False
+            await asyncio.sleep(POLL_INTERVAL_S)
+        return True
+    except asyncio.CancelledError:           # the server cancelled the response: the caller is gone
+        reply.gone.set()
+        raise
+    finally:
+        hang_up.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _response(reply: Reply, path: str, body: dict, stream) -> Response:
     chat = path.endswith("/chat/completions")
     if reply.status != 200:
         error = reply.body or {"error": {"message": f"scripted {reply.status}", "type": "server_error",
@@ -117,7 +170,7 @@ def _response(reply: Reply, path: str, body: dict) -> Response:
         return JSONResponse(reply.body or _completion(chat), headers=reply.headers)
     events = reply.events if reply.events is not None else _chunks(chat)
     frames = [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]
-    return StreamingResponse(iter(frames), media_type="text/event-stream", headers=reply.headers)
+    return StreamingResponse(stream(frames), media_type="text/event-stream", headers=reply.headers)
 
 
 def _completion(chat: bool) -> dict:
@@ -151,3 +204,11 @@ def error_event(kind: str = "server_error", message: str = "engine failed") -> d
 
 def tokens(text: str, chat: bool) -> list[dict]:
     return _chunks(chat, text)
+
+
+def stream_of(pieces: list[str]) -> list[dict]:
+    """A completions stream of one token per piece; the last one finishes (``length``)."""
+    base = {"id": "fake-1", "object": "text_completion", "created": 0, "model": MODEL}
+    return [{**base, "choices": [{"index": 0, "text": piece, "logprobs": None,
+                                  "finish_reason": "length" if i == len(pieces) - 1 else None}]}
+            for i, piece in enumerate(pieces)]

@@ -64,7 +64,7 @@ def test_probes_do_not_wait_on_the_request_pool(fakes, proxy):
     Before: probes shared the request pool, timed out waiting for it, and took every node out."""
     slow, idle = fakes(2)
     url = proxy([slow], [slow, idle], max_node_connections=2)
-    gates = [slow.script(CMPL, Reply(hold=True)) for _ in range(2)]
+    gates = [slow.script(CMPL, Reply(hold=True)).gate for _ in range(2)]
     answers: list[int] = []
 
     def ask() -> None:          # max_tokens=1, not streamed: the prefill node's answer is the answer
