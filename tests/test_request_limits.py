@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import threading
-import time
 
 import httpx
 import pytest
@@ -98,12 +98,13 @@ def test_body_limits_refuse_size_and_depth_before_the_app_reads_the_body():
 # -- pydantic errors stay short -----------------------------------------------------------------------
 
 def test_a_million_bad_token_ids_make_one_short_message_at_once():
-    """Before: one error per id (seconds of work, a multi-megabyte 400); unions named every branch."""
-    start = time.perf_counter()
+    """Before: one error per id (seconds of work, a multi-megabyte 400); unions named every branch.
+    "At once" is counted, not timed: validation stops at the first bad id, in one branch. Mutation caught:
+    no ``fail_fast=True`` on the bounded lists (engine/server/protocol.py) -> 1,000,000 errors."""
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate({"prompt": [2**40] * 1_000_000})
+    assert info.value.error_count() == 1
     message, param = describe_validation_errors(info.value.errors())
-    assert time.perf_counter() - start < 1.0
     assert message == "prompt.0: Input should be less than or equal to 2147483647 (got 1099511627776)"
     assert param == "prompt.0"
     with pytest.raises(ValidationError) as info:
@@ -177,36 +178,33 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tokenizer):
     work.shutdown()
 
 
+@pytest.mark.timeout(60)              # the bug below hangs the event loop: fail in a minute, not five
 def test_tokenizing_runs_off_the_event_loop_and_gives_up_at_the_deadline(tokenizer):
-    """A tokenization that does not end: the event loop keeps running other work meanwhile, and the
-    caller gets 503 + Retry-After at --tokenize-timeout. Before: encode ran on the event loop."""
-    gate = threading.Event()
-    work = PromptWork(_SpyTokenizer(tokenizer, gate), RequestLimits(tokenize_timeout_s=0.5), lambda: 128)
+    """A tokenization that does not end (held until the test ends): other work runs on the event loop while
+    it is held -- a condition, not a count of ticks in 0.5 s -- and the caller gets 503 + Retry-After at
+    --tokenize-timeout. Before: encode ran on the event loop. Mutation caught: ``PromptWork._run``
+    (engine/server/prompt_work.py) calling ``work()`` on the loop -> the loop blocks (pytest-timeout)."""
+    spy = _SpyTokenizer(tokenizer, threading.Event())
+    work = PromptWork(spy, RequestLimits(tokenize_timeout_s=0.5), lambda: 128)
 
     async def scenario():
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                ticks += 1
+        async def other_work() -> bool:           # done only after encode started; encode never ends
+            while spy.encodes == 0:
                 await asyncio.sleep(0.01)
+            return not spy.gate.is_set()
 
-        task = asyncio.create_task(ticker())
-        try:
-            with pytest.raises(APIError) as info:
-                await work.encode("hello")
-        finally:
-            task.cancel()
-        return info.value, ticks
+        task = asyncio.create_task(other_work())
+        with pytest.raises(APIError) as info:
+            await work.encode("hello")
+        return info.value, await asyncio.wait_for(task, 30)
 
     try:
-        error, ticks = asyncio.run(scenario())
+        error, ran_while_held = asyncio.run(scenario())
     finally:
-        gate.set()
+        spy.gate.set()
         work.shutdown()
     assert error.status == 503 and "--tokenize-timeout 0.5 s" in error.message
-    assert error.headers == {"Retry-After": "1"} and ticks > 5
+    assert error.headers == {"Retry-After": "1"} and ran_while_held
 
 
 # -- the chat-template sandbox ------------------------------------------------------------------------
@@ -228,26 +226,48 @@ def test_the_sandbox_renders_what_transformers_renders(tiny_llama, tiny_llama_me
         assert render_chat(tok, chat, add_generation_prompt) == want
 
 
-ABUSIVE = {
-    "loops": "{% for a in range(10000) %}{% for b in range(10000) %}{% endfor %}{% endfor %}",
-    "repeat": "{{ messages[0]['content'] * 1000000000 }}",
-    "doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-    "replace": "{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s|replace('a','aa') %}"
-               "{% endfor %}",
-    "power": "{{ 2 ** (2 ** 40) }}",
-    "range": "{{ range(10 ** 9)|length }}",
-    "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
-    "output": "{% for m in messages %}{% for n in messages %}{{ m.content }}{% endfor %}{% endfor %}",
+ABUSIVE = {        # name: (template, the limit that must stop it)
+    "loops": ("{% for a in range(10000) %}{% for b in range(10000) %}{% endfor %}{% endfor %}",
+              "ran longer than 100 s"),
+    "repeat": ("{{ messages[0]['content'] * 1000000000 }}", "repeats a value more than 1048576 items long"),
+    "doubling": ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+                 "made a value of 2097152 items; the limit is 1048576"),
+    "replace": ("{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s|replace('a','aa') %}"
+                "{% endfor %}", "made a filter result of 2097152 items; the limit is 1048576"),
+    "power": ("{{ 2 ** (2 ** 40) }}", "computes 2 ** 1099511627776; too large"),
+    "range": ("{{ range(10 ** 9)|length }}", "asks for range(1000000000) of 1000000000 items; the limit is 16384"),
+    "recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursed too deeply"),
+    "output": ("{% for m in messages %}{% for n in messages %}{{ m.content }}{% endfor %}{% endfor %}",
+               "rendered more than 1048576 characters"),
 }
 
 
+class _CheckClock:
+    """A clock that moves one second each time it is read: the render's deadline is a count of checks."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.timeout(60)              # a limit that is never checked runs for minutes: fail in one
 @pytest.mark.parametrize("name", list(ABUSIVE))
-def test_a_runaway_template_stops_at_its_limits(tokenizer, name):
+def test_a_runaway_template_stops_at_its_limits(tokenizer, name, monkeypatch):
     """Before: transformers' sandbox has no deadline and no size limit: each of these ran for minutes or
-    until memory ran out, on the event loop."""
+    until memory ran out, on the event loop. Each must stop at its own limit, named in the error, not at
+    a clock: the deadline is 100 s, which the size limits beat by far; "loops", which only the deadline
+    stops, reads a clock that moves a second per check, so it stops after 100 checks on any machine.
+    Mutation caught: ``_Budget.tick`` (engine/chat_template.py) returning at once -> "loops" renders
+    without an error (or runs into the timeout)."""
+    import pdserve.engine.chat_template as chat_template
+
+    if name == "loops":
+        monkeypatch.setattr(chat_template, "time", _CheckClock())
     tok = load_tokenizer(tokenizer.name_or_path)
-    tok.chat_template = ABUSIVE[name]
-    start = time.monotonic()
-    with pytest.raises(TemplateLimitError):
-        render_chat(tok, [{"role": "user", "content": "x" * 1000}] * 2000, True, TemplateLimits(1.0, 1 << 20))
-    assert time.monotonic() - start < 5.0
+    template, limit = ABUSIVE[name]
+    tok.chat_template = template
+    with pytest.raises(TemplateLimitError, match=re.escape(limit)):
+        render_chat(tok, [{"role": "user", "content": "x" * 1000}] * 2000, True, TemplateLimits(100.0, 1 << 20))
