@@ -40,6 +40,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # Triton's own switch,
 TARGET_PROGRAMS = 264      # ~2 waves of programs on a 132-SM H200; fewer programs than this -> split K
 MIN_SPLIT_KEYS = 256       # a split below this many keys costs more in the reduce than it saves
 MAX_SPLITS = 32
+LOG2E = 1.4426950408889634   # scores are kept in log2 units: exp2 is the fast path
 
 
 @triton.jit
@@ -57,20 +58,24 @@ def _find_seq(qsl_ptr, block_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _mma(a, b, DOT_F32: tl.constexpr):
-    """a [M, K] @ b [K, N] -> fp32; fp32 operands (exact, and the interpreter's bf16 dot is wrong) or b's dtype."""
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a.to(b.dtype), b)
+def _mma(a, b, F32_DOT: tl.constexpr):
+    """a [M, K] @ b [K, N] -> fp32. F32_DOT "": operands in b's dtype (bf16/fp16 tensor cores); else fp32
+    operands at that input precision ("tf32x3" ~ fp32 accuracy on tensor cores; "ieee" in the interpreter,
+    whose bf16 dot is wrong)."""
+    if F32_DOT == "":
+        c = tl.dot(a.to(b.dtype), b)
+    else:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=F32_DOT)
+    return c
 
 
 @triton.jit
 def _attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
-                 qsl_ptr, seq_lens_ptr, bt_ptr, num_seqs, num_tokens, num_splits, scale,
+                 qsl_ptr, seq_lens_ptr, bt_ptr, num_seqs, num_tokens, num_splits, qk_scale,
                  q_t, q_h, o_t, o_h, bt_b, c_blk, c_off, c_h,      # strides; head dim is unit-stride
                  H: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                  BS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
     blk, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = _find_seq(qsl_ptr, blk, num_seqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + b)
@@ -78,54 +83,33 @@ def _attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
     first = (blk - (q_start // BLOCK_Q + b)) * BLOCK_Q          # first query row of this block, in b
     if first >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + b)
-    pos0 = seq_len - q_len                                       # position of b's query row 0
+    pos0 = tl.load(seq_lens_ptr + b) - q_len                     # position of b's query row 0
 
     rows = tl.arange(0, BLOCK_M)                                 # row = token * QPK + head-in-group
     q_tok = first + rows // QPK                                  # [BLOCK_M] query row within b
     head = kvh * QPK + rows % QPK
     row_ok = (rows // QPK < BLOCK_Q) & (q_tok < q_len)
-    q_pos = pos0 + q_tok
+    t_row = (q_start + q_tok).to(tl.int64)                       # [BLOCK_M] flat token row
     d = tl.arange(0, D_PAD)
-    d_ok = d < D
-    t_row = (q_start + q_tok).to(tl.int64)
     q = tl.load(q_ptr + t_row[:, None] * q_t + head[:, None] * q_h + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)   # [BLOCK_M, D_PAD]
+                mask=row_ok[:, None] & (d < D)[None, :], other=0.0)   # [BLOCK_M, D_PAD]
 
-    # keys visible to some row of the block: [lo, hi), as tiles [tile_lo, tile_lo + n_tiles)
-    hi = tl.minimum(seq_len, pos0 + tl.minimum(q_len, first + BLOCK_Q))
+    # keys visible to some row of the block: [lo, hi); this split's tiles of BLOCK_N keys: [t0, t1)
+    hi = pos0 + tl.minimum(q_len, first + BLOCK_Q)
     lo = 0
     if WINDOW > 0:
         lo = tl.maximum(0, pos0 + first - WINDOW + 1)
-    tile_lo = lo // BLOCK_N
-    n_tiles = tl.cdiv(hi, BLOCK_N) - tile_lo
-    per_split = tl.cdiv(n_tiles, num_splits)
-    t0 = tile_lo + split * per_split
-    t1 = tl.minimum(t0 + per_split, tile_lo + n_tiles)
+    per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N) - lo // BLOCK_N, num_splits)
+    t0 = lo // BLOCK_N + split * per_split
+    t1 = tl.minimum(t0 + per_split, tl.cdiv(hi, BLOCK_N))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     for tile in range(t0, t1):
-        kp = tile * BLOCK_N + tl.arange(0, BLOCK_N)              # [BLOCK_N] key positions
-        k_ok = (kp >= lo) & (kp < hi)
-        page = tl.load(bt_ptr + b * bt_b + kp // BS, mask=k_ok, other=0).to(tl.int64)
-        kv_off = page * c_blk + (kp % BS) * c_off + kvh * c_h    # [BLOCK_N]
-        kt = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-        s = _mma(q, kt, DOT_F32) * scale                         # [BLOCK_M, BLOCK_N]
-        seen = row_ok[:, None] & k_ok[None, :] & (kp[None, :] <= q_pos[:, None])
-        if WINDOW > 0:
-            seen = seen & (kp[None, :] > q_pos[:, None] - WINDOW)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # rows that have seen nothing yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _mma(p, v, DOT_F32)         # [BLOCK_M, D_PAD]
-        m_i = m_new
-
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tile * BLOCK_N + tl.arange(0, BLOCK_N), lo, hi,
+                                     pos0 + q_tok, row_ok, kc_ptr, vc_ptr, bt_ptr + b * bt_b, kvh * c_h,
+                                     c_blk, c_off, qk_scale, D, D_PAD, BS, WINDOW, F32_DOT)
     if SPLIT:
         row = (split * num_tokens + t_row) * H + head            # partials: [num_splits, T, H, (D_PAD)]
         tl.store(part_m + row, m_i, mask=row_ok)
@@ -134,7 +118,31 @@ def _attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + t_row[:, None] * o_t + head[:, None] * o_h + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, kp, lo, hi, q_pos, row_ok, kc_ptr, vc_ptr, table_ptr, head_off,
+                 c_blk, c_off, qk_scale, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+                 WINDOW: tl.constexpr, F32_DOT: tl.constexpr):
+    """One online-softmax step over the keys at positions kp [BLOCK_N] -> updated (m_i, l_i, acc)."""
+    d = tl.arange(0, D_PAD)
+    k_ok = (kp >= lo) & (kp < hi)
+    page = tl.load(table_ptr + kp // BS, mask=k_ok, other=0).to(tl.int64)
+    kv_off = page * c_blk + (kp % BS) * c_off + head_off                      # [BLOCK_N]
+    kt = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :] & (d < D)[:, None], other=0.0)
+    s = _mma(q, kt, F32_DOT) * qk_scale                                      # [BLOCK_M, BLOCK_N], log2 units
+    seen = row_ok[:, None] & k_ok[None, :] & (kp[None, :] <= q_pos[:, None])
+    if WINDOW > 0:
+        seen = seen & (kp[None, :] > q_pos[:, None] - WINDOW)
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                    # rows that have seen nothing yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None] & (d < D)[None, :], other=0.0)
+    acc = acc * alpha[:, None] + _mma(p, v, F32_DOT)                         # [BLOCK_M, D_PAD]
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
@@ -153,7 +161,7 @@ def _reduce_kernel(part_acc, part_m, part_l, out_ptr, num_tokens, num_splits, o_
         m_s = tl.load(part_m + row, mask=h_ok, other=float("-inf"))
         m_new = tl.maximum(m_run, m_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a_run, a_s = tl.exp(m_run - m_safe), tl.exp(m_s - m_safe)
+        a_run, a_s = tl.exp2(m_run - m_safe), tl.exp2(m_s - m_safe)
         l_run = l_run * a_run + tl.load(part_l + row, mask=h_ok, other=0.0) * a_s
         acc_s = tl.load(part_acc + row[:, None] * D_PAD + d[None, :], mask=h_ok[:, None], other=0.0)
         acc = acc * a_run[:, None] + acc_s * a_s[:, None]
@@ -171,27 +179,31 @@ class AttentionPlan:
     block_n: int        # keys per tile
     num_splits: int
     num_warps: int
+    f32_dot: str        # "" (bf16/fp16 operands) or the fp32 input precision, see _mma
 
     def num_q_blocks(self, num_tokens: int, num_seqs: int) -> int:
         return num_tokens // self.block_q + num_seqs   # >= sum_b cdiv(q_len_b, block_q), see docstring
 
 
 def plan_attention(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                   max_query_len: int, max_seq_len: int, num_splits: int | None = None) -> AttentionPlan:
+                   max_query_len: int, max_seq_len: int, fp32: bool, num_splits: int | None = None) -> AttentionPlan:
+    """Tiles sized so that nothing spills on sm_90 (checked with ptxas): per thread, the fp32 acc
+    (BLOCK_M x D_PAD) and each gathered K/V tile's pointers (BLOCK_N x D_PAD) stay within ~64 registers."""
     qpk, d_pad = num_heads // num_kv_heads, _pad_dim(head_dim)
-    # decode (max_query_len 1): one token x the head group, padded to 16 rows; prefill: up to 128 rows
-    block_m = min(max(16, triton.next_power_of_2(max_query_len * qpk)), 64 if d_pad > 128 else 128)
-    block_m = max(block_m, triton.next_power_of_2(qpk))
+    # decode (max_query_len 1): one token x the head group, padded to 16 rows; prefill: up to 64 rows
+    m_cap = 64 * 128 // d_pad // (2 if fp32 else 1)
+    block_m = max(16, min(triton.next_power_of_2(max_query_len * qpk), m_cap), triton.next_power_of_2(qpk))
+    num_warps = 8 if block_m * d_pad >= 64 * 128 else 4
+    block_n = max(16, min(1024 * num_warps // d_pad // (2 if fp32 else 1), 64))
     block_q = block_m // qpk
-    block_n = 32 if d_pad > 128 else 64
     if num_splits is None:
         programs = (num_tokens // block_q + num_seqs) * num_kv_heads
         by_len = max(1, max_seq_len // MIN_SPLIT_KEYS)
         num_splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), by_len, MAX_SPLITS))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    num_warps = 8 if block_m * d_pad > 64 * 128 else 4
-    return AttentionPlan(block_m, block_q, block_n, num_splits, num_warps)
+    f32_dot = ("ieee" if INTERPRETED else "tf32x3") if fp32 or INTERPRETED else ""
+    return AttentionPlan(block_m, block_q, block_n, num_splits, num_warps, f32_dot)
 
 
 def paged_attention(q, k, v, cache: dict, meta, scale: float, sliding_window: int | None = None,
@@ -212,17 +224,17 @@ def unified_attention(q, k_cache, v_cache, out, meta, scale: float, sliding_wind
     (T, H, D), Hkv, B = q.shape, k_cache.shape[2], meta.seq_lens.shape[0]
     if T == 0:
         return out
-    plan = plan_attention(T, B, H, Hkv, D, meta.max_query_len, meta.max_seq_len, num_splits)
+    fp32 = torch.float32 in (q.dtype, k_cache.dtype)
+    plan = plan_attention(T, B, H, Hkv, D, meta.max_query_len, meta.max_seq_len, fp32, num_splits)
     d_pad, split = _pad_dim(D), plan.num_splits > 1
     parts = _partials(plan.num_splits, T, H, d_pad, q.device) if split else (out, out, out)
-    dot_f32 = INTERPRETED or torch.float32 in (q.dtype, k_cache.dtype)
     grid = (plan.num_q_blocks(T, B), Hkv, plan.num_splits)
     _attn_kernel[grid](
         q, k_cache, v_cache, out, *parts, meta.query_start_loc, meta.seq_lens, meta.block_table,
-        B, T, plan.num_splits, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        B, T, plan.num_splits, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         meta.block_table.stride(0), *k_cache.stride()[:3],
         H=H, QPK=H // Hkv, D=D, D_PAD=d_pad, BS=k_cache.shape[1], WINDOW=sliding_window or 0,
-        BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, SPLIT=split, DOT_F32=dot_f32,
+        BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, SPLIT=split, F32_DOT=plan.f32_dot,
         num_warps=plan.num_warps)
     if split:
         _reduce_kernel[(T,)](*parts, out, T, plan.num_splits, out.stride(0), out.stride(1),

@@ -4,12 +4,16 @@ Attention is checked on ragged batches mixing decode rows and prefill/extend chu
 prefix, against ``reference.paged_attention`` and against a float64 oracle written here (per
 sequence: gather the context through the block table, causal + window mask, softmax). Padding
 block-table entries and never-written cache rows hold NaN in the Triton run, so a read past a
-sequence's end shows up in its output. Cache writes and chunk transfers are bit-exact.
+sequence's end shows up in its output. Cache writes and chunk transfers are bit-exact. The
+kernels are also compiled for sm_90 (no GPU needed), which the interpreter does not exercise.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton and the kernel modules are imported
 
@@ -113,7 +117,7 @@ def test_attention_matches_references(specs, d, bs, hkv, qpk, window):
     _check(q, k, v, cache, meta, 0.2, window)
 
 
-LONG = [(150, 1), (130, 10), (3, 1), (70, 70)]   # several 64-key tiles per program
+LONG = [(150, 1), (130, 10), (3, 1), (70, 70)]   # several key tiles per program: splits get real work
 
 
 @pytest.mark.parametrize("num_splits,window", [(2, None), (5, 40)])
@@ -182,3 +186,38 @@ def test_scatter_chunk_bit_exact_with_tp_head_slice(dtype, head_start):
     transfer.scatter_chunk(expected, slots, obj, head_start)
     assert torch.equal(kv, expected)
     assert torch.equal(gather_chunk(kv, slots), obj[:, :, :, head_start:head_start + 2])
+
+
+def test_kernels_compile_for_hopper():
+    """The interpreter misses compiled-mode errors: build every kernel for sm_90 with the wheel's ptxas."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton wheel ships no ptxas")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    code = "import test_triton_kernels as t; t.compile_for_hopper()"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=240)
+
+
+def compile_for_hopper() -> None:
+    """Compile each kernel (both attention branches: split + decode, one pass + window + fp32) for sm_90."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdserve.kernels import triton_attention as ta, triton_cache as tc, triton_transfer as tt
+
+    def build(fn, consts, num_warps=4, pointer="*bf16"):
+        kind = {"part_acc": "*fp32", "part_m": "*fp32", "part_l": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "bt_ptr": "*i32", "slot_ptr": "*i64", "qk_scale": "fp32"}
+        sig = {a: "constexpr" if a in consts else kind.get(a, pointer if a.endswith("_ptr") else "i32")
+               for a in fn.arg_names}
+        triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+    for fp32, max_q, split, window in ((False, 1, True, 0), (True, 40, False, 8)):
+        plan = ta.plan_attention(64, 8, 32, 8, 48, max_q, 600, fp32, 2 if split else 1)
+        build(ta._attn_kernel, dict(H=32, QPK=4, D=48, D_PAD=64, BS=16, WINDOW=window, BLOCK_M=plan.block_m,
+                                    BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, SPLIT=split, F32_DOT=plan.f32_dot),
+              plan.num_warps, "*fp32" if fp32 else "*bf16")
+    build(ta._reduce_kernel, dict(H=32, H_PAD=32, D=48, D_PAD=64))
+    build(tc._write_kernel, dict(D=128, HD=1024, BS=16, BLOCK_T=4, BLOCK_HD=1024))
+    for to_cache in (False, True):
+        build(tt._copy_kernel, dict(D=128, HD=1024, BS=16, TO_CACHE=to_cache, BLOCK_T=8, BLOCK_HD=1024))
