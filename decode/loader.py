@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.kernels.chunk_io import ChunkIO
 from pdserve.kernels.transfer import scatter_kv
 from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.seal import SealError, chunk_digest, unseal
@@ -49,6 +50,8 @@ class ChunkLoader:
         self.store = store
         self.health = health                 # TierHealth shared with the publisher: down -> no store I/O
         self.kv_caches = kv_caches
+        io = ChunkIO.of(kv_caches)
+        self.io = io if io is not None and io.cuda else None   # CUDA: one H2D copy + one scatter per chunk
         self.first_layer = first_layer
         self.expect_shape = expect_shape     # (components, kv_heads, head_dim) of a stored object
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -128,6 +131,9 @@ class ChunkLoader:
         return range(self.first_layer, self.first_layer + len(self.kv_caches))
 
     def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int) -> None:
+        if self.io is not None:
+            self.io.scatter([obj[:, a:b] for obj in views], slots)
+            return
         for cache, obj in zip(self.kv_caches, views):
             scatter_kv(cache, slots, obj[:, a:b])                         # obj: [C, length, Hkv, D]
 

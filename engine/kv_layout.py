@@ -40,17 +40,25 @@ class KVLayout:
     def block_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, *self.token_shape)
 
-    def allocate(self, num_blocks: int, block_size: int, device: str | torch.device = "cpu"):
-        """One ``{component: tensor[num_blocks, block_size, heads, dim]}`` dict per layer."""
+    def allocate(self, num_blocks: int, block_size: int, device: str | torch.device = "cpu") -> "KVCaches":
+        """One ``{component: tensor[num_blocks, block_size, heads, dim]}`` dict per layer, every tensor a
+        view of one buffer ``[layers, components, num_blocks, block_size, heads, dim]`` (``.buffer``), so a
+        chunk of every layer moves in one gather/scatter (``kernels.chunk_io``)."""
         shape = self.block_shape(num_blocks, block_size)
-        return [
-            {c: torch.zeros(shape, dtype=self.dtype, device=device) for c in self.components}
-            for _ in range(self.num_layers)
-        ]
+        buffer = torch.zeros(self.num_layers, len(self.components), *shape, dtype=self.dtype, device=device)
+        caches = KVCaches({c: buffer[layer, i] for i, c in enumerate(self.components)}
+                          for layer in range(self.num_layers))
+        caches.buffer = buffer
+        return caches
 
     def describe(self) -> str:
         """Stable text used in model fingerprints (store keys must change when this does)."""
         return f"{self.kind}:kv_heads={self.num_kv_heads}:head_dim={self.head_dim}:{self.dtype}"
+
+
+class KVCaches(list):
+    """The per-layer cache dicts, plus ``buffer``: the one tensor they are views of."""
+    buffer: torch.Tensor
 
 
 def _itemsize(dtype: torch.dtype) -> int:

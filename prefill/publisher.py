@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.kernels.chunk_io import ChunkIO, Gathered
 from pdserve.kernels.transfer import gather_kv
 from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.seal import chunk_digest, seal
@@ -58,6 +59,7 @@ class ChunkPublisher:
         self.durable = durable              # wait for the lower tiers (embedded store over Redis) before acking
         self.health = health                # TierHealth shared with the loader: down -> skip puts
         self.kv_caches = kv_caches          # this rank's layers; object keys use global layer ids
+        self.io = ChunkIO.of(kv_caches)     # all layers in one gather (device -> pinned host on CUDA)
         self.first_layer = first_layer
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
@@ -71,7 +73,10 @@ class ChunkPublisher:
 
     def publish(self, request_id: str, index: int, chunk_key: str, slots: torch.Tensor) -> None:
         """Copy chunk ``index`` (tokens at ``slots``) out of the cache now; seal and put it later."""
-        layers = [gather_kv(layer, slots) for layer in self.kv_caches]          # each [C, n, Hkv, D]
+        if self.io is not None:
+            layers = self.io.gather(slots)                  # Gathered: the publisher thread waits for it
+        else:
+            layers = [gather_kv(layer, slots) for layer in self.kv_caches]      # each [C, n, Hkv, D]
         self._enqueue(request_id, index, chunk_key, layers, self.first_layer)
 
     def close_request(self, request_id: str, first_index: int = 0) -> None:
@@ -122,6 +127,8 @@ class ChunkPublisher:
 
     def _put(self, request_id: str, chunk_key: str, layers: list, first_layer: int) -> str | None:
         """Seal and store one chunk; its digest, or None when it did not reach the store."""
+        if isinstance(layers, Gathered):
+            layers = layers.wait()                          # the device -> host copy has landed
         if not self.health.available():
             self.skipped += 1
             return None
