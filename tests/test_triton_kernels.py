@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton and the kernel modules are imported
@@ -23,7 +24,8 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from pdserve.kernels import AttentionMetadata, reference, transfer  # noqa: E402
-from pdserve.kernels.triton_attention import paged_attention, unified_attention  # noqa: E402
+from pdserve.kernels.triton_attention import (MAX_SPLITS, MIN_SPLIT_KEYS, paged_attention,  # noqa: E402
+                                              plan_attention, unified_attention)
 from pdserve.kernels.triton_cache import write_to_cache  # noqa: E402
 from pdserve.kernels.triton_transfer import gather_chunk, scatter_chunk  # noqa: E402
 
@@ -133,10 +135,21 @@ def test_splits_past_short_sequences_are_harmless():
     _check(q, k, v, cache, meta, 0.3, None, num_splits=16)
 
 
+def test_plan_splits_only_long_contexts_of_small_batches():
+    plan = partial(plan_attention, num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=1, fp32=False)
+    assert plan(1, 1, max_seq_len=32768).num_splits == MAX_SPLITS       # 8 programs: split as far as allowed
+    assert plan(4, 4, max_seq_len=1024).num_splits == 1024 // MIN_SPLIT_KEYS
+    assert plan(256, 256, max_seq_len=600).num_splits == 1              # 2560 programs already
+    assert plan(1, 1, max_seq_len=100).num_splits == 1                  # too short to be worth a reduce
+    assert plan(1, 1, max_seq_len=100, num_splits=6).num_splits == 6    # CUDA graphs fix it
+    with pytest.raises(ValueError, match="num_splits"):
+        plan(1, 1, max_seq_len=100, num_splits=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_half_precision(dtype, num_splits):
-    q, k, v, cache, meta = _batch(MIXED, 16, 2, 80, dtype=dtype, qpk=4, seed=3)
+    q, k, v, cache, meta = _batch(MIXED, 16, 2, 80, dtype=dtype, qpk=3, seed=3)   # a group of 3: padded rows
     _check(q, k, v, cache, meta, 80 ** -0.5, 5, tol=3e-2, num_splits=num_splits)
 
 
