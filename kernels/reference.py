@@ -25,10 +25,13 @@ DECODE_GROUP = 8   # decodes attended together; sorted by context length so each
 
 
 def write_to_cache(k: torch.Tensor, v: torch.Tensor, cache: dict, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D] -> cache["k"/"v"]: [num_blocks, block_size, Hkv, D] at flat slots (< 0: skipped)."""
+    """k, v: [T, Hkv, D] -> cache["k"/"v"]: [num_blocks, block_size, Hkv, D] at flat slots.
+
+    Padding rows (slot < 0, only CUDA-graph steps have them, and those run the Triton backend) are
+    skipped on the CPU; on a device the check would be a host sync, so it is not made there."""
     slots = slot_mapping.long()
-    keep = slots >= 0
-    if not bool(keep.all()):
+    if slots.device.type == "cpu" and slots.numel() and int(slots.min()) < 0:
+        keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     for name, x in (("k", k), ("v", v)):
         flat = cache[name].view(-1, *cache[name].shape[2:])
