@@ -13,6 +13,11 @@ Only the engine thread touches ``LLMEngine``; the inbox is the single hand-off p
 failure fails that request inside ``LLMEngine.step``; an exception that escapes a step is unrecoverable:
 it fails every in-flight request with its message, marks the engine dead and calls ``on_fatal`` (the
 node then exits non-zero, so that its supervisor restarts it).
+
+With ``config.engine_core_process`` (``pdserve node --engine-core-process``) there is no engine thread:
+``self.engine`` is an ``EngineCoreClient`` (``pdserve.engine.core``) with the same methods, which sends
+adds and aborts to the engine-core process at once and delivers its outputs from a receiver thread;
+a core that dies ends every stream the same way (``_die``).
 """
 
 from __future__ import annotations
@@ -52,10 +57,7 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config)
-        self.tokenizer = self.engine.tokenizer
         self.model_name = config.model_name
-        self.max_model_len = self.engine.max_model_len
         self.role = config.kv_transfer.role
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -63,9 +65,18 @@ class AsyncEngine:
         self._stopping = False
         self._fatal: str | None = None
         self.on_fatal = None                 # called once (from the engine thread) when the engine dies
-        self._store_stats = StatsCache(self.engine.store) if self.engine.store is not None else None
-        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
-        self._thread.start()
+        self._store_stats, self._thread = None, None
+        if config.engine_core_process:
+            from pdserve.engine.core.client import EngineCoreClient
+
+            self.engine = EngineCoreClient(config, deliver=self._deliver, die=self._die)
+        else:
+            self.engine = LLMEngine(config)
+            self._store_stats = StatsCache(self.engine.store) if self.engine.store is not None else None
+            self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+            self._thread.start()
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
 
     async def generate(self, prompt_token_ids: list[int], params, request_id: str,
                        kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
@@ -93,14 +104,9 @@ class AsyncEngine:
         self._send(("abort", request_id))
 
     def stats(self) -> EngineStats:
-        sched, bm = self.engine.scheduler, self.engine.block_manager
-        queries, hits = bm.prefix_cache_stats
-        return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting, kv_usage=bm.usage,
-                           prefix_cache_queries=queries, prefix_cache_hits=hits,
-                           kv_totals=dict(self.engine.outputs.totals),
-                           kv_store=self._store_stats.get() if self._store_stats else {},
-                           kv_transfer=self.engine.connector.stats() if self.engine.connector else {},
-                           num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks)
+        if self._thread is None:
+            return self.engine.stats()           # the engine-core process's last report
+        return collect_stats(self.engine, self._store_stats)
 
     @property
     def fatal(self) -> str | None:
@@ -109,12 +115,15 @@ class AsyncEngine:
 
     def is_healthy(self) -> bool:
         """False once a step failed, or once a tp x pp worker rank died or stalled (even while idle)."""
+        if self._thread is None:
+            return self._fatal is None and self.engine.is_alive()
         return self._fatal is None and self._thread.is_alive() and getattr(self.engine.runner, "failure", None) is None
 
     def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
         if self._store_stats is not None:
             self._store_stats.close()
         self.engine.shutdown()
@@ -122,6 +131,8 @@ class AsyncEngine:
     # -- engine thread -------------------------------------------------------------------------
 
     def _send(self, command: tuple) -> None:
+        if self._thread is None:              # an engine-core process: the client sends at once, any thread
+            return self._apply(command)
         self._inbox.put(command)
         self._wake.set()
 
@@ -155,11 +166,14 @@ class AsyncEngine:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                self._add(*command[1:])
-            else:
-                self.engine.abort_request(command[1])
-                self._streams.pop(command[1], None)
+            self._apply(command)
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "add":
+            self._add(*command[1:])
+        else:
+            self.engine.abort_request(command[1])
+            self._streams.pop(command[1], None)
 
     def _add(self, request_id, prompt_ids, params, transfer, loop, out_q) -> None:
         self._streams[request_id] = (loop, out_q)
@@ -181,3 +195,14 @@ class AsyncEngine:
         self._fatal = message
         for request_id in list(self._streams):
             self._deliver(request_id, EngineDeadError(message), final=True)
+
+
+def collect_stats(engine: LLMEngine, store_stats: StatsCache | None) -> EngineStats:
+    """The engine's figures for ``/metrics`` (the engine thread's, or the engine-core process's own)."""
+    sched, bm = engine.scheduler, engine.block_manager
+    queries, hits = bm.prefix_cache_stats
+    return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting, kv_usage=bm.usage,
+                       prefix_cache_queries=queries, prefix_cache_hits=hits, kv_totals=dict(engine.outputs.totals),
+                       kv_store=store_stats.get() if store_stats else {},
+                       kv_transfer=engine.connector.stats() if engine.connector else {},
+                       num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks)

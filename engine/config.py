@@ -131,6 +131,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    engine_core_process: bool = False       # --engine-core-process: the engine core runs in its own process
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:

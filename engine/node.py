@@ -48,6 +48,9 @@ def register(subparsers) -> None:
                         "tries another node)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM / SIGINT: seconds in-flight requests may take to finish before they are cancelled")
+    p.add_argument("--engine-core-process", action="store_true",
+                   help="run the engine core (scheduler, model, KV connector) in a process of its own, beside the "
+                        "HTTP process (pdserve.engine.core)")
     _add_engine_flags(p)
     add_limit_flags(p)
     p.set_defaults(func=run_node)
@@ -117,6 +120,7 @@ def config_from_args(args) -> EngineConfig:
                                      kv_cpu_bytes=args.kv_cpu_bytes, kv_redis=args.kv_redis,
                                      kv_disk_dir=args.kv_disk_dir, kv_auth_token=args.kv_auth_token,
                                      kv_writethrough_queue_bytes=args.kv_writethrough_queue_bytes),
+        engine_core_process=args.engine_core_process,
     )
 
 

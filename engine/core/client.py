@@ -1,0 +1,216 @@
+"""``EngineCoreClient``: what ``AsyncEngine`` uses of ``LLMEngine``, served by an engine-core process.
+
+    client = EngineCoreClient(config, deliver=..., die=...)   # starts the core, waits for Ready
+    client.check_prompt(n, max_tokens); client.check_transfer(params)   # answered here, no round trip
+    client.add_request(id, ids, params, transfer)             # sent at once (any thread)
+    client.abort_request(id)
+    deliver(id, RequestOutput | exception, final)             # from the receiver thread, per output
+    die(message)                                              # once: the core sent Fatal or exited
+    client.stats()                                            # the core's last report (/metrics)
+    client.shutdown()                                         # Shutdown, wait, kill what did not exit
+
+One receiver thread reads the core's messages; between messages (every POLL_S) it checks the process
+with ``waitpid``, so a killed core is reported within POLL_S. The core's pid is ``client.pid``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import zmq
+
+from pdserve.engine.async_engine import EngineDeadError, EngineStats
+from pdserve.engine.core import messages as m
+from pdserve.engine.kv_transfer import KVTransferParams, TransferMismatchError
+from pdserve.engine.llm_engine import PromptTooLongError
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+POLL_S = 0.05                      # the receiver checks the core's pid this often while no message comes
+
+
+class EngineCoreError(RuntimeError):
+    """The engine-core process failed to start; the message is its own report."""
+
+
+class EngineCoreClient:
+    def __init__(self, config, deliver, die, start_timeout: float = 600.0):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.model_config = ModelConfig.from_dir(config.model, dtype=config.dtype)   # vocab size for the edge
+        self._deliver, self._die = deliver, die
+        self._fatal: str | None = None
+        self._stopping = self._closed = False
+        self._lock = threading.Lock()                          # the send socket and _closed
+        self._ctx = zmq.Context()
+        tag = f"pdserve-core-{os.getpid()}-{uuid.uuid4().hex}"
+        inbound, outbound = f"ipc://@{tag}-in", f"ipc://@{tag}-out"     # abstract namespace: no file to leak
+        self._to_core, self._from_core = self._connect(zmq.PUSH, inbound), self._connect(zmq.PULL, outbound)
+        self.proc = _spawn()
+        try:
+            m.write_start(self.proc.stdin, m.StartCore(config, inbound, outbound))
+            ready = self._wait_ready(start_timeout)
+        except BaseException:                                  # a failed start, or a signal (NodeStopped)
+            self._stop_process(graceful=False)
+            self._ctx.destroy(linger=0)
+            raise
+        self.pid, self.max_model_len, self._store, self._stats = ready.pid, ready.max_model_len, ready.store, \
+            ready.stats
+        logger.info("engine core ready in process %d (%d KV blocks)", ready.pid, ready.num_blocks)
+        self._receiver = threading.Thread(target=self._receive_loop, name="pdserve-core-receiver", daemon=True)
+        self._receiver.start()
+
+    # -- LLMEngine's methods ------------------------------------------------------------------
+
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """The in-process engine's checks and messages (``LLMEngine.check_prompt``)."""
+        limit = self.max_model_len
+        if num_prompt_tokens < 1:
+            raise PromptTooLongError("prompt is empty; send at least one token")
+        if num_prompt_tokens >= limit:
+            raise PromptTooLongError(f"prompt has {num_prompt_tokens} tokens; --max-model-len is {limit}")
+        if num_prompt_tokens + max_tokens > limit:
+            raise PromptTooLongError(
+                f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+                f"{num_prompt_tokens + max_tokens} > --max-model-len {limit}")
+
+    def check_transfer(self, kv_transfer_params: dict | None) -> None:
+        """``LLMEngine.check_transfer`` against the store figures the core reported when ready."""
+        if not kv_transfer_params:
+            return
+        transfer = KVTransferParams.from_json_obj(kv_transfer_params)
+        if transfer.do_remote_prefill:
+            if self._store is None:
+                raise TransferMismatchError("kv_transfer_params asks to load remote KV but this node has no KV "
+                                            "store; start it with --role decode --kv-store tcp://HOST:PORT")
+            s = self._store
+            transfer.check_compatible(fingerprint=s.fingerprint, block_size=s.block_size,
+                                      chunk_tokens=s.chunk_tokens, kv_layout=s.kv_layout)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params,
+                    kv_transfer_params: dict | None = None) -> None:
+        if self._fatal is not None:
+            raise EngineDeadError(self._fatal)
+        transfer = KVTransferParams.from_json_obj(kv_transfer_params) if kv_transfer_params else None
+        self._post(m.AddRequest(request_id, list(prompt_token_ids), params, transfer))
+
+    def abort_request(self, request_id: str) -> None:
+        self._post(m.AbortRequests([request_id]))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def is_alive(self) -> bool:
+        return self._fatal is None and self.proc.poll() is None
+
+    def shutdown(self) -> None:
+        """Shutdown to the core (it stops its KV publisher, store and ranks in order), wait, kill. Idempotent."""
+        if self._closed:
+            return
+        self._stopping = True
+        self._stop_process(graceful=True)
+        self._receiver.join(timeout=5.0)
+        with self._lock:
+            self._closed = True
+        self._ctx.destroy(linger=0)
+
+    # -- the receiver thread ------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        while not self._stopping and self._fatal is None:
+            if self._from_core.poll(int(POLL_S * 1000)):
+                self._handle(m.decode_core_message(self._from_core.recv()))
+                continue
+            code = self.proc.poll()
+            if code is not None and not self._stopping:
+                self._fail(f"the engine-core process (pid {self.proc.pid}) {_describe(code)}")
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, m.Fatal):
+            return self._fail(msg.message)
+        if not isinstance(msg, m.CoreOutputs):
+            return logger.warning("ignoring an unexpected %s from the engine core", type(msg).__name__)
+        for r in msg.rejected:
+            self._deliver(r.request_id, (ValueError if r.invalid else RuntimeError)(r.message), True)
+        for wire in msg.outputs:
+            out = m.output_from_wire(wire)
+            self._deliver(out.request_id, out, out.finished)
+        if msg.stats is not None:
+            self._stats = msg.stats
+
+    def _fail(self, message: str) -> None:
+        if self._fatal is None:
+            self._fatal = message
+            logger.error("%s; failing every request, the node stops", message)
+            self._die(message)
+
+    # -- the process ----------------------------------------------------------------------------
+
+    def _connect(self, kind: int, address: str) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)                    # a connecting PUSH queues, never blocks
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 10)            # the core binds a moment after it starts
+        sock.connect(address)
+        return sock
+
+    def _post(self, message) -> None:
+        with self._lock:
+            if not self._closed:
+                self._to_core.send(m.encode(message))
+
+    def _wait_ready(self, timeout: float) -> m.Ready:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._from_core.poll(int(POLL_S * 1000)):
+                msg = m.decode_core_message(self._from_core.recv())
+                if isinstance(msg, m.Ready):
+                    return msg
+                if isinstance(msg, m.Fatal):
+                    raise EngineCoreError(msg.message)
+            elif self.proc.poll() is not None:
+                raise EngineCoreError(f"the engine-core process {_describe(self.proc.returncode)} while starting; "
+                                      "see its log above")
+        raise EngineCoreError(f"the engine core did not start within {timeout:.0f}s")
+
+    def _stop_process(self, graceful: bool) -> None:
+        """Shutdown and wait (graceful), then close the lifeline (the core leaves at once), then SIGKILL."""
+        if graceful and self.proc.poll() is None:
+            self._post(m.Shutdown("node shutdown"))
+            _wait(self.proc, self.config.parallel.rank_timeout + 15)
+        self.proc.stdin.close()
+        if not _wait(self.proc, 5.0):
+            logger.error("the engine-core process (pid %d) did not exit; killing it", self.proc.pid)
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _spawn() -> subprocess.Popen:
+    """The core in its own session (Ctrl-C reaches only the API process, which stops it in order). It dies
+    with the thread that starts it (PR_SET_PDEATHSIG): start it from the thread that lives as long as the node."""
+    cmd = [sys.executable, "-m", "pdserve.engine.core.proc", "--parent-pid", str(os.getpid())]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> bool:
+    try:
+        proc.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"

@@ -1,0 +1,167 @@
+"""Typed messages between the API process and the engine-core process (msgspec msgpack; never pickle).
+
+    API ──stdin──> core            StartCore (4-byte big-endian length + msgpack), once; stdin then stays open
+                                   as the core's lifeline (EOF: the API process is gone)
+    API ──zmq PUSH──> core PULL    AddRequest | AbortRequests | Shutdown, sent as they come; the core applies
+                                   all that arrived as one batch before each step
+    core ──zmq PUSH──> API PULL    Ready once, then one CoreOutputs per step (deltas of every request that
+                                   moved, requests refused at add, stats at most every STATS_INTERVAL_S),
+                                   and Fatal before the core exits on an unrecoverable error
+
+The core binds both ipc sockets (abstract namespace, no file) and the API process connects: a connecting
+PUSH queues what it sends before the core is up and never blocks on a dead peer.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+from pdserve.engine.async_engine import EngineStats
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_transfer import KVTransferParams
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampler import SampleResult
+from pdserve.engine.sampling_params import SamplingParams
+
+VERSION = 1
+STATS_INTERVAL_S = 0.1            # stats ride along with outputs at most this often (and whenever idle)
+_LENGTH = struct.Struct(">I")
+
+
+class StartCore(msgspec.Struct, frozen=True):
+    config: EngineConfig
+    input_address: str             # ipc://@... the core binds (PULL): AddRequest | AbortRequests | Shutdown
+    output_address: str            # ipc://@... the core binds (PUSH): Ready | CoreOutputs | Fatal
+    version: int = VERSION
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: KVTransferParams | None = None
+    version: int = VERSION
+
+
+class AbortRequests(msgspec.Struct, frozen=True, tag=True):
+    request_ids: list[str]
+    version: int = VERSION
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    reason: str = ""
+    version: int = VERSION
+
+
+class StoreInfo(msgspec.Struct, frozen=True):
+    """What a decode node checks a prefill node's ``kv_transfer_params`` against (``StoreConnector.check``)."""
+    fingerprint: str
+    block_size: int
+    chunk_tokens: int
+    kv_layout: str
+
+
+class Ready(msgspec.Struct, frozen=True, tag=True):
+    pid: int
+    max_model_len: int
+    num_blocks: int
+    stats: EngineStats
+    store: StoreInfo | None = None   # None: the core has no KV store
+    version: int = VERSION
+
+
+class Sample(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class CoreOutput(msgspec.Struct, frozen=True, array_like=True):
+    """``RequestOutput`` on the wire."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[Sample] | None = None
+    error: str | None = None
+    kv_transfer_params: KVTransferParams | None = None
+    kv_accounting: dict[str, int] | None = None
+
+
+class Rejected(msgspec.Struct, frozen=True, array_like=True):
+    """``LLMEngine.add_request`` raised: ``invalid`` for a ValueError (the client's fault: HTTP 400)."""
+    request_id: str
+    message: str
+    invalid: bool
+
+
+class CoreOutputs(msgspec.Struct, frozen=True, tag=True):
+    outputs: list[CoreOutput] = []
+    rejected: list[Rejected] = []
+    stats: EngineStats | None = None
+    version: int = VERSION
+
+
+class Fatal(msgspec.Struct, frozen=True, tag=True):
+    message: str
+    version: int = VERSION
+
+
+ClientMessage = AddRequest | AbortRequests | Shutdown
+CoreMessage = Ready | CoreOutputs | Fatal
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_core_decoder = msgspec.msgpack.Decoder(CoreMessage)
+_start_decoder = msgspec.msgpack.Decoder(StartCore)
+
+
+def encode(message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_client_message(data: bytes) -> ClientMessage:
+    return _check(_client_decoder.decode(data))
+
+
+def decode_core_message(data: bytes) -> CoreMessage:
+    return _check(_core_decoder.decode(data))
+
+
+def write_start(stream, start: StartCore) -> None:
+    data = encode(start)
+    stream.write(_LENGTH.pack(len(data)) + data)
+    stream.flush()
+
+
+def read_start(stream) -> StartCore:
+    header = stream.read(_LENGTH.size)
+    if len(header) < _LENGTH.size:
+        raise EOFError("the API process closed stdin before sending StartCore")
+    return _check(_start_decoder.decode(stream.read(_LENGTH.unpack(header)[0])))
+
+
+def output_to_wire(out: RequestOutput) -> CoreOutput:
+    logprobs = None if out.logprobs is None else [Sample(s.token_id, s.logprob, s.top_logprobs) for s in out.logprobs]
+    transfer = None if out.kv_transfer_params is None else KVTransferParams.from_json_obj(out.kv_transfer_params)
+    return CoreOutput(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
+                      out.num_prompt_tokens, out.num_cached_tokens, logprobs, out.error, transfer, out.kv_accounting)
+
+
+def output_from_wire(o: CoreOutput) -> RequestOutput:
+    logprobs = None if o.logprobs is None else [SampleResult(s.token_id, s.logprob, s.top_logprobs)
+                                                 for s in o.logprobs]
+    transfer = None if o.kv_transfer_params is None else o.kv_transfer_params.to_json_obj()
+    return RequestOutput(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason, o.num_prompt_tokens,
+                         o.num_cached_tokens, logprobs, o.error, transfer, o.kv_accounting)
+
+
+def _check(message):
+    if message.version != VERSION:
+        raise ValueError(f"engine-core message version {message.version}; this build speaks {VERSION} "
+                         f"(mixed pdserve versions?)")
+    return message

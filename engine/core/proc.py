@@ -1,0 +1,198 @@
+"""The engine-core process: ``LLMEngine`` in a loop of receive -> schedule/execute/update -> send; no HTTP.
+
+    python -m pdserve.engine.core.proc       (started by ``EngineCoreClient``; StartCore on stdin)
+
+One turn of the loop:
+
+    1. receive   every AddRequest / AbortRequests / Shutdown that arrived (block up to IDLE_POLL_S when idle)
+    2. apply     add_request (a refusal becomes a ``Rejected``), abort_request
+    3. check     a dead or stalled tp x pp rank: send Fatal, exit 1
+    4. step      LLMEngine.step() when anything is unfinished; an exception escaping it: Fatal, exit 1
+    5. send      one CoreOutputs: the step's deltas, the refusals, stats when due
+
+Shutdown: ``LLMEngine.shutdown`` (KV publisher flushed, store closed, ranks stopped in order), exit 0.
+The process ignores SIGINT / SIGTERM (the API process decides when to stop it) and dies with the API
+process: PR_SET_PDEATHSIG, and EOF on stdin (the lifeline) ends it at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import zmq
+
+from pdserve.engine import envs
+from pdserve.engine.core import messages as m
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_S = 0.5                 # how often an idle core checks its ranks and reports stats
+_PR_SET_PDEATHSIG = 1
+
+
+class CoreLoop:
+    """Steps one ``LLMEngine`` for the messages on ``inbox``; answers on ``outbox``."""
+
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket):
+        from pdserve.engine.kv_transfer import KVTransferParams
+        from pdserve.kvstore.stats_cache import StatsCache
+
+        self.engine, self.inbox, self.outbox = engine, inbox, outbox
+        self._transfer = KVTransferParams
+        self.store_stats = StatsCache(engine.store) if engine.store is not None else None
+        self._stats_at = 0.0
+
+    def run(self) -> int:
+        """-> the exit code: 0 after Shutdown, 1 after a Fatal."""
+        while True:
+            rejected, stop = self._apply(self._receive())
+            if stop:
+                return 0
+            failure = getattr(self.engine.runner, "failure", None)
+            if failure is not None:                            # a tp x pp rank died or stalled, even while idle
+                return self._fatal(f"engine stopped: {failure}")
+            outputs = []
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # noqa: BLE001 - unrecoverable (LLMEngine.step isolated what it could)
+                    logger.exception("engine step failed beyond recovery")
+                    return self._fatal(f"engine step failed: {type(exc).__name__}: {exc}")
+            self._send(outputs, rejected)
+
+    def stats(self):
+        from pdserve.engine.async_engine import collect_stats
+
+        self._stats_at = time.monotonic()
+        return collect_stats(self.engine, self.store_stats)
+
+    def close(self) -> None:
+        if self.store_stats is not None:
+            self.store_stats.close()
+
+    def _receive(self) -> list:
+        timeout_ms = 0 if self.engine.has_unfinished() else int(IDLE_POLL_S * 1000)
+        if not self.inbox.poll(timeout_ms):
+            return []
+        messages = []
+        while True:
+            try:
+                messages.append(m.decode_client_message(self.inbox.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return messages
+
+    def _apply(self, messages: list) -> tuple[list[m.Rejected], bool]:
+        rejected = []
+        for msg in messages:
+            if isinstance(msg, m.Shutdown):
+                logger.info("shutting down: %s", msg.reason or "asked by the API process")
+                return rejected, True
+            if isinstance(msg, m.AbortRequests):
+                for request_id in msg.request_ids:
+                    self.engine.abort_request(request_id)
+                continue
+            transfer = None if msg.kv_transfer_params is None else msg.kv_transfer_params.to_json_obj()
+            try:
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, transfer)
+            except Exception as exc:  # noqa: BLE001 - the request's failure, reported to its caller
+                rejected.append(m.Rejected(msg.request_id, str(exc), isinstance(exc, ValueError)))
+        return rejected, False
+
+    def _send(self, outputs: list, rejected: list[m.Rejected]) -> None:
+        idle = not self.engine.has_unfinished()
+        since = time.monotonic() - self._stats_at
+        due = (idle and bool(outputs or rejected)) or since >= (IDLE_POLL_S if idle else m.STATS_INTERVAL_S)
+        if not (outputs or rejected or due):
+            return
+        stats = self.stats() if due else None      # idle after outputs: the figures once the last request ended
+        self.outbox.send(m.encode(m.CoreOutputs([m.output_to_wire(o) for o in outputs], rejected, stats)))
+
+    def _fatal(self, message: str) -> int:
+        logger.error("%s; the engine core exits", message)
+        self.outbox.send(m.encode(m.Fatal(message)))
+        return 1
+
+
+def serve(start: m.StartCore) -> int:
+    """Bind the sockets, build the engine, say Ready, loop until Shutdown or a fatal error."""
+    from pdserve.engine.llm_engine import LLMEngine
+
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock, address in ((inbox, start.input_address), (outbox, start.output_address)):
+        sock.setsockopt(zmq.LINGER, 2000)                      # a last Fatal still reaches the API process
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.bind(address)
+    engine = loop = None
+    try:
+        engine = LLMEngine(start.config)
+        gc.freeze()                          # start-up objects (65k KV blocks...): never scanned again
+        loop = CoreLoop(engine, inbox, outbox)
+        outbox.send(m.encode(m.Ready(os.getpid(), engine.max_model_len, engine.runtime.num_blocks, loop.stats(),
+                                     _store_info(engine))))
+        return loop.run()
+    except Exception as exc:  # noqa: BLE001 - a failed start (bad config, missing weights): tell the API why
+        logger.exception("the engine core failed")
+        outbox.send(m.encode(m.Fatal(f"engine core failed: {type(exc).__name__}: {exc}")))
+        return 1
+    finally:
+        if loop is not None:
+            loop.close()
+        if engine is not None:
+            engine.shutdown()
+        ctx.destroy(linger=2000)
+
+
+def _store_info(engine) -> m.StoreInfo | None:
+    c = engine.connector
+    if c is None:
+        return None
+    return m.StoreInfo(fingerprint=c.fingerprint, block_size=c.block_size, chunk_tokens=c.chunk_tokens,
+                       kv_layout=c.layout_text)
+
+
+def _watch_lifeline(stream) -> None:
+    """stdin's other end is held by the API process: EOF means it closed it or died. Leave at once
+    (tp x pp ranks follow: their launcher's lifeline is this process)."""
+    while stream.read(1):
+        pass
+    os._exit(1)
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):                        # not Linux: the lifeline still ends us
+        pass
+    if os.getppid() != parent:                               # the API process died before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve-engine-core")
+    p.add_argument("--parent-pid", type=int, required=True, help="the API process (we die with it)")
+    args = p.parse_args(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM):              # see the module docstring
+        signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent(args.parent_pid)
+    logging.basicConfig(level=envs.PDSERVE_LOG_LEVEL, format="%(asctime)s core %(levelname)s %(name)s: %(message)s")
+    start = m.read_start(sys.stdin.buffer)
+    threading.Thread(target=_watch_lifeline, args=(sys.stdin.buffer,), name="pdserve-lifeline", daemon=True).start()
+    code = serve(start)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)                           # no interpreter teardown: every thread and socket is done with
+
+
+if __name__ == "__main__":
+    import pdserve.engine.cli  # noqa: F401 - drops a source checkout from sys.path (its kernels/ shadows a package)
+
+    main()
