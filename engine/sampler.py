@@ -185,7 +185,8 @@ def _results(logits: torch.Tensor, raw_logprobs: torch.Tensor | None, token_ids:
         chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     else:
         chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
-    ids, lps = token_ids.tolist(), chosen.tolist()
+    both = torch.stack((token_ids.to(torch.float64), chosen.to(torch.float64))).tolist()   # one device -> host copy
+    ids, lps = [int(i) for i in both[0]], both[1]
     results = []
     for i, p in enumerate(params):
         results.append(SampleResult(ids[i], lps[i], _top(raw_logprobs, i, p.logprobs)))
