@@ -156,8 +156,12 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _as_api_error(request_id: str, exc: Exception) -> APIError:
+    from pdserve.engine.async_engine import EngineDeadError   # here: the proxy imports this package too
+
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineDeadError):     # the node is stopping (exit 1): another node can serve it
+        return APIError(503, f"request {request_id} failed: {exc}")
     if isinstance(exc, ValueError):          # the engine's own checks (prompt length, ...)
         return APIError(400, str(exc))
     logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc)

@@ -1,0 +1,60 @@
+"""The engine-core link's messages (``pdserve.engine.core.messages``) survive a round trip, field by field."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from pdserve.engine.async_engine import EngineStats
+from pdserve.engine.config import EngineConfig, KVTransferConfig, SchedulerConfig
+from pdserve.engine.core import messages as m
+from pdserve.engine.kv_transfer import KVTransferParams
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampler import SampleResult
+from pdserve.engine.sampling_params import SamplingParams
+
+STATS = EngineStats(num_running=1, num_waiting=2, kv_usage=0.25, prefix_cache_queries=10, prefix_cache_hits=4,
+                    kv_totals={"total_tokens": 7}, kv_store={"l1": {"hits": 3, "bytes": 1.5}},
+                    kv_transfer={"load_failures": 0}, num_free_blocks=30, num_blocks=40)
+
+
+def test_client_messages_round_trip():
+    params = SamplingParams(max_tokens=7, temperature=0.5, seed=2**64 - 1, stop=("x", "yz"), stop_token_ids=(3,),
+                            logprobs=2, min_tokens=1, include_stop_str_in_output=True)
+    transfer = KVTransferParams(do_remote_prefill=True, chunk_keys=["a"], chunk_digests=["0f"], first_token_id=5,
+                                first_token_top_logprobs=[(5, -0.5)], sampler_draws=1, accounting={"total_tokens": 9})
+    for msg in (m.AddRequest("r1", [1, 2, 3], params, transfer), m.AddRequest("r2", [4], SamplingParams()),
+                m.AbortRequests(["r1", "r2"]), m.Shutdown("bye")):
+        assert m.decode_client_message(m.encode(msg)) == msg
+
+
+def test_core_messages_round_trip():
+    out = RequestOutput("r1", [5, 6], "ab", True, "stop", 3, 1,
+                        logprobs=[SampleResult(5, -0.25, [(5, -0.25), (9, -1.5)]), SampleResult(6, -0.125, None)],
+                        kv_transfer_params=KVTransferParams(do_remote_prefill=True, num_tokens=4).to_json_obj(),
+                        kv_accounting={"total_tokens": 3})
+    batch = m.CoreOutputs([m.output_to_wire(out)], [m.Rejected("r2", "prompt is empty", True)], STATS)
+    back = m.decode_core_message(m.encode(batch))
+    assert back == batch and m.output_from_wire(back.outputs[0]) == out
+    ready = m.Ready(12, 2048, 40, STATS, m.StoreInfo("f", 16, 256, "mha"))
+    assert m.decode_core_message(m.encode(ready)) == ready
+    assert m.decode_core_message(m.encode(m.Fatal("rank 1 died"))) == m.Fatal("rank 1 died")
+
+
+def test_start_message_carries_the_whole_config():
+    config = EngineConfig(model="/models/x", seed=3, engine_core_process=True,
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
+                          kv_transfer=KVTransferConfig(role="decode", kv_store="tcp://127.0.0.1:5557"))
+    stream = io.BytesIO()
+    m.write_start(stream, m.StartCore(config, "ipc://@a", "ipc://@b"))
+    stream.seek(0)
+    assert m.read_start(stream) == m.StartCore(config, "ipc://@a", "ipc://@b")
+    with pytest.raises(EOFError):
+        m.read_start(io.BytesIO(b""))
+
+
+def test_another_version_is_refused():
+    data = m.encode(m.Fatal("x", version=m.VERSION + 1))
+    with pytest.raises(ValueError, match="mixed pdserve versions"):
+        m.decode_core_message(data)
