@@ -66,9 +66,11 @@ def test_decode_node_killed_proxy_routes_elsewhere(tiny_llama, expected):
     spec = ClusterSpec(decode=2, node_flags=FLAGS, proxy_flags=("--health-interval", "0.5"))
     with LocalCluster(str(tiny_llama), spec) as cluster:
         victim = next(c for c in cluster.children if c.name == "decode-0")
+        wait_until(lambda: _proxy_sees_healthy(cluster, victim.url), 30,
+                   "the proxy sees the victim healthy (else its removal below proves nothing)")
         victim.proc.kill()
         victim.proc.wait()
-        wait_until(lambda: not _proxy_sees_healthy(cluster, victim.url), 5.0,
+        wait_until(lambda: not _proxy_sees_healthy(cluster, victim.url), 30,
                    "the proxy stops routing to the dead decode node")
         assert _texts(cluster.url) == expected
 
