@@ -125,13 +125,18 @@ class EngineCoreClient:
     # -- the receiver thread ------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
-        while not self._stopping and self._fatal is None:
-            if self._from_core.poll(int(POLL_S * 1000)):
-                self._handle(m.decode_core_message(self._from_core.recv()))
-                continue
-            code = self.proc.poll()
-            if code is not None and not self._stopping:
-                self._fail(f"the engine-core process (pid {self.proc.pid}) {_describe(code)}")
+        try:
+            while not self._stopping and self._fatal is None:
+                if self._from_core.poll(int(POLL_S * 1000)):
+                    self._handle(m.decode_core_message(self._from_core.recv()))
+                    continue
+                code = self.proc.poll()
+                if code is not None and not self._stopping:
+                    self._fail(f"the engine-core process (pid {self.proc.pid}) {_describe(code)}")
+        except Exception as exc:  # noqa: BLE001 - a broken link must end the node, never hang its clients
+            if not self._stopping:
+                logger.exception("the engine-core link failed")
+                self._fail(f"the engine-core link failed: {type(exc).__name__}: {exc}")
 
     def _handle(self, msg) -> None:
         if isinstance(msg, m.Fatal):
