@@ -1,8 +1,9 @@
 """A node with ``--engine-core-process`` when one of its two processes dies (issue 14).
 
-SIGKILL the engine core mid-request: the request gets 503, the node exits non-zero within seconds and
-names the killed process; SIGKILL the API process: the core follows (PR_SET_PDEATHSIG, stdin lifeline).
-Either way no process of the node is left, checked by PID.
+SIGKILL the engine core mid-request: the request gets 503, the node exits non-zero without waiting for
+its drain timeout and names the killed process; SIGKILL the API process: the core follows
+(PR_SET_PDEATHSIG, stdin lifeline). Either way no process of the node is left, checked by PID. No clock:
+each wait is a deadline far beyond the path it checks (issue 15: "exits within 5 s" was a clock).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -19,7 +19,8 @@ from conftest import NodeProcess
 from polling import wait_until
 
 BODY = {"prompt": "The quick brown fox", "max_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
-REPORT_WITHIN_S = 5.0
+DRAIN_TIMEOUT_S = 300                    # a node that waited for its drain could not exit within DEADLINE_S
+DEADLINE_S = 60
 
 
 def _children(pid: int) -> list[int]:
@@ -56,7 +57,8 @@ def _running(url: str) -> bool:
 
 
 def test_a_killed_engine_core_fails_requests_and_stops_the_node(tiny_llama):
-    node = NodeProcess(tiny_llama, "--engine-core-process")
+    """Mutation caught: ``engine.on_fatal`` not stopping the server (engine/node.py) -> the node never exits."""
+    node = NodeProcess(tiny_llama, "--engine-core-process", "--drain-timeout", str(DRAIN_TIMEOUT_S))
     try:
         core = _core_of(node)
         answer = {}
@@ -65,13 +67,10 @@ def test_a_killed_engine_core_fails_requests_and_stops_the_node(tiny_llama):
         asker.start()
         wait_until(lambda: _running(node.url), 30, "the request is running in the core")
         os.kill(core, signal.SIGKILL)
-        killed = time.monotonic()
-        asker.join(timeout=30)
+        asker.join(timeout=DEADLINE_S)
         assert answer["r"].status_code == 503, answer["r"].text
         assert "killed by SIGKILL" in answer["r"].json()["error"]["message"]
-        code = node.proc.wait(timeout=30)
-        assert time.monotonic() - killed < REPORT_WITHIN_S
-        assert code == 1
+        assert node.proc.wait(timeout=DEADLINE_S) == 1
         assert _gone(core)
     finally:
         log = node.stop()
@@ -84,6 +83,6 @@ def test_a_killed_api_process_takes_its_engine_core_along(tiny_llama):
         core = _core_of(node)
         node.proc.send_signal(signal.SIGKILL)
         node.proc.wait(timeout=10)
-        wait_until(lambda: _exited(core), REPORT_WITHIN_S, f"engine core {core} exited with its API process")
+        wait_until(lambda: _exited(core), DEADLINE_S, f"engine core {core} exited with its API process")
     finally:
         node.stop()
