@@ -43,6 +43,7 @@ class LoadJob:
     start: int
     num_tokens: int
     digests: list[str] = field(default_factory=list)   # prefill's digest per chunk ("" = not sent)
+    fence: object = None         # CUDA: an event on the compute stream when the load started (``start``)
 
 
 class ChunkLoader:
@@ -77,6 +78,10 @@ class ChunkLoader:
         return sum(chunk_lens[:n])
 
     def start(self, job: LoadJob) -> None:
+        """Engine thread, once the blocks are allocated: on CUDA the scatter will wait for what the compute
+        stream has queued so far (a write to a block freed since, that this load now reuses)."""
+        if self.io is not None:
+            job.fence = self.io.fence()
         self._jobs.put(job)
 
     def finished(self) -> dict[str, int]:
@@ -124,15 +129,15 @@ class ChunkLoader:
             if views is None:
                 self.failures += 1
                 return False
-            self._scatter(views, slots, a, b)
+            self._scatter(views, slots, a, b, job.fence)
         return True
 
     def _layers(self) -> range:
         return range(self.first_layer, self.first_layer + len(self.kv_caches))
 
-    def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int) -> None:
+    def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int, fence=None) -> None:
         if self.io is not None:
-            self.io.scatter([obj[:, a:b] for obj in views], slots)
+            self.io.scatter([obj[:, a:b] for obj in views], slots, after=fence)
             return
         for cache, obj in zip(self.kv_caches, views):
             scatter_kv(cache, slots, obj[:, a:b])                         # obj: [C, length, Hkv, D]

@@ -4,7 +4,9 @@ Called by the input batch once per step. On CPU the tensors are views of the num
 every integer of the step (token ids, positions, slots, query starts, sequence lengths, sampled
 rows, the block table) is packed into one int32 buffer in pinned memory and sent with ONE
 non-blocking copy into a device buffer; the step's tensors are views of that device buffer. Two
-pinned buffers alternate, so packing step n+1 never touches memory step n's copy may still read.
+pinned buffers alternate, each with an event recorded after its copy: packing into a buffer first
+waits for that event, so a step that samples nothing (a long prompt's middle chunks: no host sync
+at all) can never overwrite inputs whose copy the device has not made yet.
 
     pinned int32: | ids T | positions T | slots T | qsl B+1 | seq_lens B | sample_rows S | table B*nb |
 """
@@ -21,6 +23,7 @@ class StepStaging:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._pinned: list[torch.Tensor] = []
+        self._copied: list = [None, None]          # per pinned buffer: the event after its last copy
         self._device_buf: torch.Tensor | None = None
         self._turn = 0
 
@@ -60,7 +63,11 @@ class StepStaging:
             if self._device_buf is None or self._device_buf.numel() < cap:
                 self._device_buf = torch.empty(cap, dtype=torch.int32, device=self.device)
         host = self._pinned[self._turn]
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()   # the device has read this buffer's previous step
         np.concatenate(parts, out=host.numpy()[:n], casting="unsafe")
         dev = self._device_buf[:n]
         dev.copy_(host[:n], non_blocking=True)
+        self._copied[self._turn] = torch.cuda.Event()
+        self._copied[self._turn].record()
         return dev

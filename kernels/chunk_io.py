@@ -73,8 +73,17 @@ class ChunkIO:
         compute.wait_event(gathered)                      # the next step may overwrite these blocks
         return Gathered(host, done, keep=dev)
 
-    def scatter(self, objs: list[torch.Tensor], slots: torch.Tensor) -> None:
-        """Loader thread: objs are per-layer [C, n, Hkv, D] CPU tensors for tokens at ``slots``."""
+    def fence(self):
+        """Engine thread: an event after everything the compute stream has queued (None on the CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.buffer.device))
+        return event
+
+    def scatter(self, objs: list[torch.Tensor], slots: torch.Tensor, after=None) -> None:
+        """Loader thread: objs are per-layer [C, n, Hkv, D] CPU tensors for tokens at ``slots``; on CUDA the
+        copy waits for ``after`` (a ``fence()`` taken when the blocks were handed to this load)."""
         if not self.cuda:
             for layer, obj in enumerate(objs):
                 transfer.scatter_kv({str(c): self.buffer[layer, c] for c in range(self.buffer.shape[1])},
@@ -83,6 +92,8 @@ class ChunkIO:
         host = torch.empty((len(objs), *objs[0].shape), dtype=self.buffer.dtype, pin_memory=True)
         torch.stack([o.to(self.buffer.dtype) for o in objs], out=host)
         side = self._scatter_stream
+        if after is not None:
+            side.wait_event(after)
         with torch.cuda.stream(side):
             dev = host.to(self.buffer.device, non_blocking=True)
             self._ops.scatter_chunk(self.buffer, slots.to(self.buffer.device, non_blocking=True), dev)

@@ -119,7 +119,7 @@ class ParallelExecutor:
         return m.WorkerSpec(model=config.model, dtype=config.dtype, seed=config.seed, tp=par.tensor_parallel_size,
                             pp=par.pipeline_parallel_size, num_blocks=num_blocks, block_size=config.cache.block_size,
                             local_ranks=local, rank_timeout=par.rank_timeout, debug_sync=par.debug_sync,
-                            **self.ch.spec_fields())
+                            attention_backend=config.execution.attention_backend, **self.ch.spec_fields())
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

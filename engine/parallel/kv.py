@@ -142,7 +142,7 @@ class RankLoader(ChunkLoader):
         super().__init__(store, [None] * relay.num_layers, 0, shape, health)   # lookup counts every layer
         self.relay = relay
 
-    def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int) -> None:
+    def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int, fence=None) -> None:
         self.relay.scatter(slots, torch.stack([v[:, a:b] for v in views]))          # [L, C, b - a, Hkv, D]
 
     def _load_chunk(self, job, index: int, slots, a: int, b: int) -> bool:

@@ -96,7 +96,8 @@ class Worker:
                                    tp_rank=c.tp, tp_size=c.tp_size)
         attach(model, self.tp_group)
         layout = config.kv_layout(num_kv_heads=config.num_kv_heads // c.tp_size, num_layers=count, first_layer=first)
-        runner = ModelRunner(model, layout, spec.num_blocks, spec.block_size)
+        runner = ModelRunner(model, layout, spec.num_blocks, spec.block_size,
+                             attention_backend=spec.attention_backend)
         faults.install(model, c.rank, self.heartbeat)
         return StageRunner(model, runner, c, self.heartbeat, config.hidden_size, config.dtype)
 
