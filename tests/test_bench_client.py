@@ -2,7 +2,9 @@
 
 The server (FastAPI under uvicorn on a free loopback port, in a thread) answers every request with
 ``max_tokens`` tokens bundled ``BUNDLE`` per chunk, then a usage chunk and ``[DONE]``; it counts
-the requests open at once so that --max-concurrency can be checked from the server's side.
+the requests open at once so that --max-concurrency can be checked from the server's side. With
+``pair_up = N`` (N requests to come) each stream first waits until another is open or none is left to
+come, so that two concurrent requests overlap at the server whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ DATA = Path(__file__).parent / "data"
 
 class ScriptedServer:
     def __init__(self):
-        self.open = self.peak = 0
+        self.open = self.peak = self.done = 0
+        self.pair_up = 0                       # requests still to come that are held in pairs (0: none)
         self.app = FastAPI()
         self.app.post("/v1/completions")(self.completions)
         self.app.post("/v1/chat/completions")(self.completions)
@@ -48,6 +51,8 @@ class ScriptedServer:
         self.open += 1
         self.peak = max(self.peak, self.open)
         try:
+            while self.pair_up and self.open < 2 and self.done + self.open < self.pair_up:
+                await asyncio.sleep(0.005)    # a condition: another stream opens (or none will)
             if chat:
                 yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             for first in range(0, n, BUNDLE):
@@ -62,6 +67,7 @@ class ScriptedServer:
             yield b"data: [DONE]\n\n"
         finally:
             self.open -= 1
+            self.done += 1
 
 
 def _sse(obj) -> bytes:
@@ -114,6 +120,10 @@ def test_http_error_and_stream_error_fail_the_request(scripted):
 
 
 def test_max_concurrency_is_respected_by_the_runner(scripted):
+    """Two streams overlap because the server holds each until a second is open (before: because each
+    lasted 20 ms, which a loaded machine need not honour). Mutation caught: ``run_requests`` without its
+    semaphore and ``make_client`` without its connection cap (bench/runner.py; either alone still limits
+    to 2) -> all 8 open at once."""
     specs = [RequestSpec(scripted.url + "/v1/completions", "openai", "scripted", f"p{i}", 2, 6) for i in range(8)]
 
     async def go():
@@ -121,8 +131,11 @@ def test_max_concurrency_is_respected_by_the_runner(scripted):
         async with make_client(2) as http:
             await run_warmups(http, specs, traffic)
             return await run_requests(http, specs, traffic)
-    scripted.peak = 0
-    outputs, duration = asyncio.run(go())
+    scripted.peak, scripted.done, scripted.pair_up = 0, 0, 2 + 8        # warmups, then the requests
+    try:
+        outputs, duration = asyncio.run(go())
+    finally:
+        scripted.pair_up = 0
     assert len(outputs) == 8 and all(o.success for o in outputs)
     assert scripted.peak == 2
     assert duration > 0 and sum(o.client_queue_time > 0 for o in outputs) >= 6
