@@ -33,7 +33,8 @@ if [ "$only" != "files" ]; then
   pip install -q --disable-pip-version-check --no-deps --target "$plugin" pytest-randomly || exit 2
   echo "== random order: --randomly-seed=$seed (repeat: PYTHONPATH=$plugin pytest -p randomly --randomly-seed=$seed)"
   start=$SECONDS
-  PYTHONPATH="$plugin" pytest -q -rs -p randomly --randomly-seed="$seed" 2>&1 | tee "$logs/random.log" | tail -n 25
+  PYTHONPATH="$plugin${PYTHONPATH:+:$PYTHONPATH}" pytest -q -rs -p randomly --randomly-seed="$seed" 2>&1 |
+    tee "$logs/random.log" | tail -n 25
   rc=${PIPESTATUS[0]}
   echo "== random order, seed $seed: exit $rc in $(( SECONDS - start )) s (log: $logs/random.log)"
   [ "$rc" -eq 0 ] || status=1
