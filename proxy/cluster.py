@@ -44,6 +44,8 @@ class ClusterSpec:
     store: str = "daemon"                     # "daemon": one `pdserve kvstore`; "embedded": each node
                                               # embeds a store whose shared tier is --kv-redis
     node_flags: tuple[str, ...] = ()          # passed to every node (e.g. --max-num-batched-tokens 512)
+    prefill_flags: tuple[str, ...] = ()       # then to prefill nodes only (e.g. --tensor-parallel-size 2)
+    decode_flags: tuple[str, ...] = ()        # then to decode nodes only
     store_flags: tuple[str, ...] = ()         # passed to the store daemon (e.g. --kv-cpu-bytes 8388608)
     proxy_flags: tuple[str, ...] = ()
     num_threads: int = 1
@@ -131,11 +133,14 @@ class LocalCluster:
                 child = self._spawn(f"{role}-{i}", ["node", "--model", self.model_dir, "--role", role,
                                                     "--host", "127.0.0.1", "--port", str(port), *store,
                                                     "--num-threads", str(self.spec.num_threads),
-                                                    *self.spec.node_flags])
+                                                    *self.spec.node_flags, *self._role_flags(role)])
                 child.url = f"http://127.0.0.1:{port}"
                 started.append(child)
         for child in started:
             _wait_healthy(child, self.spec.startup_timeout_s)
+
+    def _role_flags(self, role: str) -> tuple[str, ...]:
+        return {"prefill": self.spec.prefill_flags, "decode": self.spec.decode_flags}.get(role, ())
 
     def _start_proxy(self) -> None:
         port = self.spec.proxy_port or free_port()

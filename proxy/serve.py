@@ -8,6 +8,7 @@ Ctrl-C (or SIGTERM) stops every process it started.
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
 import tempfile
 import time
@@ -25,9 +26,52 @@ def register(subparsers) -> None:
     p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--kv-redis", default=None, help="redis://HOST:PORT/DB as the store's second tier")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per process")
+    for flag, kind, text in NODE_FLAGS:
+        if kind is bool:
+            p.add_argument(flag, action="store_true", help=f"every node: {text}")
+        else:
+            p.add_argument(flag, type=kind, default=None, help=f"every node: {text}")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=1, help=f"{role} nodes' TP size")
+        p.add_argument(f"--{role}-pipeline-parallel-size", type=int, default=1, help=f"{role} nodes' PP size")
+        p.add_argument(f"--{role}-args", default="", metavar="'FLAGS'",
+                       help=f"more `pdserve node` flags for {role} nodes only, one quoted string")
     p.set_defaults(func=run)
+
+
+# `pdserve node` flags that `serve` passes to every node when given (same names, same meaning)
+NODE_FLAGS = (
+    ("--device", str, "cpu | cuda | auto"),
+    ("--dtype", str, "auto | float32 | bfloat16 | float16"),
+    ("--block-size", int, "KV block size in tokens"),
+    ("--max-model-len", int, "longest prompt + output"),
+    ("--max-num-seqs", int, "requests running at once"),
+    ("--max-num-batched-tokens", int, "tokens per step (the chunked-prefill size)"),
+    ("--kv-cache-memory-bytes", int, "bytes of KV cache"),
+    ("--num-gpu-blocks-override", int, "exact number of KV blocks"),
+    ("--attention-backend", str, "torch | triton"),
+    ("--enforce-eager", bool, "no CUDA graphs"),
+    ("--engine-core-process", bool, "the engine core in its own process"),
+)
+
+
+def node_flags(args) -> tuple[str, ...]:
+    """The pass-through flags that were given, as a `pdserve node` command line."""
+    out: list[str] = []
+    for flag, kind, _ in NODE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if kind is bool and value:
+            out.append(flag)
+        elif kind is not bool and value is not None:
+            out += [flag, str(value)]
+    return tuple(out)
+
+
+def role_flags(args, role: str) -> tuple[str, ...]:
+    tp, pp = getattr(args, f"{role}_tensor_parallel_size"), getattr(args, f"{role}_pipeline_parallel_size")
+    out = ("--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)) if tp * pp > 1 else ()
+    return out + tuple(shlex.split(getattr(args, f"{role}_args")))
 
 
 def resolve_demo_model(name: str) -> str:
@@ -46,11 +90,10 @@ def resolve_demo_model(name: str) -> str:
 
 def run(args) -> int:
     model = resolve_demo_model(args.model)
-    flags = ("--served-model-name", args.model.rstrip("/").split("/")[-1])
-    if args.max_num_batched_tokens:
-        flags += ("--max-num-batched-tokens", str(args.max_num_batched_tokens))
+    flags = ("--served-model-name", args.model.rstrip("/").split("/")[-1]) + node_flags(args)
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, proxy_port=args.port, kv_redis=args.kv_redis,
-                       node_flags=flags, num_threads=args.num_threads)
+                       node_flags=flags, prefill_flags=role_flags(args, "prefill"),
+                       decode_flags=role_flags(args, "decode"), num_threads=args.num_threads)
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):      # Ctrl-C, or a supervisor stopping us
         signal.signal(sig, lambda *_: stop.update(now=True))

@@ -1,0 +1,55 @@
+"""`pdserve serve` passes node flags through: to every node, and per role (parallel layouts, free-form args).
+
+Started as the README starts it; each node's own answers and start-up log show what it got — not the
+command line we built: the decode node runs tp 2 and the prefill node a shorter --max-model-len given
+only through --prefill-args, both with --dtype float32 and --block-size 8; a completion through the proxy
+still works. Mutation caught: dropping ``ClusterSpec.decode_flags`` from the node command line (the
+decode node then starts without its ranks).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from conftest import free_port
+
+
+def test_serve_passes_flags_to_every_node_and_per_role(tiny_llama):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.cli", "serve", "--model", str(tiny_llama),
+                             "--port", str(port), "--dtype", "float32", "--block-size", "8", "--max-model-len", "512",
+                             "--decode-tensor-parallel-size", "2", "--prefill-args", "--max-model-len 384"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        output = "".join(lines)
+        assert f"pdserve is ready: http://127.0.0.1:{port}" in output, output
+        urls = {role: re.search(rf"{role}\s+(http://\S+)", output).group(1) for role in ("prefill", "decode")}
+        logs = Path(re.search(r"logs\s+(\S+)", output).group(1))
+        lens = {role: httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+                for role, url in urls.items()}
+        assert lens == {"prefill": 384, "decode": 512}
+        decode_log, prefill_log = (logs / "decode-0.log").read_text(), (logs / "prefill-0.log").read_text()
+        assert "2 worker ranks ready (tp 2 x pp 1)" in decode_log
+        assert "worker ranks" not in prefill_log
+        for log in (decode_log, prefill_log):
+            assert re.search(r"engine ready: .* dtype=torch\.float32 blocks=\d+ x 8 tokens", log), log[-2000:]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": "hello there", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
