@@ -74,7 +74,8 @@ wait_http() {   # url pid seconds: 0 once the url answers, 1 if the process died
   echo "timeout waiting for $url"; return 1
 }
 serve_bench() {   # name port
-  timeout 60 pdserve bench serve --base-url "http://127.0.0.1:$2" --model "$MODEL" --dataset-name random \
+  timeout 60 pdserve bench serve --base-url "http://127.0.0.1:$2" --model "$MODEL" \
+    --served-model-name "$(basename "$MODEL")" --dataset-name random \
     --random-input-len ${IN:-512} --random-output-len ${OUTLEN:-128} --num-prompts ${NP:-128} --ignore-eos \
     --disable-tqdm --save-result --result-dir "$OUT" --result-filename "serve_$1.json" 2>&1 | tail -14 | tee "$OUT/serve_$1.txt"
 }
