@@ -23,7 +23,7 @@ import msgspec
 
 TRANSFER_VERSION = 1
 TopLogprobs = Annotated[list[tuple[int, float]], msgspec.Meta(max_length=20)]   # SamplingParams.logprobs <= 20
-Draws = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+Draws = Annotated[int, msgspec.Meta(ge=0, le=4096)]   # a prefill node samples one token; skipping is O(vocab) each
 Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{0,16}$")]            # kvstore.seal.chunk_digest
 Digests = Annotated[list[Digest], msgspec.Meta(max_length=1 << 16)]
 
@@ -58,6 +58,12 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def to_json_obj(self) -> dict:
         return msgspec.to_builtins(self)
+
+    def check_first_token(self, vocab_size: int) -> None:
+        """A first token the model cannot have would fail the whole step it is batched in: refuse it here."""
+        if self.first_token_id is not None and not 0 <= self.first_token_id < vocab_size:
+            raise TransferMismatchError(f"kv_transfer_params.first_token_id {self.first_token_id} is outside the "
+                                        f"vocabulary [0, {vocab_size})")
 
     def check_compatible(self, *, fingerprint: str, block_size: int, chunk_tokens: int, kv_layout: str) -> None:
         """Raise naming both values when the prefill node's KV cannot be read here."""

@@ -120,6 +120,7 @@ class LLMEngine:
         if not kv_transfer_params:
             return
         transfer = KVTransferParams.from_json_obj(kv_transfer_params)
+        transfer.check_first_token(self.model_config.vocab_size)
         if transfer.do_remote_prefill:
             if self.connector is None:
                 raise TransferMismatchError("kv_transfer_params asks to load remote KV but this node has no KV "
@@ -133,6 +134,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running (or its aborted KV load is "
                              "still finishing)")
         transfer = KVTransferParams.from_json_obj(kv_transfer_params) if kv_transfer_params else None
+        if transfer is not None:
+            transfer.check_first_token(self.model_config.vocab_size)
         first = transfer.first_token_id if transfer and transfer.do_remote_prefill else None
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                       eos_token_id=None if params.ignore_eos else self._eos(0),

@@ -91,6 +91,12 @@ NODE_ONLY_REFUSED = [        # the proxy answers these itself, so they are probe
     ("/detokenize id past the vocabulary", DETOK, {"tokens": [512]}, 400, ["token id 512 is out of range"]),
     ("sampler_draws 2^40", CMPL, {**BASE, "prompt_token_ids": [5, 6, 7], "kv_transfer_params": {
         "do_remote_prefill": True, "first_token_id": 5, "sampler_draws": 2**40}}, 400, ["sampler_draws"]),
+    ("sampler_draws 2^20 (slow to skip)", CMPL, {**BASE, "prompt_token_ids": [5, 6, 7], "kv_transfer_params": {
+        "do_remote_prefill": True, "first_token_id": 5, "sampler_draws": 2**20}}, 400, ["sampler_draws"]),
+    ("first_token_id past the vocabulary", CMPL, {**BASE, "prompt_token_ids": [5, 6, 7], "kv_transfer_params": {
+        "do_remote_prefill": True, "first_token_id": 10**6}}, 400, ["first_token_id 1000000", "vocabulary"]),
+    ("first_token_id negative", CMPL, {**BASE, "prompt_token_ids": [5, 6, 7], "kv_transfer_params": {
+        "first_token_id": -1}}, 400, ["first_token_id -1", "vocabulary"]),
 ]
 
 ACCEPTED = [
