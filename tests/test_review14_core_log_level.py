@@ -14,7 +14,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 from conftest import free_port, terminate, wait_healthy
 
 
@@ -30,7 +29,6 @@ def _log_of_node(model_dir, *flags: str) -> str:
     return proc.stdout.read()
 
 
-@pytest.mark.xfail(strict=True, reason="review 14: the engine core ignores pdserve --log-level")
 def test_log_level_reaches_the_engine_core(tiny_llama):
     log = _log_of_node(tiny_llama, "--engine-core-process")
     assert "engine core ready" not in log                      # the API process obeys (sanity)

@@ -203,8 +203,18 @@ def _spawn() -> subprocess.Popen:
     """The core in its own session (Ctrl-C reaches only the API process, which stops it in order). It dies
     with the thread that starts it (PR_SET_PDEATHSIG): start it from the thread that lives as long as the node."""
     cmd = [sys.executable, "-m", "pdserve.engine.core.proc", "--parent-pid", str(os.getpid())]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PDSERVE_LOG_LEVEL=_log_level())
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, start_new_session=True)
+
+
+def _log_level() -> str:
+    """This process's level for pdserve's loggers (``pdserve --log-level``), as PDSERVE_LOG_LEVEL accepts it:
+    the core and its tp x pp ranks log like the in-process engine would."""
+    level = logging.getLogger("pdserve").getEffectiveLevel()
+    for name in ("DEBUG", "INFO", "WARNING"):
+        if level <= getattr(logging, name):
+            return name
+    return "ERROR"
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> bool:
