@@ -24,7 +24,7 @@ def test_client_messages_round_trip():
                             logprobs=2, min_tokens=1, include_stop_str_in_output=True)
     transfer = KVTransferParams(do_remote_prefill=True, chunk_keys=["a"], chunk_digests=["0f"], first_token_id=5,
                                 first_token_top_logprobs=[(5, -0.5)], sampler_draws=1, accounting={"total_tokens": 9})
-    for msg in (m.AddRequest("r1", [1, 2, 3], params, transfer), m.AddRequest("r2", [4], SamplingParams()),
+    for msg in (m.AddRequest("r1", 1, [1, 2, 3], params, transfer), m.AddRequest("r2", 2, [4], SamplingParams()),
                 m.AbortRequests(["r1", "r2"]), m.Shutdown("bye")):
         assert m.decode_client_message(m.encode(msg)) == msg
 
@@ -34,9 +34,10 @@ def test_core_messages_round_trip():
                         logprobs=[SampleResult(5, -0.25, [(5, -0.25), (9, -1.5)]), SampleResult(6, -0.125, None)],
                         kv_transfer_params=KVTransferParams(do_remote_prefill=True, num_tokens=4).to_json_obj(),
                         kv_accounting={"total_tokens": 3})
-    batch = m.CoreOutputs([m.output_to_wire(out)], [m.Rejected("r2", "prompt is empty", True)], STATS)
+    batch = m.CoreOutputs([m.output_to_wire(out, 7)],
+                          [m.Rejected("r2", 8, "PromptTooLongError", "prompt is empty", True)], STATS)
     back = m.decode_core_message(m.encode(batch))
-    assert back == batch and m.output_from_wire(back.outputs[0]) == out
+    assert back == batch and m.output_from_wire(back.outputs[0]) == out and back.outputs[0].seq == 7
     ready = m.Ready(12, 2048, 40, STATS, m.StoreInfo("f", 16, 256, "mha"))
     assert m.decode_core_message(m.encode(ready)) == ready
     assert m.decode_core_message(m.encode(m.Fatal("rank 1 died"))) == m.Fatal("rank 1 died")

@@ -20,7 +20,6 @@ import asyncio
 import os
 import signal
 
-import pytest
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
@@ -40,8 +39,6 @@ async def _tokens(engine: AsyncEngine, prompt: list[int], max_tokens: int, reque
     return tokens
 
 
-@pytest.mark.xfail(strict=True, reason="review 14: a reused request id gets outputs of the aborted request "
-                                       "that the core sent before it applied the abort")
 def test_a_request_id_reused_after_its_abort_gets_only_its_own_tokens(tiny_llama):
     engine = AsyncEngine(EngineConfig(model=str(tiny_llama), engine_core_process=True))
     core = engine.engine.pid

@@ -11,10 +11,14 @@
 
 One receiver thread reads the core's messages; between messages (every POLL_S) it checks the process
 with ``waitpid``, so a killed core is reported within POLL_S. The core's pid is ``client.pid``.
+
+Each add gets its own ``seq`` (``messages``); an output is delivered only while its request id still maps
+to that seq, so the last outputs of an aborted request never reach a new request that reuses its id.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -49,7 +53,9 @@ class EngineCoreClient:
         self._deliver, self._die = deliver, die
         self._fatal: str | None = None
         self._stopping = self._closed = False
-        self._lock = threading.Lock()                          # the send socket and _closed
+        self._lock = threading.Lock()                          # the send socket, _closed and _seqs
+        self._seqs: dict[str, int] = {}                        # request id -> the seq of its live add
+        self._next_seq = itertools.count(1)
         self._ctx = zmq.Context()
         tag = f"pdserve-core-{os.getpid()}-{uuid.uuid4().hex}"
         inbound, outbound = f"ipc://@{tag}-in", f"ipc://@{tag}-out"     # abstract namespace: no file to leak
@@ -100,10 +106,14 @@ class EngineCoreClient:
         if self._fatal is not None:
             raise EngineDeadError(self._fatal)
         transfer = KVTransferParams.from_json_obj(kv_transfer_params) if kv_transfer_params else None
-        self._post(m.AddRequest(request_id, list(prompt_token_ids), params, transfer))
+        with self._lock:
+            seq = self._seqs[request_id] = next(self._next_seq)
+            self._send_locked(m.AddRequest(request_id, seq, list(prompt_token_ids), params, transfer))
 
     def abort_request(self, request_id: str) -> None:
-        self._post(m.AbortRequests([request_id]))
+        with self._lock:
+            self._seqs.pop(request_id, None)                   # what the core still sends for it is dropped
+            self._send_locked(m.AbortRequests([request_id]))
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -144,12 +154,21 @@ class EngineCoreClient:
         if not isinstance(msg, m.CoreOutputs):
             return logger.warning("ignoring an unexpected %s from the engine core", type(msg).__name__)
         for r in msg.rejected:
-            self._deliver(r.request_id, (ValueError if r.invalid else RuntimeError)(r.message), True)
+            self._deliver_current(r.request_id, r.seq, _rejection(r), True)
         for wire in msg.outputs:
-            out = m.output_from_wire(wire)
-            self._deliver(out.request_id, out, out.finished)
+            self._deliver_current(wire.request_id, wire.seq, m.output_from_wire(wire), wire.finished)
         if msg.stats is not None:
             self._stats = msg.stats
+
+    def _deliver_current(self, request_id: str, seq: int, item, final: bool) -> None:
+        """Deliver ``item`` if ``seq`` is still the live add of ``request_id``. Under the lock: an abort (or
+        a new add of the same id) cannot slip between the check and the delivery."""
+        with self._lock:
+            if self._seqs.get(request_id) != seq:
+                return logger.debug("dropping an output of %s #%d: aborted or replaced", request_id, seq)
+            if final:
+                del self._seqs[request_id]
+            self._deliver(request_id, item, final)
 
     def _fail(self, message: str) -> None:
         if self._fatal is None:
@@ -170,8 +189,11 @@ class EngineCoreClient:
 
     def _post(self, message) -> None:
         with self._lock:
-            if not self._closed:
-                self._to_core.send(m.encode(message))
+            self._send_locked(message)
+
+    def _send_locked(self, message) -> None:
+        if not self._closed:
+            self._to_core.send(m.encode(message))
 
     def _wait_ready(self, timeout: float) -> m.Ready:
         deadline = time.monotonic() + timeout
@@ -223,6 +245,14 @@ def _wait(proc: subprocess.Popen, timeout: float) -> bool:
         return True
     except subprocess.TimeoutExpired:
         return False
+
+
+def _rejection(r: m.Rejected) -> Exception:
+    """The exception ``add_request`` raised in the core, as the in-process node would report it: a ValueError
+    (HTTP 400), or an error of the same type name (``type(exc).__name__`` in the API's message)."""
+    if r.invalid:
+        return ValueError(r.message)
+    return type(r.error_type, (RuntimeError,), {"__module__": __name__})(r.message)
 
 
 def _describe(code: int) -> str:

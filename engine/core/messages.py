@@ -8,6 +8,11 @@
                                    moved, requests refused at add, stats at most every STATS_INTERVAL_S),
                                    and Fatal before the core exits on an unrecoverable error
 
+Each AddRequest carries ``seq``, unique per add in the API process; the core echoes it in every
+CoreOutput and Rejected of that request. A request id reused right after its abort is then told apart
+from the aborted incarnation, whose last outputs may still be on their way: the client drops them.
+The engine itself still keys requests by ``request_id`` (it refuses an id that is still live).
+
 The core binds both ipc sockets (abstract namespace, no file) and the API process connects: a connecting
 PUSH queues what it sends before the core is up and never blocks on a dead peer.
 """
@@ -25,7 +30,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 
-VERSION = 1
+VERSION = 2
 STATS_INTERVAL_S = 0.1            # stats ride along with outputs at most this often (and whenever idle)
 _LENGTH = struct.Struct(">I")
 
@@ -39,6 +44,7 @@ class StartCore(msgspec.Struct, frozen=True):
 
 class AddRequest(msgspec.Struct, frozen=True, tag=True):
     request_id: str
+    seq: int                       # this add's number (see the module docstring)
     prompt_token_ids: list[int]
     params: SamplingParams
     kv_transfer_params: KVTransferParams | None = None
@@ -79,8 +85,9 @@ class Sample(msgspec.Struct, frozen=True, array_like=True):
 
 
 class CoreOutput(msgspec.Struct, frozen=True, array_like=True):
-    """``RequestOutput`` on the wire."""
+    """``RequestOutput`` on the wire, with its add's ``seq``."""
     request_id: str
+    seq: int
     new_token_ids: list[int]
     new_text: str
     finished: bool
@@ -94,8 +101,11 @@ class CoreOutput(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Rejected(msgspec.Struct, frozen=True, array_like=True):
-    """``LLMEngine.add_request`` raised: ``invalid`` for a ValueError (the client's fault: HTTP 400)."""
+    """``LLMEngine.add_request`` raised ``error_type(message)``: ``invalid`` for a ValueError (the client's
+    fault: HTTP 400)."""
     request_id: str
+    seq: int
+    error_type: str
     message: str
     invalid: bool
 
@@ -145,10 +155,10 @@ def read_start(stream) -> StartCore:
     return _check(_start_decoder.decode(stream.read(_LENGTH.unpack(header)[0])))
 
 
-def output_to_wire(out: RequestOutput) -> CoreOutput:
+def output_to_wire(out: RequestOutput, seq: int) -> CoreOutput:
     logprobs = None if out.logprobs is None else [Sample(s.token_id, s.logprob, s.top_logprobs) for s in out.logprobs]
     transfer = None if out.kv_transfer_params is None else KVTransferParams.from_json_obj(out.kv_transfer_params)
-    return CoreOutput(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
+    return CoreOutput(out.request_id, seq, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                       out.num_prompt_tokens, out.num_cached_tokens, logprobs, out.error, transfer, out.kv_accounting)
 
 

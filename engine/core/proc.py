@@ -8,7 +8,7 @@ One turn of the loop:
     2. apply     add_request (a refusal becomes a ``Rejected``), abort_request
     3. check     a dead or stalled tp x pp rank: send Fatal, exit 1
     4. step      LLMEngine.step() when anything is unfinished; an exception escaping it: Fatal, exit 1
-    5. send      one CoreOutputs: the step's deltas, the refusals, stats when due
+    5. send      one CoreOutputs: the step's deltas (each with its add's ``seq``), the refusals, stats when due
 
 Shutdown: ``LLMEngine.shutdown`` (KV publisher flushed, store closed, ranks stopped in order), exit 0.
 The process ignores SIGINT / SIGTERM (the API process decides when to stop it) and dies with the API
@@ -48,6 +48,7 @@ class CoreLoop:
         self._transfer = KVTransferParams
         self.store_stats = StatsCache(engine.store) if engine.store is not None else None
         self._stats_at = 0.0
+        self._seqs: dict[str, int] = {}        # live request id -> the seq of the add that started it
 
     def run(self) -> int:
         """-> the exit code: 0 after Shutdown, 1 after a Fatal."""
@@ -97,12 +98,16 @@ class CoreLoop:
             if isinstance(msg, m.AbortRequests):
                 for request_id in msg.request_ids:
                     self.engine.abort_request(request_id)
+                    self._seqs.pop(request_id, None)
                 continue
             transfer = None if msg.kv_transfer_params is None else msg.kv_transfer_params.to_json_obj()
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, transfer)
             except Exception as exc:  # noqa: BLE001 - the request's failure, reported to its caller
-                rejected.append(m.Rejected(msg.request_id, str(exc), isinstance(exc, ValueError)))
+                rejected.append(m.Rejected(msg.request_id, msg.seq, type(exc).__name__, str(exc),
+                                           isinstance(exc, ValueError)))
+                continue
+            self._seqs[msg.request_id] = msg.seq
         return rejected, False
 
     def _send(self, outputs: list, rejected: list[m.Rejected]) -> None:
@@ -112,7 +117,14 @@ class CoreLoop:
         if not (outputs or rejected or due):
             return
         stats = self.stats() if due else None      # idle after outputs: the figures once the last request ended
-        self.outbox.send(m.encode(m.CoreOutputs([m.output_to_wire(o) for o in outputs], rejected, stats)))
+        self.outbox.send(m.encode(m.CoreOutputs([m.output_to_wire(o, self._seq(o)) for o in outputs], rejected,
+                                                stats)))
+
+    def _seq(self, out) -> int:
+        """The seq of ``out``'s add (-1, dropped by the client, for an id the core does not know)."""
+        if out.finished:
+            return self._seqs.pop(out.request_id, -1)
+        return self._seqs.get(out.request_id, -1)
 
     def _fatal(self, message: str) -> int:
         logger.error("%s; the engine core exits", message)
