@@ -40,12 +40,16 @@ class SchedulerConfig:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
 
 
+CORE_MIN_TIMEOUT_S = 2.0             # 4 x the engine core's heartbeat (engine/core/messages.py HEARTBEAT_S)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """TP x PP worker ranks (``pdserve.engine.parallel``); 1 x 1 runs the model in the engine's process."""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    rank_timeout: float = 60.0        # --rank-timeout: seconds a rank may make no progress before it is reported
+    rank_timeout: float = 60.0        # --rank-timeout: seconds a rank may make no progress (or the engine-core
+                                      # process say nothing) before it is reported
     debug_sync: bool = False          # --debug-sync: synchronise after every collective, log every phase
     nnodes: int = 1                   # --nnodes: machines the ranks run on
     node_rank: int = 0                # --node-rank: 0 runs the scheduler (driver); others run workers only
@@ -140,6 +144,9 @@ class EngineConfig:
             raise ConfigError(f"--device must be cpu, cuda or auto, got {self.device!r}")
         if self.resolved_device != "cpu" and (self.parallel.world_size > 1 or self.parallel.debug_sync):
             raise ConfigError("tensor/pipeline parallel ranks run on CPU (gloo) only; use --device cpu")
+        if self.engine_core_process and self.parallel.rank_timeout < CORE_MIN_TIMEOUT_S:
+            raise ConfigError(f"--rank-timeout {self.parallel.rank_timeout:g} is too short for --engine-core-process "
+                              f"(its heartbeat comes every 0.5 s); use >= {CORE_MIN_TIMEOUT_S:g} s")
         if self.kv_transfer.kv_chunk_tokens % self.cache.block_size:
             raise ConfigError(f"--kv-chunk-tokens {self.kv_transfer.kv_chunk_tokens} must be a multiple of "
                               f"--block-size {self.cache.block_size}")

@@ -5,7 +5,7 @@
 | PDSERVE_CACHE_DIR     | where downloaded models are converted and kept   | ~/.cache/pdserve           |
 | PDSERVE_NUM_THREADS   | torch intra-op threads per process               | 1                          |
 | PDSERVE_LOG_LEVEL     | logging level of pdserve's loggers               | INFO                       |
-| PDSERVE_FAULTS        | tests only: faults injected into tp/pp ranks     | "" (``parallel/faults.py``)|
+| PDSERVE_FAULTS        | tests only: faults in tp/pp ranks, engine core   | "" (``parallel/faults.py``)|
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--rank-timeout", type=float, default=60.0,
-                   help="seconds a TP/PP rank may make no progress before the node reports it and shuts down")
+                   help="seconds a TP/PP rank may make no progress (or the --engine-core-process say nothing) before "
+                        "the node reports it and shuts down")
     p.add_argument("--debug-sync", action="store_true",
                    help="synchronise after every collective and log each rank's phases (slow; for hangs)")
     p.add_argument("--nnodes", type=int, default=1, help="machines the TP x PP ranks run on")

@@ -41,6 +41,7 @@ def test_core_messages_round_trip():
     ready = m.Ready(12, 2048, 40, STATS, m.StoreInfo("f", 16, 256, "mha"))
     assert m.decode_core_message(m.encode(ready)) == ready
     assert m.decode_core_message(m.encode(m.Fatal("rank 1 died"))) == m.Fatal("rank 1 died")
+    assert m.decode_core_message(m.encode(m.Heartbeat())) == m.Heartbeat()
 
 
 def test_start_message_carries_the_whole_config():

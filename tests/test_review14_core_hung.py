@@ -22,7 +22,6 @@ import threading
 from pathlib import Path
 
 import httpx
-import pytest
 from conftest import NodeProcess
 from polling import wait_until
 
@@ -44,7 +43,6 @@ def _unhealthy(url: str) -> bool:
         return True
 
 
-@pytest.mark.xfail(strict=True, reason="review 14: a stopped engine core is not detected; /health stays 200")
 def test_a_stopped_engine_core_makes_the_node_unhealthy(tiny_llama):
     node = NodeProcess(tiny_llama, "--engine-core-process", "--rank-timeout", str(RANK_TIMEOUT_S))
     core = _core_of(node)

@@ -10,7 +10,10 @@
     client.shutdown()                                         # Shutdown, wait, kill what did not exit
 
 One receiver thread reads the core's messages; between messages (every POLL_S) it checks the process
-with ``waitpid``, so a killed core is reported within POLL_S. The core's pid is ``client.pid``.
+with ``waitpid``, so a killed core is reported within POLL_S, and the time since the core's last message:
+the core sends one at least every HEARTBEAT_S (from a thread of its own, also during a long step), so
+silence past ``--rank-timeout`` means a stopped or wedged process: the client SIGKILLs it and reports
+it like an exit. The core's pid is ``client.pid``.
 
 Each add gets its own ``seq`` (``messages``); an output is delivered only while its request id still maps
 to that seq, so the last outputs of an aborted request never reach a new request that reuses its id.
@@ -135,20 +138,27 @@ class EngineCoreClient:
     # -- the receiver thread ------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
+        timeout = self.config.parallel.rank_timeout
+        heard = time.monotonic()
         try:
             while not self._stopping and self._fatal is None:
                 if self._from_core.poll(int(POLL_S * 1000)):
                     self._handle(m.decode_core_message(self._from_core.recv()))
+                    heard = time.monotonic()
                     continue
                 code = self.proc.poll()
                 if code is not None and not self._stopping:
                     self._fail(f"the engine-core process (pid {self.proc.pid}) {_describe(code)}")
+                elif time.monotonic() - heard > timeout and not self._stopping:
+                    self._kill_hung(time.monotonic() - heard, timeout)
         except Exception as exc:  # noqa: BLE001 - a broken link must end the node, never hang its clients
             if not self._stopping:
                 logger.exception("the engine-core link failed")
                 self._fail(f"the engine-core link failed: {type(exc).__name__}: {exc}")
 
     def _handle(self, msg) -> None:
+        if isinstance(msg, m.Heartbeat):
+            return None
         if isinstance(msg, m.Fatal):
             return self._fail(msg.message)
         if not isinstance(msg, m.CoreOutputs):
@@ -169,6 +179,12 @@ class EngineCoreClient:
             if final:
                 del self._seqs[request_id]
             self._deliver(request_id, item, final)
+
+    def _kill_hung(self, silent_s: float, timeout: float) -> None:
+        """No message for longer than ``timeout``: the process is stopped or wedged. Kill it, report it."""
+        self.proc.kill()                                       # SIGKILL by pid: a stopped process dies too
+        self._fail(f"the engine-core process (pid {self.proc.pid}) sent nothing for {silent_s:.1f}s "
+                   f"(--rank-timeout {timeout:g}); killed it")
 
     def _fail(self, message: str) -> None:
         if self._fatal is None:

@@ -6,7 +6,8 @@
                                    all that arrived as one batch before each step
     core ──zmq PUSH──> API PULL    Ready once, then one CoreOutputs per step (deltas of every request that
                                    moved, requests refused at add, stats at most every STATS_INTERVAL_S),
-                                   and Fatal before the core exits on an unrecoverable error
+                                   a Heartbeat every HEARTBEAT_S from a thread of its own (also while a long
+                                   step runs), and Fatal before the core exits on an unrecoverable error
 
 Each AddRequest carries ``seq``, unique per add in the API process; the core echoes it in every
 CoreOutput and Rejected of that request. A request id reused right after its abort is then told apart
@@ -32,6 +33,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 VERSION = 2
 STATS_INTERVAL_S = 0.1            # stats ride along with outputs at most this often (and whenever idle)
+HEARTBEAT_S = 0.5                 # the core says it is alive this often, whatever its loop is doing
 _LENGTH = struct.Struct(">I")
 
 
@@ -117,13 +119,18 @@ class CoreOutputs(msgspec.Struct, frozen=True, tag=True):
     version: int = VERSION
 
 
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    """The core process is alive (sent even while a step runs); silence past --rank-timeout: it hangs."""
+    version: int = VERSION
+
+
 class Fatal(msgspec.Struct, frozen=True, tag=True):
     message: str
     version: int = VERSION
 
 
 ClientMessage = AddRequest | AbortRequests | Shutdown
-CoreMessage = Ready | CoreOutputs | Fatal
+CoreMessage = Ready | CoreOutputs | Heartbeat | Fatal
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _core_decoder = msgspec.msgpack.Decoder(CoreMessage)

@@ -10,6 +10,9 @@ One turn of the loop:
     4. step      LLMEngine.step() when anything is unfinished; an exception escaping it: Fatal, exit 1
     5. send      one CoreOutputs: the step's deltas (each with its add's ``seq``), the refusals, stats when due
 
+Beside the loop, a heartbeat thread sends ``Heartbeat`` every HEARTBEAT_S through the same socket (one
+lock): a step longer than --rank-timeout is not a hang; a stopped or GIL-wedged process is.
+
 Shutdown: ``LLMEngine.shutdown`` (KV publisher flushed, store closed, ranks stopped in order), exit 0.
 The process ignores SIGINT / SIGTERM (the API process decides when to stop it) and dies with the API
 process: PR_SET_PDEATHSIG, and EOF on stdin (the lifeline) ends it at once.
@@ -31,16 +34,47 @@ import zmq
 
 from pdserve.engine import envs
 from pdserve.engine.core import messages as m
+from pdserve.engine.parallel import faults
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.5                 # how often an idle core checks its ranks and reports stats
 _PR_SET_PDEATHSIG = 1
 
 
+class Outbox:
+    """The PUSH socket to the API process, shared by the loop and the heartbeat thread (zmq sockets are
+    not thread-safe: one lock)."""
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock, self._lock = sock, threading.Lock()
+
+    def send(self, message) -> None:
+        data = m.encode(message)
+        with self._lock:
+            self.sock.send(data)
+
+
+class Heartbeat:
+    """A thread that sends ``Heartbeat`` every HEARTBEAT_S until ``stop()``."""
+
+    def __init__(self, outbox: Outbox):
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(outbox,), name="pdserve-core-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def _beat(self, outbox: Outbox) -> None:
+        while not self._stopped.wait(m.HEARTBEAT_S):
+            outbox.send(m.Heartbeat())
+
+
 class CoreLoop:
     """Steps one ``LLMEngine`` for the messages on ``inbox``; answers on ``outbox``."""
 
-    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket):
+    def __init__(self, engine, inbox: zmq.Socket, outbox: Outbox):
         from pdserve.engine.kv_transfer import KVTransferParams
         from pdserve.kvstore.stats_cache import StatsCache
 
@@ -62,6 +96,7 @@ class CoreLoop:
             outputs = []
             if self.engine.has_unfinished():
                 try:
+                    faults.before_core_step()
                     outputs = self.engine.step()
                 except Exception as exc:  # noqa: BLE001 - unrecoverable (LLMEngine.step isolated what it could)
                     logger.exception("engine step failed beyond recovery")
@@ -117,8 +152,7 @@ class CoreLoop:
         if not (outputs or rejected or due):
             return
         stats = self.stats() if due else None      # idle after outputs: the figures once the last request ended
-        self.outbox.send(m.encode(m.CoreOutputs([m.output_to_wire(o, self._seq(o)) for o in outputs], rejected,
-                                                stats)))
+        self.outbox.send(m.CoreOutputs([m.output_to_wire(o, self._seq(o)) for o in outputs], rejected, stats))
 
     def _seq(self, out) -> int:
         """The seq of ``out``'s add (-1, dropped by the client, for an id the core does not know)."""
@@ -128,7 +162,7 @@ class CoreLoop:
 
     def _fatal(self, message: str) -> int:
         logger.error("%s; the engine core exits", message)
-        self.outbox.send(m.encode(m.Fatal(message)))
+        self.outbox.send(m.Fatal(message))
         return 1
 
 
@@ -137,25 +171,29 @@ def serve(start: m.StartCore) -> int:
     from pdserve.engine.llm_engine import LLMEngine
 
     ctx = zmq.Context()
-    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for sock, address in ((inbox, start.input_address), (outbox, start.output_address)):
+    inbox, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock, address in ((inbox, start.input_address), (push, start.output_address)):
         sock.setsockopt(zmq.LINGER, 2000)                      # a last Fatal still reaches the API process
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.bind(address)
-    engine = loop = None
+    outbox = Outbox(push)
+    engine = loop = heartbeat = None
     try:
         engine = LLMEngine(start.config)
         gc.freeze()                          # start-up objects (65k KV blocks...): never scanned again
         loop = CoreLoop(engine, inbox, outbox)
-        outbox.send(m.encode(m.Ready(os.getpid(), engine.max_model_len, engine.runtime.num_blocks, loop.stats(),
-                                     _store_info(engine))))
+        outbox.send(m.Ready(os.getpid(), engine.max_model_len, engine.runtime.num_blocks, loop.stats(),
+                            _store_info(engine)))
+        heartbeat = Heartbeat(outbox)
         return loop.run()
     except Exception as exc:  # noqa: BLE001 - a failed start (bad config, missing weights): tell the API why
         logger.exception("the engine core failed")
-        outbox.send(m.encode(m.Fatal(f"engine core failed: {type(exc).__name__}: {exc}")))
+        outbox.send(m.Fatal(f"engine core failed: {type(exc).__name__}: {exc}"))
         return 1
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         if loop is not None:
             loop.close()
         if engine is not None:

@@ -1,6 +1,8 @@
-"""Fault injection in the worker ranks, for the lifecycle tests and ``bench/parallel_lifecycle.py``.
+"""Fault injection in the worker ranks and the engine core, for the lifecycle tests and
+``bench/parallel_lifecycle.py``.
 
-Off unless ``PDSERVE_FAULTS`` is set (``engine/envs.py``); the ranks inherit it from the driver:
+Off unless ``PDSERVE_FAULTS`` is set (``engine/envs.py``); the engine core and the ranks inherit it from
+the driver:
 
     PDSERVE_FAULTS="slow_layers=/tmp/slow;slow_start=3"
 
@@ -9,6 +11,8 @@ Off unless ``PDSERVE_FAULTS`` is set (``engine/envs.py``); the ranks inherit it 
                         every 0.2 s the way a stage of many slow layers does: a long step that keeps moving.
                         The test writes and removes PATH to slow a chosen step.
     slow_start=SECONDS  every rank sleeps this long before it loads its layers (a long model load).
+    slow_step=SECONDS   the engine-core process (``--engine-core-process``) sleeps this long before every
+                        step: a step longer than --rank-timeout that is not a hang.
 
 Stopped and killed processes and oversized KV scatters need no hook: the tests signal pids and call
 ``KVRelay.scatter`` themselves.
@@ -29,6 +33,7 @@ _TICK_S = 0.2
 class Faults:
     slow_layers: str = ""
     slow_start: float = 0.0
+    slow_step: float = 0.0
 
 
 def parse(spec: str) -> Faults:
@@ -38,13 +43,14 @@ def parse(spec: str) -> Faults:
         key, _, value = item.partition("=")
         if key == "slow_layers" and value:
             fields[key] = value
-        elif key == "slow_start":
+        elif key in ("slow_start", "slow_step"):
             try:
                 fields[key] = float(value)
             except ValueError:
-                raise ValueError(f"PDSERVE_FAULTS: slow_start={value!r} is not a number of seconds") from None
+                raise ValueError(f"PDSERVE_FAULTS: {key}={value!r} is not a number of seconds") from None
         else:
-            raise ValueError(f"PDSERVE_FAULTS: unknown fault {item!r}; known: slow_layers=PATH, slow_start=SECONDS")
+            raise ValueError(f"PDSERVE_FAULTS: unknown fault {item!r}; known: slow_layers=PATH, slow_start=SECONDS, "
+                             "slow_step=SECONDS")
     return Faults(**fields)
 
 
@@ -54,6 +60,11 @@ FAULTS = parse(envs.PDSERVE_FAULTS)
 def before_load() -> None:
     if FAULTS.slow_start:
         time.sleep(FAULTS.slow_start)
+
+
+def before_core_step() -> None:
+    if FAULTS.slow_step:
+        time.sleep(FAULTS.slow_step)
 
 
 def install(model, rank: int, heartbeat) -> None:
