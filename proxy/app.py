@@ -5,8 +5,9 @@ Routes: POST /v1/completions and /v1/chat/completions (the body parsed into the 
 models, ``inputs.admit_request``, then ``Orchestrator.handle``), GET /v1/models, /health (200 only while
 >= 1 prefill and >= 1 decode node are healthy), /metrics, /openapi.json. In front of the routes, outermost
 first: ``BearerAuth`` with ``--api-key`` (every path but /health and /metrics), then ``BodyLimits``
-(``--max-request-bytes``, JSON nesting) -- the node's own middleware. The lifespan owns the pooled
-httpx client of node calls (``--max-node-connections``) and the prober, which has its own client.
+(``--max-request-bytes``, JSON nesting) -- the node's own middleware --, then ``DirectRoutes``, which
+serves the two POST routes itself when FastAPI would accept the body (``direct``). The lifespan owns the pool of
+node connections (``http1.ConnectionPool``, ``--max-node-connections``) and the prober, which has its own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any, Awaitable
 
 import anyio
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -28,7 +28,9 @@ from pdserve.engine.server.errors import APIError, error_response, install_error
 from pdserve.engine.server.limits import BodyLimits
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.direct import DirectRoutes
 from pdserve.proxy.health import HealthChecker
+from pdserve.proxy.http1 import ConnectionPool
 from pdserve.proxy.inputs import CHAT, COMPLETIONS, Gate, Routing, admit_request
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.orchestrate import Orchestrator
@@ -46,10 +48,7 @@ class ProxyState:
         self.config, self.tokenizer, self.metrics = config, tokenizer, ProxyMetrics()
         self.prefill = NodePool("prefill", config.prefill_urls, config.prefill_policy, self.metrics)
         self.decode = NodePool("decode", config.decode_urls, config.decode_policy, self.metrics)
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=config.max_node_connections,
-                                max_keepalive_connections=min(256, config.max_node_connections)))
+        self.client = ConnectionPool(config.max_node_connections, config.connect_timeout_s, config.request_timeout_s)
         self.health = HealthChecker([self.prefill, self.decode], config.health_interval_s, config.probe_timeout_s)
         self.orchestrator = Orchestrator(self.client, self.prefill, self.decode, self.metrics,
                                          config.max_attempts, lambda: self.health.model_name)
@@ -84,6 +83,7 @@ def build_app(config: ProxyConfig, tokenizer) -> FastAPI:
     app.state.proxy = state
     install_error_handlers(app)
     _add_routes(app, state)
+    app.add_middleware(DirectRoutes, routes=_direct_routes(state), handlers=lambda: app.exception_handlers)
     app.add_middleware(BodyLimits, limits=config.limits)
     if config.api_key:
         app.add_middleware(BearerAuth, api_key=config.api_key)
@@ -91,13 +91,13 @@ def build_app(config: ProxyConfig, tokenizer) -> FastAPI:
 
 
 def _add_routes(app: FastAPI, state: ProxyState) -> None:
-    @app.post(COMPLETIONS)
+    @app.post(COMPLETIONS)          # valid JSON bodies are served by ``DirectRoutes``; these answer the rest
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _serve(state, request, COMPLETIONS, body)
+        return await _serve(state, request, COMPLETIONS, body, await request.json())   # json: FastAPI's, cached
 
     @app.post(CHAT)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _serve(state, request, CHAT, body)
+        return await _serve(state, request, CHAT, body, await request.json())
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -115,7 +115,15 @@ def _add_routes(app: FastAPI, state: ProxyState) -> None:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
 
-async def _serve(state: ProxyState, request: Request, endpoint: str, parsed) -> Response:
+def _direct_routes(state: ProxyState) -> dict[str, tuple[type, Any]]:
+    """The generation routes for ``DirectRoutes``: the same models and ``_serve`` as the FastAPI routes."""
+    def serve(endpoint: str):
+        return lambda request, parsed, body: _serve(state, request, endpoint, parsed, body)
+    return {COMPLETIONS: (CompletionRequest, serve(COMPLETIONS)), CHAT: (ChatCompletionRequest, serve(CHAT))}
+
+
+async def _serve(state: ProxyState, request: Request, endpoint: str, parsed, body: dict[str, Any]) -> Response:
+    """``parsed``: ``body`` (the client's JSON object) as the endpoint's pydantic model."""
     start = time.perf_counter()
 
     def on_end(outcome: str) -> None:
@@ -124,7 +132,7 @@ async def _serve(state: ProxyState, request: Request, endpoint: str, parsed) -> 
 
     try:
         _check_model(state, parsed.model)
-        req = await admit_request(endpoint, await request.json(), parsed, state.gate)   # json: FastAPI's, cached
+        req = await admit_request(endpoint, body, parsed, state.gate)
     except APIError:
         on_end("client_error")
         raise

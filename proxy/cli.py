@@ -10,6 +10,7 @@ runs it stand-alone through ``main(argv)``.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -65,7 +66,9 @@ def run_proxy(args) -> int:
     app = build_app(config, tokenizer)
     logger.info("proxy on http://%s:%d: prefill %s (%s), decode %s (%s)", config.host, config.port,
                 list(config.prefill_urls), config.prefill_policy, list(config.decode_urls), config.decode_policy)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    gc.freeze()        # start-up objects (torch, transformers): never scanned again -- no long pauses mid-request
+    # access_log=False: at log level warning uvicorn logs no access line, but it built each one's arguments
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
     return 0
 
 

@@ -7,7 +7,7 @@ Started and stopped by ``app``'s lifespan:
     checker.start() ... await checker.stop()
 
 Every ``interval_s`` each node of each pool gets ``GET /health``; 200 within ``timeout_s``
-puts it in rotation, anything else takes it out. Probes use their own small httpx client, never the
+puts it in rotation, anything else takes it out. Probes use their own small connection pool, never the
 request pool: with every pooled connection held by slow requests a probe would otherwise wait for
 the pool, time out, and take healthy nodes out of rotation. For the same reason a probe that times
 out waiting for a connection of its own pool (``PoolTimeout``: this proxy is short of connections)
@@ -20,10 +20,10 @@ Each node's ``/v1/models`` is read once it is healthy: the first names the model
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
-import httpx
-
+from pdserve.proxy.http1 import ConnectionPool, HTTPError, PoolTimeout
 from pdserve.proxy.nodes import Node
 from pdserve.proxy.router import NodePool
 
@@ -35,8 +35,7 @@ class HealthChecker:
         self._pools = pools
         self._interval_s, self._timeout_s = interval_s, timeout_s
         num_nodes = sum(len(pool.nodes) for pool in pools)
-        self._client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(
-            max_connections=2 * num_nodes, max_keepalive_connections=num_nodes))
+        self._client = ConnectionPool(2 * num_nodes, connect_timeout_s=timeout_s, timeout_s=timeout_s)
         self._task: asyncio.Task | None = None
         self._max_model_lens: dict[str, int | None] = {}   # per node that was read (None: no figure)
         self.model_name: str | None = None
@@ -67,12 +66,12 @@ class HealthChecker:
 
     async def _probe(self, pool: NodePool, node: Node) -> None:
         try:
-            response = await self._client.get(node.url + "/health")
-            ok, why = response.status_code == 200, f"/health answered {response.status_code}"
-        except httpx.PoolTimeout:
+            status = (await self._get(node.url, "/health"))[0]
+            ok, why = status == 200, f"/health answered {status}"
+        except PoolTimeout:
             logger.warning("health probe of %s waited too long for a connection; no verdict", node.url)
             return
-        except httpx.HTTPError as exc:
+        except HTTPError as exc:
             ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
         pool.set_health(node, ok, why)
         if ok and node.url not in self._max_model_lens:
@@ -81,11 +80,16 @@ class HealthChecker:
     async def _read_model(self, node: Node) -> None:
         self._max_model_lens[node.url] = None
         try:
-            card = (await self._client.get(node.url + "/v1/models")).json()["data"][0]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            card = json.loads((await self._get(node.url, "/v1/models"))[1])["data"][0]
+        except (HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
             logger.warning("could not read the model card from %s/v1/models: %s", node.url, exc)
             return
         if self.model_name is None and isinstance(card.get("id"), str):
             self.model_name = card["id"]
         if isinstance(card.get("max_model_len"), int) and card["max_model_len"] > 0:
             self._max_model_lens[node.url] = card["max_model_len"]
+
+    async def _get(self, url: str, path: str) -> tuple[int, bytes]:
+        """One GET and its whole answer (connecting, then the rest, each within ``timeout_s``)."""
+        response = await self._client.fetch("GET", url, path)
+        return response.status, response.content

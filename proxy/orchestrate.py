@@ -32,10 +32,10 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
-import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine.server.errors import error_body, error_response
+from pdserve.proxy.http1 import ConnectionBroken, ConnectionPool, HTTPError
 from pdserve.proxy.inputs import ProxyRequest, decode_body, prefill_body
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.nodes import Node
@@ -49,7 +49,7 @@ OnEnd = Callable[[str], None]          # called once with the request's outcome 
 
 
 class Orchestrator:
-    def __init__(self, client: httpx.AsyncClient, prefill: NodePool, decode: NodePool, metrics: ProxyMetrics,
+    def __init__(self, client: ConnectionPool, prefill: NodePool, decode: NodePool, metrics: ProxyMetrics,
                  max_attempts: int, model_name: Callable[[], str | None]):
         self._client, self._prefill, self._decode = client, prefill, decode
         self._metrics, self._max_attempts, self._model_name = metrics, max_attempts, model_name
@@ -79,9 +79,9 @@ class Orchestrator:
             return JSONResponse(prefilled[0])
         kv = [p.get("kv_transfer_params") for p in prefilled]
         if not req.stream:
-            payload = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_json(node, req, kv))
+            content = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_json(node, req, kv))
             on_end("ok")
-            return JSONResponse(payload)
+            return Response(content, media_type="application/json")      # the node's JSON, as it sent it
         stream = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_stream(node, req, kv))
         return RelayResponse(stream, on_end)
 
@@ -97,13 +97,13 @@ class Orchestrator:
 
         async def call(node: Node) -> dict[str, Any]:
             with self._prefill.lease(node, len(prompt.ids)):
-                return await post_json(self._client, node, req.endpoint, body)
+                return (await post_json(self._client, node, req.endpoint, body))[0]
 
         return await self._retrying(self._prefill, prompt.chunk_keys, call)
 
-    async def _decode_json(self, node: Node, req: ProxyRequest, kv: list[Any]) -> dict[str, Any]:
+    async def _decode_json(self, node: Node, req: ProxyRequest, kv: list[Any]) -> bytes:
         with self._decode.lease(node, req.decode_tokens):
-            return await post_json(self._client, node, req.endpoint, decode_body(req, self._model_name(), kv))
+            return (await post_json(self._client, node, req.endpoint, decode_body(req, self._model_name(), kv)))[1]
 
     async def _decode_stream(self, node: Node, req: ProxyRequest, kv: list[Any]) -> NodeStream:
         start = time.perf_counter()
@@ -143,6 +143,8 @@ class Orchestrator:
 
 async def _all_or_cancel(calls: list[Awaitable[T]]) -> list[T]:
     """Results in order; the first failure cancels the calls still running and is raised."""
+    if len(calls) == 1:                      # one prompt: no task of its own (the common case, a task less)
+        return [await calls[0]]
     tasks = [asyncio.ensure_future(c) for c in calls]
     try:
         return list(await asyncio.gather(*tasks))
@@ -175,13 +177,13 @@ class RelayResponse(StreamingResponse):
         """Pass events through unchanged; a broken stream ends with an error event and [DONE]."""
         saw_done = False
         try:
-            async for event in self._stream.events():
-                saw_done = saw_done or event.startswith(DONE)
-                yield event
+            async for batch in self._stream.batches():       # events that arrived together leave together
+                saw_done = saw_done or any(event.startswith(DONE) for event in batch)
+                yield b"".join(batch)
             if not saw_done:
-                raise httpx.RemoteProtocolError("the stream ended without data: [DONE]")
+                raise ConnectionBroken("the stream ended without data: [DONE]")
             self.outcome = "ok"
-        except httpx.HTTPError as exc:
+        except HTTPError as exc:
             self.outcome = "stream_error"
             message = f"decode node {self._stream.node.url} failed mid-stream: {type(exc).__name__}: {exc}"
             logger.warning("%s", message)

@@ -2,9 +2,10 @@
 
 Called by ``orchestrate`` inside a ``NodePool.lease``:
 
-    payload = await post_json(client, node, path, body)          # a whole JSON answer
+    payload, raw = await post_json(client, node, path, body)     # a whole JSON answer, parsed and as sent
     stream  = await open_stream(client, node, path, body)        # 200 and its events up to the first token
-    async for event in stream.events(): ...                      # then the rest, event by event
+    async for batch in stream.batches(): ...                     # then all of them, the events that arrived
+                                                                 # together in one batch
     await stream.aclose()                                        # closing makes the node abort
 
 ``NodeFailed``: the node is unreachable, died, answered 5xx, or streamed a server error before its first
@@ -20,11 +21,10 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator, Callable
 
-import httpx
-
+from pdserve.proxy.http1 import ConnectionPool, HTTPError, PoolTimeout, ReadTimeout, Response, WriteTimeout
 from pdserve.proxy.nodes import Node
 
-_KEEP_IN_ROTATION = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)
+_KEEP_IN_ROTATION = (ReadTimeout, WriteTimeout, PoolTimeout)
 _BUSY = (429, 503)
 
 
@@ -46,34 +46,44 @@ class NodeRejected(Exception):
         self.status, self.content = status, content
 
 
-async def post_json(client: httpx.AsyncClient, node: Node, path: str, body: dict[str, Any]) -> dict[str, Any]:
+async def post_json(client: ConnectionPool, node: Node, path: str,
+                    body: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """The node's 200 answer, parsed and as sent (so that it can be passed on without encoding it again)."""
     try:
-        response = await client.post(node.url + path, json=body)
-    except httpx.TransportError as exc:
+        response = await client.fetch("POST", node.url, path, encode_json(body))
+    except HTTPError as exc:
         raise _transport_failure(node, exc) from exc
-    _check_status(node, response, response.content)
+    content = response.content
+    _check_status(node, response, content)
     try:
-        payload = response.json()
+        payload = json.loads(content)
     except ValueError as exc:
         raise NodeFailed(node, f"answered 200 with a body that is not JSON: {exc}", unreachable=False) from None
     if not isinstance(payload, dict):
         raise NodeFailed(node, f"answered 200 with JSON {type(payload).__name__}, not an object", unreachable=False)
-    return payload
+    return payload, content
+
+
+def encode_json(body: dict[str, Any]) -> bytes:
+    """A request body as httpx's ``json=`` wrote it: compact, UTF-8, no NaN."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 class NodeStream:
     """An open SSE response whose events up to the first token (or the end) have been read, so the node
-    did start answering: ``head`` holds them (a chat stream's role chunks come before its first token)."""
+    did start answering: ``head`` holds them (a chat stream's role chunks come before its first token),
+    ``rest`` the events that arrived with the head's last one."""
 
-    def __init__(self, node: Node, response: httpx.Response, events: AsyncIterator[bytes], head: list[bytes]):
-        self.node, self._response, self._events, self.head = node, response, events, head
+    def __init__(self, node: Node, response: Response, batches: AsyncIterator[list[bytes]], head: list[bytes],
+                 rest: list[bytes]):
+        self.node, self._response, self._batches, self.head, self._rest = node, response, batches, head, rest
         self.on_close: Callable[[], None] = lambda: None     # set by the caller: release its lease
 
-    async def events(self) -> AsyncIterator[bytes]:
-        for event in self.head:
-            yield event
-        async for event in self._events:
-            yield event
+    async def batches(self) -> AsyncIterator[list[bytes]]:
+        """All the events, head first, in batches: those that arrived together go on together."""
+        yield self.head + self._rest
+        async for batch in self._batches:
+            yield batch
 
     async def aclose(self) -> None:
         try:
@@ -83,18 +93,17 @@ class NodeStream:
             self.on_close = lambda: None
 
 
-async def open_stream(client: httpx.AsyncClient, node: Node, path: str, body: dict[str, Any]) -> NodeStream:
-    request = client.build_request("POST", node.url + path, json=body)
+async def open_stream(client: ConnectionPool, node: Node, path: str, body: dict[str, Any]) -> NodeStream:
     try:
-        response = await client.send(request, stream=True)
-    except httpx.TransportError as exc:
+        response = await client.stream("POST", node.url, path, encode_json(body))
+    except HTTPError as exc:
         raise _transport_failure(node, exc) from exc
     try:
-        if response.status_code != 200:
-            _check_status(node, response, await response.aread())
-        events = sse_events(response.aiter_bytes())
-        return NodeStream(node, response, events, await _head(node, events))
-    except httpx.TransportError as exc:
+        if response.status != 200:
+            _check_status(node, response, await response.read())
+        batches = sse_batches(response.iter_bytes())
+        return NodeStream(node, response, batches, *await _head(node, batches))
+    except HTTPError as exc:
         await response.aclose()
         raise _transport_failure(node, exc) from exc
     except BaseException:
@@ -102,20 +111,22 @@ async def open_stream(client: httpx.AsyncClient, node: Node, path: str, body: di
         raise
 
 
-async def _head(node: Node, events: AsyncIterator[bytes]) -> list[bytes]:
-    """Events up to and including the first that is not a preamble; a server error before it is the
-    node's failure (HTTP 200 was only a promise), a client error (invalid_request_error) is passed on."""
+async def _head(node: Node, batches: AsyncIterator[list[bytes]]) -> tuple[list[bytes], list[bytes]]:
+    """Events up to and including the first that is not a preamble, and the rest of its batch; a server error
+    before it is the node's failure (HTTP 200 was only a promise), a client error (invalid_request_error) is
+    passed on."""
     head = []
-    async for event in events:
-        head.append(event)
-        kind, message = _kind(event)
-        if kind == "server_error":
-            raise NodeFailed(node, f"streamed an error before its first token: {message}", unreachable=False)
-        if kind != "preamble":
-            return head
+    async for batch in batches:
+        for i, event in enumerate(batch):
+            head.append(event)
+            kind, message = _kind(event)
+            if kind == "server_error":
+                raise NodeFailed(node, f"streamed an error before its first token: {message}", unreachable=False)
+            if kind != "preamble":
+                return head, batch[i + 1:]
     if not head:
         raise NodeFailed(node, "closed the stream before its first event", unreachable=False)
-    return head
+    return head, []
 
 
 def _kind(event: bytes) -> tuple[str, str]:
@@ -146,18 +157,27 @@ def _is_preamble(choice: Any) -> bool:
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Re-cut a byte stream into whole SSE events (each ending in a blank line)."""
+    async for batch in sse_batches(chunks):
+        for event in batch:
+            yield event
+
+
+async def sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+    """``sse_events`` in batches: the whole events each piece of the byte stream completed."""
     buffer = b""
     async for chunk in chunks:
-        buffer += chunk
+        buffer, batch = buffer + chunk, []
         while (end := buffer.find(b"\n\n")) >= 0:
-            yield buffer[:end + 2]
+            batch.append(buffer[:end + 2])
             buffer = buffer[end + 2:]
+        if batch:
+            yield batch
     if buffer.strip():
-        yield buffer if buffer.endswith(b"\n\n") else buffer.rstrip(b"\n") + b"\n\n"
+        yield [buffer if buffer.endswith(b"\n\n") else buffer.rstrip(b"\n") + b"\n\n"]
 
 
-def _check_status(node: Node, response: httpx.Response, content: bytes) -> None:
-    status = response.status_code
+def _check_status(node: Node, response: Response, content: bytes) -> None:
+    status = response.status
     if status in _BUSY:
         raise NodeBusy(node, status, content, response.headers.get("retry-after"))
     if status >= 500:
@@ -168,6 +188,6 @@ def _check_status(node: Node, response: httpx.Response, content: bytes) -> None:
         raise NodeFailed(node, f"answered unexpected status {status}", unreachable=False)
 
 
-def _transport_failure(node: Node, exc: httpx.TransportError) -> NodeFailed:
+def _transport_failure(node: Node, exc: HTTPError) -> NodeFailed:
     unreachable = not isinstance(exc, _KEEP_IN_ROTATION)
     return NodeFailed(node, f"{type(exc).__name__}: {exc or 'no detail'}", unreachable=unreachable)
