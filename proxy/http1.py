@@ -1,4 +1,4 @@
-"""The proxy's HTTP/1.1 client for node calls: kept-alive connections, one socket write per request.
+"""The proxy's HTTP/1.1 client for node calls: kept-alive connections, on aiohttp.
 
 Used by ``upstream`` (one pool for requests, ``--max-node-connections``) and ``health`` (a small pool of
 its own for probes):
@@ -7,42 +7,35 @@ its own for probes):
     reply = await pool.fetch("POST", "http://127.0.0.1:8100", "/v1/completions", body_bytes)
     reply.status, reply.headers, reply.content     # headers: lower-case name -> value
     response = await pool.stream("POST", base_url, path, body_bytes)   # status and headers read
-    async for piece in response.iter_bytes(): ...  # the body as it arrives; a chunked body de-chunked, the
-                                                   # chunks that came in one read joined
+    async for piece in response.iter_bytes(): ...  # the body as it arrives, de-chunked
     await response.aclose()                        # before the body's end: closes the connection -- the node
                                                    # sees the hang-up and aborts the request
     await pool.aclose()
 
-Why not httpx: on the proxy's path it cost ~1 ms of CPU per node call against ~0.05 ms here (two calls per
-client request; ``bench/proxy_overhead.py`` measures the proxy's added latency), and it writes a request's
-head and body separately, which wakes the node twice.
+Why aiohttp and not httpx: on the proxy's path httpx cost ~0.76 ms of CPU per node call against ~0.21 ms
+for aiohttp (two calls per client request; ``bench/proxy_overhead.py`` measures the proxy's added latency).
+One ``aiohttp.ClientSession`` per pool, created on first use inside the running loop.
 
 Time limits: ``connect_timeout_s`` for a new connection; ``timeout_s`` for a free connection, for a whole
-``fetch`` (write, head, body), for a ``stream``'s head and for each of its reads. Failures are ``HTTPError``s:
-``ConnectFailed`` (refused, unreachable, connect timeout), ``PoolTimeout`` (every connection busy),
-``WriteTimeout``, ``ReadTimeout``, ``ConnectionBroken`` (the node closed or reset the connection, or did not
-answer HTTP/1.1). A connection is reused while the node keeps it open and for ``keepalive_s`` after its last
-answer -- less than uvicorn's 5 s keep-alive, so the node never closes one as a request goes out on it.
+``fetch`` (free connection, write, head, body), for a ``stream``'s head and for each of its reads. Failures
+are ``HTTPError``s: ``ConnectFailed`` (refused, unreachable, connect timeout), ``PoolTimeout`` (every
+connection busy), ``ReadTimeout`` (no progress: aiohttp does not tell a stalled write from a silent node, so
+``WriteTimeout`` is kept for callers but not raised), ``ConnectionBroken`` (the node closed or reset the
+connection, or did not answer HTTP/1.1). A connection is reused while the node keeps it open and for
+``keepalive_s`` after its last answer -- less than uvicorn's 5 s keep-alive, so the node never closes one as a
+request goes out on it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ssl
-import sys
-import time
-from collections import deque
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import AsyncIterator, Iterator
-from urllib.parse import urlsplit
 
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _deadline
-else:                                                        # pragma: no cover - python 3.10
-    from anyio import fail_after as _deadline
+import aiohttp
 
-MAX_HEAD_BYTES = 64 << 10
-_BROKEN = (OSError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError)
+_JSON = {"content-type": "application/json"}
 
 
 class HTTPError(Exception):
@@ -69,38 +62,13 @@ class PoolTimeout(HTTPError):
     pass
 
 
-class Origin:
-    """Where one base URL's requests go: scheme, host, port, path prefix, Host header."""
-
-    def __init__(self, base_url: str):
-        url = urlsplit(base_url)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise ValueError(f"{base_url!r} is not an http:// or https:// URL")
-        self.tls = url.scheme == "https"
-        self.host, self.port = url.hostname, url.port or (443 if self.tls else 80)
-        self.key = f"{url.scheme}://{self.host}:{self.port}"          # connections are shared per key
-        self.prefix, self.host_header = url.path.rstrip("/"), url.netloc.rsplit("@", 1)[-1].encode("idna")
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-class Connection:
-    def __init__(self, origin: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.origin, self.reader, self.writer, self.idle_since = origin, reader, writer, 0.0
-
-    @property
-    def open(self) -> bool:
-        return not self.reader.at_eof() and not self.writer.transport.is_closing()
-
-
 class Response:
     """A node's answer, its head read. ``content`` is its body once ``fetch`` or ``read`` read it."""
 
-    def __init__(self, pool: ConnectionPool, conn: Connection, status: int, headers: dict[str, str]):
-        self._pool, self._conn, self._origin = pool, conn, conn.origin
-        self.status, self.headers, self.content = status, headers, b""
-        self._reusable = headers.get("connection", "").lower() != "close"
+    def __init__(self, pool: ConnectionPool, raw: aiohttp.ClientResponse | None, status: int,
+                 headers: dict[str, str], content: bytes = b""):
+        self._pool, self._raw = pool, raw
+        self.status, self.headers, self.content = status, headers, content
 
     async def read(self) -> bytes:
         self.content = b"".join([piece async for piece in self.iter_bytes()])
@@ -108,214 +76,110 @@ class Response:
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
         """The body piece by piece, ``timeout_s`` for each read; then the connection goes back to the pool."""
-        if self._conn is None:
-            raise ConnectionBroken(f"the answer of {self._origin} was already read or closed")
-        with self._failures():
-            async for piece in self._body(self._conn.reader, per_read_s=self._pool.timeout_s):
+        raw = self._raw
+        if raw is None:
+            raise ConnectionBroken("the answer was already read or closed")
+        with self._pool._failures(f"{raw.url.host}:{raw.url.port}", on_error=self._close):
+            async for piece in raw.content.iter_any():
                 yield piece
-        self._finish(self._reusable)
+        self._raw = None
+        raw.release()
 
     async def aclose(self) -> None:
         """Done with the answer: an unread body closes the connection (the node aborts its request)."""
-        self._finish(False)
+        self._close()
 
-    async def _body(self, reader: asyncio.StreamReader, per_read_s: float | None) -> AsyncIterator[bytes]:
-        if self.status < 200 or self.status in (204, 304):
-            return
-        if self.headers.get("transfer-encoding", "").lower() == "chunked":
-            buffer, end = bytearray(), None
-            while end is None:
-                buffer += await _read(reader, per_read_s)
-                pieces, end = _whole_chunks(buffer)
-                if pieces:
-                    yield b"".join(pieces)
-            self._reusable &= end == len(buffer)        # bytes after the body: the connection is not trusted again
-        elif (length := self.headers.get("content-length")) is not None:
-            async with _deadline(per_read_s):
-                yield await reader.readexactly(int(length))
-        else:                                           # the body ends when the node closes the connection
-            self._reusable = False
-            while piece := await _read(reader, per_read_s, eof_ok=True):
-                yield piece
-
-    @contextmanager
-    def _failures(self) -> Iterator[None]:
-        try:
-            yield
-        except (TimeoutError, asyncio.TimeoutError):
-            self._finish(False)
-            raise ReadTimeout(f"no data from {self._origin} within {self._pool.timeout_s:g}s") from None
-        except _BROKEN as exc:
-            self._finish(False)
-            raise ConnectionBroken(f"the connection broke mid-answer: {_describe(exc)}") from None
-
-    def _finish(self, reusable: bool) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            self._pool._give_back(conn, reusable)
+    def _close(self) -> None:
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            raw.close()
 
 
 class ConnectionPool:
-    """At most ``max_connections`` open connections (busy or idle) over all origins."""
+    """At most ``max_connections`` connections in use over all origins (aiohttp's ``TCPConnector(limit=)``)."""
 
     def __init__(self, max_connections: int, connect_timeout_s: float, timeout_s: float, keepalive_s: float = 4.0):
         self.timeout_s, self.connect_timeout_s, self.keepalive_s = timeout_s, connect_timeout_s, keepalive_s
-        self._slots, self._waiting = asyncio.Semaphore(max_connections), 0
-        self._idle: dict[str, deque[Connection]] = {}
-        self._origins: dict[str, Origin] = {}
-        self._busy: set[Connection] = set()
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
 
     async def fetch(self, method: str, base_url: str, path: str, body: bytes | None = None) -> Response:
         """One request and its whole answer, within ``timeout_s``."""
-        origin, response = self._origin(base_url), None
-        conn = await self._connection(origin)
-        try:
-            async with _deadline(self.timeout_s):
-                response = await self._send(origin, conn, method, path, body, limit_s=None)
-                with response._failures():
-                    response.content = b"".join([p async for p in response._body(response._conn.reader, None)])
-                response._finish(response._reusable)
-                return response
-        except (TimeoutError, asyncio.TimeoutError):
-            if response is not None:
-                response._finish(False)
-            raise ReadTimeout(f"{base_url}{path} did not answer within {self.timeout_s:g}s") from None
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=self.timeout_s,
+                                        sock_connect=self.connect_timeout_s)
+        waiting = SimpleNamespace(queued=False)
+        with self._failures(base_url, waiting=waiting):
+            async with self._request(method, base_url, path, body, timeout, waiting) as raw:
+                content = await raw.read()
+        return Response(self, None, raw.status, _lower(raw), content)
 
     async def stream(self, method: str, base_url: str, path: str, body: bytes | None = None) -> Response:
         """One request; returns once the status line and headers are in (within ``timeout_s``)."""
-        origin = self._origin(base_url)
-        return await self._send(origin, await self._connection(origin), method, path, body, limit_s=self.timeout_s)
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout_s, sock_connect=self.connect_timeout_s,
+                                        sock_read=self.timeout_s)
+        waiting = SimpleNamespace(queued=False)
+        with self._failures(base_url, waiting=waiting):
+            raw = await self._request(method, base_url, path, body, timeout, waiting)
+        return Response(self, raw, raw.status, _lower(raw))
 
     async def aclose(self) -> None:
-        for conn in [*self._busy, *(c for idle in self._idle.values() for c in idle)]:
-            conn.writer.close()
-        self._busy.clear()
-        self._idle.clear()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
-    def _origin(self, base_url: str) -> Origin:
-        return self._origins.get(base_url) or self._origins.setdefault(base_url, Origin(base_url))
+    def _request(self, method: str, base_url: str, path: str, body: bytes | None, timeout: aiohttp.ClientTimeout,
+                 waiting: SimpleNamespace):
+        return self._client().request(method, base_url.rstrip("/") + path, data=body,
+                                      headers=_JSON if body is not None else None, timeout=timeout,
+                                      allow_redirects=False, trace_request_ctx=waiting)
 
-    async def _send(self, origin: Origin, conn: Connection, method: str, path: str, body: bytes | None,
-                    limit_s: float | None) -> Response:
-        """Write the request on ``conn`` (which it owns from here on) and read the answer's head."""
-        head = (f"{method} {origin.prefix}{path} HTTP/1.1\r\nhost: ".encode() + origin.host_header
-                + b"\r\naccept: */*\r\nuser-agent: pdserve-proxy\r\n")
-        if body is not None:
-            head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
-        waiting_on = WriteTimeout
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=self.keepalive_s)
+            self._session = aiohttp.ClientSession(
+                connector=connector, trace_configs=[_queue_trace()], auto_decompress=False,
+                headers={"user-agent": "pdserve-proxy"}, skip_auto_headers=("accept-encoding",))
+        return self._session
+
+    @contextmanager
+    def _failures(self, where: str, waiting: SimpleNamespace | None = None, on_error=lambda: None) -> Iterator[None]:
+        """aiohttp's and asyncio's failures as this module's kinds (which decide retry and rotation)."""
         try:
-            conn.writer.write(head + b"\r\n" + (body or b""))
-            if conn.writer.transport.get_write_buffer_size():      # the kernel did not take it all at once
-                async with _deadline(limit_s):
-                    await conn.writer.drain()
-            waiting_on = ReadTimeout
-            async with _deadline(limit_s):
-                status, headers = _parse_head(await conn.reader.readuntil(b"\r\n\r\n"))
-        except BaseException as exc:
-            self._give_back(conn, False)
-            if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) and limit_s is not None:
-                raise waiting_on(f"{origin}: no progress within {limit_s:g}s") from None
-            if isinstance(exc, _BROKEN):
-                raise ConnectionBroken(f"{origin} sent no answer: {_describe(exc)}") from None
+            yield
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            on_error()
+            if waiting is not None and waiting.queued:
+                raise PoolTimeout(f"no free connection within {self.timeout_s:g}s "
+                                  f"(all {self.max_connections} busy)") from None
+            if isinstance(exc, aiohttp.ConnectionTimeoutError):
+                raise ConnectFailed(f"could not connect to {where} within {self.connect_timeout_s:g}s") from None
+            raise ReadTimeout(f"{where}: no progress within {self.timeout_s:g}s") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise ConnectFailed(f"could not connect to {where}: {_describe(exc)}") from None
+        except aiohttp.InvalidURL:
             raise
-        return Response(self, conn, status, headers)
-
-    async def _connection(self, origin: Origin) -> Connection:
-        now, idle = time.monotonic(), self._idle.get(origin.key)
-        while idle:
-            conn = idle.pop()                                   # the most recently used one
-            if conn.open and now - conn.idle_since < self.keepalive_s:
-                self._busy.add(conn)
-                return conn
-            self._drop(conn)
-        if self._slots.locked() and (queues := [q for q in self._idle.values() if q]):
-            self._drop(min(queues, key=lambda q: q[0].idle_since).popleft())    # make room: the oldest idle one
-        self._waiting += 1
-        try:
-            async with _deadline(self.timeout_s):
-                await self._slots.acquire()
-        except (TimeoutError, asyncio.TimeoutError):
-            raise PoolTimeout(f"no free connection within {self.timeout_s:g}s (all {len(self._busy)} busy)") from None
-        finally:
-            self._waiting -= 1
-        try:
-            conn = await self._connect(origin)
-        except BaseException:
-            self._slots.release()
-            raise
-        self._busy.add(conn)
-        return conn
-
-    async def _connect(self, origin: Origin) -> Connection:
-        context = ssl.create_default_context() if origin.tls else None
-        try:
-            async with _deadline(self.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(origin.host, origin.port, ssl=context,
-                                                               limit=MAX_HEAD_BYTES)
-        except (TimeoutError, asyncio.TimeoutError):
-            raise ConnectFailed(f"could not connect to {origin} within {self.connect_timeout_s:g}s") from None
-        except OSError as exc:
-            raise ConnectFailed(f"could not connect to {origin}: {_describe(exc)}") from None
-        return Connection(origin, reader, writer)
-
-    def _give_back(self, conn: Connection, reusable: bool) -> None:
-        """Back to the idle list -- unless a request waits for a slot: then closed, so that it gets one."""
-        self._busy.discard(conn)
-        if reusable and conn.open and not self._waiting:
-            conn.idle_since = time.monotonic()
-            self._idle.setdefault(conn.origin.key, deque()).append(conn)
-        else:
-            self._drop(conn)
-
-    def _drop(self, conn: Connection) -> None:
-        conn.writer.close()
-        self._slots.release()
+        except (aiohttp.ClientError, OSError, EOFError) as exc:
+            on_error()
+            raise ConnectionBroken(f"{where}: the connection broke: {_describe(exc)}") from None
 
 
-def _parse_head(raw: bytes) -> tuple[int, dict[str, str]]:
-    lines = raw.decode("latin-1").split("\r\n")
-    version, _, rest = lines[0].partition(" ")
-    if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
-        raise ValueError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-    headers = {}
-    for line in lines[1:-2]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    if version == "HTTP/1.0" and headers.get("connection", "").lower() != "keep-alive":
-        headers["connection"] = "close"
-    return int(rest[:3]), headers
+def _queue_trace() -> aiohttp.TraceConfig:
+    """Marks a request that waits for a free connection, so that its timeout is a ``PoolTimeout``."""
+    async def queued(session, context, params, flag=True) -> None:
+        context.trace_request_ctx.queued = flag
+
+    async def dequeued(session, context, params) -> None:
+        await queued(session, context, params, flag=False)
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_queued_start.append(queued)
+    trace.on_connection_queued_end.append(dequeued)
+    return trace
 
 
-async def _read(reader: asyncio.StreamReader, limit_s: float | None, eof_ok: bool = False) -> bytes:
-    async with _deadline(limit_s):
-        data = await reader.read(1 << 16)
-    if not data and not eof_ok:
-        raise EOFError("the node closed the connection mid-body")
-    return data
-
-
-def _whole_chunks(buffer: bytearray) -> tuple[list[bytes], int | None]:
-    """Take the whole chunks off the front of ``buffer`` (chunked transfer coding); returns their data and,
-    once the last chunk and the trailers' blank line are in, where the body ends in what is left (else None).
-
-        buffer: <hex size>[;ext]\\r\\n <size bytes> \\r\\n ... 0\\r\\n [trailer lines\\r\\n] \\r\\n
-    """
-    pieces = []
-    while (line_end := buffer.find(b"\r\n")) >= 0:
-        size = int(bytes(buffer[:line_end]).split(b";", 1)[0], 16)
-        if size == 0:
-            trailers_end = buffer.find(b"\r\n\r\n", line_end)
-            return pieces, None if trailers_end < 0 else trailers_end + 4
-        if len(buffer) < line_end + size + 4:
-            break
-        if buffer[line_end + 2 + size:line_end + 4 + size] != b"\r\n":
-            raise ValueError("a chunk does not end in CRLF")
-        pieces.append(bytes(buffer[line_end + 2:line_end + 2 + size]))
-        del buffer[:line_end + 4 + size]
-    return pieces, None
+def _lower(raw: aiohttp.ClientResponse) -> dict[str, str]:
+    return {name.lower(): value for name, value in raw.headers.items()}
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.IncompleteReadError):
-        return "the node closed the connection"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
