@@ -157,13 +157,25 @@ def test_writer_waits_on_a_live_reader_until_its_caller_aborts(ring, readers):
 
 
 def test_inbound_queue_carries_many_writers_to_one_reader(ring):
+    """Each writer stays alive until the reader has every message (it blocks on stdin, closed by the test):
+    a writer that exits at once may lose what zmq had not sent within its 2 s linger on a loaded machine."""
     handle = MessageQueue.create_inbound("127.0.0.1")
     reader = MessageQueue.reader(handle, -1)
     code = ("import sys, msgspec\nfrom pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle\n"
             "q = MessageQueue.writer(msgspec.json.decode(sys.argv[1].encode(), type=QueueHandle))\n"
-            "for i in range(50): q.enqueue(sys.argv[2].encode() * (1 + i * 1000))\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, msgspec.json.encode(handle).decode(), tag]) for tag in "ab"]
-    got = [reader.dequeue(timeout=60) for _ in range(100)]
+            "for i in range(50): q.enqueue(sys.argv[2].encode() * (1 + i * 1000))\n"
+            "sys.stdin.read()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, msgspec.json.encode(handle).decode(), tag],
+                              stdin=subprocess.PIPE) for tag in "ab"]
+    got = []
+    try:
+        while len(got) < 100:
+            message = reader.dequeue(timeout=120)
+            assert message is not None, f"only {len(got)} of 100 messages arrived"
+            got.append(message)
+    finally:
+        for p in procs:
+            p.stdin.close()
     for p in procs:
         assert p.wait(timeout=60) == 0
     for tag in (b"a", b"b"):
