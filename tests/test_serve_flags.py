@@ -50,6 +50,10 @@ def test_serve_passes_flags_to_every_node_and_per_role(tiny_llama):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:                     # a failed check: stop the cluster as Ctrl-C does, then
+            proc.send_signal(signal.SIGINT)         # kill (a SIGKILLed `serve` would orphan its nodes)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
