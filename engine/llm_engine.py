@@ -105,15 +105,7 @@ class LLMEngine:
         return self.runtime.max_model_len
 
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        limit = self.max_model_len
-        if num_prompt_tokens < 1:
-            raise PromptTooLongError("prompt is empty; send at least one token")
-        if num_prompt_tokens >= limit:
-            raise PromptTooLongError(f"prompt has {num_prompt_tokens} tokens; --max-model-len is {limit}")
-        if num_prompt_tokens + max_tokens > limit:
-            raise PromptTooLongError(
-                f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
-                f"{num_prompt_tokens + max_tokens} > --max-model-len {limit}")
+        check_prompt_fits(num_prompt_tokens, max_tokens, self.max_model_len)
 
     def check_transfer(self, kv_transfer_params: dict | None) -> None:
         """Raise ``TransferMismatchError`` if this node cannot use the prefill node's KV (thread-safe)."""
@@ -193,6 +185,19 @@ class LLMEngine:
         outs += self.outputs.collect({}, sched_out.rejected)
         self.scheduler.check_integrity()                     # raises if the step left blocks inconsistent
         return [o for o in outs if o is not None]
+
+
+def check_prompt_fits(num_prompt_tokens: int, max_tokens: int, limit: int) -> None:
+    """Raise ``PromptTooLongError`` naming the figures unless prompt + max_tokens fits ``--max-model-len``
+    (the in-process engine and the engine-core client answer with this one function)."""
+    if num_prompt_tokens < 1:
+        raise PromptTooLongError("prompt is empty; send at least one token")
+    if num_prompt_tokens >= limit:
+        raise PromptTooLongError(f"prompt has {num_prompt_tokens} tokens; --max-model-len is {limit}")
+    if num_prompt_tokens + max_tokens > limit:
+        raise PromptTooLongError(
+            f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+            f"{num_prompt_tokens + max_tokens} > --max-model-len {limit}")
 
 
 def _release(connector, store) -> None:

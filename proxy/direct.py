@@ -24,7 +24,9 @@ from typing import Any, Awaitable, Callable
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdserve.engine.server.limits import replay_body
 
 Serve = Callable[[Request, Any, dict[str, Any]], Awaitable[Response]]
 
@@ -44,7 +46,7 @@ class DirectRoutes:
             return
         parsed, body = _parse(route[0], raw)
         if parsed is None:                                   # FastAPI's own 400, word for word
-            await self.app(scope, _replay(raw, receive), send)
+            await self.app(scope, replay_body(raw, receive), send)
             return
         request = Request(scope, receive)
         try:
@@ -88,16 +90,3 @@ async def _body(receive: Receive) -> bytes | None:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

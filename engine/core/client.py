@@ -36,7 +36,7 @@ import zmq
 from pdserve.engine.async_engine import EngineDeadError, EngineStats
 from pdserve.engine.core import messages as m
 from pdserve.engine.kv_transfer import KVTransferParams, TransferMismatchError
-from pdserve.engine.llm_engine import PromptTooLongError
+from pdserve.engine.llm_engine import check_prompt_fits
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
 
@@ -81,21 +81,14 @@ class EngineCoreClient:
 
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """The in-process engine's checks and messages (``LLMEngine.check_prompt``)."""
-        limit = self.max_model_len
-        if num_prompt_tokens < 1:
-            raise PromptTooLongError("prompt is empty; send at least one token")
-        if num_prompt_tokens >= limit:
-            raise PromptTooLongError(f"prompt has {num_prompt_tokens} tokens; --max-model-len is {limit}")
-        if num_prompt_tokens + max_tokens > limit:
-            raise PromptTooLongError(
-                f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
-                f"{num_prompt_tokens + max_tokens} > --max-model-len {limit}")
+        check_prompt_fits(num_prompt_tokens, max_tokens, self.max_model_len)
 
     def check_transfer(self, kv_transfer_params: dict | None) -> None:
         """``LLMEngine.check_transfer`` against the store figures the core reported when ready."""
         if not kv_transfer_params:
             return
         transfer = KVTransferParams.from_json_obj(kv_transfer_params)
+        transfer.check_first_token(self.model_config.vocab_size)
         if transfer.do_remote_prefill:
             if self._store is None:
                 raise TransferMismatchError("kv_transfer_params asks to load remote KV but this node has no KV "

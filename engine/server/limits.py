@@ -51,7 +51,7 @@ class BodyLimits:
             await error_response(exc.status, exc.message, code="request_too_large" if exc.status == 413 else None)(
                 scope, receive, send)
             return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay_body(body, receive), send)
 
     def _check_declared(self, scope: Scope) -> None:
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
@@ -86,7 +86,7 @@ class BodyLimits:
             raise _Refused(400, f"request body nests JSON {depth} levels deep; the limit is {limit}")
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
     """The body as one message, then the client's own messages (a later disconnect still arrives)."""
     sent = False
 
