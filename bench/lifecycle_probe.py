@@ -53,7 +53,11 @@ def _start_time(pid: int) -> int | None:
 
 def _children(pid: int) -> list[int]:
     out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:                                  # the process is gone: no children
+        return out
+    for task in tasks:
         try:
             out += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
@@ -118,8 +122,9 @@ class Node:
                     start = _start_time(pid)
                     if start is not None and pid not in self.tracked:
                         self.tracked[pid] = start
-                        if self.launcher is None and b"parallel.launcher" in _cmdline(pid):
-                            self.launcher = pid
+                    # checked until found, not only when first seen: a fork is named by its exec a moment later
+                    if self.launcher is None and pid in self.tracked and b"parallel.launcher" in _cmdline(pid):
+                        self.launcher = pid
 
     def _descendants(self, root: int) -> list[int]:
         out, todo = [], [root]
