@@ -78,3 +78,17 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise TransferMismatchError(f"prefill node has {name}={theirs!r} but this decode node has "
                                             f"{name}={ours!r}; run both with the same model, --dtype, "
                                             f"--block-size and --kv-chunk-tokens")
+
+
+def check_transfer(kv_transfer_params: dict | None, vocab_size: int, check_store) -> None:
+    """Raise ``TransferMismatchError`` if a node cannot use these ``kv_transfer_params``; ``check_store`` compares
+    them with the node's KV store (``None``: the node has none). Shared by ``LLMEngine`` and the engine-core client."""
+    if not kv_transfer_params:
+        return
+    transfer = KVTransferParams.from_json_obj(kv_transfer_params)
+    transfer.check_first_token(vocab_size)
+    if transfer.do_remote_prefill:
+        if check_store is None:
+            raise TransferMismatchError("kv_transfer_params asks to load remote KV but this node has no KV "
+                                        "store; start it with --role decode --kv-store tcp://HOST:PORT")
+        check_store(transfer)

@@ -22,7 +22,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig, EngineRuntime
-from pdserve.engine.kv_transfer import KVTransferParams, TransferMismatchError
+from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner, SampleFailure
@@ -109,15 +109,8 @@ class LLMEngine:
 
     def check_transfer(self, kv_transfer_params: dict | None) -> None:
         """Raise ``TransferMismatchError`` if this node cannot use the prefill node's KV (thread-safe)."""
-        if not kv_transfer_params:
-            return
-        transfer = KVTransferParams.from_json_obj(kv_transfer_params)
-        transfer.check_first_token(self.model_config.vocab_size)
-        if transfer.do_remote_prefill:
-            if self.connector is None:
-                raise TransferMismatchError("kv_transfer_params asks to load remote KV but this node has no KV "
-                                            "store; start it with --role decode --kv-store tcp://HOST:PORT")
-            self.connector.check(transfer)
+        check_transfer(kv_transfer_params, self.model_config.vocab_size,
+                       None if self.connector is None else self.connector.check)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params,
                     kv_transfer_params: dict | None = None) -> None:

@@ -11,28 +11,19 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 
 from conftest import free_port
+from serve_process import serve
 
 
 def test_serve_passes_flags_to_every_node_and_per_role(tiny_llama):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.cli", "serve", "--model", str(tiny_llama),
-                             "--port", str(port), "--dtype", "float32", "--block-size", "8", "--max-model-len", "512",
-                             "--decode-tensor-parallel-size", "2", "--prefill-args", "--max-model-len 384"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        output = "".join(lines)
+    flags = ("--dtype", "float32", "--block-size", "8", "--max-model-len", "512", "--decode-tensor-parallel-size", "2",
+             "--prefill-args", "--max-model-len 384")
+    with serve(tiny_llama, port, *flags) as (proc, output):
         assert f"pdserve is ready: http://127.0.0.1:{port}" in output, output
         urls = {role: re.search(rf"{role}\s+(http://\S+)", output).group(1) for role in ("prefill", "decode")}
         logs = Path(re.search(r"logs\s+(\S+)", output).group(1))
@@ -49,11 +40,3 @@ def test_serve_passes_flags_to_every_node_and_per_role(tiny_llama):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:                     # a failed check: stop the cluster as Ctrl-C does, then
-            proc.send_signal(signal.SIGINT)         # kill (a SIGKILLed `serve` would orphan its nodes)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()

@@ -35,7 +35,7 @@ import zmq
 
 from pdserve.engine.async_engine import EngineDeadError, EngineStats
 from pdserve.engine.core import messages as m
-from pdserve.engine.kv_transfer import KVTransferParams, TransferMismatchError
+from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
 from pdserve.engine.llm_engine import check_prompt_fits
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
@@ -85,17 +85,10 @@ class EngineCoreClient:
 
     def check_transfer(self, kv_transfer_params: dict | None) -> None:
         """``LLMEngine.check_transfer`` against the store figures the core reported when ready."""
-        if not kv_transfer_params:
-            return
-        transfer = KVTransferParams.from_json_obj(kv_transfer_params)
-        transfer.check_first_token(self.model_config.vocab_size)
-        if transfer.do_remote_prefill:
-            if self._store is None:
-                raise TransferMismatchError("kv_transfer_params asks to load remote KV but this node has no KV "
-                                            "store; start it with --role decode --kv-store tcp://HOST:PORT")
-            s = self._store
-            transfer.check_compatible(fingerprint=s.fingerprint, block_size=s.block_size,
-                                      chunk_tokens=s.chunk_tokens, kv_layout=s.kv_layout)
+        s = self._store
+        check_transfer(kv_transfer_params, self.model_config.vocab_size, None if s is None else (
+            lambda t: t.check_compatible(fingerprint=s.fingerprint, block_size=s.block_size,
+                                         chunk_tokens=s.chunk_tokens, kv_layout=s.kv_layout)))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params,
                     kv_transfer_params: dict | None = None) -> None:
