@@ -9,8 +9,7 @@ Used by the prefill publisher (``gather``) and the decode loader (``scatter``); 
                     next step), then one non-blocking copy to pinned host memory. ``Gathered.wait()``
                     (the publisher thread) blocks until the copy landed and returns the per-layer
                     objects [C, n, Hkv, D]; the engine thread never waits for the copy.
-    scatter(objs, slots)   CPU: index_copy per layer.  CUDA (loader thread): the layer objects are
-                    packed into pinned memory, copied host->device non-blocking and scattered in one
+    scatter(objs, slots)   CPU: one index_copy.  CUDA (loader thread): the layer objects are packed into pinned memory, copied host->device non-blocking and scattered in one
                     launch on the loader's own stream, which it then waits for; the engine keeps
                     stepping other requests on its stream meanwhile.
 
@@ -85,10 +84,7 @@ class ChunkIO:
         """Loader thread: objs are per-layer [C, n, Hkv, D] CPU tensors for tokens at ``slots``; on CUDA the
         copy waits for ``after`` (a ``fence()`` taken when the blocks were handed to this load)."""
         if not self.cuda:
-            for layer, obj in enumerate(objs):
-                transfer.scatter_kv({str(c): self.buffer[layer, c] for c in range(self.buffer.shape[1])},
-                                    slots, obj)
-            return
+            return self._ops.scatter_chunk(self.buffer, slots, torch.stack(objs))
         host = torch.empty((len(objs), *objs[0].shape), dtype=self.buffer.dtype, pin_memory=True)
         torch.stack([o.to(self.buffer.dtype) for o in objs], out=host)
         side = self._scatter_stream
