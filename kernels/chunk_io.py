@@ -9,7 +9,8 @@ Used by the prefill publisher (``gather``) and the decode loader (``scatter``); 
                     next step), then one non-blocking copy to pinned host memory. ``Gathered.wait()``
                     (the publisher thread) blocks until the copy landed and returns the per-layer
                     objects [C, n, Hkv, D]; the engine thread never waits for the copy.
-    scatter(objs, slots)   CPU: one index_copy.  CUDA (loader thread): the layer objects are packed into pinned memory, copied host->device non-blocking and scattered in one
+    scatter(objs, slots)   CPU: one index_copy.  CUDA (loader thread): the layer objects are packed
+                    into pinned memory, copied host->device non-blocking and scattered in one
                     launch on the loader's own stream, which it then waits for; the engine keeps
                     stepping other requests on its stream meanwhile.
 
