@@ -17,6 +17,7 @@ prefill node's seeded generator made, which the decode node's generator skips be
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import msgspec
@@ -60,10 +61,18 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return msgspec.to_builtins(self)
 
     def check_first_token(self, vocab_size: int) -> None:
-        """A first token the model cannot have would fail the whole step it is batched in: refuse it here."""
-        if self.first_token_id is not None and not 0 <= self.first_token_id < vocab_size:
-            raise TransferMismatchError(f"kv_transfer_params.first_token_id {self.first_token_id} is outside the "
-                                        f"vocabulary [0, {vocab_size})")
+        """The prefill node's first token, as the decode node will emit it: a token the model cannot have would
+        fail the whole step it is batched in, an id or logprob that cannot be written out would fail its reply."""
+        ids = ([] if self.first_token_id is None else [("first_token_id", self.first_token_id)]) + \
+            [("first_token_top_logprobs id", i) for i, _ in self.first_token_top_logprobs or ()]
+        for name, i in ids:
+            if not 0 <= i < vocab_size:
+                raise TransferMismatchError(f"kv_transfer_params.{name} {i} is outside the vocabulary "
+                                            f"[0, {vocab_size})")
+        lps = ([] if self.first_token_logprob is None else [self.first_token_logprob]) + \
+            [lp for _, lp in self.first_token_top_logprobs or ()]
+        if any(math.isnan(lp) or lp > 0 for lp in lps):
+            raise TransferMismatchError(f"kv_transfer_params logprobs must be <= 0 (a log-probability), got {lps}")
 
     def check_compatible(self, *, fingerprint: str, block_size: int, chunk_tokens: int, kv_layout: str) -> None:
         """Raise naming both values when the prefill node's KV cannot be read here."""

@@ -95,6 +95,11 @@ NODE_ONLY_REFUSED = [        # the proxy answers these itself, so they are probe
         "do_remote_prefill": True, "first_token_id": 5, "sampler_draws": 2**20}}, 400, ["sampler_draws"]),
     ("first_token_id past the vocabulary", CMPL, {**BASE, "prompt_token_ids": [5, 6, 7], "kv_transfer_params": {
         "do_remote_prefill": True, "first_token_id": 10**6}}, 400, ["first_token_id 1000000", "vocabulary"]),
+    ("first_token_top_logprobs id negative", CMPL, {**BASE, "prompt_token_ids": [5, 6, 7], "logprobs": 1,
+        "kv_transfer_params": {"first_token_id": 5, "first_token_top_logprobs": [[-5, -1.0]]}}, 400,
+     ["first_token_top_logprobs id -5", "vocabulary"]),
+    ("first_token_logprob positive", CMPL, {**BASE, "prompt_token_ids": [5, 6, 7], "logprobs": 1,
+        "kv_transfer_params": {"first_token_id": 5, "first_token_logprob": 3.0}}, 400, ["logprobs must be <= 0"]),
     ("first_token_id negative", CMPL, {**BASE, "prompt_token_ids": [5, 6, 7], "kv_transfer_params": {
         "first_token_id": -1}}, 400, ["first_token_id -1", "vocabulary"]),
 ]
