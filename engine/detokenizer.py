@@ -15,6 +15,10 @@ lose its space (" Paris" -> "Paris") and a stop string starting with a space cou
 
 Stop strings follow vLLM: searched only once more than ``min_tokens`` tokens were produced, and
 only where they end in new text; the text of the first ``min_tokens`` tokens never completes one.
+
+``RequestText`` adds the finish rules on top, one token at a time; it is the one detokenization code of
+both node kinds: ``OutputAssembler`` runs it in the in-process engine, ``core.output_processor`` in the
+API process of ``--engine-core-process`` (the core then sends token ids only).
 """
 
 from __future__ import annotations
@@ -98,6 +102,31 @@ class IncrementalDetokenizer:
         end = index + len(stop_str) if self.include_stop_str_in_output else index
         self.text = self.text[:end]
         self.stopped_by = stop_str
+
+
+class RequestText:
+    """One request's text, token by token, with vLLM's finish rules:
+
+    - the text of an eos / stop token id is left out unless ``include_stop_str_in_output``;
+    - a stop string ends the request with "stop" and itself as ``stop_reason``, even on the token that
+      reached the length limit; one completed only by the final flush of an eos / stop-id-ended
+      request cuts the text there, but that request stays stopped by its token.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params):
+        self.detok = IncrementalDetokenizer.for_request(tokenizer, prompt_token_ids, params)
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+
+    def add_token(self, token_id: int, finish_reason: str | None) -> tuple[str, str | None]:
+        """``finish_reason``: how the engine ended the request on this token ("stop" for eos or a stop
+        token id, "length", "abort"), None while it goes on. -> (the token's text, the stop string that
+        ends the request here or None)."""
+        d = self.detok
+        stop_token = finish_reason == "stop" and not self.include_stop_str_in_output
+        text = "" if stop_token else d.add_tokens([token_id])
+        if finish_reason is not None or d.stopped_by is not None:
+            text += d.flush()                                   # may complete a stop string too
+        return text, d.stopped_by if finish_reason != "stop" else None
 
 
 def _first_stop(text: str, stops: tuple[str, ...], new_from: int) -> tuple[int, str] | None:

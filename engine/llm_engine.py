@@ -6,6 +6,7 @@ Used by ``LLM`` (offline) and by ``AsyncEngine`` (the HTTP node, from its engine
     while engine.has_unfinished():
         for delta in engine.step(): ...   # schedule -> run model + sample -> publish KV -> update -> text
     engine.abort_request(id)              # at any point; frees the request's blocks
+    engine.stop_request(id, stop_string)  # detokenize=False: the caller found a stop string (frees blocks too)
 
 With a KV store attached (``--role prefill|decode``, or ``both`` with ``--kv-store``) the
 ``StoreConnector`` loads prompt KV before prefill and publishes it after; a finished request that
@@ -41,8 +42,10 @@ class PromptTooLongError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, store=None):
-        """``store``: a ``KVStore`` to use instead of building one from ``config.kv_transfer``."""
+    def __init__(self, config: EngineConfig, store=None, detokenize: bool = True):
+        """``store``: a ``KVStore`` to use instead of building one from ``config.kv_transfer``.
+        ``detokenize`` False: outputs carry token ids only and stop strings are the caller's (the
+        engine-core process: its API process detokenizes and calls ``stop_request``)."""
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.config = config
@@ -59,8 +62,8 @@ class LLMEngine:
             weakref.finalize(self, _release, self.connector, self.store if self._owns_store else None)
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_batched_tokens,
                                    config.scheduler.max_num_seqs, self.runtime.max_model_len, self.connector)
-        self.outputs = OutputAssembler(self.tokenizer, self.scheduler, self.runner, self.connector,
-                                       config.kv_transfer.role)
+        self.outputs = OutputAssembler(self.tokenizer if detokenize else None, self.scheduler, self.runner,
+                                       self.connector, config.kv_transfer.role)
         logger.info("engine ready: model=%s role=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV) "
                     "max_model_len=%d store=%s", config.model_name, config.kv_transfer.role, self.layout.dtype,
                     self.runtime.num_blocks, block_size, self.runtime.num_blocks * self.runtime.bytes_per_block
@@ -141,6 +144,10 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         if self.outputs.forget(request_id):
             self.scheduler.abort_request(request_id)
+
+    def stop_request(self, request_id: str, stop_string: str) -> None:
+        """A stop string found by the caller ends the request as if found here (``OutputAssembler.stop``)."""
+        self.outputs.stop(request_id, stop_string)
 
     def has_unfinished(self) -> bool:
         return self.outputs.has_live() or self.scheduler.has_unfinished()

@@ -1,8 +1,8 @@
 """Turn scheduler/sampler results into per-request ``RequestOutput`` deltas.
 
 Called by ``LLMEngine`` on the engine thread: ``track`` when a request arrives, ``collect`` after
-every step, ``forget`` on abort. It owns each request's detokenizer (text deltas, stop strings)
-and the final-output rules:
+every step, ``forget`` on abort, ``stop`` when the API process found a stop string. It owns each
+request's text (``detokenizer.RequestText``: text deltas, stop strings) and the final-output rules:
 
     finished request ─┬─ no store, or a decode node ───────────────> final output now
                       └─ publishing its prompt KV (prefill / both) ─> held until the store
@@ -12,9 +12,9 @@ that asked for remote decode, the ``kv_transfer_params`` the decode node needs: 
 first token's logprobs and the seeded generator's draws, so that the decode node answers exactly
 what a colocated node would.
 
-Finish rules (vLLM's): a stop string wins over the length limit reached by the same token
-(``finish_reason`` "stop"); the text of an eos / stop token id is left out unless
-``include_stop_str_in_output``.
+Finish rules: ``RequestText``'s (vLLM's). Without a tokenizer (the engine-core process of
+``--engine-core-process``) outputs carry token ids only: the API process detokenizes, finds stop
+strings and calls ``stop`` (a ``StopRequests`` message) for a request they end.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.detokenizer import RequestText
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SampleResult, generator_draws
@@ -33,13 +33,14 @@ logger = logging.getLogger("pdserve.kv")
 @dataclass
 class _Live:
     req: Request
-    detok: IncrementalDetokenizer
+    text: RequestText | None         # None: token ids only (the API process detokenizes)
     transfer: object | None          # KVTransferParams the request came with
     first: SampleResult | None = None   # the first output token's sample (its logprobs go to the decode node)
 
 
 class OutputAssembler:
     def __init__(self, tokenizer, scheduler, runner, connector, role: str):
+        """``tokenizer`` None: no text, no stop strings (``--engine-core-process``'s core)."""
         self.tokenizer, self.scheduler, self.runner = tokenizer, scheduler, runner
         self.connector, self.role = connector, role
         self._live: dict[str, _Live] = {}
@@ -49,8 +50,9 @@ class OutputAssembler:
                        "recomputed_tokens": 0}
 
     def track(self, req: Request, transfer) -> None:
-        detok = IncrementalDetokenizer.for_request(self.tokenizer, req.prompt_token_ids, req.sampling_params)
-        self._live[req.request_id] = _Live(req, detok, transfer)
+        text = None if self.tokenizer is None else \
+            RequestText(self.tokenizer, req.prompt_token_ids, req.sampling_params)
+        self._live[req.request_id] = _Live(req, text, transfer)
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self._live or request_id in self._held
@@ -66,6 +68,19 @@ class OutputAssembler:
         if self.connector is not None:
             self.connector.forget(request_id)
         return live is not None
+
+    def stop(self, request_id: str, stop_string: str) -> None:
+        """The API process found ``stop_string`` in a request this core still runs: finish it as stopped
+        (blocks freed), its final output (no tokens) carrying what a stop found here would: the KV
+        accounting, and after the publish the ``kv_transfer_params``. A request that already finished
+        here is left alone: its final output is on its way."""
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        self._stop_on_string(live.req, stop_string)
+        out = self._finish(live, self._output(live.req, [], "", None, live.transfer))
+        if out is not None:
+            self._ready.append(out)
 
     def first_token_from_prefill(self, req: Request, stop_status) -> bool:
         """A decode request starts with the prefill node's token: emit it now (with the prefill node's
@@ -116,27 +131,22 @@ class OutputAssembler:
 
     def _emit_token(self, request_id: str, token_id: int, result) -> RequestOutput | None:
         live = self._live[request_id]
-        req, detok = live.req, live.detok
+        req = live.req
         if live.first is None:
             live.first = result
-        stop_token = req.status == RequestStatus.FINISHED_STOPPED and \
-            not req.sampling_params.include_stop_str_in_output          # eos / stop id: no text (vLLM)
-        text = "" if stop_token else detok.add_tokens([token_id])
-        self._stop_on_string(req, detok)
-        if req.status.is_finished:
-            text += detok.flush()                                       # may complete a stop string too
-            self._stop_on_string(req, detok)
+        text, stop = ("", None) if live.text is None else live.text.add_token(token_id, req.finish_reason)
+        if stop is not None:
+            self._stop_on_string(req, stop)
         logprobs = [result] if result is not None and req.sampling_params.logprobs is not None else None
         out = self._output(req, [token_id], text, logprobs, live.transfer)
         return self._finish(live, out) if req.status.is_finished else out
 
-    def _stop_on_string(self, req: Request, detok: IncrementalDetokenizer) -> None:
+    def _stop_on_string(self, req: Request, stop_string: str) -> None:
         """A stop string ends the request with "stop", even one that reached max_tokens on this token."""
-        if detok.stopped_by is not None and req.status != RequestStatus.FINISHED_STOPPED:
-            if not req.status.is_finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = detok.stopped_by
+        if not req.status.is_finished:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        req.status = RequestStatus.FINISHED_STOPPED
+        req.stop_reason = stop_string
 
     def _finished_without_token(self, rejected) -> list[RequestOutput]:
         done = [self._live[r.request_id] for r in rejected if r.request_id in self._live]
@@ -191,11 +201,13 @@ class OutputAssembler:
 
     def _output(self, req: Request, tokens: list[int], text: str, logprobs, transfer) -> RequestOutput:
         error = req.stop_reason if req.status == RequestStatus.FINISHED_ABORTED else None
+        stop = req.stop_reason if req.status == RequestStatus.FINISHED_STOPPED else None
         cached = _cached_tokens(req, transfer)
         return RequestOutput(request_id=req.request_id, new_token_ids=tokens, new_text=text,
                              finished=req.status.is_finished, finish_reason=req.finish_reason,
                              num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=cached,
-                             logprobs=logprobs, error=error if isinstance(error, str) else None)
+                             logprobs=logprobs, error=error if isinstance(error, str) else None,
+                             stop_reason=stop)
 
 
 def _tops(tops, k: int | None) -> list[tuple[int, float]] | None:

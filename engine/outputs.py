@@ -18,6 +18,7 @@ class RequestOutput:
     error: str | None = None           # set when the engine failed the request
     kv_transfer_params: dict | None = None   # prefill role: what the decode node needs (final output)
     kv_accounting: dict | None = None        # with a KV store: total/local_hit/store_hit/... (final output)
+    stop_reason: int | str | None = None     # finish_reason "stop": the stop string or stop token id (None: eos)
 
 
 @dataclass

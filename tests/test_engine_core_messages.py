@@ -1,8 +1,10 @@
-"""The engine-core link's messages (``pdserve.engine.core.messages``) survive a round trip, field by field."""
+"""The engine-core link's messages (``pdserve.engine.core.messages``) survive a round trip, field by field
+(text aside: the core sends token ids, the API process detokenizes)."""
 
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 
@@ -25,7 +27,7 @@ def test_client_messages_round_trip():
     transfer = KVTransferParams(do_remote_prefill=True, chunk_keys=["a"], chunk_digests=["0f"], first_token_id=5,
                                 first_token_top_logprobs=[(5, -0.5)], sampler_draws=1, accounting={"total_tokens": 9})
     for msg in (m.AddRequest("r1", 1, [1, 2, 3], params, transfer), m.AddRequest("r2", 2, [4], SamplingParams()),
-                m.AbortRequests(["r1", "r2"]), m.Shutdown("bye")):
+                m.AbortRequests(["r1", "r2"]), m.StopRequests(["r1"], ["\n\n"]), m.Shutdown("bye")):
         assert m.decode_client_message(m.encode(msg)) == msg
 
 
@@ -33,11 +35,14 @@ def test_core_messages_round_trip():
     out = RequestOutput("r1", [5, 6], "ab", True, "stop", 3, 1,
                         logprobs=[SampleResult(5, -0.25, [(5, -0.25), (9, -1.5)]), SampleResult(6, -0.125, None)],
                         kv_transfer_params=KVTransferParams(do_remote_prefill=True, num_tokens=4).to_json_obj(),
-                        kv_accounting={"total_tokens": 3})
+                        kv_accounting={"total_tokens": 3}, stop_reason=6)
     batch = m.CoreOutputs([m.output_to_wire(out, 7)],
                           [m.Rejected("r2", 8, "PromptTooLongError", "prompt is empty", True)], STATS)
     back = m.decode_core_message(m.encode(batch))
-    assert back == batch and m.output_from_wire(back.outputs[0]) == out and back.outputs[0].seq == 7
+    assert back == batch and m.output_from_wire(back.outputs[0]) == replace(out, new_text="")
+    assert back.outputs[0].seq == 7 and back.outputs[0].stop_reason == 6
+    stopped = m.output_to_wire(replace(out, stop_reason="ab"), 1)
+    assert m.decode_core_message(m.encode(m.CoreOutputs([stopped]))).outputs[0].stop_reason == "ab"
     ready = m.Ready(12, 2048, 40, STATS, m.StoreInfo("f", 16, 256, "mha"))
     assert m.decode_core_message(m.encode(ready)) == ready
     assert m.decode_core_message(m.encode(m.Fatal("rank 1 died"))) == m.Fatal("rank 1 died")

@@ -11,6 +11,7 @@ transformers, for concurrent requests, and a stream abandoned mid-way frees its 
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -119,6 +120,30 @@ def test_abandoned_stream_frees_its_blocks_in_the_core(served):
         again = {**body, "max_tokens": 8, "stream": False}
         assert client.post(url + CMPL, json=again).json()["choices"][0]["text"] == \
             client.post(served.reference.url + CMPL, json=again).json()["choices"][0]["text"]
+
+
+def test_a_stop_string_frees_its_blocks_in_the_core(served):
+    """The API process finds the stop string (early in a request of 1500 tokens), answers like in-process and
+    stops the request in the core: its blocks are freed long before its max_tokens could be reached."""
+    url = served.core.url
+    with httpx.Client(timeout=60) as client:
+        total = _metric(client, url, "pdserve_kv_cache_num_blocks")
+        probe = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        text = client.post(served.reference.url + CMPL, json=probe).json()["choices"][0]["text"]
+        body = {**probe, "max_tokens": 1500, "stop": [text[-3:]], "stream": True,
+                "stream_options": {"include_usage": True}}
+        answers = [_ask_sync(client, target + CMPL, body) for target in (served.reference.url, url)]
+        assert not differences(by_choice(answers[1]), by_choice(answers[0]))
+        assert answers[1][-2]["choices"][0]["finish_reason"] == "stop"
+        assert answers[1][-1]["usage"]["completion_tokens"] <= 6
+        wait_until(lambda: _metric(client, url, "pdserve_num_requests_running") == 0
+                   and _metric(client, url, "pdserve_kv_cache_free_blocks") == total, 30, "the stopped request freed")
+
+
+def _ask_sync(client: httpx.Client, url: str, body: dict) -> list[dict]:
+    with client.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
 
 def _metric(client: httpx.Client, url: str, name: str) -> float:

@@ -4,7 +4,7 @@
     client.check_prompt(n, max_tokens); client.check_transfer(params)   # answered here, no round trip
     client.add_request(id, ids, params, transfer)             # sent at once (any thread)
     client.abort_request(id)
-    deliver(id, RequestOutput | exception, final)             # from the receiver thread, per output
+    deliver(id, RequestOutput | exception, final)             # from the receiver thread, per output (with text)
     die(message)                                              # once: the core sent Fatal or exited
     client.stats()                                            # the core's last report (/metrics)
     client.shutdown()                                         # Shutdown, wait, kill what did not exit
@@ -17,6 +17,8 @@ it like an exit. The core's pid is ``client.pid``.
 
 Each add gets its own ``seq`` (``messages``); an output is delivered only while its request id still maps
 to that seq, so the last outputs of an aborted request never reach a new request that reuses its id.
+The core sends token ids; the receiver thread turns them into text (``OutputProcessor``) and sends
+``StopRequests`` for the requests a stop string ended.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import zmq
 
 from pdserve.engine.async_engine import EngineDeadError, EngineStats
 from pdserve.engine.core import messages as m
+from pdserve.engine.core.output_processor import OutputProcessor
 from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
 from pdserve.engine.llm_engine import check_prompt_fits
 from pdserve.engine.model_config import ModelConfig
@@ -56,8 +59,7 @@ class EngineCoreClient:
         self._deliver, self._die = deliver, die
         self._fatal: str | None = None
         self._stopping = self._closed = False
-        self._lock = threading.Lock()                          # the send socket, _closed and _seqs
-        self._seqs: dict[str, int] = {}                        # request id -> the seq of its live add
+        self._lock = threading.Lock()                          # the send socket, _closed and _outputs
         self._next_seq = itertools.count(1)
         self._ctx = zmq.Context()
         tag = f"pdserve-core-{os.getpid()}-{uuid.uuid4().hex}"
@@ -73,6 +75,7 @@ class EngineCoreClient:
             raise
         self.pid, self.max_model_len, self._store, self._stats = ready.pid, ready.max_model_len, ready.store, \
             ready.stats
+        self._outputs = OutputProcessor(self.tokenizer, wait_for_core=ready.store is not None)
         logger.info("engine core ready in process %d (%d KV blocks)", ready.pid, ready.num_blocks)
         self._receiver = threading.Thread(target=self._receive_loop, name="pdserve-core-receiver", daemon=True)
         self._receiver.start()
@@ -96,12 +99,13 @@ class EngineCoreClient:
             raise EngineDeadError(self._fatal)
         transfer = KVTransferParams.from_json_obj(kv_transfer_params) if kv_transfer_params else None
         with self._lock:
-            seq = self._seqs[request_id] = next(self._next_seq)
+            seq = next(self._next_seq)
+            self._outputs.add(request_id, seq, prompt_token_ids, params)
             self._send_locked(m.AddRequest(request_id, seq, list(prompt_token_ids), params, transfer))
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
-            self._seqs.pop(request_id, None)                   # what the core still sends for it is dropped
+            self._outputs.remove(request_id)                   # what the core still sends for it is dropped
             self._send_locked(m.AbortRequests([request_id]))
 
     def stats(self) -> EngineStats:
@@ -149,22 +153,27 @@ class EngineCoreClient:
             return self._fail(msg.message)
         if not isinstance(msg, m.CoreOutputs):
             return logger.warning("ignoring an unexpected %s from the engine core", type(msg).__name__)
-        for r in msg.rejected:
-            self._deliver_current(r.request_id, r.seq, _rejection(r), True)
-        for wire in msg.outputs:
-            self._deliver_current(wire.request_id, wire.seq, m.output_from_wire(wire), wire.finished)
+        with self._lock:                  # an abort (or a new add of the same id) cannot slip in between
+            self._deliver_outputs(msg)
         if msg.stats is not None:
             self._stats = msg.stats
 
-    def _deliver_current(self, request_id: str, seq: int, item, final: bool) -> None:
-        """Deliver ``item`` if ``seq`` is still the live add of ``request_id``. Under the lock: an abort (or
-        a new add of the same id) cannot slip between the check and the delivery."""
-        with self._lock:
-            if self._seqs.get(request_id) != seq:
-                return logger.debug("dropping an output of %s #%d: aborted or replaced", request_id, seq)
-            if final:
-                del self._seqs[request_id]
-            self._deliver(request_id, item, final)
+    def _deliver_outputs(self, msg: m.CoreOutputs) -> None:
+        """Deliver what is for a live add (text added), ask the core to stop what a stop string ended."""
+        for r in msg.rejected:
+            if self._outputs.is_current(r.request_id, r.seq):
+                self._outputs.remove(r.request_id)
+                self._deliver(r.request_id, _rejection(r), True)
+        stops = []
+        for wire in msg.outputs:
+            out, stop = self._outputs.process(wire)
+            if stop is not None:
+                stops.append((wire.request_id, stop))
+            if out is not None:
+                self._deliver(out.request_id, out, out.finished)
+        if stops:
+            ids, strings = zip(*stops)
+            self._send_locked(m.StopRequests(list(ids), list(strings)))
 
     def _kill_hung(self, silent_s: float, timeout: float) -> None:
         """No message for longer than ``timeout``: the process is stopped or wedged. Kill it, report it."""

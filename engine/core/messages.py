@@ -2,10 +2,11 @@
 
     API ──stdin──> core            StartCore (4-byte big-endian length + msgpack), once; stdin then stays open
                                    as the core's lifeline (EOF: the API process is gone)
-    API ──zmq PUSH──> core PULL    AddRequest | AbortRequests | Shutdown, sent as they come; the core applies
-                                   all that arrived as one batch before each step
+    API ──zmq PUSH──> core PULL    AddRequest | AbortRequests | StopRequests | Shutdown, sent as they come; the
+                                   core applies all that arrived as one batch before each step
     core ──zmq PUSH──> API PULL    Ready once, then one CoreOutputs per step (deltas of every request that
-                                   moved, requests refused at add, stats at most every STATS_INTERVAL_S),
+                                   moved: token ids, no text; requests refused at add, stats at most every
+                                   STATS_INTERVAL_S),
                                    a Heartbeat every HEARTBEAT_S from a thread of its own (also while a long
                                    step runs), and Fatal before the core exits on an unrecoverable error
 
@@ -13,6 +14,11 @@ Each AddRequest carries ``seq``, unique per add in the API process; the core ech
 CoreOutput and Rejected of that request. A request id reused right after its abort is then told apart
 from the aborted incarnation, whose last outputs may still be on their way: the client drops them.
 The engine itself still keys requests by ``request_id`` (it refuses an id that is still live).
+
+Text is the API process's (``output_processor``): it detokenizes the token ids and finds stop strings;
+one that ends a request the core still runs becomes a ``StopRequests``: the core finishes the request as
+stopped (its blocks freed) and sends its final output, tokens-free, with the KV accounting / transfer
+params a stop found in the core would have carried.
 
 The core binds both ipc sockets (abstract namespace, no file) and the API process connects: a connecting
 PUSH queues what it sends before the core is up and never blocks on a dead peer.
@@ -31,7 +37,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 
-VERSION = 2
+VERSION = 3
 STATS_INTERVAL_S = 0.1            # stats ride along with outputs at most this often (and whenever idle)
 HEARTBEAT_S = 0.5                 # the core says it is alive this often, whatever its loop is doing
 _LENGTH = struct.Struct(">I")
@@ -55,6 +61,13 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True):
     request_ids: list[str]
+    version: int = VERSION
+
+
+class StopRequests(msgspec.Struct, frozen=True, tag=True):
+    """The API process found a stop string in each request: ``stop_strings[i]`` ends ``request_ids[i]``."""
+    request_ids: list[str]
+    stop_strings: list[str]
     version: int = VERSION
 
 
@@ -87,11 +100,10 @@ class Sample(msgspec.Struct, frozen=True, array_like=True):
 
 
 class CoreOutput(msgspec.Struct, frozen=True, array_like=True):
-    """``RequestOutput`` on the wire, with its add's ``seq``."""
+    """``RequestOutput`` on the wire, with its add's ``seq``; no text (the API process detokenizes)."""
     request_id: str
     seq: int
     new_token_ids: list[int]
-    new_text: str
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
@@ -100,6 +112,7 @@ class CoreOutput(msgspec.Struct, frozen=True, array_like=True):
     error: str | None = None
     kv_transfer_params: KVTransferParams | None = None
     kv_accounting: dict[str, int] | None = None
+    stop_reason: int | str | None = None
 
 
 class Rejected(msgspec.Struct, frozen=True, array_like=True):
@@ -129,7 +142,7 @@ class Fatal(msgspec.Struct, frozen=True, tag=True):
     version: int = VERSION
 
 
-ClientMessage = AddRequest | AbortRequests | Shutdown
+ClientMessage = AddRequest | AbortRequests | StopRequests | Shutdown
 CoreMessage = Ready | CoreOutputs | Heartbeat | Fatal
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
@@ -165,16 +178,18 @@ def read_start(stream) -> StartCore:
 def output_to_wire(out: RequestOutput, seq: int) -> CoreOutput:
     logprobs = None if out.logprobs is None else [Sample(s.token_id, s.logprob, s.top_logprobs) for s in out.logprobs]
     transfer = None if out.kv_transfer_params is None else KVTransferParams.from_json_obj(out.kv_transfer_params)
-    return CoreOutput(out.request_id, seq, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
-                      out.num_prompt_tokens, out.num_cached_tokens, logprobs, out.error, transfer, out.kv_accounting)
+    return CoreOutput(out.request_id, seq, out.new_token_ids, out.finished, out.finish_reason,
+                      out.num_prompt_tokens, out.num_cached_tokens, logprobs, out.error, transfer, out.kv_accounting,
+                      out.stop_reason)
 
 
 def output_from_wire(o: CoreOutput) -> RequestOutput:
+    """The ``RequestOutput`` of ``o``, text empty (``output_processor`` fills it in)."""
     logprobs = None if o.logprobs is None else [SampleResult(s.token_id, s.logprob, s.top_logprobs)
                                                  for s in o.logprobs]
     transfer = None if o.kv_transfer_params is None else o.kv_transfer_params.to_json_obj()
-    return RequestOutput(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason, o.num_prompt_tokens,
-                         o.num_cached_tokens, logprobs, o.error, transfer, o.kv_accounting)
+    return RequestOutput(o.request_id, o.new_token_ids, "", o.finished, o.finish_reason, o.num_prompt_tokens,
+                         o.num_cached_tokens, logprobs, o.error, transfer, o.kv_accounting, o.stop_reason)
 
 
 def _check(message):

@@ -5,7 +5,8 @@
 One turn of the loop:
 
     1. receive   every AddRequest / AbortRequests / Shutdown that arrived (block up to IDLE_POLL_S when idle)
-    2. apply     add_request (a refusal becomes a ``Rejected``), abort_request
+    2. apply     add_request (a refusal becomes a ``Rejected``), abort_request, stop_request (a stop string
+                 the API process found: the final output follows in this turn's CoreOutputs)
     3. check     a dead or stalled tp x pp rank: send Fatal, exit 1
     4. step      LLMEngine.step() when anything is unfinished; an exception escaping it: Fatal, exit 1
     5. send      one CoreOutputs: the step's deltas (each with its add's ``seq``), the refusals, stats when due
@@ -135,6 +136,10 @@ class CoreLoop:
                     self.engine.abort_request(request_id)
                     self._seqs.pop(request_id, None)
                 continue
+            if isinstance(msg, m.StopRequests):
+                for request_id, stop_string in zip(msg.request_ids, msg.stop_strings):
+                    self.engine.stop_request(request_id, stop_string)
+                continue
             transfer = None if msg.kv_transfer_params is None else msg.kv_transfer_params.to_json_obj()
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, transfer)
@@ -180,7 +185,7 @@ def serve(start: m.StartCore) -> int:
     outbox = Outbox(push)
     engine = loop = heartbeat = None
     try:
-        engine = LLMEngine(start.config)
+        engine = LLMEngine(start.config, detokenize=False)       # the API process detokenizes
         gc.freeze()                          # start-up objects (65k KV blocks...): never scanned again
         loop = CoreLoop(engine, inbox, outbox)
         outbox.send(m.Ready(os.getpid(), engine.max_model_len, engine.runtime.num_blocks, loop.stats(),
