@@ -6,10 +6,19 @@ Called once per attention layer per step by the model (through ``pdserve.kernels
     2. each prefill/extend sequence: its context gathered a whole block at a time, causal attention
        (a first chunk with no cached context attends to the new K/V directly: no gather, no mask)
     3. the decode rows: sorted by context length in groups of 8, each group gathers only the blocks
-       its longest member needs, one query per sequence
+       its longest member needs; one SDPA per group with GQA folded into the query rows (each
+       sequence's query heads viewed [Hkv, H/Hkv], so the K/V heads are never expanded)
 
 The per-step plan (which rows are decodes, the groups, each prefill's table) is derived from the
 metadata's host mirrors once, at the first layer, and reused by the others (``meta.derived``).
+Every gather of the step (all layers, all groups) copies into one workspace the plan owns, sized
+for the largest: a fresh 2 MB buffer per gather cost its page faults, half the gather's time.
+
+``bench/cpu_attention.py`` times the alternatives (issue 14; 1 thread, 32-256 decodes of ~550 tokens):
+groups of 8 with the workspace and folded GQA run 1.07-1.35x the old path; groups of 4 or 16 are
+about even, one group for the whole step 1.5-5x slower (its gather leaves the cache); matmul +
+softmax by hand is slower than SDPA; compiled flex attention on the paged cache (no gather) is not
+faster at batch 256 or with 9 heads and costs a 3-23 s compile, so it is not used.
 """
 
 from __future__ import annotations
@@ -45,15 +54,16 @@ def paged_attention(q, k, v, cache: dict, meta: AttentionMetadata, scale: float,
     plan = meta.derived.get("torch")
     if plan is None:
         plan = meta.derived["torch"] = _plan(meta, q.device)
+    ws = plan.workspace(cache)
     out = torch.empty_like(q)
     for p in plan.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         if p.seq_len == p.q_len and sliding_window is None:   # no cached context: plain causal
             out[rows] = _causal(q[rows], k[rows], v[rows], scale)
         else:
-            out[rows] = _prefill(q[rows], cache, p, scale, sliding_window)
+            out[rows] = _prefill(q[rows], cache, ws, p, scale, sliding_window)
     for g in plan.decode_groups:
-        out[g.rows] = _decode_blocks(q[g.rows], cache, g, scale, sliding_window)
+        out[g.rows] = _decode_blocks(q[g.rows], cache, ws, g, scale, sliding_window)
     return out
 
 
@@ -70,13 +80,22 @@ class _DecodeGroup:
     rows: torch.Tensor           # [b] long: flat rows (one query each)
     table: torch.Tensor          # [b, nb] long: blocks up to the group's longest context
     lens: torch.Tensor           # [b] long
-    width: int                   # nb * block_size
 
 
 @dataclass
 class _Plan:
     prefills: list[_Prefill]
     decode_groups: list[_DecodeGroup]
+    gather_blocks: int           # the most blocks one gather takes (a prefill's or a group's table)
+    _workspace: dict | None = None
+
+    def workspace(self, cache: dict) -> dict:
+        """{"k", "v"}: [gather_blocks, block_size, Hkv, D] each, allocated at the first layer, reused
+        by the others (again if a cache of another shape or dtype comes: none does in one model)."""
+        ws, k = self._workspace, cache["k"]
+        if ws is None or ws["k"].shape[1:] != k.shape[1:] or ws["k"].dtype != k.dtype or ws["k"].device != k.device:
+            ws = self._workspace = {c: cache[c].new_empty(self.gather_blocks, *cache[c].shape[1:]) for c in ("k", "v")}
+        return ws
 
 
 def _plan(meta: AttentionMetadata, device) -> _Plan:
@@ -98,9 +117,9 @@ def _plan(meta: AttentionMetadata, device) -> _Plan:
         idx = torch.tensor(members, dtype=torch.long, device=device)
         groups.append(_DecodeGroup(rows=torch.tensor([qsl[b] for b in members], dtype=torch.long, device=device),
                                    table=table[idx, :nb],
-                                   lens=torch.tensor([lens[b] for b in members], dtype=torch.long, device=device),
-                                   width=nb * bs))
-    return _Plan(prefills, groups)
+                                   lens=torch.tensor([lens[b] for b in members], dtype=torch.long, device=device)))
+    gather_blocks = max([p.table.numel() for p in prefills] + [g.table.numel() for g in groups], default=0)
+    return _Plan(prefills, groups, gather_blocks)
 
 
 def _causal(q, k, v, scale) -> torch.Tensor:
@@ -116,16 +135,17 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """cache [N, bs, Hkv, D], table [...] -> [..., bs * len, Hkv, D] (whole blocks, in table order)."""
-    blocks = cache.index_select(0, table.reshape(-1))
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
+    """cache [N, bs, Hkv, D], table [...] -> [..., bs * len, Hkv, D] (whole blocks, in table order),
+    a view of ``workspace`` [>= table.numel(), bs, Hkv, D]: valid until the next gather into it."""
+    blocks = torch.index_select(cache, 0, table.reshape(-1), out=workspace[: table.numel()])
     return blocks.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
-def _prefill(q, cache, p: _Prefill, scale, window) -> torch.Tensor:
+def _prefill(q, cache, ws, p: _Prefill, scale, window) -> torch.Tensor:
     # q: [Q, H, D]; context K/V: [C, Hkv, D] with C >= Q; query i sits at position C - Q + i
-    keys = _gather_blocks(cache["k"], p.table)[: p.seq_len]
-    values = _gather_blocks(cache["v"], p.table)[: p.seq_len]
+    keys = _gather_blocks(cache["k"], p.table, ws["k"])[: p.seq_len]
+    values = _gather_blocks(cache["v"], p.table, ws["v"])[: p.seq_len]
     q_pos = torch.arange(p.seq_len - p.q_len, p.seq_len, device=q.device).unsqueeze(1)   # [Q, 1]
     k_pos = torch.arange(p.seq_len, device=q.device).unsqueeze(0)                        # [1, C]
     mask = k_pos <= q_pos
@@ -137,14 +157,16 @@ def _prefill(q, cache, p: _Prefill, scale, window) -> torch.Tensor:
     return o[0].transpose(0, 1)                                               # [Q, H, D]
 
 
-def _decode_blocks(q, cache, g: _DecodeGroup, scale, window) -> torch.Tensor:
+def _decode_blocks(q, cache, ws, g: _DecodeGroup, scale, window) -> torch.Tensor:
     """q: [b, H, D] -> [b, H, D]; one query per sequence over its gathered blocks."""
-    keys, values = _gather_blocks(cache["k"], g.table), _gather_blocks(cache["v"], g.table)   # [b, W, Hkv, D]
-    k_pos = torch.arange(g.width, device=q.device).unsqueeze(0)                                # [1, W]
+    keys = _gather_blocks(cache["k"], g.table, ws["k"])                                       # [b, W, Hkv, D]
+    values = _gather_blocks(cache["v"], g.table, ws["v"])
+    b, W, Hkv, D = keys.shape
+    k_pos = torch.arange(W, device=q.device).unsqueeze(0)                                      # [1, W]
     mask = k_pos < g.lens.unsqueeze(1)
     if window is not None:
         mask &= k_pos > (g.lens - 1 - window).unsqueeze(1)
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=mask.view(-1, 1, 1, g.width), scale=scale, enable_gqa=True)   # [b, H, 1, D]
-    return o.squeeze(2)
+    o = F.scaled_dot_product_attention(                       # query head h reads KV head h // (H / Hkv)
+        q.view(b, Hkv, -1, D), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask.view(b, 1, 1, W), scale=scale)                                          # [b, Hkv, H/Hkv, D]
+    return o.reshape(b, -1, D)
