@@ -63,6 +63,7 @@ class OutputAssembler:
     def forget(self, request_id: str) -> bool:
         """Abort: drop everything about the request; True if it was still running."""
         self._held.pop(request_id, None)
+        self._ready = [o for o in self._ready if o.request_id != request_id]   # not sent: never for a new add
         live = self._live.pop(request_id, None)
         self.runner.release(request_id)
         if self.connector is not None:

@@ -98,10 +98,11 @@ class EngineCoreClient:
         if self._fatal is not None:
             raise EngineDeadError(self._fatal)
         transfer = KVTransferParams.from_json_obj(kv_transfer_params) if kv_transfer_params else None
+        stop = self._outputs.first_token_stop(prompt_token_ids, params, transfer)
         with self._lock:
             seq = next(self._next_seq)
             self._outputs.add(request_id, seq, prompt_token_ids, params)
-            self._send_locked(m.AddRequest(request_id, seq, list(prompt_token_ids), params, transfer))
+            self._send_locked(m.AddRequest(request_id, seq, list(prompt_token_ids), params, transfer, stop))
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:

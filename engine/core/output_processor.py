@@ -44,6 +44,13 @@ class OutputProcessor:
     def add(self, request_id: str, seq: int, prompt_token_ids: list[int], params) -> None:
         self._reqs[request_id] = _Request(seq, params, RequestText(self.tokenizer, prompt_token_ids, params))
 
+    def first_token_stop(self, prompt_token_ids: list[int], params, transfer) -> str | None:
+        """The stop string the prefill node's first token (``transfer.first_token_id``) completes, if any: the
+        core ends such a request at add, never scheduled, as the in-process engine does (no KV load)."""
+        if transfer is None or not transfer.do_remote_prefill or transfer.first_token_id is None:
+            return None
+        return RequestText(self.tokenizer, prompt_token_ids, params).add_token(transfer.first_token_id, None)[1]
+
     def remove(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
 

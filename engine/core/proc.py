@@ -6,7 +6,8 @@ One turn of the loop:
 
     1. receive   every AddRequest / AbortRequests / Shutdown that arrived (block up to IDLE_POLL_S when idle)
     2. apply     add_request (a refusal becomes a ``Rejected``), abort_request, stop_request (a stop string
-                 the API process found: the final output follows in this turn's CoreOutputs)
+                 the API process found, also in the prefill node's first token of an add: the final output
+                 follows in this turn's CoreOutputs)
     3. check     a dead or stalled tp x pp rank: send Fatal, exit 1
     4. step      LLMEngine.step() when anything is unfinished; an exception escaping it: Fatal, exit 1
     5. send      one CoreOutputs: the step's deltas (each with its add's ``seq``), the refusals, stats when due
@@ -84,6 +85,7 @@ class CoreLoop:
         self.store_stats = StatsCache(engine.store) if engine.store is not None else None
         self._stats_at = 0.0
         self._seqs: dict[str, int] = {}        # live request id -> the seq of the add that started it
+        self._stopped: dict[str, int] = {}     # id -> seq of an add a StopRequests ended, its final not sent yet
 
     def run(self) -> int:
         """-> the exit code: 0 after Shutdown, 1 after a Fatal."""
@@ -133,12 +135,15 @@ class CoreLoop:
                 return rejected, True
             if isinstance(msg, m.AbortRequests):
                 for request_id in msg.request_ids:
-                    self.engine.abort_request(request_id)
+                    self.engine.abort_request(request_id)          # drops its pending outputs too
                     self._seqs.pop(request_id, None)
+                    self._stopped.pop(request_id, None)
                 continue
             if isinstance(msg, m.StopRequests):
                 for request_id, stop_string in zip(msg.request_ids, msg.stop_strings):
                     self.engine.stop_request(request_id, stop_string)
+                    if request_id in self._seqs:   # its final output keeps this seq, even if the id is re-added
+                        self._stopped[request_id] = self._seqs.pop(request_id)   # before it is sent
                 continue
             transfer = None if msg.kv_transfer_params is None else msg.kv_transfer_params.to_json_obj()
             try:
@@ -148,6 +153,8 @@ class CoreLoop:
                                            isinstance(exc, ValueError)))
                 continue
             self._seqs[msg.request_id] = msg.seq
+            if msg.first_token_stop is not None:             # the API process found it in the prefill node's token
+                self.engine.stop_request(msg.request_id, msg.first_token_stop)
         return rejected, False
 
     def _send(self, outputs: list, rejected: list[m.Rejected]) -> None:
@@ -160,8 +167,11 @@ class CoreLoop:
         self.outbox.send(m.CoreOutputs([m.output_to_wire(o, self._seq(o)) for o in outputs], rejected, stats))
 
     def _seq(self, out) -> int:
-        """The seq of ``out``'s add (-1, dropped by the client, for an id the core does not know)."""
+        """The seq of ``out``'s add (-1, dropped by the client, for an id the core does not know). The next
+        final output of a stopped id is the stopped add's (an add of the id in the same batch comes after)."""
         if out.finished:
+            if out.request_id in self._stopped:
+                return self._stopped.pop(out.request_id)
             return self._seqs.pop(out.request_id, -1)
         return self._seqs.get(out.request_id, -1)
 
