@@ -41,6 +41,7 @@ from pdserve.engine.core.output_processor import OutputProcessor
 from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
 from pdserve.engine.llm_engine import check_prompt_fits
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -165,9 +166,13 @@ class EngineCoreClient:
             if self._outputs.is_current(r.request_id, r.seq):
                 self._outputs.remove(r.request_id)
                 self._deliver(r.request_id, _rejection(r), True)
-        stops = []
+        stops, failed = [], []
         for wire in msg.outputs:
-            out, stop = self._outputs.process(wire)
+            try:
+                out, stop = self._outputs.process(wire)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's (as in-process)
+                out, stop = self._failed_output(wire, exc), None
+                failed.append(wire.request_id)
             if stop is not None:
                 stops.append((wire.request_id, stop))
             if out is not None:
@@ -175,6 +180,17 @@ class EngineCoreClient:
         if stops:
             ids, strings = zip(*stops)
             self._send_locked(m.StopRequests(list(ids), list(strings)))
+        if failed:
+            self._send_locked(m.AbortRequests(failed))
+
+    def _failed_output(self, wire: m.CoreOutput, exc: Exception) -> RequestOutput:
+        """Detokenizing or stop strings raised for this request: it ends with an error, as the in-process
+        node's ``OutputAssembler.fail`` ends it (finish_reason "abort"); the core is told to abort it."""
+        message = f"output processing failed: {type(exc).__name__}: {exc}"
+        logger.warning("request %s failed: %s", wire.request_id, message)
+        self._outputs.remove(wire.request_id)
+        return RequestOutput(wire.request_id, [], "", True, "abort", wire.num_prompt_tokens,
+                             wire.num_cached_tokens, error=message)
 
     def _kill_hung(self, silent_s: float, timeout: float) -> None:
         """No message for longer than ``timeout``: the process is stopped or wedged. Kill it, report it."""
