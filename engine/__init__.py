@@ -11,6 +11,7 @@ Map of the modules, in the order a request meets them:
     llm_engine     add_request / step / abort
     scheduler      which tokens of which requests run this step (block_manager: which KV blocks)
     model_runner   flat inputs + attention metadata -> model -> sampler   (tp = pp = 1)
+    compile        torch.compile of the layers' non-attention parts on CPU (cuda_graphs: decode on CUDA)
     parallel/      the same step across tensor x pipeline parallel worker processes: broadcast queue,
                    executor, workers, rank watchdog (--tensor-parallel-size, --pipeline-parallel-size)
     kv_connector   the one connection to a KV store: load before prefill, publish after

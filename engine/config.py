@@ -83,7 +83,9 @@ class ParallelConfig:
 class ExecutionConfig:
     """How the model runs a step (``--attention-backend``, ``--enforce-eager``)."""
     attention_backend: str | None = None  # torch | triton; None: PDSERVE_ATTENTION_BACKEND, else triton on cuda
-    enforce_eager: bool = False           # no CUDA graphs for decode steps (vLLM's flag)
+    enforce_eager: bool = False           # no CUDA graphs for decode steps, no torch.compile on CPU (vLLM's flag)
+    torch_compile: bool | None = None     # CPU, tp = pp = 1: compile the layers' non-attention parts
+                                          # (engine/compile.py); None: PDSERVE_COMPILE (default on)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in (None, "torch", "triton"):
@@ -157,6 +159,15 @@ class EngineConfig:
             return self.device
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def compiles_model(self) -> bool:
+        """torch.compile runs on the single-process CPU path only, and never under --enforce-eager."""
+        from pdserve.engine import envs
+
+        ex = self.execution
+        wanted = envs.PDSERVE_COMPILE if ex.torch_compile is None else ex.torch_compile
+        return wanted and not ex.enforce_eager and self.resolved_device == "cpu" and self.parallel.world_size == 1
 
     @property
     def model_name(self) -> str:

@@ -6,6 +6,7 @@
 | PDSERVE_NUM_THREADS   | torch intra-op threads per process               | 1                          |
 | PDSERVE_LOG_LEVEL     | logging level of pdserve's loggers               | INFO                       |
 | PDSERVE_FAULTS        | tests only: faults in tp/pp ranks, engine core   | "" (``parallel/faults.py``)|
+| PDSERVE_COMPILE       | 0: no torch.compile on CPU (the tests set it)    | 1                          |
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ def _int(name: str, default: int, minimum: int) -> int:
     return value
 
 
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r} must be 0 or 1")
+    return raw == "1"
+
+
 def _level(name: str, default: str) -> str:
     raw = os.environ.get(name, default).upper()
     if raw not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
@@ -37,4 +47,5 @@ def _level(name: str, default: str) -> str:
 PDSERVE_CACHE_DIR = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 PDSERVE_NUM_THREADS = _int("PDSERVE_NUM_THREADS", 1, 1)
 PDSERVE_LOG_LEVEL = _level("PDSERVE_LOG_LEVEL", "INFO")
+PDSERVE_COMPILE = _bool("PDSERVE_COMPILE", True)        # default of ExecutionConfig.torch_compile
 PDSERVE_FAULTS = os.environ.get("PDSERVE_FAULTS", "")     # parsed and checked by engine/parallel/faults.py

@@ -19,7 +19,8 @@ class LLM:
                  kv_cache_memory_bytes: int = 512 * 2**20, num_gpu_blocks_override: int | None = None,
                  enable_prefix_caching: bool = True, num_threads: int = 1, seed: int = 0,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, device: str = "cpu",
-                 attention_backend: str | None = None, enforce_eager: bool = False):
+                 attention_backend: str | None = None, enforce_eager: bool = False,
+                 torch_compile: bool | None = None):
         cache = CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                             num_gpu_blocks_override=num_gpu_blocks_override,
                             enable_prefix_caching=enable_prefix_caching)
@@ -29,7 +30,8 @@ class LLM:
                                   pipeline_parallel_size=pipeline_parallel_size)
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, seed=seed, num_threads=num_threads,
                                              device=device, cache=cache, scheduler=sched, parallel=parallel,
-                                             execution=ExecutionConfig(attention_backend, enforce_eager)))
+                                             execution=ExecutionConfig(attention_backend, enforce_eager,
+                                                                       torch_compile)))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

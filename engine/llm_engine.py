@@ -76,7 +76,8 @@ class LLMEngine:
                                device=self.config.resolved_device, max_num_seqs=self.config.scheduler.max_num_seqs,
                                max_model_len=self.runtime.max_model_len,
                                attention_backend=self.config.execution.attention_backend,
-                               enforce_eager=self.config.execution.enforce_eager)
+                               enforce_eager=self.config.execution.enforce_eager,
+                               torch_compile=self.config.compiles_model)
         from pdserve.engine.parallel.executor import ParallelExecutor
 
         return ParallelExecutor(self.config, self.model_config, self.runtime.num_blocks)

@@ -4,7 +4,8 @@ Called by ``LLMEngine.step``:  ``sampled = runner.execute(scheduler_output)``  -
 A tensor/pipeline-parallel worker rank (``pdserve.engine.parallel.stage``) owns one too, for its
 KV cache shard and ``sample_requests``.
 Owns the paged KV cache (allocated once from the ``KVLayout``), the per-request sampling generators
-and the sampler call.
+and the sampler call; on CUDA the decode graphs (``cuda_graphs.py``), on CPU the compiled layer
+pieces (``compile.py``), both built at start-up and skipped under ``--enforce-eager``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class SampleFailure:
 class ModelRunner:
     def __init__(self, model, layout: KVLayout, num_blocks: int, block_size: int, device: str = "cpu",
                  max_num_seqs: int = 64, max_model_len: int = 4096, attention_backend: str | None = None,
-                 enforce_eager: bool = True):
+                 enforce_eager: bool = True, torch_compile: bool = False):
         self.model = model
         self.layout = layout
         self.block_size = block_size
@@ -43,6 +44,11 @@ class ModelRunner:
             from pdserve.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self, max_num_seqs, max_model_len)
+        self.compiled = None                # CompiledLayers when torch_compile (compile.py: CPU, one process)
+        if torch_compile:
+            from pdserve.engine.compile import compile_layers
+
+            self.compiled = compile_layers(model)
 
     @torch.inference_mode()
     def execute(self, scheduler_output) -> dict:
@@ -54,7 +60,9 @@ class ModelRunner:
         inputs = self.input_batch.prepare(scheduled)
         hidden = self.graphs.run(inputs) if self.graphs is not None else None                # decode: replay
         if hidden is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)  # [T, D]
+            pieces = self.compiled.pieces_for(inputs.input_ids.shape[0]) if self.compiled is not None else None
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
+                                pieces=pieces)                                                # [T, D]
         if not inputs.sample_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_rows])                       # [S, V]

@@ -66,7 +66,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton"],
                    help="attention kernels (default: PDSERVE_ATTENTION_BACKEND, else triton on cuda, torch on cpu)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps, no torch.compile on CPU")
     p.add_argument("--kv-store", default=None,
                    help="KV store: tcp://HOST:PORT (a `pdserve kvstore` daemon) or 'embedded' "
                         "(required for --role prefill/decode unless --kv-redis is given)")

@@ -15,6 +15,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PDSERVE_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PDSERVE_COMPILE", "0")    # eager: one test compiles (test_compile.py)
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402

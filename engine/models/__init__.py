@@ -6,7 +6,7 @@ Who calls what:
       -> ModelConfig.from_dir(dir)  # pdserve.engine.model_config (checks registry.model_class)
       -> registry.model_class(arch)(config, first_layer, num_layers, shard)
       -> model.load_weights(WeightSource, tp_rank)
-    model(input_ids, positions, kv_caches, attn_meta) -> hidden [T, D]   # ModelRunner, once per step
+    model(input_ids, positions, kv_caches, attn_meta, pieces=None) -> hidden [T, D]   # ModelRunner, per step
     model.compute_logits(hidden[sample_rows])        -> logits [N, V] float32
 
 Files:

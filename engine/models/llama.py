@@ -10,6 +10,10 @@ Tokens of the whole batch are flattened (no padding); ``attn_meta`` (``pdserve.k
 which rows belong to which sequence and where their K/V go in the paged cache. ``kv_caches``
 holds this model's layers only: ``kv_caches[i]`` belongs to global layer ``first_layer + i``.
 
+A decoder layer is two pieces around attention, ``before_attention`` (norm, qkv, q/k norm, RoPE)
+and ``after_attention`` (o_proj, residual, norm, MLP); ``pieces`` (``LayerPieces``) runs them as
+they are, or ``torch.compile``d (``pdserve.engine.compile``); attention always runs eagerly.
+
 Parallelism stays outside: ``ShardSizes`` are this rank's heads / MLP width, and a pipeline
 stage is a layer range. Only the first stage embeds tokens (later stages take ``hidden``
 from the previous one); only the last applies the final norm and owns ``lm_head``.
@@ -17,7 +21,9 @@ from the previous one); only the last applies the final norm and owns ``lm_head`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -51,6 +57,13 @@ class ShardSizes:
         return cls(*(n // tp_size for n in sizes.values()))
 
 
+class LayerPieces(NamedTuple):
+    """A decoder layer's non-attention parts, ``f(layer, ...)``: this module's methods, or their
+    ``torch.compile``d versions (``pdserve.engine.compile``). Attention itself always runs eagerly."""
+    before_attention: Callable        # (layer, h, cos, sin) -> q, k, v
+    after_attention: Callable         # (layer, h, attn_out) -> h
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, num_heads: int, num_kv_heads: int):
         super().__init__()
@@ -64,19 +77,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps, dt) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dt) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: dict[str, torch.Tensor], attn_meta: AttentionMetadata) -> torch.Tensor:
-        # x: [T, D]; cos, sin: [T, head_dim]
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # x: [T, D]; cos, sin: [T, head_dim] -> q: [T, H, Dh], k, v: [T, Hkv, Dh]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)                    # [T, H, Dh]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)                 # [T, Hkv, Dh]
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, attn_meta, self.scale, self.sliding_window)  # [T, H, Dh]
-        return self.o_proj(out.reshape(-1, q_size))                      # [T, D]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attend(self, q, k, v, kv_cache: dict[str, torch.Tensor], attn_meta: AttentionMetadata) -> torch.Tensor:
+        # -> [T, H, Dh]; writes k, v into the paged cache
+        return paged_attention(q, k, v, kv_cache, attn_meta, self.scale, self.sliding_window)
 
     def load(self, src, prefix: str, tp_rank: int) -> None:
         self.qkv.load(src, (f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"), tp_rank)
@@ -96,9 +110,19 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, eps, dt)
         self.mlp = GatedMLP(config.hidden_size, shard.intermediate_size, config.mlp_bias, dt)
 
-    def forward(self, h: torch.Tensor, cos, sin, kv_cache, attn_meta) -> torch.Tensor:
-        # h: [T, D] -> [T, D]
-        h = h + self.attn(self.input_norm(h), cos, sin, kv_cache, attn_meta)
+    def forward(self, h: torch.Tensor, cos, sin, kv_cache, attn_meta, pieces: LayerPieces | None = None):
+        # h: [T, D] -> [T, D]; attention runs eagerly between the two pieces (compiled or not)
+        pieces = pieces or EAGER_PIECES
+        q, k, v = pieces.before_attention(self, h, cos, sin)
+        return pieces.after_attention(self, h, self.attn.attend(q, k, v, kv_cache, attn_meta))
+
+    def before_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # h: [T, D] -> q: [T, H, Dh], k, v: [T, Hkv, Dh]
+        return self.attn.project(self.input_norm(h), cos, sin)
+
+    def after_attention(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        # h: [T, D], attn_out: [T, H, Dh] -> [T, D]
+        h = h + self.attn.o_proj(attn_out.flatten(1))
         return h + self.mlp(self.post_attn_norm(h))
 
     def load(self, src, tp_rank: int) -> None:
@@ -132,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[dict[str, torch.Tensor]], attn_meta: AttentionMetadata,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, pieces: LayerPieces | None = None) -> torch.Tensor:
         # input_ids, positions: [T]; hidden: [T, D] from the previous stage (later stages only)
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"got {len(kv_caches)} KV caches for {self.num_layers} layers")
@@ -140,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         seq_lens = _rope_seq_lens(positions, attn_meta) if self.rotary.dynamic else None
         cos, sin = self.rotary(positions, seq_lens)                                  # [T, Dh] each
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, attn_meta)
+            h = layer(h, cos, sin, kv_cache, attn_meta, pieces)
         return self.norm(h) if self.is_last else h                                   # [T, D]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -163,6 +187,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.load(src, "lm_head", tp_rank)
         elif self.embed_tokens is None:          # tied, but the embedding lives on the first stage
             self.lm_head.load(src, "model.embed_tokens", tp_rank)
+
+
+EAGER_PIECES = LayerPieces(DecoderLayer.before_attention, DecoderLayer.after_attention)
 
 
 def _rope_seq_lens(positions: torch.Tensor, attn_meta: AttentionMetadata) -> torch.Tensor:
