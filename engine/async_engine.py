@@ -14,7 +14,7 @@ failure fails that request inside ``LLMEngine.step``; an exception that escapes 
 it fails every in-flight request with its message, marks the engine dead and calls ``on_fatal`` (the
 node then exits non-zero, so that its supervisor restarts it).
 
-With ``config.engine_core_process`` (``pdserve node --engine-core-process``) there is no engine thread:
+With ``config.engine_core_process`` (``pdserve node``'s default; ``--no-engine-core-process`` turns it off) there is no engine thread:
 ``self.engine`` is an ``EngineCoreClient`` (``pdserve.engine.core``) with the same methods, which sends
 adds and aborts to the engine-core process at once and delivers its outputs from a receiver thread;
 a core that dies ends every stream the same way (``_die``).

@@ -48,9 +48,10 @@ def register(subparsers) -> None:
                         "tries another node)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM / SIGINT: seconds in-flight requests may take to finish before they are cancelled")
-    p.add_argument("--engine-core-process", action="store_true",
+    p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction,
+                   default=envs.PDSERVE_ENGINE_CORE_PROCESS,
                    help="run the engine core (scheduler, model, KV connector) in a process of its own, beside the "
-                        "HTTP process (pdserve.engine.core)")
+                        "HTTP process (pdserve.engine.core; default on, PDSERVE_ENGINE_CORE_PROCESS=0 turns it off)")
     _add_engine_flags(p)
     add_limit_flags(p)
     p.set_defaults(func=run_node)
@@ -66,7 +67,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton"],
                    help="attention kernels (default: PDSERVE_ATTENTION_BACKEND, else triton on cuda, torch on cpu)")
-    p.add_argument("--enforce-eager", action="store_true",
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="no CUDA graphs for decode steps, no torch.compile on CPU")
     p.add_argument("--kv-store", default=None,
                    help="KV store: tcp://HOST:PORT (a `pdserve kvstore` daemon) or 'embedded' "

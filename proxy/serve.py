@@ -7,6 +7,7 @@ Ctrl-C (or SIGTERM) stops every process it started.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import shlex
 import signal
@@ -29,7 +30,7 @@ def register(subparsers) -> None:
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per process")
     for flag, kind, text in NODE_FLAGS:
         if kind is bool:
-            p.add_argument(flag, action="store_true", help=f"every node: {text}")
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"every node: {text}")
         else:
             p.add_argument(flag, type=kind, default=None, help=f"every node: {text}")
     for role in ("prefill", "decode"):
@@ -52,7 +53,7 @@ NODE_FLAGS = (
     ("--num-gpu-blocks-override", int, "exact number of KV blocks"),
     ("--attention-backend", str, "torch | triton"),
     ("--enforce-eager", bool, "no CUDA graphs"),
-    ("--engine-core-process", bool, "the engine core in its own process"),
+    ("--engine-core-process", bool, "the engine core in its own process (the nodes' default)"),
 )
 
 
@@ -61,8 +62,8 @@ def node_flags(args) -> tuple[str, ...]:
     out: list[str] = []
     for flag, kind, _ in NODE_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if kind is bool and value:
-            out.append(flag)
+        if kind is bool and value is not None:
+            out.append(flag if value else f"--no-{flag[2:]}")
         elif kind is not bool and value is not None:
             out += [flag, str(value)]
     return tuple(out)

@@ -1,4 +1,4 @@
-"""The engine core in a process of its own (``pdserve node --engine-core-process``), vLLM V1's split.
+"""The engine core in a process of its own (``pdserve node``'s default; ``--no-engine-core-process`` turns it off), vLLM V1's split.
 
     API process (pdserve node)                         engine-core process (python -m ...core.proc)
     --------------------------                         --------------------------------------------
