@@ -18,13 +18,15 @@ Requests go one at a time (no queueing in either figure), directly to the nodes 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
-import httpx
+import aiohttp
 
 from pdserve.bench.client import BACKENDS, RequestSpec, send
 from pdserve.bench.metrics import stat_ms
+from pdserve.bench.runner import make_client
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 
@@ -37,11 +39,11 @@ def measure_overhead(prefill_url: str, decode_url: str, model: str, prompts: lis
 async def _measure(prefill_url: str, decode_url: str, model: str, prompts: list[str], backend: str) -> dict[str, Any]:
     endpoint = BACKENDS[backend]
     prefill_s, decode_s, errors = [], [], []
-    async with httpx.AsyncClient(timeout=600.0) as http:
+    async with make_client(None, timeout_s=600.0) as http:
         for prompt in prompts:
             try:
                 elapsed, kv = await _prefill(http, prefill_url + endpoint, model, prompt, backend)
-            except (httpx.HTTPError, ValueError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 errors.append(f"prefill: {exc}")
                 continue
             spec = RequestSpec(decode_url + endpoint, backend, model, prompt, 0, 1,
@@ -59,18 +61,19 @@ async def _measure(prefill_url: str, decode_url: str, model: str, prompts: list[
             "overhead_over_prefill": dec.mean / pre.mean if pre.mean else None}
 
 
-async def _prefill(http: httpx.AsyncClient, url: str, model: str, prompt: str, backend: str):
+async def _prefill(http: aiohttp.ClientSession, url: str, model: str, prompt: str, backend: str):
     body: dict[str, Any] = {"model": model, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS}
     if backend == "openai-chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
     start = time.perf_counter()
-    resp = await http.post(url, json=body)
+    async with http.post(url, json=body) as resp:
+        raw = await resp.read()
     elapsed = time.perf_counter() - start
-    if resp.status_code != 200:
-        raise ValueError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-    kv = resp.json().get("kv_transfer_params")
+    if resp.status != 200:
+        raise ValueError(f"HTTP {resp.status}: {raw.decode(errors='replace')[:200]}")
+    kv = json.loads(raw).get("kv_transfer_params")
     if not kv:
         raise ValueError(f"{url} returned no kv_transfer_params; is it a --role prefill node?")
     return elapsed, kv

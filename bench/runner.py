@@ -1,6 +1,7 @@
 """Send a list of requests on ``vllm bench serve``'s schedule and collect their ``RequestOutput``s.
 
-Called by ``serve.run_bench`` (and so by ``sweep``) with one shared ``httpx.AsyncClient``:
+Called by ``serve.run_bench`` (and so by ``sweep``) with one shared ``aiohttp.ClientSession``
+(``make_client``):
 
     await run_warmups(http, specs, traffic)                    # not measured
     outputs, duration_s = await run_requests(http, specs, TrafficConfig(request_rate=4.0, ...))
@@ -20,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
@@ -60,7 +61,7 @@ def arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Generat
     return (times * (n / rate) / times[-1]).tolist()
 
 
-async def run_requests(http: httpx.AsyncClient, specs: list[RequestSpec],
+async def run_requests(http: aiohttp.ClientSession, specs: list[RequestSpec],
                        traffic: TrafficConfig) -> tuple[list[RequestOutput], float]:
     """The measured run (warmups are ``run_warmups``, called first by the caller)."""
     limit = asyncio.Semaphore(traffic.max_concurrency) if traffic.max_concurrency else None
@@ -100,7 +101,7 @@ async def _limited(http, spec: RequestSpec, limit, bar) -> RequestOutput:
     return out
 
 
-async def run_warmups(http: httpx.AsyncClient, specs: list[RequestSpec], traffic: TrafficConfig) -> None:
+async def run_warmups(http: aiohttp.ClientSession, specs: list[RequestSpec], traffic: TrafficConfig) -> None:
     """``num_warmups`` copies of the first request, under the same concurrency limit (vLLM's warmup)."""
     n = traffic.num_warmups
     if not n or not specs:
@@ -114,7 +115,11 @@ async def run_warmups(http: httpx.AsyncClient, specs: list[RequestSpec], traffic
         raise RuntimeError(f"{len(failed)} of {n} warmup requests failed; first error: {failed[0]}")
 
 
-def make_client(max_concurrency: int | None, timeout_s: float = 6 * 3600) -> httpx.AsyncClient:
-    """One pooled client for the whole run (no connection cap beyond --max-concurrency)."""
-    limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=max_concurrency or 256)
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits)
+def make_client(max_concurrency: int | None, timeout_s: float = 6 * 3600) -> aiohttp.ClientSession:
+    """One pooled session for the whole run: at most --max-concurrency connections (none: no cap),
+    ``timeout_s`` for a whole request, 30 s to open a socket. Proxy variables are honoured, as
+    httpx and ``vllm bench serve`` do. An SSE line may be up to 512 KiB (aiohttp's default
+    read_bufsize x 2); a longer one fails its request. Call it inside the run's event loop."""
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=30.0)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True)

@@ -14,24 +14,27 @@ available through the proxy without knowing the nodes.
 
 from __future__ import annotations
 
-import httpx
+import asyncio
+
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 KV_PREFIX = "pdserve_kv_"
 
 
-async def snapshot(http: httpx.AsyncClient, urls: list[str]) -> tuple[dict[str, float], list[str]]:
+async def snapshot(http: aiohttp.ClientSession, urls: list[str]) -> tuple[dict[str, float], list[str]]:
     """({counter: value}, [warnings]) summed over every URL's /metrics."""
     totals: dict[str, float] = {}
     warnings = []
     for url in urls:
         try:
-            resp = await http.get(url.rstrip("/") + "/metrics", timeout=10.0)
-            resp.raise_for_status()
-        except httpx.HTTPError as exc:
+            async with http.get(url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
+                resp.raise_for_status()
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             warnings.append(f"{url}/metrics: {type(exc).__name__}: {exc}")
             continue
-        for name, value in parse_counters(resp.text).items():
+        for name, value in parse_counters(text).items():
             totals[name] = totals.get(name, 0.0) + value
     return totals, warnings
 

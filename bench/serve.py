@@ -13,11 +13,12 @@ itself; a sweep passes its nodes), the per-round TTFT of round-based datasets an
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from pdserve.bench import scrape
 from pdserve.bench.client import RequestSpec
@@ -99,16 +100,16 @@ def _kv_figures(urls: list[str], before: dict[str, float], after: dict[str, floa
             "usage_kv": scrape.usage_kv([o.kv_transfer for o in outputs]), "counters": delta}
 
 
-async def resolve_model(http: httpx.AsyncClient, cfg: BenchConfig) -> tuple[str, str]:
+async def resolve_model(http: aiohttp.ClientSession, cfg: BenchConfig) -> tuple[str, str]:
     """(name sent in requests, model id for the tokenizer), like vLLM: /v1/models' id and root."""
     if cfg.model is not None:
         return cfg.served_model_name or cfg.model, cfg.model
     url = cfg.base_url.rstrip("/") + "/v1/models"
     try:
-        resp = await http.get(url, headers=cfg.headers, timeout=30.0)
-        resp.raise_for_status()
-        first = resp.json()["data"][0]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        async with http.get(url, headers=cfg.headers, timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
+            resp.raise_for_status()
+            first = json.loads(await resp.read())["data"][0]
+    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as exc:
         raise RuntimeError(f"cannot read the model from {url} ({type(exc).__name__}: {exc}); "
                            "is the server up? or pass --model") from None
     return cfg.served_model_name or first["id"], first.get("root") or first["id"]

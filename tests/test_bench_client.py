@@ -2,7 +2,9 @@
 
 The server (FastAPI under uvicorn on a free loopback port, in a thread) answers every request with
 ``max_tokens`` tokens bundled ``BUNDLE`` per chunk, then a usage chunk and ``[DONE]``; it counts
-the requests open at once so that --max-concurrency can be checked from the server's side. With
+the requests open at once so that --max-concurrency can be checked from the server's side. The
+prompt ``"crlf"`` gets the same events with ``\r\n`` line endings, SSE comments and ``event:`` lines
+between them, each event's bytes split over two writes. With
 ``pair_up = N`` (N requests to come) each stream first waits until another is open or none is left to
 come, so that two concurrent requests overlap at the server whatever the machine's speed.
 """
@@ -45,7 +47,10 @@ class ScriptedServer:
             return JSONResponse({"error": {"message": "scripted failure"}}, status_code=500)
         n = body.get("max_tokens") or body.get("max_completion_tokens")
         chat = "messages" in body
-        return StreamingResponse(self._events(n, chat, body.get("prompt") == "break"), media_type="text/event-stream")
+        events = self._events(n, chat, body.get("prompt") == "break")
+        if body.get("prompt") == "crlf":
+            events = _crlf(events)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     async def _events(self, n: int, chat: bool, broken: bool):
         self.open += 1
@@ -72,6 +77,15 @@ class ScriptedServer:
 
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def _crlf(events):
+    """The same events as another server may frame them: CRLF, comments, event names, split writes."""
+    yield b": ping\r\n\r\n"
+    async for event in events:
+        event = b"event: message\r\n" + event.replace(b"\n", b"\r\n") + b":keep-alive\r\n\r\n"
+        yield event[:len(event) // 2]
+        yield event[len(event) // 2:]
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +117,13 @@ def test_bundled_chunks_completions(scripted):
     assert out.generated_text == "".join(f"t{i} " for i in range(10))
     assert out.ttft > 0 and all(g > 0 for g in out.itl)
     assert out.latency == pytest.approx(out.ttft + sum(out.itl))
+
+
+def test_crlf_comments_and_split_events_are_parsed_alike(scripted):
+    out = _send(RequestSpec(scripted.url + "/v1/completions", "openai", "scripted", "crlf", 2, 10))
+    assert out.success, out.error
+    assert out.output_tokens == 10 and out.prompt_len == 7 and len(out.itl) == 3
+    assert out.generated_text == "".join(f"t{i} " for i in range(10))
 
 
 def test_chat_role_chunk_counts_as_first(scripted):
