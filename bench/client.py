@@ -5,9 +5,10 @@ Called by ``runner`` for every request (and by ``overhead`` for the decode leg):
     out = await send(http, RequestSpec(api_url, "openai", model, prompt, prompt_len, output_len, ...))
 
 ``http`` is one shared ``aiohttp.ClientSession`` (``runner.make_client``; aiohttp, as ``vllm bench
-serve`` uses; the httpx client before it spent ~2.6x the CPU per request, bench/README.md). The body asks for ``stream: true`` and ``stream_options.include_usage``; the
-SSE body is read line by line (``resp.content``; ``\n`` or ``\r\n`` endings) and each ``data:`` event
-is timestamped when its line arrives. Per event: one ``json.loads``, nothing else (no tokenizing).
+serve`` uses; the httpx client before it spent ~2.6x the CPU per request, bench/README.md). The
+body asks for ``stream: true`` and ``stream_options.include_usage``; the SSE body is read line by
+line (``resp.content``; ``\n`` or ``\r\n`` endings) and each ``data:`` event is timestamped when
+its line arrives. Per event: one ``json.loads``, nothing else (no tokenizing).
 Events with non-empty ``choices`` are token chunks (TTFT, ITL, latency); the usage event gives
 ``completion_tokens`` and ``prompt_tokens``; an ``error`` event (a proxy's broken stream) fails the
 request. A non-200 answer fails it with the status and the body's first 300 characters.
