@@ -15,7 +15,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.output_processor import OutputProcessor
 from pdserve.engine.sampling_params import SamplingParams
-from tests.polling import wait_until
+from polling import wait_until
 
 PROMPT = [100, 101, 102, 103]
 
