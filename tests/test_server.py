@@ -8,6 +8,7 @@ request asks for 100k tokens so that only an abort can end it while the test wai
 from __future__ import annotations
 
 import json
+import random
 import socket
 
 import httpx
@@ -275,3 +276,28 @@ def test_client_gone_before_a_non_streaming_answer_aborts_the_request(keyed):
     _wait_for(lambda: _metric(keyed.url, "pdserve_num_requests_running") == 0, "running == 0 after disconnect")
     assert _metric(keyed.url, "pdserve_num_requests_waiting") == 0
     assert _metric(keyed.url, **ABORTED) == aborted_before + 1
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_stream_has_a_chunk_for_every_token_even_without_text(node, model, route):
+    """vLLM's rule: a step that sampled a token yields a chunk, its text "" while the detokenizer holds back an
+    incomplete UTF-8 sequence (byte-fallback tokens; the tiny model's random output has many). Streaming
+    benchmarks count one inter-token latency per chunk: dropping empty chunks would merge two steps into one."""
+    rng = random.Random(7)
+    for _ in range(4):
+        ids = [rng.randrange(10, 500) for _ in range(24)]
+        if route == "completions":
+            body = {"model": model, "prompt": ids, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+        else:
+            body = {"model": model, "messages": [{"role": "user", "content": "".join(map(chr, ids))}],
+                    "max_tokens": 32, "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{node.url}/v1/{'completions' if route == 'completions' else 'chat/completions'}",
+                          json=body, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        token_chunks = [e for e in events if e["choices"] and (route == "completions" or "role" not in
+                                                               e["choices"][0]["delta"])]
+        assert events[-1]["usage"]["completion_tokens"] == 32
+        assert len(token_chunks) == 32, [e["choices"][0] for e in token_chunks]

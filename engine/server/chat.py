@@ -67,9 +67,9 @@ async def _stream(state: NodeState, body: ChatCompletionRequest, request_id: str
     async with aclosing(generation.outputs()) as deltas:
         async for index, delta in deltas:
             choices[index].add(delta)
-            if not (delta.new_text or delta.finished or (with_logprobs and delta.new_token_ids)):
-                continue
-            choice = {"index": index, "delta": {"content": delta.new_text} if delta.new_text else {},
+            if not (delta.new_text or delta.finished or delta.new_token_ids):   # a chunk per step with a token,
+                continue                                                       # text or not (vLLM's)
+            choice = {"index": index, "delta": {"content": delta.new_text} if delta.new_text or delta.new_token_ids else {},
                       "logprobs": _logprobs(state, delta.logprobs or []) if with_logprobs else None,
                       "finish_reason": delta.finish_reason if delta.finished else None}
             yield sse({**base, "choices": [choice], **extra})

@@ -74,8 +74,8 @@ async def _stream(state: NodeState, body: CompletionRequest, request_id: str, mo
         async for index, delta in deltas:
             offset = len(choices[index].text)
             choices[index].add(delta)
-            if not (delta.new_text or delta.finished or (with_logprobs and delta.new_token_ids)):
-                continue
+            if not (delta.new_text or delta.finished or delta.new_token_ids):   # a chunk per step with a token,
+                continue                                                       # text or not (vLLM's)
             choice = {"index": index, "text": delta.new_text,
                       "logprobs": _logprobs(state, delta.logprobs or [], offset) if with_logprobs else None,
                       "finish_reason": delta.finish_reason if delta.finished else None}
