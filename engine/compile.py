@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 
 import torch
 
 from pdserve.engine import envs
+from pdserve.engine.config import ConfigError
 from pdserve.engine.models.llama import DecoderLayer, LayerPieces
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,15 @@ def use_cache_dir() -> str:
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or current == os.path.abspath(default_cache_dir()):   # unset, or torch's own default
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(envs.PDSERVE_CACHE_DIR / "inductor")
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    try:                                  # inductor's own failure names neither the variable nor the way out
+        os.makedirs(cache_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=cache_dir).close()
+    except OSError as exc:
+        raise ConfigError(f"torch.compile's cache directory {cache_dir} is not writable ({exc.strerror}); set "
+                          "PDSERVE_CACHE_DIR (or TORCHINDUCTOR_CACHE_DIR) to a writable directory, or run "
+                          "eagerly with --enforce-eager / PDSERVE_COMPILE=0") from exc
+    return cache_dir
 
 
 def _graphs_compiled() -> int:
