@@ -30,3 +30,21 @@ def test_writable_compile_cache_dir_is_created(tmp_path, monkeypatch):
     assert use_cache_dir() == str(tmp_path / "fresh" / "inductor")
     assert os.path.isdir(tmp_path / "fresh" / "inductor")
     assert os.listdir(tmp_path / "fresh" / "inductor") == []      # the probe file is gone
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: inductor's fused bf16 pointwise code rounds differently from "
+                   "eager (emulate_precision_casts does not close it); steps of >= 64 tokens change the tokens")
+def test_compiled_bfloat16_greedy_equals_eager(tiny_llama):
+    """--dtype bfloat16 with compile (on by default): compiled greedy differed from eager in 5 of these 6 prompts
+    (first divergence at tokens 0-22), and a prompt's tokens depended on whether it shared its steps with others
+    (the step crossed the 64-token threshold); eager bf16 gave the same tokens alone and batched."""
+    from hf_reference import random_prompt
+    from pdserve.engine import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [random_prompt(500, n, seed=n) for n in (70, 90, 130, 200, 65, 100)]
+    outs = {}
+    for compiled in (True, False):
+        llm = LLM(str(tiny_llama), dtype="bfloat16", torch_compile=compiled, max_num_batched_tokens=512)
+        outs[compiled] = [list(o.token_ids) for o in llm.generate(prompts, greedy)]
+    assert outs[True] == outs[False]
