@@ -148,7 +148,8 @@ class EngineConfig:
             raise ConfigError("tensor/pipeline parallel ranks run on CPU (gloo) only; use --device cpu")
         if self.engine_core_process and self.parallel.rank_timeout < CORE_MIN_TIMEOUT_S:
             raise ConfigError(f"--rank-timeout {self.parallel.rank_timeout:g} is too short for --engine-core-process "
-                              f"(its heartbeat comes every 0.5 s); use >= {CORE_MIN_TIMEOUT_S:g} s")
+                              f"(its heartbeat comes every 0.5 s); use >= {CORE_MIN_TIMEOUT_S:g} s, or "
+                              "--no-engine-core-process")
         if self.kv_transfer.kv_chunk_tokens % self.cache.block_size:
             raise ConfigError(f"--kv-chunk-tokens {self.kv_transfer.kv_chunk_tokens} must be a multiple of "
                               f"--block-size {self.cache.block_size}")

@@ -48,3 +48,12 @@ def test_compiled_bfloat16_greedy_equals_eager(tiny_llama):
         llm = LLM(str(tiny_llama), dtype="bfloat16", torch_compile=compiled, max_num_batched_tokens=512)
         outs[compiled] = [list(o.token_ids) for o in llm.generate(prompts, greedy)]
     assert outs[True] == outs[False]
+
+
+def test_short_rank_timeout_names_the_way_out_of_the_default_core():
+    """The engine core runs in its own process by default now: a user who never typed --engine-core-process
+    was told its --rank-timeout is too short for it, without the flag that turns it off."""
+    from pdserve.engine.config import EngineConfig, ParallelConfig
+
+    with pytest.raises(ConfigError, match=r"use >= 2 s, or --no-engine-core-process"):
+        EngineConfig(model="m", engine_core_process=True, parallel=ParallelConfig(rank_timeout=1.0))
