@@ -95,7 +95,7 @@ def test_a_request_whose_output_processing_raises_fails_alone(tiny_llama, prompt
     engine = _engine(tiny_llama)
     for rid, p in prompts.items():
         engine.add_request(rid, p, GREEDY)
-    engine.outputs._live["r1"].detok._poisoned = True
+    engine.outputs._live["r1"].text.detok._poisoned = True
     out = {rid: {"tokens": [], "error": None, "finished": False} for rid in prompts}
     while engine.has_unfinished():
         for d in engine.step():

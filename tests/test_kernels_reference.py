@@ -114,3 +114,24 @@ def test_padding_rows_write_nothing():
     flat = cache["k"].view(-1, HKV, D)
     assert flat.sum(dim=(1, 2)).nonzero().flatten().tolist() == [5, 6]
     assert cache["v"].view(-1, HKV, D)[5].eq(2).all()
+
+
+
+@pytest.mark.parametrize("cuts", [(), (128,), (130,), (16, 256)])
+def test_prefill_rows_are_the_unfused_math_bit_for_bit(cuts):
+    """Prefill and extend rows are SDPA's unfused math path, bit for bit (the reference an engine's KV bytes
+    were always made by): SDPA's fused CPU kernel tiles queries by the chunk's length, so the same prompt
+    chunked differently by two engines gave different KV bytes for one prefix, and the decode node's digest
+    check failed on chunks another prefill node had published (tests/test_kv_stress.py)."""
+    L, heads, g = 300, (H, HKV, HKV), torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(L, h, 64, generator=g) for h in heads)
+    table = list(range((L + BS - 1) // BS))
+    cache = {c: torch.zeros(NUM_BLOCKS, BS, HKV, 64) for c in ("k", "v")}
+    for start, end in zip((0, *cuts), (*cuts, L)):
+        meta = AttentionMetadata.build([end - start], [end], [table], BS)
+        out = paged_attention(q[start:end], k[start:end], v[start:end], cache, meta, 0.125)
+        qp, kp = torch.arange(start, end).unsqueeze(1), torch.arange(end).unsqueeze(0)
+        unfused = F.scaled_dot_product_attention(         # 3-D inputs: SDPA's math path
+            q[start:end].transpose(0, 1), k[:end].transpose(0, 1), v[:end].transpose(0, 1),
+            attn_mask=None if start == 0 else kp <= qp, is_causal=start == 0, scale=0.125, enable_gqa=True)
+        assert torch.equal(out, unfused.transpose(0, 1)), (start, end)
