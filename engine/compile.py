@@ -1,7 +1,8 @@
 """``torch.compile`` (inductor) of the decoder layers' non-attention parts; attention stays eager between them.
 
-Built by ``ModelRunner`` at start-up on the single-process CPU path (tp = pp = 1) unless
-``--enforce-eager`` or ``PDSERVE_COMPILE=0`` (the tests' default); the runner asks for the pieces of
+Built by ``ModelRunner`` at start-up on the single-process CPU path (tp = pp = 1) when asked for (``--torch-compile``
+or ``PDSERVE_COMPILE=1``; off by default: compiled and eager steps round differently, so a prompt's KV bytes would
+depend on how it was chunked) and not ``--enforce-eager``; the runner asks for the pieces of
 every step and passes them to the model (``LlamaForCausalLM.forward(..., pieces=...)``):
 
     layer i:   h --[before_attention: norm, qkv, q/k norm, RoPE]--> q, k, v      compiled

@@ -85,7 +85,7 @@ class ExecutionConfig:
     attention_backend: str | None = None  # torch | triton; None: PDSERVE_ATTENTION_BACKEND, else triton on cuda
     enforce_eager: bool = False           # no CUDA graphs for decode steps, no torch.compile on CPU (vLLM's flag)
     torch_compile: bool | None = None     # CPU, tp = pp = 1: compile the layers' non-attention parts
-                                          # (engine/compile.py); None: PDSERVE_COMPILE (default on)
+                                          # (engine/compile.py); None: PDSERVE_COMPILE (default off)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in (None, "torch", "triton"):

@@ -6,7 +6,7 @@
 | PDSERVE_NUM_THREADS   | torch intra-op threads per process               | 1                          |
 | PDSERVE_LOG_LEVEL     | logging level of pdserve's loggers               | INFO                       |
 | PDSERVE_FAULTS        | tests only: faults in tp/pp ranks, engine core   | "" (``parallel/faults.py``)|
-| PDSERVE_COMPILE       | 0: no torch.compile on CPU (the tests set it)    | 1                          |
+| PDSERVE_COMPILE       | 1: torch.compile on CPU (default of --torch-compile) | 0                      |
 | PDSERVE_ENGINE_CORE_PROCESS | 0: `pdserve node` runs its engine core in the HTTP process (the tests set it) | 1 |
 """
 
@@ -49,5 +49,5 @@ PDSERVE_CACHE_DIR = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".
 PDSERVE_NUM_THREADS = _int("PDSERVE_NUM_THREADS", 1, 1)
 PDSERVE_LOG_LEVEL = _level("PDSERVE_LOG_LEVEL", "INFO")
 PDSERVE_ENGINE_CORE_PROCESS = _bool("PDSERVE_ENGINE_CORE_PROCESS", True)   # default of --engine-core-process
-PDSERVE_COMPILE = _bool("PDSERVE_COMPILE", True)        # default of ExecutionConfig.torch_compile
+PDSERVE_COMPILE = _bool("PDSERVE_COMPILE", False)        # default of ExecutionConfig.torch_compile
 PDSERVE_FAULTS = os.environ.get("PDSERVE_FAULTS", "")     # parsed and checked by engine/parallel/faults.py

@@ -67,6 +67,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton"],
                    help="attention kernels (default: PDSERVE_ATTENTION_BACKEND, else triton on cuda, torch on cpu)")
+    p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU, tp = pp = 1: torch.compile the layers' non-attention parts for steps of >= 64 tokens "
+                        "(default: PDSERVE_COMPILE, off: compiled and eager steps round differently, so a prompt's KV "
+                        "bytes would depend on how it was chunked)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="no CUDA graphs for decode steps, no torch.compile on CPU")
     p.add_argument("--kv-store", default=None,
@@ -113,7 +117,8 @@ def config_from_args(args) -> EngineConfig:
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
-        execution=ExecutionConfig(attention_backend=args.attention_backend, enforce_eager=args.enforce_eager),
+        execution=ExecutionConfig(attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                                  torch_compile=args.torch_compile),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 rank_timeout=args.rank_timeout, debug_sync=args.debug_sync,

@@ -15,7 +15,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PDSERVE_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("PDSERVE_COMPILE", "0")    # eager: one test compiles (test_compile.py)
+os.environ.setdefault("PDSERVE_COMPILE", "0")    # eager (the default): test_compile.py asks for compile
 # nodes the tests start run in one process (half the start-up); the engine-core tests ask for the core
 os.environ.setdefault("PDSERVE_ENGINE_CORE_PROCESS", "0")
 

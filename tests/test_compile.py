@@ -1,6 +1,6 @@
 """torch.compile of the layers' non-attention parts (engine/compile.py): same greedy tokens as HF and as eager.
 
-The tests run eagerly (conftest sets PDSERVE_COMPILE=0); ``test_compiled_greedy_equals_hf_and_eager`` is
+Compile is off by default (and conftest sets PDSERVE_COMPILE=0); ``test_compiled_greedy_equals_hf_and_eager`` is
 the one that compiles (inductor, ~10-20 s on a small box the first time).
 """
 
@@ -80,3 +80,21 @@ def test_pdserve_compile_values(monkeypatch, raw, ok):
     else:
         with pytest.raises(ValueError, match="PDSERVE_COMPILE"):
             envs._bool("PDSERVE_COMPILE", True)
+
+
+def test_compile_is_off_unless_asked_for():
+    """Off by default (compiled and eager steps round differently: a prompt's KV bytes would depend on its
+    chunking); ``pdserve node --torch-compile`` or PDSERVE_COMPILE=1 turns it on."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_COMPILE"}
+    code = ("import sys; from pdserve.engine import envs; from pdserve.engine.cli import build_parser; "
+            "a = build_parser().parse_args(['node', '--model', 'x', *sys.argv[1:]]); "
+            "print(envs.PDSERVE_COMPILE, a.torch_compile)")
+    run = lambda *flags: subprocess.run([sys.executable, "-c", code, *flags], env=env, capture_output=True,  # noqa: E731
+                                        text=True, check=True).stdout.split()
+    assert run() == ["False", "None"]
+    assert run("--torch-compile") == ["False", "True"]
+    assert run("--no-torch-compile") == ["False", "False"]
