@@ -52,7 +52,8 @@ NODE_FLAGS = (
     ("--kv-cache-memory-bytes", int, "bytes of KV cache"),
     ("--num-gpu-blocks-override", int, "exact number of KV blocks"),
     ("--attention-backend", str, "torch | triton"),
-    ("--enforce-eager", bool, "no CUDA graphs"),
+    ("--enforce-eager", bool, "no CUDA graphs, no torch.compile"),
+    ("--torch-compile", bool, "torch.compile on CPU (off by default)"),
     ("--engine-core-process", bool, "the engine core in its own process (the nodes' default)"),
 )
 
