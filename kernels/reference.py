@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pdserve.kernels.metadata import AttentionMetadata
 
@@ -126,10 +125,21 @@ def _plan(meta: AttentionMetadata, device) -> _Plan:
 
 def _causal(q, k, v, scale) -> torch.Tensor:
     # q: [Q, H, D]; k, v: [Q, Hkv, D], the whole sequence: no gather, no explicit mask
-    with sdpa_kernel(SDPBackend.MATH):
-        o = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v),
-                                           is_causal=True, scale=scale, enable_gqa=True)
+    o = _math_sdpa(_heads_first(q), _heads_first(k), _heads_first(v), None, scale)
     return o[0].transpose(0, 1)
+
+
+def _math_sdpa(q, k, v, mask, scale) -> torch.Tensor:
+    """SDPA's unfused math path, called directly: bit for bit what ``F.scaled_dot_product_attention`` gives
+    under ``sdpa_kernel(SDPBackend.MATH)`` (a boolean mask made additive as SDPA makes it), without that
+    context manager, which sets process-global backend flags: two threads prefilling at once interleaved its
+    save/restore, left flash / mem-efficient / cuDNN SDPA off for the whole process, and switched other
+    threads' SDPA calls (decode rows, another engine's) to the math path while one thread was inside.
+    ``mask`` None: causal."""
+    if mask is not None:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, 0.0, mask is None, None,
+                                                             scale=scale, enable_gqa=True)[0]
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -156,10 +166,7 @@ def _prefill(q, cache, ws, p: _Prefill, scale, window) -> torch.Tensor:
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
-    with sdpa_kernel(SDPBackend.MATH):
-        o = F.scaled_dot_product_attention(
-            _heads_first(q), _heads_first(keys), _heads_first(values),
-            attn_mask=mask, scale=scale, enable_gqa=True)
+    o = _math_sdpa(_heads_first(q), _heads_first(keys), _heads_first(values), mask, scale)
     return o[0].transpose(0, 1)                                               # [Q, H, D]
 
 
