@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="tiny model and workload: a CPU dry run of this script")
     p.add_argument("--model-dir", default="/tmp/gpu-bench-model")
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    p.add_argument("--attention-backend", default=None, choices=["cpu", "torch", "triton"])
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--only", default="offline,decode,prefill,store", help="comma-separated figures to measure")
     p.add_argument("--peak-gbps", type=float, default=4800.0)

@@ -82,14 +82,15 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class ExecutionConfig:
     """How the model runs a step (``--attention-backend``, ``--enforce-eager``)."""
-    attention_backend: str | None = None  # torch | triton; None: PDSERVE_ATTENTION_BACKEND, else triton on cuda
+    attention_backend: str | None = None  # cpu | torch | triton; None: PDSERVE_ATTENTION_BACKEND, else triton
+                                          # on cuda, cpu where its kernel builds, torch
     enforce_eager: bool = False           # no CUDA graphs for decode steps, no torch.compile on CPU (vLLM's flag)
     torch_compile: bool | None = None     # CPU, tp = pp = 1: compile the layers' non-attention parts
                                           # (engine/compile.py); None: PDSERVE_COMPILE (default off)
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in (None, "torch", "triton"):
-            raise ConfigError(f"--attention-backend must be torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in (None, "cpu", "torch", "triton"):
+            raise ConfigError(f"--attention-backend must be cpu, torch or triton, got {self.attention_backend!r}")
 
 
 @dataclass(frozen=True)

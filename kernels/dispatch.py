@@ -4,31 +4,42 @@
     meta.backend = backend                               # every step's metadata names it
     out = paged_attention(q, k, v, cache, meta, scale, window)   # each layer: dispatched here
 
-Backends: ``torch`` (``reference.py``: plain torch, the CPU path and the oracle) and ``triton``
-(``triton_attention.py``: the CUDA path; on CPU only under ``TRITON_INTERPRET=1``, for tests).
-Chosen by ``--attention-backend``, else ``PDSERVE_ATTENTION_BACKEND``, else triton on CUDA and torch
-on CPU. The Triton module is imported only when chosen.
+Backends: ``cpu`` (``cpu_attention.c``, an AVX2 kernel built with the machine's compiler: the CPU
+path), ``torch`` (``reference.py``: plain torch, the oracle, and the CPU path where the kernel cannot be
+built) and ``triton`` (``triton_attention.py``: the CUDA path; on CPU only under ``TRITON_INTERPRET=1``,
+for tests). Chosen by ``--attention-backend``, else ``PDSERVE_ATTENTION_BACKEND``, else triton on CUDA,
+cpu on a CPU where the kernel builds, torch otherwise. The Triton module is imported only when chosen.
+A cache the cpu kernel does not take (head or block size not a multiple of 8) goes to ``torch``.
 """
 
 from __future__ import annotations
 
 import os
 
-from pdserve.kernels import reference
+from pdserve.kernels import cpu_attention, reference
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("cpu", "torch", "triton")
 
 
 def resolve_backend(requested: str | None, device: str) -> str:
     """``requested`` (a flag value, or None) -> the backend name; raises ValueError naming the flag."""
-    name = requested or os.environ.get("PDSERVE_ATTENTION_BACKEND") or ("triton" if device == "cuda" else "torch")
+    name = requested or os.environ.get("PDSERVE_ATTENTION_BACKEND") or _default(device)
     if name not in BACKENDS:
         raise ValueError(f"--attention-backend / PDSERVE_ATTENTION_BACKEND must be one of {', '.join(BACKENDS)}, "
                          f"got {name!r}")
     if name == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--attention-backend triton on CPU runs only under TRITON_INTERPRET=1 (tests); "
                          "use --attention-backend torch")
+    if name == "cpu" and (device != "cpu" or cpu_attention.load() is None):
+        raise ValueError(f"--attention-backend cpu needs a CPU device with AVX2/FMA/F16C and a C compiler "
+                         f"(device {device}; see the log for why the kernel did not build); use torch")
     return name
+
+
+def _default(device: str) -> str:
+    if device == "cuda":
+        return "triton"
+    return "cpu" if device == "cpu" and cpu_attention.load() is not None else "torch"
 
 
 def paged_attention(q, k, v, cache: dict, meta, scale: float, sliding_window: int | None = None):
@@ -37,6 +48,8 @@ def paged_attention(q, k, v, cache: dict, meta, scale: float, sliding_window: in
         from pdserve.kernels import triton_attention
 
         return triton_attention.paged_attention(q, k, v, cache, meta, scale, sliding_window)
+    if meta.backend == "cpu" and cpu_attention.supports(cache):
+        return cpu_attention.paged_attention(q, k, v, cache, meta, scale, sliding_window)
     return reference.paged_attention(q, k, v, cache, meta, scale, sliding_window)
 
 

@@ -106,7 +106,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     local_ranks: list[int]          # ranks on the driver's machine (they read the ring)
     rank_timeout: float
     debug_sync: bool = False
-    attention_backend: str | None = None   # --attention-backend (None: the env variable, else torch on CPU)
+    attention_backend: str | None = None   # --attention-backend (None: the env variable, else cpu or torch on a CPU)
     version: int = VERSION
 
 

@@ -1,0 +1,239 @@
+/* Paged attention on x86-64 CPUs (AVX2 + FMA): one call per layer for the whole packed batch.
+ *
+ * What it computes: for every sequence b and every query row i of it (position
+ * p = seq_lens[b] - q_len + i), for every query head h (KV head g = h / (H / Hkv)):
+ *
+ *     out[row, h] = softmax_k(scale * q[row, h] . K[b, k, g]) @ V[b, k, g]    over keys k in [lo, p]
+ *
+ * with lo = 0, or p - window + 1 under a sliding window; K/V row k of sequence b lives in the paged
+ * cache at block block_table[b, k / bs], offset k % bs.  Decode rows (q_len 1) and prefill/extend
+ * chunks go through the same loop: no gather, no padding, no mask tensor.
+ *
+ * Layouts: q, out [T, H, D] float32; k_cache, v_cache [num_blocks, bs, Hkv, D] float32 / bfloat16 /
+ * float16; block_table [B, table_stride] int32; query_start_loc [B + 1], seq_lens [B] int32.
+ * D and bs are multiples of 8 (the host checks; the kernel returns an error code otherwise).
+ *
+ * Bits do not depend on chunking.  Each (row, head) is computed by the same sequence of
+ * floating-point operations whatever else is in the call: keys are visited in groups of 8 aligned to
+ * absolute positions 0, 8, 16, ..., a group's scores are reduced over D in a fixed order, the online
+ * softmax rescales at fixed group boundaries, and P @ V accumulates keys in position order.  Rows are
+ * tiled (up to 32 (row, head) lanes share each K/V group while it is in L1) only to reuse loads: a lane's
+ * arithmetic never reads another lane's.  So a prompt prefilled in one chunk or in ten, on the prefill
+ * node or the decode node, publishes the same KV bytes — what the store's digest check requires (the
+ * fused SDPA kernel tiles by the chunk's length and did not).  Built with -ffp-contract=off and no
+ * fast-math so the compiler cannot re-associate; every FMA is an explicit intrinsic.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2 };
+#define MAX_LANES 32   /* (row, head) lanes per tile: their accumulators (32 x D floats) stay in L1/L2 */
+#define GROUP 8        /* keys per score vector: one AVX register */
+#define INLINE static inline __attribute__((always_inline))
+
+/* exp on 8 lanes: 2^n * P(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-5 minimax polynomial (Cephes
+ * expf coefficients; ~1 ulp); inputs below -87.3 give 0, so exp(-inf) = 0 as the softmax needs. */
+INLINE __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, y);
+}
+
+/* lane j of the result = sum of a[j]'s 8 lanes, in a fixed order */
+INLINE __m256 hsum8x8(const __m256 a[8]) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+INLINE float hsum(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+INLINE float hmax(__m256 x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 8 cache elements -> float32 */
+INLINE __m256 load8(const void *p, int dt) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)p);
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (dt == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+typedef struct {            /* one call's shapes */
+    int H, Hkv, D, bs, window, dt;
+    size_t esize;           /* bytes per cache element */
+    float scale;
+} Shape;
+
+typedef struct {            /* one (row, head) lane's running state */
+    const float *q;
+    float *acc;             /* [D] */
+    float m, l;
+    int pos, lo;
+} Lane;
+
+/* the scores of keys k0..k0+7 for one lane: dot products over D (d in order), reduced in a fixed order;
+ * the 8 keys' chains are independent, so the FMAs pipeline */
+INLINE __m256 scores8(const Lane *ln, const void *const krow[GROUP], const Shape *s) {
+    __m256 a[GROUP];
+    for (int j = 0; j < GROUP; j++) a[j] = _mm256_setzero_ps();
+    for (int d = 0; d < s->D; d += 8) {
+        __m256 qd = _mm256_loadu_ps(ln->q + d);
+        size_t off = (size_t)d * s->esize;
+        for (int j = 0; j < GROUP; j++)
+            a[j] = _mm256_fmadd_ps(qd, load8((const char *)krow[j] + off, s->dt), a[j]);
+    }
+    return _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(s->scale));
+}
+
+/* acc[d..d+8*W) += sum_j p_j v_j[...], keys first..last in order; W independent chains */
+#define PV_CHUNK(W)                                                                                      \
+    for (; d + 8 * (W) <= s->D; d += 8 * (W)) {                                                          \
+        __m256 acc[W];                                                                                   \
+        for (int w = 0; w < (W); w++) acc[w] = _mm256_loadu_ps(ln->acc + d + 8 * w);                     \
+        for (int j = first; j <= last; j++) {                                                            \
+            __m256 pb = _mm256_set1_ps(pj[j]);                                                           \
+            const char *vr = (const char *)vrow[j] + (size_t)d * s->esize;                               \
+            for (int w = 0; w < (W); w++)                                                                \
+                acc[w] = _mm256_fmadd_ps(pb, load8(vr + (size_t)8 * w * s->esize, s->dt), acc[w]);      \
+        }                                                                                                \
+        for (int w = 0; w < (W); w++) _mm256_storeu_ps(ln->acc + d + 8 * w, acc[w]);                     \
+    }
+
+/* one lane takes keys [first, last] (a sub-range of the group starting at k0) into its online softmax */
+INLINE void attend_group(Lane *ln, const void *const krow[GROUP], const void *const vrow[GROUP],
+                                int k0, const Shape *s) {
+    int first = ln->lo > k0 ? ln->lo - k0 : 0, last = ln->pos - k0 < GROUP - 1 ? ln->pos - k0 : GROUP - 1;
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 valid = _mm256_castsi256_ps(_mm256_and_si256(
+        _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(first - 1)), _mm256_cmpgt_epi32(_mm256_set1_epi32(last + 1), idx)));
+    __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), scores8(ln, krow, s), valid);
+    float gmax = hmax(sc);
+    if (gmax > ln->m) {                       /* new running max: rescale what was accumulated */
+        float alpha = _mm256_cvtss_f32(exp8(_mm256_set1_ps(ln->m - gmax)));
+        __m256 va = _mm256_set1_ps(alpha);
+        for (int d = 0; d < s->D; d += 8)
+            _mm256_storeu_ps(ln->acc + d, _mm256_mul_ps(_mm256_loadu_ps(ln->acc + d), va));
+        ln->l *= alpha;
+        ln->m = gmax;
+    }
+    __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sc, _mm256_set1_ps(ln->m))), valid);
+    ln->l += hsum(p);
+    float pj[GROUP];
+    _mm256_storeu_ps(pj, p);
+    int d = 0;                                /* acc += p_j v_j: 8 chains, then whatever D leaves */
+    PV_CHUNK(8)
+    PV_CHUNK(1)
+}
+
+/* rows [r0, r1) of one sequence (first row at position pos0), KV head g: every key group any lane needs */
+INLINE void attend_tile(const float *q, float *out, const char *kc, const char *vc, const int32_t *table,
+                        int r0, int r1, int pos0, int g, Lane *lanes, float *accs, const Shape *s) {
+    int G = s->H / s->Hkv, n = 0, kmin = 1 << 30, kmax = 0;
+    for (int r = r0; r < r1; r++)
+        for (int h = g * G; h < (g + 1) * G; h++, n++) {
+            Lane *ln = &lanes[n];
+            ln->q = q + ((size_t)r * s->H + h) * s->D;
+            ln->acc = accs + (size_t)n * s->D;
+            for (int d = 0; d < s->D; d++) ln->acc[d] = 0.0f;
+            ln->m = -__builtin_inff(); ln->l = 0.0f;
+            ln->pos = pos0 + (r - r0);
+            ln->lo = s->window > 0 && ln->pos - s->window + 1 > 0 ? ln->pos - s->window + 1 : 0;
+            if (ln->lo < kmin) kmin = ln->lo;
+            if (ln->pos > kmax) kmax = ln->pos;
+        }
+    size_t row_bytes = (size_t)s->Hkv * s->D * s->esize, head_off = (size_t)g * s->D * s->esize;
+    for (int k0 = kmin / GROUP * GROUP; k0 <= kmax; k0 += GROUP) {
+        const void *krow[GROUP], *vrow[GROUP];
+        size_t base = ((size_t)table[k0 / s->bs] * s->bs + k0 % s->bs) * row_bytes + head_off;
+        for (int j = 0; j < GROUP; j++) { krow[j] = kc + base + j * row_bytes; vrow[j] = vc + base + j * row_bytes; }
+        for (int i = 0; i < n; i++)
+            if (lanes[i].pos >= k0 && lanes[i].lo < k0 + GROUP)
+                attend_group(&lanes[i], krow, vrow, k0, s);
+    }
+    for (int i = 0, r = r0; r < r1; r++)
+        for (int h = g * G; h < (g + 1) * G; h++, i++) {
+            float *o = out + ((size_t)r * s->H + h) * s->D;
+            __m256 inv = _mm256_set1_ps(lanes[i].l);
+            for (int d = 0; d < s->D; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(lanes[i].acc + d), inv));
+        }
+}
+
+/* attend_tile specialised per cache dtype and for the common head sizes: with dt, esize and D constants
+ * the loads need no branch and the loops over D unroll (the arithmetic is the same in every variant) */
+typedef void (*TileFn)(const float *, float *, const char *, const char *, const int32_t *, int, int, int, int,
+                       Lane *, float *, const Shape *);
+#define TILE_FN(NAME, DT, ESIZE, DCONST)                                                                  \
+    static void NAME(const float *q, float *out, const char *kc, const char *vc, const int32_t *table,    \
+                     int r0, int r1, int pos0, int g, Lane *lanes, float *accs, const Shape *s) {         \
+        Shape c = *s;                                                                                     \
+        c.dt = (DT); c.esize = (ESIZE);                                                                   \
+        if (DCONST) c.D = (DCONST);                                                                       \
+        attend_tile(q, out, kc, vc, table, r0, r1, pos0, g, lanes, accs, &c);                            \
+    }
+TILE_FN(tile_f32_64, DT_F32, 4, 64)
+TILE_FN(tile_f32_128, DT_F32, 4, 128)
+TILE_FN(tile_f32_any, DT_F32, 4, 0)
+TILE_FN(tile_bf16_64, DT_BF16, 2, 64)
+TILE_FN(tile_bf16_128, DT_BF16, 2, 128)
+TILE_FN(tile_bf16_any, DT_BF16, 2, 0)
+TILE_FN(tile_f16_64, DT_F16, 2, 64)
+TILE_FN(tile_f16_128, DT_F16, 2, 128)
+TILE_FN(tile_f16_any, DT_F16, 2, 0)
+
+static TileFn pick(int dt, int D) {
+    static const TileFn fns[3][3] = {{tile_f32_64, tile_f32_128, tile_f32_any},
+                                     {tile_bf16_64, tile_bf16_128, tile_bf16_any},
+                                     {tile_f16_64, tile_f16_128, tile_f16_any}};
+    return fns[dt][D == 64 ? 0 : D == 128 ? 1 : 2];
+}
+
+int pd_paged_attention(const float *q, float *out, const void *k_cache, const void *v_cache, int cache_dtype,
+                       const int32_t *block_table, int64_t table_stride, const int32_t *query_start_loc,
+                       const int32_t *seq_lens, int num_seqs, int H, int Hkv, int D, int bs, float scale,
+                       int window) {
+    if (D % 8 || D <= 0 || bs % GROUP || bs <= 0 || Hkv <= 0 || H % Hkv || cache_dtype < 0 || cache_dtype > 2)
+        return ERR_SHAPE;
+    Shape s = {H, Hkv, D, bs, window, cache_dtype, cache_dtype == DT_F32 ? 4 : 2, scale};
+    TileFn tile = pick(cache_dtype, D);
+    int G = H / Hkv, rows_per_tile = G >= MAX_LANES ? 1 : MAX_LANES / G, lanes_max = rows_per_tile * G;
+    Lane *lanes = malloc(sizeof(Lane) * lanes_max);
+    float *accs = aligned_alloc(32, sizeof(float) * (size_t)lanes_max * D);
+    if (!lanes || !accs) { free(lanes); free(accs); return ERR_NOMEM; }
+    for (int b = 0; b < num_seqs; b++) {
+        int start = query_start_loc[b], q_len = query_start_loc[b + 1] - start, pos0 = seq_lens[b] - q_len;
+        const int32_t *table = block_table + (int64_t)b * table_stride;
+        for (int r = start; r < start + q_len; r += rows_per_tile) {
+            int r1 = r + rows_per_tile < start + q_len ? r + rows_per_tile : start + q_len;
+            for (int g = 0; g < Hkv; g++)
+                tile(q, out, k_cache, v_cache, table, r, r1, pos0 + (r - start), g, lanes, accs, &s);
+        }
+    }
+    free(lanes);
+    free(accs);
+    return OK;
+}

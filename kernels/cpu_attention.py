@@ -1,0 +1,129 @@
+"""The ``cpu`` attention backend: ``cpu_attention.c`` built with the machine's C compiler, called through ctypes.
+
+    lib = load()                       # once per process: compile (cached by source hash) and dlopen, or None
+    out = paged_attention(q, k, v, cache, meta, scale, window)   # each layer: write K/V, one C call
+
+The kernel reads the paged cache through the block tables directly (no gather, no mask tensor) and
+takes every sequence of the step, prefill chunks and decode rows, in one call per layer; its results
+do not depend on how a prompt was chunked (see the C file's header), so engines that chunk one prompt
+differently still publish identical KV bytes. ctypes drops the GIL for the call, and the kernel keeps
+no state between calls: engines on several threads call it at once.
+
+Built at ``PDSERVE_CACHE_DIR/kernels/cpu_attention-<hash>.so`` with ``cc -O3 -mavx2 -mfma -mf16c
+-ffp-contract=off`` (written to a temporary name and renamed, so processes building at once do not see a
+half-written file). ``load()`` returns None — and the dispatcher keeps the plain-torch backend — when
+the CPU lacks AVX2/FMA/F16C, there is no compiler, or the build fails; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pdserve.engine import envs
+from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.kernels.reference import write_to_cache
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+CPU_FLAGS = ("avx2", "fma", "f16c")
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ERRORS = {1: "shape (head size and block size must be multiples of 8)", 2: "out of memory"}
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (with the reason logged) where it cannot be built here."""
+    reason = _unsupported()
+    if reason is None:
+        try:
+            return _bind(ctypes.CDLL(str(_build())))
+        except (OSError, subprocess.CalledProcessError) as e:
+            reason = f"build failed: {e}"
+    log.warning("cpu attention kernel unavailable (%s); using the plain-torch backend", reason)
+    return None
+
+
+def _unsupported() -> str | None:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"machine is {platform.machine()}, not x86_64"
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "/proc/cpuinfo has no flags line"
+    missing = [f for f in CPU_FLAGS if f not in flags]
+    if missing:
+        return f"CPU lacks {', '.join(missing)}"
+    if _compiler() is None:
+        return "no C compiler (cc, gcc or $CC)"
+    return None
+
+
+def _compiler() -> str | None:
+    return next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
+
+
+def _build() -> Path:
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    out_dir = envs.PDSERVE_CACHE_DIR / "kernels"
+    target = out_dir / f"cpu_attention-{tag}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        subprocess.run([_compiler(), *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built the cpu attention kernel: %s", target)
+    return target
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.pd_paged_attention.argtypes = [p, p, p, p, i32, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    lib.pd_paged_attention.restype = i32
+    return lib
+
+
+def supports(cache: dict) -> bool:
+    """Whether the kernel takes this cache (dtype, head size, block size); else the caller uses torch."""
+    k = cache["k"]
+    return (k.device.type == "cpu" and k.dtype in CACHE_DTYPES and k.is_contiguous() and cache["v"].is_contiguous() and k.shape[-1] % 8 == 0 and k.shape[1] % 8 == 0)
+
+
+def paged_attention(q, k, v, cache: dict, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H, D] in q's dtype (computed in float32)."""
+    write_to_cache(k, v, cache, meta.slot_mapping)
+    lib = load()
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty_like(qf)
+    kc, vc = cache["k"], cache["v"]
+    table = meta.block_table if meta.block_table.dtype == torch.int32 else meta.block_table.to(torch.int32)
+    table = table.contiguous()
+    qsl, lens = meta.query_start_loc_cpu.contiguous(), meta.seq_lens_cpu.contiguous()
+    _, bs, hkv, d = kc.shape
+    rc = lib.pd_paged_attention(qf.data_ptr(), out.data_ptr(), kc.data_ptr(), vc.data_ptr(), CACHE_DTYPES[kc.dtype],
+                                table.data_ptr(), table.stride(0), qsl.data_ptr(), lens.data_ptr(), lens.numel(),
+                                q.shape[1], hkv, d, bs, float(scale), int(sliding_window or 0))
+    if rc:
+        raise RuntimeError(f"cpu attention kernel failed: {_ERRORS.get(rc, rc)} (q {tuple(q.shape)}, "
+                           f"cache {tuple(kc.shape)} {kc.dtype})")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -1,0 +1,154 @@
+"""The ``cpu`` attention kernel (kernels/cpu_attention.c) equals the float64 oracle and the torch reference,
+and a row's bits do not depend on how its prompt was chunked, what else was in the call, or which thread ran it.
+
+Ragged steps over scrambled block tables: chunked prefill on cached context, first chunks, decodes of mixed
+lengths; GQA 1-4 query heads per KV head; head sizes 8-128 (64 and 128 have their own unrolled variants);
+block sizes 8-32; float32, bfloat16 and float16 caches; sliding windows. The chunking property runs
+under hypothesis: any cut of a prompt into chunks, each chunk a step of its own and decodes mixed in,
+gives each position exactly the bits the one-chunk prefill gave it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.kernels import AttentionMetadata, cpu_attention, reference, resolve_backend
+from pdserve.kernels.dispatch import paged_attention
+
+pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="cpu attention kernel not built here "
+                                "(needs x86-64 with AVX2/FMA/F16C and a C compiler)")
+NUM_BLOCKS = 96
+
+
+def _step(specs, H, HKV, D, BS, dtype=torch.float32, seed=0):
+    """specs [(seq_len, q_len)] -> (cache, tables, meta, q, k, v); K/V of every cached position random."""
+    g = torch.Generator().manual_seed(seed)
+    cache = {c: torch.randn(NUM_BLOCKS, BS, HKV, D, generator=g).to(dtype) for c in ("k", "v")}
+    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    tables = [[perm.pop() for _ in range((s + BS - 1) // BS)] for s, _ in specs]
+    meta = AttentionMetadata.build([n for _, n in specs], [s for s, _ in specs], tables, BS, backend="cpu")
+    T = sum(n for _, n in specs)
+    q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (H, HKV, HKV))
+    return cache, tables, meta, q, k, v
+
+
+def _oracle(cache, tables, specs, q, scale, window, BS):
+    """Each sequence's rows attended in float64 over its K/V read back from the (already written) cache."""
+    HKV, D = cache["k"].shape[2:]
+    flat = {c: cache[c].view(-1, HKV, D).double() for c in cache}
+    out, row = [], 0
+    for (s, n), t in zip(specs, tables):
+        pos = torch.arange(s)
+        slots = torch.tensor(t)[pos // BS] * BS + pos % BS
+        k, v = (flat[c][slots].repeat_interleave(q.shape[1] // HKV, 1).transpose(0, 1) for c in ("k", "v"))
+        qp, kp = torch.arange(s - n, s).unsqueeze(1), pos.unsqueeze(0)
+        mask = (kp <= qp) & ((kp > qp - window) if window else True)
+        scores = (q[row:row + n].double().transpose(0, 1) @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+        out.append((scores.softmax(-1) @ v).transpose(0, 1))
+        row += n
+    return torch.cat(out)
+
+
+SPECS = [(40, 13), (9, 9), (30, 1), (1, 1), (57, 1), (16, 16), (24, 8)]
+
+
+@pytest.mark.parametrize("H,HKV", [(4, 4), (4, 2), (6, 2), (8, 2)])
+@pytest.mark.parametrize("D,BS", [(64, 16), (128, 8), (8, 32), (24, 16)])
+@pytest.mark.parametrize("window", [None, 11])
+def test_equals_float64_oracle(H, HKV, D, BS, window):
+    cache, tables, meta, q, k, v = _step(SPECS, H, HKV, D, BS)
+    out = cpu_attention.paged_attention(q, k, v, cache, meta, 0.3, window)
+    torch.testing.assert_close(out.double(), _oracle(cache, tables, SPECS, q, 0.3, window, BS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_half_caches_equal_the_torch_reference(dtype, tol):
+    cache, _, meta, q, k, v = _step(SPECS, 4, 2, 64, 16, dtype=dtype)
+    ref_cache = {c: x.clone() for c, x in cache.items()}
+    out = cpu_attention.paged_attention(q, k, v, cache, meta, 0.125)
+    assert out.dtype == dtype
+    expected = reference.paged_attention(q, k, v, ref_cache, meta, 0.125)
+    assert torch.equal(cache["k"], ref_cache["k"]) and torch.equal(cache["v"], ref_cache["v"])
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def _prefill_in_chunks(q, k, v, cuts, decode_after, BS, window=None, neighbours=()):
+    """One prompt (q/k/v [L, *, D]) run as the chunks cuts say, each chunk a step with ``neighbours``
+    (other sequences' (seq_len, q_len)) in the same call; the last ``decode_after`` positions as decodes."""
+    L, HKV, D = k.shape
+    cache = {c: torch.zeros(NUM_BLOCKS, BS, HKV, D) for c in ("k", "v")}
+    table = list(range((L + BS - 1) // BS))
+    other_tables = [list(range(NUM_BLOCKS - 1 - (s + BS - 1) // BS, NUM_BLOCKS - 1)) for s, _ in neighbours]
+    bounds = [0, *cuts, L - decode_after] + list(range(L - decode_after + 1, L + 1))
+    out = []
+    for start, end in zip(bounds, bounds[1:]):
+        if end <= start:
+            continue
+        specs = [(end, end - start), *neighbours]
+        meta = AttentionMetadata.build([n for _, n in specs], [s for s, _ in specs], [table, *other_tables], BS,
+                                       backend="cpu")
+        extra = sum(n for _, n in neighbours)
+        pad = lambda x: torch.cat([x[start:end], torch.ones(extra, *x.shape[1:])])   # noqa: E731
+        o = cpu_attention.paged_attention(pad(q), pad(k), pad(v), cache, meta, 0.125, window)
+        out.append(o[: end - start])
+    return torch.cat(out)
+
+
+@settings(max_examples=25, deadline=None)
+@given(L=st.integers(2, 90), data=st.data())
+def test_a_rows_bits_do_not_depend_on_chunking(L, data):
+    """Any chunking of a prompt (and its last positions run as decodes, with other sequences in the call)
+    gives every position the same bits as one chunk: what lets two engines publish identical KV bytes."""
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, L - 1), max_size=4)))) if L > 1 else []
+    decode_after = data.draw(st.integers(0, min(3, L - 1 - (cuts[-1] if cuts else 0))))
+    neighbours = data.draw(st.sampled_from([(), ((20, 1),), ((33, 5), (3, 1))]))
+    window = data.draw(st.sampled_from([None, 9]))
+    g = torch.Generator().manual_seed(L)
+    q, k, v = (torch.randn(L, h, 64, generator=g) for h in (6, 2, 2))
+    whole = _prefill_in_chunks(q, k, v, [], 0, 16, window)
+    chunked = _prefill_in_chunks(q, k, v, cuts, decode_after, 16, window, neighbours)
+    assert torch.equal(whole, chunked), (cuts, decode_after, neighbours)
+
+
+def test_threads_calling_at_once_get_the_serial_bits():
+    """ctypes drops the GIL for the call and the kernel keeps no state: 4 threads x 20 calls on their own
+    steps give exactly what each step gives alone."""
+    steps = [_step(SPECS, 4, 2, 64, 16, seed=s) for s in range(4)]
+    serial = [cpu_attention.paged_attention(q, k, v, c, m, 0.125) for c, _, m, q, k, v in steps]
+    results: dict[int, list] = {i: [] for i in range(4)}
+
+    def work(i):
+        c, _, m, q, k, v = steps[i]
+        for _ in range(20):
+            results[i].append(cpu_attention.paged_attention(q, k, v, c, m, 0.125))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(r, serial[i]) for i in range(4) for r in results[i])
+
+
+def test_the_dispatcher_picks_cpu_on_a_cpu_and_torch_for_caches_it_does_not_take(monkeypatch):
+    monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND", raising=False)
+    assert resolve_backend(None, "cpu") == "cpu"
+    with pytest.raises(ValueError, match="--attention-backend cpu needs a CPU"):
+        resolve_backend("cpu", "cuda")
+    specs = [(10, 10), (7, 1)]                       # block size 4: not a multiple of 8
+    cache, tables, meta, q, k, v = _step(specs, 4, 2, 16, 4)
+    assert not cpu_attention.supports(cache)
+    out = paged_attention(q, k, v, cache, meta, 0.3)
+    assert "torch" in meta.derived                   # the reference planned the step
+    torch.testing.assert_close(out.double(), _oracle(cache, tables, specs, q, 0.3, None, 4), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bad_shape_is_an_error_naming_it_not_a_crash():
+    cache, _, meta, q, k, v = _step([(9, 9)], 4, 2, 12, 16)       # head size 12: not a multiple of 8
+    with pytest.raises(RuntimeError, match="head size and block size must be multiples of 8"):
+        cpu_attention.paged_attention(q, k, v, cache, meta, 0.3)
