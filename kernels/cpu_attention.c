@@ -14,13 +14,13 @@
  * D and bs are multiples of 8 (the host checks; the kernel returns an error code otherwise).
  *
  * Bits do not depend on chunking.  Each (row, head) is computed by the same sequence of
- * floating-point operations whatever else is in the call: keys are visited in groups of 8 aligned to
- * absolute positions 0, 8, 16, ..., a group's scores are reduced over D in a fixed order, the online
- * softmax rescales at fixed group boundaries, and P @ V accumulates keys in position order.  Rows are
- * tiled (up to 32 (row, head) lanes share each K/V group while it is in L1) only to reuse loads: a lane's
- * arithmetic never reads another lane's.  So a prompt prefilled in one chunk or in ten, on the prefill
- * node or the decode node, publishes the same KV bytes — what the store's digest check requires (the
- * fused SDPA kernel tiles by the chunk's length and did not).  Built with -ffp-contract=off and no
+ * floating-point operations whatever else is in the call: keys are visited in units of 32 aligned to
+ * absolute positions 0, 32, 64, ... (the online softmax rescales once per unit), a score is reduced over
+ * D in a fixed order, and P @ V accumulates keys in position order.  Rows are tiled (up to 32 (row, head)
+ * lanes share each unit's K/V while it is in L1) only to reuse loads: a lane's arithmetic never reads
+ * another lane's.  So a prompt prefilled in one chunk or in ten, on the prefill node or the decode node,
+ * publishes the same KV bytes — what the store's digest check requires (the fused SDPA kernel tiles by
+ * the chunk's length and did not).  Built with -ffp-contract=off and no
  * fast-math so the compiler cannot re-associate; every FMA is an explicit intrinsic.
  */
 #include <immintrin.h>
@@ -31,6 +31,8 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2 };
 #define MAX_LANES 32   /* (row, head) lanes per tile: their accumulators (32 x D floats) stay in L1/L2 */
 #define GROUP 8        /* keys per score vector: one AVX register */
+#define UNIT 32        /* keys per online-softmax step (4 groups), aligned to absolute positions */
+#define NG (UNIT / GROUP)
 #define INLINE static inline __attribute__((always_inline))
 
 /* exp on 8 lanes: 2^n * P(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-5 minimax polynomial (Cephes
@@ -123,27 +125,42 @@ INLINE __m256 scores8(const Lane *ln, const void *const krow[GROUP], const Shape
         for (int w = 0; w < (W); w++) _mm256_storeu_ps(ln->acc + d + 8 * w, acc[w]);                     \
     }
 
-/* one lane takes keys [first, last] (a sub-range of the group starting at k0) into its online softmax */
-INLINE void attend_group(Lane *ln, const void *const krow[GROUP], const void *const vrow[GROUP],
-                                int k0, const Shape *s) {
-    int first = ln->lo > k0 ? ln->lo - k0 : 0, last = ln->pos - k0 < GROUP - 1 ? ln->pos - k0 : GROUP - 1;
+/* lane j of the result: all ones where first <= j <= last */
+INLINE __m256 mask8(int first, int last) {
     __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 valid = _mm256_castsi256_ps(_mm256_and_si256(
-        _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(first - 1)), _mm256_cmpgt_epi32(_mm256_set1_epi32(last + 1), idx)));
-    __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), scores8(ln, krow, s), valid);
-    float gmax = hmax(sc);
-    if (gmax > ln->m) {                       /* new running max: rescale what was accumulated */
-        float alpha = _mm256_cvtss_f32(exp8(_mm256_set1_ps(ln->m - gmax)));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(first - 1)),
+                                                _mm256_cmpgt_epi32(_mm256_set1_epi32(last + 1), idx)));
+}
+
+/* one lane takes keys [first, last] of the unit starting at k0 into its online softmax: the unit's groups'
+ * scores (independent: they pipeline), one max and one rescale for the unit, then P @ V in key order */
+INLINE void attend_unit(Lane *ln, const void *const krow[UNIT], const void *const vrow[UNIT], int k0,
+                        const Shape *s) {
+    int first = ln->lo > k0 ? ln->lo - k0 : 0, last = ln->pos - k0 < UNIT - 1 ? ln->pos - k0 : UNIT - 1;
+    int g0 = first / GROUP, g1 = last / GROUP;
+    __m256 sc[NG], valid[NG], umax = _mm256_set1_ps(-__builtin_inff());
+    for (int gi = g0; gi <= g1; gi++) {
+        valid[gi] = mask8(first - gi * GROUP, last - gi * GROUP);
+        sc[gi] = _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), scores8(ln, krow + gi * GROUP, s), valid[gi]);
+        umax = _mm256_max_ps(umax, sc[gi]);
+    }
+    float m_new = hmax(umax);
+    if (m_new > ln->m) {                      /* new running max: rescale what was accumulated */
+        float alpha = _mm256_cvtss_f32(exp8(_mm256_set1_ps(ln->m - m_new)));
         __m256 va = _mm256_set1_ps(alpha);
         for (int d = 0; d < s->D; d += 8)
             _mm256_storeu_ps(ln->acc + d, _mm256_mul_ps(_mm256_loadu_ps(ln->acc + d), va));
         ln->l *= alpha;
-        ln->m = gmax;
+        ln->m = m_new;
     }
-    __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sc, _mm256_set1_ps(ln->m))), valid);
-    ln->l += hsum(p);
-    float pj[GROUP];
-    _mm256_storeu_ps(pj, p);
+    float pj[UNIT];
+    __m256 psum = _mm256_setzero_ps(), vm = _mm256_set1_ps(ln->m);
+    for (int gi = g0; gi <= g1; gi++) {
+        __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sc[gi], vm)), valid[gi]);
+        _mm256_storeu_ps(pj + gi * GROUP, p);
+        psum = _mm256_add_ps(psum, p);
+    }
+    ln->l += hsum(psum);
     int d = 0;                                /* acc += p_j v_j: 8 chains, then whatever D leaves */
     PV_CHUNK(8)
     PV_CHUNK(1)
@@ -166,13 +183,20 @@ INLINE void attend_tile(const float *q, float *out, const char *kc, const char *
             if (ln->pos > kmax) kmax = ln->pos;
         }
     size_t row_bytes = (size_t)s->Hkv * s->D * s->esize, head_off = (size_t)g * s->D * s->esize;
-    for (int k0 = kmin / GROUP * GROUP; k0 <= kmax; k0 += GROUP) {
-        const void *krow[GROUP], *vrow[GROUP];
-        size_t base = ((size_t)table[k0 / s->bs] * s->bs + k0 % s->bs) * row_bytes + head_off;
-        for (int j = 0; j < GROUP; j++) { krow[j] = kc + base + j * row_bytes; vrow[j] = vc + base + j * row_bytes; }
+    int k0 = kmin / UNIT * UNIT, blk = k0 / s->bs, off = k0 % s->bs;
+    for (; k0 <= kmax; k0 += UNIT) {
+        const void *krow[UNIT], *vrow[UNIT];
+        for (int kk = k0; kk < k0 + UNIT && kk <= kmax; kk += GROUP) {    /* a group never straddles blocks */
+            size_t base = ((size_t)table[blk] * s->bs + off) * row_bytes + head_off;
+            for (int j = 0; j < GROUP; j++) {
+                krow[kk - k0 + j] = kc + base + j * row_bytes;
+                vrow[kk - k0 + j] = vc + base + j * row_bytes;
+            }
+            if ((off += GROUP) == s->bs) { off = 0; blk++; }
+        }
         for (int i = 0; i < n; i++)
-            if (lanes[i].pos >= k0 && lanes[i].lo < k0 + GROUP)
-                attend_group(&lanes[i], krow, vrow, k0, s);
+            if (lanes[i].pos >= k0 && lanes[i].lo < k0 + UNIT)
+                attend_unit(&lanes[i], krow, vrow, k0, s);
     }
     for (int i = 0, r = r0; r < r1; r++)
         for (int h = g * G; h < (g + 1) * G; h++, i++) {
