@@ -1,4 +1,4 @@
-"""CPU paged attention micro-benchmark (issue 14): decode-step variants of ``kernels/reference.py``.
+"""CPU paged attention micro-benchmark (issue 14): decode-step variants of ``kernels/reference.py`` and the C kernel.
 
     shapes     decode steps of --batch sequences (fixed seed), contexts uniform in --context +- --spread,
                block size 16, scrambled block tables, float32; heads: tiny (4 q / 2 KV, head dim 64:
@@ -12,7 +12,11 @@
                matmul-ws   folded, one baddbmm + softmax + bmm per KV head on strided views, not SDPA
                flex        torch.compile'd flex_attention straight on the paged cache (no gather): a
                            BlockMask built from the block tables (--flex; the first call compiles)
-               shipped     ``pdserve.kernels.paged_attention`` as it is now (K/V write included)
+               torch-ref   ``kernels/reference.py`` as it is now: fold-ws-g8, K/V write included
+               cpu-kernel  ``kernels/cpu_attention.c``: the C kernel straight on the paged cache (no gather,
+                           one call for the step), K/V write included
+    --prefill  also prompt steps, torch-ref against cpu-kernel (the only two that take them): a 512-token
+               first chunk, and a 256-token chunk over 256 cached tokens, per head shape
 
 Each figure is the best of --repeats means over --iters calls of one layer's attention, at
 --threads torch threads; every round times all variants in turn, so a shared box's load drifts over
@@ -33,7 +37,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import AttentionMetadata, paged_attention, reference
+from pdserve.kernels import AttentionMetadata, cpu_attention, paged_attention, reference
 
 HEADS = {"tiny": (4, 2, 64), "smol": (9, 3, 64)}   # name -> (q heads, KV heads, head dim)
 
@@ -49,6 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5, help="best of this many means")
     p.add_argument("--flex", action="store_true", help="also time compiled flex_attention (compiles ~20 s)")
+    p.add_argument("--prefill", action="store_true", help="also time prompt steps (torch-ref vs cpu-kernel)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="cpu_attention.json")
     return p.parse_args(argv)
@@ -57,19 +62,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------------- the case
 
 
-def make_case(batch: int, heads: tuple[int, int, int], args, seed: int) -> dict:
-    """One decode step: a paged cache, scrambled tables, q/k/v for one new row per sequence."""
+def make_case(batch: int, heads: tuple[int, int, int], args, seed: int, q_len: int = 1,
+              lens: list[int] | None = None) -> dict:
+    """One step: a paged cache, scrambled tables, q/k/v for the last q_len rows of each sequence (1: decodes
+    with contexts drawn from --context/--spread; else ``lens`` gives the sequences' lengths)."""
     H, Hkv, D = heads
     bs, g = args.block_size, torch.Generator().manual_seed(seed)
-    lens = torch.randint(args.context - args.spread, args.context + args.spread + 1, (batch,), generator=g)
-    nbs = ((lens + bs - 1) // bs).tolist()
+    if lens is None:
+        lens = torch.randint(args.context - args.spread, args.context + args.spread + 1, (batch,), generator=g).tolist()
+    nbs = [(n + bs - 1) // bs for n in lens]
     num_blocks = sum(nbs) + 64
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[perm.pop() for _ in range(n)] for n in nbs]
-    meta = AttentionMetadata.build([1] * batch, lens.tolist(), tables, bs)
+    meta = AttentionMetadata.build([q_len] * batch, lens, tables, bs)
     cache = {c: torch.randn(num_blocks, bs, Hkv, D, generator=g) for c in ("k", "v")}
-    q, k, v = (torch.randn(batch, h, D, generator=g) for h in (H, Hkv, Hkv))
-    for c, x in (("k", k), ("v", v)):             # already in place: "shipped" rewrites the same values
+    q, k, v = (torch.randn(batch * q_len, h, D, generator=g) for h in (H, Hkv, Hkv))
+    for c, x in (("k", k), ("v", v)):             # already in place: torch-ref and cpu-kernel rewrite the same values
         cache[c].view(-1, Hkv, D)[meta.slot_mapping] = x
     return {"q": q, "k": k, "v": v, "cache": cache, "meta": meta, "scale": D ** -0.5}
 
@@ -147,13 +155,17 @@ def grouped(attend, size: int | None, workspace: bool):
     return run, make_plan
 
 
-def shipped(case, plan):
+def torch_ref(case, plan):
     return paged_attention(case["q"], case["k"], case["v"], case["cache"], case["meta"], case["scale"])
 
 
-def shipped_plan(case):
+def torch_ref_plan(case):
     """The backend's own per-step plan (built at layer 0), stored where ``paged_attention`` looks for it."""
     case["meta"].derived["torch"] = reference._plan(case["meta"], case["q"].device)
+
+
+def cpu_kernel(case, plan):
+    return cpu_attention.paged_attention(case["q"], case["k"], case["v"], case["cache"], case["meta"], case["scale"])
 
 
 VARIANTS = {
@@ -167,8 +179,11 @@ VARIANTS = {
     "fold-ws-g16": grouped(sdpa_folded, 16, True),
     "fold-ws-g32": grouped(sdpa_folded, 32, True),
     "matmul-ws-g8": grouped(matmul_folded, 8, True),
-    "shipped": (shipped, shipped_plan),
+    "torch-ref": (torch_ref, torch_ref_plan),
 }
+PREFILL_VARIANTS = {"baseline": (torch_ref, torch_ref_plan)}   # the reference is the prefill baseline
+if cpu_attention.load() is not None:
+    VARIANTS["cpu-kernel"] = PREFILL_VARIANTS["cpu-kernel"] = (cpu_kernel, lambda case: None)
 
 
 # ----------------------------------------------------------------------------------------------- flex
@@ -264,6 +279,10 @@ def main(argv: list[str] | None = None) -> None:
             for batch in args.batch:
                 case = make_case(batch, HEADS[heads], args, args.seed)
                 results += bench_case(f"{heads}/b{batch}", case, variants, args)
+            if args.prefill:
+                for name, q_len, lens in (("p512", 512, [512]), ("c256+256", 256, [512])):
+                    case = make_case(1, HEADS[heads], args, args.seed, q_len, lens)
+                    results += bench_case(f"{heads}/{name}", case, PREFILL_VARIANTS, args)
     with open(args.output, "w") as f:
         json.dump({"args": vars(args), "cpu": cpu_name(), "torch": torch.__version__, "results": results}, f, indent=1)
 

@@ -1,8 +1,9 @@
 """Attention and KV-transfer kernels behind one dispatch point.
 
 The model's attention layers call ``paged_attention`` (write the step's K/V into the paged cache,
-then attend through the block tables); ``dispatch.py`` sends it to the plain-torch reference
-(``reference.py``, the CPU path and the oracle) or to the Triton kernels (``triton_attention.py``,
+then attend through the block tables); ``dispatch.py`` sends it to the AVX2 C kernel (``cpu_attention.c``
+via ``cpu_attention.py``, the CPU path), the plain-torch reference (``reference.py``, the oracle and the
+fallback) or to the Triton kernels (``triton_attention.py``,
 ``triton_cache.py``), as ``AttentionMetadata.backend`` says. The input batch
 (``pdserve.engine.input_batch``) builds the metadata once per step (``metadata.py``). The KV store's
 publisher and loader move chunks with ``transfer.py`` (torch) / ``triton_transfer.py`` (CUDA).

@@ -49,8 +49,9 @@ def load() -> ctypes.CDLL | None:
     if reason is None:
         try:
             return _bind(ctypes.CDLL(str(_build())))
-        except (OSError, subprocess.CalledProcessError) as e:
-            reason = f"build failed: {e}"
+        except (OSError, subprocess.SubprocessError) as e:
+            stderr = getattr(e, "stderr", None)
+            reason = f"build failed: {e}" + (f": {stderr.decode(errors='replace')[-500:]}" if stderr else "")
     log.warning("cpu attention kernel unavailable (%s); using the plain-torch backend", reason)
     return None
 

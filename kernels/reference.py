@@ -1,4 +1,6 @@
-"""Plain-torch paged attention: the CPU path and the reference every Triton kernel is tested against.
+"""Plain-torch paged attention: the reference every kernel (Triton, the cpu C kernel) is tested against, and
+the CPU path where the cpu kernel cannot be built (no AVX2 or no C compiler; a head or block size not a
+multiple of 8).
 
 Called once per attention layer per step by the model (through ``pdserve.kernels.paged_attention``):
 

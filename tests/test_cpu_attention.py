@@ -152,3 +152,38 @@ def test_a_bad_shape_is_an_error_naming_it_not_a_crash():
     cache, _, meta, q, k, v = _step([(9, 9)], 4, 2, 12, 16)       # head size 12: not a multiple of 8
     with pytest.raises(RuntimeError, match="head size and block size must be multiples of 8"):
         cpu_attention.paged_attention(q, k, v, cache, meta, 0.3)
+
+
+@pytest.fixture
+def fresh_load(monkeypatch, tmp_path):
+    """load() forgets its library for the test (and again after it), building under tmp_path."""
+    from pdserve.engine import envs
+
+    monkeypatch.setattr(envs, "PDSERVE_CACHE_DIR", tmp_path)
+    cpu_attention.load.cache_clear()
+    yield tmp_path
+    cpu_attention.load.cache_clear()
+
+
+def test_the_library_is_built_once_and_reused(fresh_load, monkeypatch):
+    assert cpu_attention.load() is not None
+    built = list((fresh_load / "kernels").glob("cpu_attention-*.so"))
+    assert len(built) == 1
+    cpu_attention.load.cache_clear()
+    monkeypatch.setenv("CC", "false")                # a compiler that always fails: not called again
+    assert cpu_attention.load() is not None
+
+
+@pytest.mark.parametrize("how", ["no compiler", "the build fails"])
+def test_without_a_working_compiler_the_cpu_falls_back_to_torch(fresh_load, monkeypatch, caplog, how):
+    if how == "no compiler":
+        monkeypatch.setenv("PATH", str(fresh_load))  # nothing to run there
+        monkeypatch.delenv("CC", raising=False)
+    else:
+        monkeypatch.setenv("CC", "false")
+    monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND", raising=False)
+    assert cpu_attention.load() is None
+    assert "using the plain-torch backend" in caplog.text
+    assert resolve_backend(None, "cpu") == "torch"
+    with pytest.raises(ValueError, match="use torch"):
+        resolve_backend("cpu", "cpu")
