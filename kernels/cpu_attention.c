@@ -166,6 +166,26 @@ INLINE void attend_unit(Lane *ln, const void *const krow[UNIT], const void *cons
     PV_CHUNK(1)
 }
 
+/* the K and V rows of keys k0 .. min(k0 + UNIT - 1, kmax) (block and offset tracked across calls, no
+ * division); prefetch: ask for their cache lines now, they are the next unit's */
+INLINE void unit_rows(const void *rows[2][UNIT], int k0, int kmax, int *blk, int *off, const char *kc,
+                      const char *vc, const int32_t *table, size_t row_bytes, size_t head_off, const Shape *s,
+                      int prefetch) {
+    for (int kk = k0; kk < k0 + UNIT && kk <= kmax; kk += GROUP) {    /* a group never straddles blocks */
+        size_t base = ((size_t)table[*blk] * s->bs + *off) * row_bytes + head_off;
+        for (int j = 0; j < GROUP; j++) {
+            rows[0][kk - k0 + j] = kc + base + j * row_bytes;
+            rows[1][kk - k0 + j] = vc + base + j * row_bytes;
+            if (prefetch)
+                for (size_t b = 0; b < (size_t)s->D * s->esize; b += 64) {
+                    _mm_prefetch((const char *)rows[0][kk - k0 + j] + b, _MM_HINT_T0);
+                    _mm_prefetch((const char *)rows[1][kk - k0 + j] + b, _MM_HINT_T0);
+                }
+        }
+        if ((*off += GROUP) == s->bs) { *off = 0; (*blk)++; }
+    }
+}
+
 /* rows [r0, r1) of one sequence (first row at position pos0), KV head g: every key group any lane needs */
 INLINE void attend_tile(const float *q, float *out, const char *kc, const char *vc, const int32_t *table,
                         int r0, int r1, int pos0, int g, Lane *lanes, float *accs, const Shape *s) {
@@ -184,19 +204,14 @@ INLINE void attend_tile(const float *q, float *out, const char *kc, const char *
         }
     size_t row_bytes = (size_t)s->Hkv * s->D * s->esize, head_off = (size_t)g * s->D * s->esize;
     int k0 = kmin / UNIT * UNIT, blk = k0 / s->bs, off = k0 % s->bs;
-    for (; k0 <= kmax; k0 += UNIT) {
-        const void *krow[UNIT], *vrow[UNIT];
-        for (int kk = k0; kk < k0 + UNIT && kk <= kmax; kk += GROUP) {    /* a group never straddles blocks */
-            size_t base = ((size_t)table[blk] * s->bs + off) * row_bytes + head_off;
-            for (int j = 0; j < GROUP; j++) {
-                krow[kk - k0 + j] = kc + base + j * row_bytes;
-                vrow[kk - k0 + j] = vc + base + j * row_bytes;
-            }
-            if ((off += GROUP) == s->bs) { off = 0; blk++; }
-        }
+    const void *rows[2][2][UNIT];             /* [this unit, the next][k, v][key]: the next one is prefetched */
+    unit_rows(rows[0], k0, kmax, &blk, &off, kc, vc, table, row_bytes, head_off, s, 0);
+    for (int u = 0; k0 <= kmax; k0 += UNIT, u ^= 1) {
+        if (k0 + UNIT <= kmax)
+            unit_rows(rows[u ^ 1], k0 + UNIT, kmax, &blk, &off, kc, vc, table, row_bytes, head_off, s, 1);
         for (int i = 0; i < n; i++)
             if (lanes[i].pos >= k0 && lanes[i].lo < k0 + UNIT)
-                attend_unit(&lanes[i], krow, vrow, k0, s);
+                attend_unit(&lanes[i], rows[u][0], rows[u][1], k0, s);
     }
     for (int i = 0, r = r0; r < r1; r++)
         for (int h = g * G; h < (g + 1) * G; h++, i++) {

@@ -39,7 +39,8 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 CPU_FLAGS = ("avx2", "fma", "f16c")
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_ERRORS = {1: "shape (head size and block size must be multiples of 8)", 2: "out of memory"}
+_ERRORS = {1: "shape (head size and block size must be multiples of 8, query heads a multiple of KV heads)",
+           2: "out of memory"}
 
 
 @functools.cache
@@ -106,7 +107,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 def supports(cache: dict) -> bool:
     """Whether the kernel takes this cache (dtype, head size, block size); else the caller uses torch."""
     k = cache["k"]
-    return (k.device.type == "cpu" and k.dtype in CACHE_DTYPES and k.is_contiguous() and cache["v"].is_contiguous() and k.shape[-1] % 8 == 0 and k.shape[1] % 8 == 0)
+    v = cache["v"]
+    return (k.device.type == "cpu" and k.dtype in CACHE_DTYPES and v.dtype == k.dtype and v.shape == k.shape
+            and k.is_contiguous() and v.is_contiguous() and k.shape[-1] % 8 == 0 and k.shape[1] % 8 == 0)
 
 
 def paged_attention(q, k, v, cache: dict, meta: AttentionMetadata, scale: float,
