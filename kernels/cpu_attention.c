@@ -251,28 +251,57 @@ static TileFn pick(int dt, int D) {
     return fns[dt][D == 64 ? 0 : D == 128 ? 1 : 2];
 }
 
+/* [b, first row] of every row tile, in order: the work items (x Hkv) the threads share */
+static int32_t *tiles_of(const int32_t *query_start_loc, int num_seqs, int rows_per_tile, int *ntiles) {
+    int n = 0;
+    for (int b = 0; b < num_seqs; b++)
+        n += (query_start_loc[b + 1] - query_start_loc[b] + rows_per_tile - 1) / rows_per_tile;
+    int32_t *work = malloc(sizeof(int32_t) * 2 * (size_t)(n > 0 ? n : 1));
+    if (work)
+        for (int b = 0, t = 0; b < num_seqs; b++)
+            for (int r = query_start_loc[b]; r < query_start_loc[b + 1]; r += rows_per_tile, t++) {
+                work[2 * t] = b;
+                work[2 * t + 1] = r;
+            }
+    *ntiles = n;
+    return work;
+}
+
+/* nthreads > 1: the (tile, KV head) items are shared out dynamically (OpenMP); a lane's arithmetic does not
+ * depend on which thread runs it, so the bits do not either */
 int pd_paged_attention(const float *q, float *out, const void *k_cache, const void *v_cache, int cache_dtype,
                        const int32_t *block_table, int64_t table_stride, const int32_t *query_start_loc,
                        const int32_t *seq_lens, int num_seqs, int H, int Hkv, int D, int bs, float scale,
-                       int window) {
-    if (D % 8 || D <= 0 || bs % GROUP || bs <= 0 || Hkv <= 0 || H % Hkv || cache_dtype < 0 || cache_dtype > 2)
+                       int window, int nthreads) {
+    if (D % 8 || D <= 0 || bs % GROUP || bs <= 0 || Hkv <= 0 || H <= 0 || H % Hkv || cache_dtype < 0
+        || cache_dtype > 2)
         return ERR_SHAPE;
     Shape s = {H, Hkv, D, bs, window, cache_dtype, cache_dtype == DT_F32 ? 4 : 2, scale};
     TileFn tile = pick(cache_dtype, D);
-    int G = H / Hkv, rows_per_tile = G >= MAX_LANES ? 1 : MAX_LANES / G, lanes_max = rows_per_tile * G;
-    Lane *lanes = malloc(sizeof(Lane) * lanes_max);
-    float *accs = aligned_alloc(32, sizeof(float) * (size_t)lanes_max * D);
-    if (!lanes || !accs) { free(lanes); free(accs); return ERR_NOMEM; }
-    for (int b = 0; b < num_seqs; b++) {
-        int start = query_start_loc[b], q_len = query_start_loc[b + 1] - start, pos0 = seq_lens[b] - q_len;
-        const int32_t *table = block_table + (int64_t)b * table_stride;
-        for (int r = start; r < start + q_len; r += rows_per_tile) {
-            int r1 = r + rows_per_tile < start + q_len ? r + rows_per_tile : start + q_len;
-            for (int g = 0; g < Hkv; g++)
-                tile(q, out, k_cache, v_cache, table, r, r1, pos0 + (r - start), g, lanes, accs, &s);
+    int G = H / Hkv, rows_per_tile = G >= MAX_LANES ? 1 : MAX_LANES / G, lanes_max = rows_per_tile * G, ntiles;
+    int32_t *work = tiles_of(query_start_loc, num_seqs, rows_per_tile, &ntiles);
+    if (!work) return ERR_NOMEM;
+    int err = OK;
+    #pragma omp parallel num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1)
+    {
+        Lane *lanes = malloc(sizeof(Lane) * lanes_max);
+        float *accs = aligned_alloc(32, sizeof(float) * (size_t)lanes_max * D);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < (int64_t)ntiles * Hkv; i++) {
+            if (!lanes || !accs) {
+                #pragma omp atomic write
+                err = ERR_NOMEM;
+                continue;
+            }
+            int b = work[2 * (i / Hkv)], r = work[2 * (i / Hkv) + 1], g = (int)(i % Hkv);
+            int start = query_start_loc[b], end = query_start_loc[b + 1];
+            int r1 = r + rows_per_tile < end ? r + rows_per_tile : end;
+            tile(q, out, k_cache, v_cache, block_table + (int64_t)b * table_stride, r, r1,
+                 seq_lens[b] - (end - start) + (r - start), g, lanes, accs, &s);
         }
+        free(lanes);
+        free(accs);
     }
-    free(lanes);
-    free(accs);
-    return OK;
+    free(work);
+    return err;
 }

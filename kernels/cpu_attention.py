@@ -7,12 +7,15 @@ The kernel reads the paged cache through the block tables directly (no gather, n
 takes every sequence of the step, prefill chunks and decode rows, in one call per layer; its results
 do not depend on how a prompt was chunked (see the C file's header), so engines that chunk one prompt
 differently still publish identical KV bytes. ctypes drops the GIL for the call, and the kernel keeps
-no state between calls: engines on several threads call it at once.
+no state between calls: engines on several threads call it at once. With ``torch.get_num_threads()`` > 1
+the call shares its (row tile, KV head) items among that many OpenMP threads; the bits stay the same.
 
-Built at ``PDSERVE_CACHE_DIR/kernels/cpu_attention-<hash>.so`` with ``cc -O3 -mavx2 -mfma -mf16c
--ffp-contract=off`` (written to a temporary name and renamed, so processes building at once do not see a
-half-written file). ``load()`` returns None — and the dispatcher keeps the plain-torch backend — when
-the CPU lacks AVX2/FMA/F16C, there is no compiler, or the build fails; the reason is logged once.
+Built at ``PDSERVE_CACHE_DIR/kernels/cpu_attention-<hash>.so`` (the hash covers the source, the flags and
+the compiler's name and version) with ``cc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp``, written
+to a temporary name, checked to load, made readable by all (a cache shared by users) and renamed, so
+processes building at once never see a half-written file and a compiler that wrote nothing poisons no
+cache. ``load()`` returns None — and the dispatcher keeps the plain-torch backend — when the CPU lacks
+AVX2/FMA/F16C, there is no compiler, or the build fails; the reason is logged once.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pdserve.kernels.reference import write_to_cache
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC"]
 CPU_FLAGS = ("avx2", "fma", "f16c")
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ERRORS = {1: "shape (head size and block size must be multiples of 8, query heads a multiple of KV heads)",
@@ -78,17 +81,22 @@ def _compiler() -> str | None:
 
 
 def _build() -> Path:
-    src = SOURCE.read_bytes()
-    tag = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    """The library's path, compiled if no loadable one is cached for this source, flags and compiler."""
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout.split(b"\n")[0]
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + b"\0" + cc.encode() + version)
     out_dir = envs.PDSERVE_CACHE_DIR / "kernels"
-    target = out_dir / f"cpu_attention-{tag}.so"
-    if target.exists():
+    target = out_dir / f"cpu_attention-{tag.hexdigest()[:16]}.so"
+    if target.exists() and _loadable(target):
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([_compiler(), *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        if not _loadable(Path(tmp)):
+            raise OSError(f"{cc} wrote no loadable library with pd_paged_attention")
+        os.chmod(tmp, 0o755)                  # mkstemp made it 0600: other users of a shared cache read it too
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -97,9 +105,17 @@ def _build() -> Path:
     return target
 
 
+def _loadable(path: Path) -> bool:
+    try:
+        return hasattr(ctypes.CDLL(str(path)), "pd_paged_attention")
+    except OSError:
+        return False
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.pd_paged_attention.argtypes = [p, p, p, p, i32, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    lib.pd_paged_attention.argtypes = [p, p, p, p, i32, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32,
+                                       i32]
     lib.pd_paged_attention.restype = i32
     return lib
 
@@ -122,11 +138,11 @@ def paged_attention(q, k, v, cache: dict, meta: AttentionMetadata, scale: float,
     kc, vc = cache["k"], cache["v"]
     table = meta.block_table if meta.block_table.dtype == torch.int32 else meta.block_table.to(torch.int32)
     table = table.contiguous()
-    qsl, lens = meta.query_start_loc_cpu.contiguous(), meta.seq_lens_cpu.contiguous()
+    qsl, lens = (x.to(torch.int32).contiguous() for x in (meta.query_start_loc_cpu, meta.seq_lens_cpu))
     _, bs, hkv, d = kc.shape
     rc = lib.pd_paged_attention(qf.data_ptr(), out.data_ptr(), kc.data_ptr(), vc.data_ptr(), CACHE_DTYPES[kc.dtype],
                                 table.data_ptr(), table.stride(0), qsl.data_ptr(), lens.data_ptr(), lens.numel(),
-                                q.shape[1], hkv, d, bs, float(scale), int(sliding_window or 0))
+                                q.shape[1], hkv, d, bs, float(scale), int(sliding_window or 0), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"cpu attention kernel failed: {_ERRORS.get(rc, rc)} (q {tuple(q.shape)}, "
                            f"cache {tuple(kc.shape)} {kc.dtype})")

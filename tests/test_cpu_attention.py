@@ -135,6 +135,20 @@ def test_threads_calling_at_once_get_the_serial_bits():
     assert all(torch.equal(r, serial[i]) for i in range(4) for r in results[i])
 
 
+def test_torch_threads_share_the_call_out_without_changing_a_bit():
+    """torch.get_num_threads() > 1: the (tile, KV head) items go to OpenMP threads; same bits as one thread."""
+    cache, _, meta, q, k, v = _step(SPECS + [(90, 90), (70, 35)], 6, 2, 64, 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_attention.paged_attention(q, k, v, cache, meta, 0.125)
+        torch.set_num_threads(2)
+        two = [cpu_attention.paged_attention(q, k, v, cache, meta, 0.125) for _ in range(5)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(one, t) for t in two)
+
+
 def test_the_dispatcher_picks_cpu_on_a_cpu_and_torch_for_caches_it_does_not_take(monkeypatch):
     monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND", raising=False)
     assert resolve_backend(None, "cpu") == "cpu"
@@ -166,12 +180,24 @@ def fresh_load(monkeypatch, tmp_path):
 
 
 def test_the_library_is_built_once_and_reused(fresh_load, monkeypatch):
-    assert cpu_attention.load() is not None
-    built = list((fresh_load / "kernels").glob("cpu_attention-*.so"))
-    assert len(built) == 1
+    """The second load (a new process, say) finds the cached library for this source, flags and compiler
+    and compiles nothing; another compiler gets its own entry."""
+    import subprocess
+
+    compiles, run = [], subprocess.run
+
+    def counting_run(cmd, *a, **kw):
+        compiles.extend([cmd] if "-o" in cmd else [])
+        return run(cmd, *a, **kw)
+
+    monkeypatch.setattr(cpu_attention.subprocess, "run", counting_run)
+    assert cpu_attention.load() is not None and len(compiles) == 1
     cpu_attention.load.cache_clear()
-    monkeypatch.setenv("CC", "false")                # a compiler that always fails: not called again
-    assert cpu_attention.load() is not None
+    assert cpu_attention.load() is not None and len(compiles) == 1
+    assert len(list((fresh_load / "kernels").glob("cpu_attention-*.so"))) == 1
+    cpu_attention.load.cache_clear()
+    monkeypatch.setenv("CC", "gcc" if cpu_attention._compiler() != "gcc" else "cc")
+    assert cpu_attention.load() is not None and len(compiles) == 2
 
 
 @pytest.mark.parametrize("how", ["no compiler", "the build fails"])
