@@ -66,8 +66,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None, choices=["cpu", "torch", "triton"],
-                   help="attention kernels (default: PDSERVE_ATTENTION_BACKEND, else triton on cuda; on a CPU, the cpu kernel "
-                        "where it builds (AVX2 + a C compiler), else torch)")
+                   help="attention kernels (default: PDSERVE_ATTENTION_BACKEND, else triton on cuda; on a CPU, "
+                        "the cpu kernel where it builds (AVX2 + a C compiler), else torch)")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU, tp = pp = 1: torch.compile the layers' non-attention parts for steps of >= 64 tokens "
                         "(default: PDSERVE_COMPILE, off: compiled and eager steps round differently, so a prompt's KV "
