@@ -124,3 +124,16 @@ def node_factory():
     yield start
     for node in started:
         node.stop()
+
+
+@pytest.fixture
+def fresh_load(monkeypatch, tmp_path):
+    """The cpu attention kernel's load() forgets its library for the test (and again after it) and builds
+    under tmp_path (tests/test_cpu_attention.py, tests/test_review_cpu_attention.py)."""
+    from pdserve.engine import envs
+    from pdserve.kernels import cpu_attention
+
+    monkeypatch.setattr(envs, "PDSERVE_CACHE_DIR", tmp_path)
+    cpu_attention.load.cache_clear()
+    yield tmp_path
+    cpu_attention.load.cache_clear()

@@ -168,17 +168,6 @@ def test_a_bad_shape_is_an_error_naming_it_not_a_crash():
         cpu_attention.paged_attention(q, k, v, cache, meta, 0.3)
 
 
-@pytest.fixture
-def fresh_load(monkeypatch, tmp_path):
-    """load() forgets its library for the test (and again after it), building under tmp_path."""
-    from pdserve.engine import envs
-
-    monkeypatch.setattr(envs, "PDSERVE_CACHE_DIR", tmp_path)
-    cpu_attention.load.cache_clear()
-    yield tmp_path
-    cpu_attention.load.cache_clear()
-
-
 def test_the_library_is_built_once_and_reused(fresh_load, monkeypatch):
     """The second load (a new process, say) finds the cached library for this source, flags and compiler
     and compiles nothing; another compiler gets its own entry."""

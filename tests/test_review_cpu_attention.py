@@ -16,17 +16,6 @@ from pdserve.kernels import AttentionMetadata, cpu_attention, reference
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="cpu attention kernel not built here")
 
 
-@pytest.fixture
-def fresh_load(monkeypatch, tmp_path):
-    """load() forgets its library (before and after the test) and builds under tmp_path."""
-    from pdserve.engine import envs
-
-    monkeypatch.setattr(envs, "PDSERVE_CACHE_DIR", tmp_path)
-    cpu_attention.load.cache_clear()
-    yield tmp_path
-    cpu_attention.load.cache_clear()
-
-
 def test_a_build_that_leaves_an_unloadable_library_does_not_poison_the_cache(fresh_load, monkeypatch):
     """A "compiler" that exits 0 without writing a loadable library (CC=true here; a cross compiler or a
     broken wrapper alike) makes load() fall back, fine. But _build() renames mkstemp's empty file onto the
