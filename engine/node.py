@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pdserve.engine import envs
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
+from pdserve.engine.server.listen import add_fd_flag, inherited_socket, socket_port
 from pdserve.engine.config import (CacheConfig, EngineConfig, ExecutionConfig, KVTransferConfig, ParallelConfig,
                                    SchedulerConfig)
 
@@ -35,6 +36,7 @@ def register(subparsers) -> None:
     p.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
+    add_fd_flag(p)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -188,6 +190,7 @@ def run_node(args) -> int:
     if config.parallel.node_rank > 0:
         return run_worker_node(config)
     signals = _StopSignals(args.drain_timeout)
+    sock = inherited_socket(args.fd)          # checked before the engine starts: a bad --fd fails at once
     engine, healthy = None, True
     try:
         from pdserve.engine.async_engine import AsyncEngine
@@ -197,10 +200,12 @@ def run_node(args) -> int:
         gc.freeze()                           # start-up objects (65k KV blocks...): never scanned again, not at exit either
         server = _server(build_app(engine, api_key=args.api_key, limits=limits_from_args(args),
                                    max_inflight=args.max_inflight_requests), args)
-        logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name, args.host, args.port)
+        host = sock.getsockname()[0] if sock is not None else args.host
+        logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name, host,
+                    socket_port(sock, args.port))
         signals.server = server
         engine.on_fatal = lambda reason: setattr(server, "should_exit", True)   # exit 1: a supervisor restarts us
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     except NodeStopped as exc:
         logger.info("%s during start-up: stopping", exc)
     finally:

@@ -15,6 +15,7 @@ import logging
 import sys
 
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
+from pdserve.engine.server.listen import add_fd_flag, inherited_socket, socket_port
 from pdserve.proxy.config import POLICIES, ProxyConfig
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode node base URLs")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    add_fd_flag(p)
     p.add_argument("--model", required=True, help="tokenizer directory: the model directory the nodes load")
     p.add_argument("--served-model-name", default=None, help="default: the nodes' model name")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -62,14 +64,17 @@ def run_proxy(args) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"pdserve proxy: {exc}") from None
+    sock = inherited_socket(args.fd)
     tokenizer = load_tokenizer(resolve_model(config.model))
     app = build_app(config, tokenizer)
-    logger.info("proxy on http://%s:%d: prefill %s (%s), decode %s (%s)", config.host, config.port,
+    logger.info("proxy on http://%s:%d: prefill %s (%s), decode %s (%s)", config.host, socket_port(sock, config.port),
                 list(config.prefill_urls), config.prefill_policy, list(config.decode_urls), config.decode_policy)
     gc.freeze()        # start-up objects (torch, transformers): never scanned again -- no long pauses mid-request
     # access_log=False: at log level warning uvicorn logs no access line, but it built each one's arguments
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           access_log=False))
+    server.run(sockets=[sock] if sock is not None else None)
+    return 0 if server.started else 3          # 3: uvicorn's start-up failure (the port taken...)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,8 @@ Used by ``pdserve serve`` (the one-command demo), the benchmark sweeps and the e
 Start order: store daemon -> nodes (all at once, then wait for each /health) -> proxy (waits for
 its /health: >= 1 healthy prefill and decode). Stop order is the reverse; every child is ended
 by PID (SIGTERM, then SIGKILL after a grace period). Logs go to one file per child in ``log_dir``.
+Nodes and the proxy serve on a socket this process bound and passed down (``--fd``): a port picked
+free and bound later by the child could be taken in between (see ``pdserve.engine.server.listen``).
 
 Supervision (``supervise()``, called by ``pdserve serve`` twice a second): a child that exited is
 started again with the same flags and port, after a back-off that doubles per restart (1 s .. 30 s)
@@ -29,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from pdserve.engine.server.listen import bound_socket
 
 logger = logging.getLogger(__name__)
 BACKOFF_BASE_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
@@ -64,6 +68,7 @@ class Child:
     proc: subprocess.Popen
     log: Path
     url: str = ""
+    port: int | None = None                          # set: it serves on a socket bound here (--fd), on this port
     args: list[str] = field(default_factory=list)    # its ``pdserve`` command line, reused on restart
     started_at: float = 0.0
     restarts: int = 0
@@ -99,11 +104,13 @@ class LocalCluster:
 
     def start(self) -> None:
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-"))
+        proxy_sock = _listen("proxy", self.spec.proxy_port)    # first: a taken --port fails before anything starts
         try:
             self._start_store()
             self._start_nodes()
-            self._start_proxy()
+            self._start_proxy(proxy_sock)
         except BaseException:
+            proxy_sock.close()                                  # no-op once the proxy was spawned
             self.stop()
             raise
 
@@ -126,15 +133,14 @@ class LocalCluster:
         started = []
         for role, count in roles:
             for i in range(count):
-                port = free_port()
                 store = ["--kv-store", self.store_url] if self.store_url else []
                 if self.spec.store == "embedded" and not self.spec.colocated:
                     store = ["--kv-store", "embedded", "--kv-redis", self.spec.kv_redis]
                 child = self._spawn(f"{role}-{i}", ["node", "--model", self.model_dir, "--role", role,
-                                                    "--host", "127.0.0.1", "--port", str(port), *store,
+                                                    "--host", "127.0.0.1", *store,
                                                     "--num-threads", str(self.spec.num_threads),
-                                                    *self.spec.node_flags, *self._role_flags(role)])
-                child.url = f"http://127.0.0.1:{port}"
+                                                    *self.spec.node_flags, *self._role_flags(role)],
+                                    _listen(f"{role}-{i}", 0))
                 started.append(child)
         for child in started:
             _wait_healthy(child, self.spec.startup_timeout_s)
@@ -142,12 +148,10 @@ class LocalCluster:
     def _role_flags(self, role: str) -> tuple[str, ...]:
         return {"prefill": self.spec.prefill_flags, "decode": self.spec.decode_flags}.get(role, ())
 
-    def _start_proxy(self) -> None:
-        port = self.spec.proxy_port or free_port()
-        child = self._spawn("proxy", ["proxy", "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(port),
+    def _start_proxy(self, sock) -> None:
+        child = self._spawn("proxy", ["proxy", "--model", self.model_dir, "--host", "127.0.0.1",
                                       "--prefill", *self.prefill_urls, "--decode", *self.decode_urls,
-                                      *self.spec.proxy_flags])
-        child.url = f"http://127.0.0.1:{port}"
+                                      *self.spec.proxy_flags], sock)
         _wait_healthy(child, self.spec.startup_timeout_s)
 
     def supervise(self, now: float | None = None) -> list[str]:
@@ -163,24 +167,42 @@ class LocalCluster:
                 logger.error("%s exited with code %s after %.0fs up; restarting it in %.0fs (log %s)",
                              child.name, child.proc.returncode, up_s, delay, child.log)
             elif now >= child.restart_at:
-                child.proc, child.started_at = self._popen(child.args, child.log, append=True), now
-                child.restarts, child.restart_at = child.restarts + 1, None
+                try:
+                    sock = None if child.port is None else bound_socket("127.0.0.1", child.port)
+                except OSError as exc:                # its port was taken meanwhile: try again after the back-off
+                    logger.error("%s: cannot bind its port %s again (%s)", child.name, child.port, exc)
+                    child.restarts, child.restart_at = child.restarts + 1, None
+                    continue
+                child.proc = self._popen(child.args, child.log, append=True, sock=sock)
+                child.started_at, child.restarts, child.restart_at = now, child.restarts + 1, None
                 restarted.append(child.name)
         return restarted
 
-    def _spawn(self, name: str, args: list[str]) -> Child:
+    def _spawn(self, name: str, args: list[str], sock: socket.socket | None = None) -> Child:
+        """Start a child; with ``sock`` it serves on that listening socket (``--fd``) and this process lets go of it."""
         log = self.log_dir / f"{name}.log"
-        child = Child(name, self._popen(args, log, append=False), log, args=list(args), started_at=time.monotonic())
+        port = None if sock is None else sock.getsockname()[1]
+        child = Child(name, self._popen(args, log, append=False, sock=sock), log, args=list(args),
+                      started_at=time.monotonic(), port=port)
+        if port is not None:
+            child.url = f"http://127.0.0.1:{port}"
         self.children.append(child)
         return child
 
-    def _popen(self, args: list[str], log: Path, append: bool) -> subprocess.Popen:
+    def _popen(self, args: list[str], log: Path, append: bool, sock: socket.socket | None) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.num_threads),
                    PDSERVE_NUM_THREADS=str(self.spec.num_threads), TOKENIZERS_PARALLELISM="false")
-        with open(log, "ab" if append else "wb") as out:
-            # cwd: not the repo root, whose generic folder names (kernels/) would shadow real packages
-            return subprocess.Popen([sys.executable, "-m", "pdserve.engine.cli", *args], stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.log_dir)
+        fds = () if sock is None else (sock.fileno(),)
+        try:
+            with open(log, "ab" if append else "wb") as out:
+                # cwd: not the repo root, whose generic folder names (kernels/) would shadow real packages
+                return subprocess.Popen([sys.executable, "-m", "pdserve.engine.cli", *args,
+                                         *(["--fd", str(fds[0])] if fds else [])], stdout=out,
+                                        stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.log_dir,
+                                        pass_fds=fds)
+        finally:
+            if sock is not None:
+                sock.close()                          # the child holds it now; a dead child's port refuses at once
 
     def _find(self, name: str) -> Child:
         for c in self.children:
@@ -190,6 +212,13 @@ class LocalCluster:
 
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
+
+
+def _listen(name: str, port: int) -> socket.socket:
+    try:
+        return bound_socket("127.0.0.1", port)
+    except OSError as exc:
+        raise RuntimeError(f"{name}: cannot listen on 127.0.0.1:{port} ({exc.strerror})") from None
 
 
 def free_port() -> int:

@@ -23,7 +23,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="start a local cluster: KV store, prefill, decode, proxy")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model directory or smollm2-135m-instruct")
-    p.add_argument("--port", type=int, default=8000, help="the proxy's port (the others are picked free)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="the proxy's port (0: any free one; the others are picked free)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--kv-redis", default=None, help="redis://HOST:PORT/DB as the store's second tier")

@@ -77,6 +77,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def popen_listening(cmd: list[str], **popen_kwargs) -> tuple[subprocess.Popen, int]:
+    """Start an HTTP server process (``pdserve node`` / ``proxy``) on a socket bound here and passed as ``--fd``:
+    a port picked free and bound later by the child can be taken in between. -> (process, its port)."""
+    from pdserve.engine.server.listen import bound_socket
+
+    with bound_socket("127.0.0.1", 0) as sock:
+        proc = subprocess.Popen([*cmd, "--fd", str(sock.fileno())], pass_fds=(sock.fileno(),), **popen_kwargs)
+        return proc, sock.getsockname()[1]
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
     def healthy() -> bool:
         if proc.poll() is not None:
@@ -93,13 +103,13 @@ class NodeProcess:
     """A `pdserve node` subprocess; `.url` is its base URL. Stopped by PID at teardown."""
 
     def __init__(self, model_dir: Path, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pdserve.engine.cli", "node", "--model", str(model_dir),
-               "--host", "127.0.0.1", "--port", str(self.port), "--num-threads", "1", *extra]
+               "--host", "127.0.0.1", "--num-threads", "1", *extra]
         # cwd "/": `python -m` puts the cwd on sys.path, and the repo root's kernels/ would shadow
         # the hub package of that name that transformers probes for
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/")
+        self.proc, self.port = popen_listening(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                               cwd="/")
+        self.url = f"http://127.0.0.1:{self.port}"
         try:
             wait_healthy(self.url + "/health", self.proc)
         except Exception:

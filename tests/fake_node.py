@@ -26,7 +26,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from conftest import free_port
+from pdserve.engine.server.listen import bound_socket
 from polling import POLL_INTERVAL_S, wait_until
 
 MODEL = "llama"
@@ -49,11 +49,13 @@ class ServerThread:
     """An ASGI app served by uvicorn on 127.0.0.1 from a daemon thread; ``stop()`` ends it."""
 
     def __init__(self, app, port: int | None = None):
-        self.port = port or free_port()
+        # no port given: bind one now and serve on that socket (a port picked free could be taken before uvicorn binds)
+        sockets = None if port else [bound_socket("127.0.0.1", 0)]
+        self.port = port or sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                      lifespan="on"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": sockets}, daemon=True)
         self._thread.start()
         wait_until(lambda: self._server.started or not self._thread.is_alive(), 30, f"{self.url} started")
         if not self._server.started:

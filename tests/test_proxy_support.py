@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_port, wait_healthy
+from conftest import popen_listening, wait_healthy
 from pdserve.proxy.cluster import terminate  # noqa: E402
 
 
@@ -21,12 +21,11 @@ class ProxyProcess:
     """A `pdserve proxy` subprocess; `.url` is its base URL. Stopped by PID."""
 
     def __init__(self, model_dir: Path, prefill: list[str], decode: list[str], *extra: str, healthy: bool = True):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pdserve.proxy.cli", "proxy", "--model", str(model_dir),
-               "--port", str(self.port), "--prefill", *prefill, "--decode", *decode, *extra]
+               "--prefill", *prefill, "--decode", *decode, *extra]
         self.log = tempfile.TemporaryFile("w+")              # a pipe nobody reads could fill up and block
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc, self.port = popen_listening(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.url = f"http://127.0.0.1:{self.port}"
         try:
             if healthy:
                 wait_healthy(self.url + "/health", self.proc, timeout=60)

@@ -8,18 +8,16 @@ import socket
 
 import httpx
 
-from conftest import free_port
 from polling import wait_until
-from serve_process import serve
+from serve_process import banner_url, serve
 
 
 def test_serve_answers_and_ctrl_c_stops_everything(tiny_llama):
-    port = free_port()
-    with serve(tiny_llama, port) as (proc, output):
-        assert f"pdserve is ready: http://127.0.0.1:{port}" in output, output
+    with serve(tiny_llama) as (proc, output):
+        url = banner_url(output)
         assert "curl -s" in output
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", output)]
         proc.send_signal(signal.SIGINT)

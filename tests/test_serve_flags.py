@@ -15,16 +15,14 @@ from pathlib import Path
 
 import httpx
 
-from conftest import free_port
-from serve_process import serve
+from serve_process import banner_url, serve
 
 
 def test_serve_passes_flags_to_every_node_and_per_role(tiny_llama):
-    port = free_port()
     flags = ("--dtype", "float32", "--block-size", "8", "--max-model-len", "512", "--decode-tensor-parallel-size", "2",
              "--prefill-args", "--max-model-len 384")
-    with serve(tiny_llama, port, *flags) as (proc, output):
-        assert f"pdserve is ready: http://127.0.0.1:{port}" in output, output
+    with serve(tiny_llama, *flags) as (proc, output):
+        url = banner_url(output)
         urls = {role: re.search(rf"{role}\s+(http://\S+)", output).group(1) for role in ("prefill", "decode")}
         logs = Path(re.search(r"logs\s+(\S+)", output).group(1))
         lens = {role: httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
@@ -35,7 +33,7 @@ def test_serve_passes_flags_to_every_node_and_per_role(tiny_llama):
         assert "worker ranks" not in prefill_log
         for log in (decode_log, prefill_log):
             assert re.search(r"engine ready: .* dtype=torch\.float32 blocks=\d+ x 8 tokens", log), log[-2000:]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
                        json={"prompt": "hello there", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         proc.send_signal(signal.SIGINT)
