@@ -8,6 +8,7 @@
 | PDSERVE_FAULTS        | tests only: faults in tp/pp ranks, engine core   | "" (``parallel/faults.py``)|
 | PDSERVE_COMPILE       | 1: torch.compile on CPU (default of --torch-compile) | 0                      |
 | PDSERVE_ENGINE_CORE_PROCESS | 0: `pdserve node` runs its engine core in the HTTP process (the tests set it) | 1 |
+| PDSERVE_CPU_LINEAR    | fp32 CPU matmuls: onednn, or torch (F.linear: MKL) | onednn where torch has it |
 """
 
 from __future__ import annotations
@@ -45,9 +46,17 @@ def _level(name: str, default: str) -> str:
     return raw
 
 
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(name) or default
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r} must be one of {', '.join(choices)}")
+    return raw
+
+
 PDSERVE_CACHE_DIR = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 PDSERVE_NUM_THREADS = _int("PDSERVE_NUM_THREADS", 1, 1)
 PDSERVE_LOG_LEVEL = _level("PDSERVE_LOG_LEVEL", "INFO")
 PDSERVE_ENGINE_CORE_PROCESS = _bool("PDSERVE_ENGINE_CORE_PROCESS", True)   # default of --engine-core-process
 PDSERVE_COMPILE = _bool("PDSERVE_COMPILE", False)        # default of ExecutionConfig.torch_compile
+PDSERVE_CPU_LINEAR = _choice("PDSERVE_CPU_LINEAR", "onednn", ("onednn", "torch"))   # engine/models/layers.py
 PDSERVE_FAULTS = os.environ.get("PDSERVE_FAULTS", "")     # parsed and checked by engine/parallel/faults.py

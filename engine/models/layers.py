@@ -23,6 +23,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine import envs
+
+
+# fp32 matmuls on CPU go to oneDNN from 2 rows: it uses the CPU's widest vectors, where MKL runs its AVX2
+# code on non-Intel CPUs (an AVX-512 EPYC: 2.2x faster at 256-2048 rows, 1.2-1.9x at 32; bench/cpu_linear.py).
+# A row's bits are then the same for any row count >= 2 (MKL's change up to 3 rows), so how a prompt is
+# chunked does not change its KV -- which the store's digest check relies on. One row stays on F.linear
+# (oneDNN's 1-row path rounds differently anyway, and is slower); so do 2-3 rows of tiny layers, a
+# few microseconds slower on oneDNN: the bits are worth more.
+ONEDNN_MIN_ROWS = 2
+_ONEDNN = envs.PDSERVE_CPU_LINEAR == "onednn" and torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b), x: [T, in]; oneDNN for fp32 CPU batches of >= ONEDNN_MIN_ROWS rows, else F.linear."""
+    # compiled (--torch-compile): inductor lowers this op only for frozen weights; it picks its own GEMM
+    if (_ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+            and x.shape[0] >= ONEDNN_MIN_ROWS and not torch.compiler.is_compiling()):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
 
 class RMSNorm(nn.Module):
     """y = w * x / rms(x), normalised in float32 like HF (``x`` cast back before the weight)."""
@@ -62,8 +84,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out] (after an all-gather: [T, out * tp])
         if self.collective is None:
-            return F.linear(x, self.weight, self.bias)
-        y = self.collective(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.collective(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def load(self, src, names: str | Sequence[str], tp_rank: int = 0) -> None:

@@ -1,0 +1,92 @@
+"""fp32 CPU matmuls through oneDNN (``engine.models.layers.linear``): close to F.linear, and a row's bits
+do not depend on how many rows share the call -- so a prompt's KV is the same however it was chunked,
+which the store's digest check needs. Mutations caught: sending fp32 batches to F.linear (MKL) or
+small and half-precision ones to oneDNN; an env switch that does not switch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.models import layers
+from pdserve.engine.models.layers import ONEDNN_MIN_ROWS, linear
+
+pytestmark = pytest.mark.skipif(not layers._ONEDNN, reason="this torch has no oneDNN linear")
+
+
+@pytest.mark.parametrize("k,n", [(64, 128), (256, 512), (576, 1536)])
+def test_a_rows_bits_do_not_depend_on_the_row_count(k, n):
+    g = torch.Generator().manual_seed(k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(300, k, generator=g)
+    full = linear(x, w)
+    for m in (ONEDNN_MIN_ROWS, 3, 4, 5, 16, 31, 32, 33, 100, 299):
+        for start in (0, 1):
+            assert torch.equal(linear(x[start:start + m].contiguous(), w), full[start:start + m]), (m, start)
+
+
+def test_it_is_f_linear_to_rounding_with_bias_and_strided_input():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(40, 128, generator=g)[:, ::2]                  # rows with a stride of 2 elements
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_batches_of_enough_rows_take_onednn():
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(512, 256, generator=g), torch.randn(64, 256, generator=g)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    assert not torch.equal(onednn, F.linear(x, w))                 # the two paths round differently here
+    assert torch.equal(linear(x, w), onednn)
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.bfloat16, 64), (torch.float16, 64)])
+def test_small_batches_and_half_dtypes_are_f_linear_bit_for_bit(dtype, rows):
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(96, 64, generator=g).to(dtype), torch.randn(rows, 64, generator=g).to(dtype)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_pdserve_cpu_linear_torch_switches_it_off():
+    code = ("import torch, torch.nn.functional as F; from pdserve.engine.models.layers import linear;"
+            "g = torch.Generator().manual_seed(2); w, x = torch.randn(96, 64, generator=g), torch.randn(64, 64, generator=g);"
+            "print(torch.equal(linear(x, w), F.linear(x, w)))")
+    env = dict(os.environ, PDSERVE_CPU_LINEAR="torch")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+    env["PDSERVE_CPU_LINEAR"] = "mkl"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd="/")
+    assert bad.returncode != 0 and "PDSERVE_CPU_LINEAR='mkl' must be one of onednn, torch" in bad.stderr
+
+
+def test_a_prompt_leaves_the_same_kv_bytes_however_it_was_chunked(tiny_llama):
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    prompt = torch.randint(10, 200, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    buffers = []
+    for budget in (2048, 7, 149):                      # one chunk; chunks of 7 (last: 3 rows); 149 and 1 row
+        llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False,
+                  kv_cache_memory_bytes=4 << 20)
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+        buffers.append(llm.engine.runner.kv_caches.buffer.clone())
+        llm.engine.shutdown()
+    assert buffers[0].abs().sum() > 0
+    assert torch.equal(buffers[0], buffers[1])
+    # a 1-row chunk goes to F.linear: that one row may differ in the last bits, every other row is equal
+    diff = (buffers[0] != buffers[2]).flatten(3).any(-1)          # [layers, k/v, blocks, block rows]
+    assert diff.nonzero()[:, 2:].unique(dim=0).shape[0] <= 1
+
+
+def test_two_torch_threads_give_the_one_thread_bits():
+    code = ("import torch; from pdserve.engine.models.layers import linear;"
+            "g = torch.Generator().manual_seed(5); w, x = torch.randn(576, 256, generator=g), torch.randn(300, 256, generator=g);"
+            "torch.set_num_threads(1); a = [linear(x[:m], w) for m in (2, 37, 300)];"
+            "torch.set_num_threads(2); b = [linear(x[:m], w) for m in (2, 37, 300)];"
+            "print(all(torch.equal(p, q) for p, q in zip(a, b)) and torch.equal(a[2][:37], a[1]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
