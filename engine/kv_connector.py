@@ -33,7 +33,7 @@ import xxhash
 
 from pdserve.decode.loader import ChunkLoader, LoadJob
 from pdserve.engine.kv_transfer import KVTransferParams
-from pdserve.kvstore.accounting import KVAccounting, account
+from pdserve.kvstore.accounting import KVAccounting, account, not_run
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.keys import chunk_keys, model_fingerprint
 from pdserve.prefill.publisher import ChunkPublisher, PublishResult
@@ -156,8 +156,10 @@ class StoreConnector:
 
     def accounting(self, req) -> KVAccounting:
         t = self._reqs.get(req.request_id)
-        if t is None or t.accounting is None:
+        if t is None:
             return account(req.num_prompt_tokens, req.num_cached_tokens, 0, self.block_size)
+        if t.accounting is None:              # never admitted (e.g. ended by the prefill node's token)
+            return not_run(req.num_tokens)
         return t.accounting
 
     def transfer_params(self, req) -> KVTransferParams:

@@ -12,6 +12,10 @@ result is logged once at INFO (``log_line``), exported as metrics and returned i
                                                           never the last prompt token
     need_to_load = floor_blocks(max(0, min(store_hit, total - 1) - local_hit))
     local_hit + loaded + recomputed == total; a failed load is recomputed.
+
+A request that finished or was aborted before the scheduler admitted it (a decode request ended by
+the prefill node's token: max_tokens 1, or that token was eos or a stop) computed nothing here:
+``not_run(total)``, every figure 0 but total, ``ran`` False -- not ``total`` tokens "recomputed".
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class KVAccounting:
     need_to_load: int
     loaded_tokens: int
     recomputed_tokens: int
+    ran: bool = True                  # False: never admitted, nothing looked up, loaded or computed
 
     def with_loaded(self, loaded_tokens: int) -> "KVAccounting":
         """The record after the load: ``loaded_tokens`` arrived (0 when the load failed)."""
@@ -35,9 +40,17 @@ class KVAccounting:
         return replace(self, loaded_tokens=loaded_tokens, recomputed_tokens=recomputed)
 
     def log_line(self) -> str:
+        if not self.ran:
+            return f"total={self.total_tokens} not run (finished or aborted before it was scheduled: nothing computed)"
         return (f"total={self.total_tokens} local_hit={self.local_hit_tokens} store_hit={self.store_hit_tokens} "
                 f"need_to_load={self.need_to_load} loaded={self.loaded_tokens} "
                 f"recomputed={self.recomputed_tokens}")
+
+
+def not_run(total_tokens: int) -> KVAccounting:
+    """The record of a request that never reached the scheduler's admission: nothing hit, loaded or computed."""
+    _check_range("total_tokens", total_tokens, None, "")
+    return KVAccounting(total_tokens, 0, 0, 0, 0, 0, ran=False)
 
 
 def account(total_tokens: int, local_hit_tokens: int, store_hit_tokens: int, block_size: int,
