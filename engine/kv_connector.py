@@ -159,7 +159,7 @@ class StoreConnector:
         if t is None:
             return account(req.num_prompt_tokens, req.num_cached_tokens, 0, self.block_size)
         if t.accounting is None:              # never admitted (e.g. ended by the prefill node's token)
-            return not_run(req.num_tokens)
+            return not_run()
         return t.accounting
 
     def transfer_params(self, req) -> KVTransferParams:

@@ -14,8 +14,9 @@ result is logged once at INFO (``log_line``), exported as metrics and returned i
     local_hit + loaded + recomputed == total; a failed load is recomputed.
 
 A request that finished or was aborted before the scheduler admitted it (a decode request ended by
-the prefill node's token: max_tokens 1, or that token was eos or a stop) computed nothing here:
-``not_run(total)``, every figure 0 but total, ``ran`` False -- not ``total`` tokens "recomputed".
+the prefill node's token: max_tokens 1, or that token was eos or a stop) accounted for no KV here:
+``not_run()``, every figure 0 (total too, so the sum rule and the node's totals hold), ``ran`` False --
+not its prompt "recomputed".
 """
 
 from __future__ import annotations
@@ -41,16 +42,15 @@ class KVAccounting:
 
     def log_line(self) -> str:
         if not self.ran:
-            return f"total={self.total_tokens} not run (finished or aborted before it was scheduled: nothing computed)"
+            return "not run (finished or aborted before it was scheduled: no KV looked up, loaded or computed)"
         return (f"total={self.total_tokens} local_hit={self.local_hit_tokens} store_hit={self.store_hit_tokens} "
                 f"need_to_load={self.need_to_load} loaded={self.loaded_tokens} "
                 f"recomputed={self.recomputed_tokens}")
 
 
-def not_run(total_tokens: int) -> KVAccounting:
+def not_run() -> KVAccounting:
     """The record of a request that never reached the scheduler's admission: nothing hit, loaded or computed."""
-    _check_range("total_tokens", total_tokens, None, "")
-    return KVAccounting(total_tokens, 0, 0, 0, 0, 0, ran=False)
+    return KVAccounting(0, 0, 0, 0, 0, 0, ran=False)
 
 
 def account(total_tokens: int, local_hit_tokens: int, store_hit_tokens: int, block_size: int,

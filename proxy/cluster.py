@@ -122,11 +122,11 @@ class LocalCluster:
     def _start_store(self) -> None:
         if self.spec.colocated or self.spec.store == "embedded":
             return
-        port = free_port()
-        flags = ["--port", str(port)] + (["--kv-redis", self.spec.kv_redis] if self.spec.kv_redis else [])
+        # --port 0: the daemon binds a free port itself and names it (READY tcp://...) -- no pick-then-bind race
+        flags = ["--port", "0"] + (["--kv-redis", self.spec.kv_redis] if self.spec.kv_redis else [])
         child = self._spawn("kvstore", ["kvstore", "--host", "127.0.0.1", *flags, *self.spec.store_flags])
-        self.store_url = f"tcp://127.0.0.1:{port}"
-        _wait_for_port(port, child, self.spec.startup_timeout_s)
+        self.store_url = _wait_ready_line(child, self.spec.startup_timeout_s)
+        child.args[child.args.index("--port") + 1] = self.store_url.rsplit(":", 1)[1]   # a restart keeps the port
 
     def _start_nodes(self) -> None:
         roles = [("both", 1)] if self.spec.colocated else [("prefill", self.spec.prefill), ("decode", self.spec.decode)]
@@ -169,9 +169,12 @@ class LocalCluster:
             elif now >= child.restart_at:
                 try:
                     sock = None if child.port is None else bound_socket("127.0.0.1", child.port)
-                except OSError as exc:                # its port was taken meanwhile: try again after the back-off
-                    logger.error("%s: cannot bind its port %s again (%s)", child.name, child.port, exc)
-                    child.restarts, child.restart_at = child.restarts + 1, None
+                except OSError as exc:                # its port was taken meanwhile: try again after a longer back-off
+                    child.restarts += 1
+                    delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** child.restarts)
+                    child.restart_at = now + delay
+                    logger.error("%s: cannot bind its port %s again (%s); trying again in %.0fs", child.name,
+                                 child.port, exc.strerror, delay)
                     continue
                 child.proc = self._popen(child.args, child.log, append=True, sock=sock)
                 child.started_at, child.restarts, child.restart_at = now, child.restarts + 1, None
@@ -240,15 +243,16 @@ def _wait_healthy(child: Child, timeout: float) -> None:
     raise TimeoutError(f"{child.name} at {child.url} not healthy after {timeout:.0f}s; see {child.log}")
 
 
-def _wait_for_port(port: int, child: Child, timeout: float) -> None:
+def _wait_ready_line(child: Child, timeout: float) -> str:
+    """The endpoint the store daemon printed (``READY tcp://host:port``) once it listens."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _check_alive(child)
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        for line in child.log.read_text(errors="replace").splitlines():
+            if line.startswith("READY tcp://"):
+                return line.split(None, 1)[1].strip()
         time.sleep(0.1)
-    raise TimeoutError(f"{child.name} did not listen on port {port} after {timeout:.0f}s; see {child.log}")
+    raise TimeoutError(f"{child.name} printed no READY line after {timeout:.0f}s; see {child.log}")
 
 
 def _check_alive(child: Child) -> None:

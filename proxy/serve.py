@@ -11,6 +11,7 @@ import argparse
 import logging
 import shlex
 import signal
+import sys
 import tempfile
 import time
 
@@ -100,13 +101,21 @@ def run(args) -> int:
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):      # Ctrl-C, or a supervisor stopping us
         signal.signal(sig, lambda *_: stop.update(now=True))
-    with LocalCluster(model, spec) as cluster:
+    cluster = LocalCluster(model, spec)
+    try:
+        cluster.start()
+    except (RuntimeError, TimeoutError) as exc:     # a taken --port, a child that died or hung starting: no traceback
+        print(f"pdserve serve: {exc}", file=sys.stderr, flush=True)
+        return 1
+    try:
         _announce(cluster, flags[1])
         while not stop["now"]:
             for name in cluster.supervise():             # a child that died comes back, with back-off
                 logger.warning("restarted %s", name)
             time.sleep(0.5)
         print("stopping the cluster ...", flush=True)
+    finally:
+        cluster.stop()
     return 0
 
 

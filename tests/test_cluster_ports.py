@@ -71,6 +71,8 @@ def test_inherited_socket_takes_only_a_listening_tcp_socket(tmp_path):
             s.getsockname()                             # still open: a refused fd is not closed under its owner
     with open(tmp_path / "f", "w") as f, pytest.raises(SystemExit, match=rf"--fd {f.fileno()}: not an open socket"):
         inherited_socket(f.fileno())
+    with pytest.raises(SystemExit, match="--fd -1: not an open socket"):
+        inherited_socket(-1)
     assert inherited_socket(None) is None
 
 
@@ -79,3 +81,34 @@ def test_a_node_given_a_bad_fd_exits_at_once_naming_it(tiny_llama):
                            "--fd", "999"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--fd 999: not an open socket" in proc.stderr, proc.stderr[-2000:]
     assert "engine ready" not in proc.stderr
+
+
+def test_a_restart_whose_port_is_taken_backs_off_longer_each_time(tmp_path, caplog):
+    """A child that ran for an hour died and someone took its port: each failed bind doubles the wait
+    (it used to retry every second, logging the hour-old start as if the child had just exited)."""
+    from pdserve.proxy.cluster import BACKOFF_MAX_S, Child
+
+    cluster = LocalCluster("unused", log_dir=tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with bound_socket("127.0.0.1", 0) as taken:
+        child = Child("node", dead, tmp_path / "node.log", port=taken.getsockname()[1], args=["node"], started_at=0.0)
+        cluster.children.append(child)
+        now, delays = 3600.0, []
+        assert cluster.supervise(now) == []                  # exit seen after an hour up: restart in 1 s
+        for _ in range(6):
+            now = child.restart_at
+            assert cluster.supervise(now) == [] and child.proc is dead
+            delays.append(child.restart_at - now)
+    assert delays == [2.0, 4.0, 8.0, 16.0, BACKOFF_MAX_S, BACKOFF_MAX_S]
+    assert caplog.text.count("cannot bind its port") == 6 and caplog.text.count("exited with code") == 1
+
+
+def test_serve_on_a_taken_port_says_so_and_exits_1(tiny_llama):
+    with bound_socket("127.0.0.1", 0) as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "pdserve.engine.cli", "serve", "--model", str(tiny_llama),
+                               "--port", str(port)], capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"pdserve serve: proxy: cannot listen on 127.0.0.1:{port} (Address already in use)" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -30,8 +30,8 @@ from pdserve.engine import envs
 # code on non-Intel CPUs (an AVX-512 EPYC: 2.2x faster at 256-2048 rows, 1.2-1.9x at 32; bench/cpu_linear.py).
 # A row's bits are then the same for any row count >= 2 (MKL's change up to 3 rows), so how a prompt is
 # chunked does not change its KV -- which the store's digest check relies on. One row stays on F.linear
-# (oneDNN's 1-row path rounds differently anyway, and is slower); so do 2-3 rows of tiny layers, a
-# few microseconds slower on oneDNN: the bits are worth more.
+# (oneDNN's 1-row path rounds differently anyway, and is slower). 2-row calls are 6-28% slower on oneDNN
+# (SmolLM2's layers; 3 rows already win): a 2-request decode step pays that so that the bits stay put.
 ONEDNN_MIN_ROWS = 2
 _ONEDNN = envs.PDSERVE_CPU_LINEAR == "onednn" and torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise")

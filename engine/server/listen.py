@@ -41,8 +41,8 @@ def inherited_socket(fd: int | None) -> socket.socket | None:
         return None
     try:
         sock = socket.socket(fileno=fd)
-    except OSError as exc:
-        raise SystemExit(f"--fd {fd}: not an open socket ({exc.strerror})") from None
+    except (OSError, ValueError) as exc:                  # ValueError: a negative fd
+        raise SystemExit(f"--fd {fd}: not an open socket ({getattr(exc, 'strerror', None) or exc})") from None
     ok = (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
           and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
     if not ok:
