@@ -21,6 +21,7 @@ Who calls it: the engine's KV connector (prefill: ``put``; decode: ``lookup`` th
     accounting.py  per-request hit/load/recompute accounting (need_to_load never < 0)
     seal.py        sealed objects: key hash + checksum checked end to end (publisher -> loader)
     stats_cache.py store stats refreshed off the event loop (the node's /metrics)
+    zmq_context.py the process's one zmq context (a context per object can hang the garbage collector)
 """
 
 from pdserve.kvstore.accounting import KVAccounting, account

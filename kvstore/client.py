@@ -40,6 +40,7 @@ import zmq
 
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.base import KVStore, StatsDict
+from pdserve.kvstore.zmq_context import shared_context
 from pdserve.kvstore.codec import tensor_bytes
 from pdserve.kvstore.keys import check_key
 from pdserve.kvstore.shm import ShmSegment, align
@@ -64,8 +65,7 @@ class DaemonClient(KVStore):
     def __init__(self, url: str, token: str = "", shm_bytes: int = 0, timeout_s: float = 30.0,
                  max_batch: int = 1024) -> None:
         self.url, self.token, self.timeout_ms, self.max_batch = url, token, int(timeout_s * 1000), max_batch
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock = shared_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, secrets.token_bytes(16))
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(url)
@@ -121,7 +121,6 @@ class DaemonClient(KVStore):
                     pass
                 self._drop_segment()
             self._sock.close(linger=0)
-            self._ctx.term()
 
     # --- under the lock ------------------------------------------------------------
 

@@ -28,6 +28,7 @@ import zmq
 
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.zmq_context import shared_context
 from pdserve.kvstore.shm import NoSegment, SegmentTable, ShmSegment, align
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,7 @@ class KVDaemon:
         if not token and not _is_loopback(host):
             raise ValueError(f"binding {host} (not loopback) requires --auth-token")
         self.store, self.token, self.limits = store, token, limits
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock = shared_context().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_object_bytes + limits.max_header_bytes)
         self._sock.bind(f"tcp://{host}:{port}" if port else f"tcp://{host}:*")
@@ -79,7 +79,6 @@ class KVDaemon:
     def close(self) -> None:
         self._segments.close()
         self._sock.close(linger=0)
-        self._ctx.term()
 
     def handle(self, ident: bytes, frames: list) -> list:
         """One request's frames -> the reply's frames; never raises."""

@@ -37,6 +37,7 @@ import zmq
 
 from pdserve.engine.async_engine import EngineDeadError, EngineStats
 from pdserve.engine.core import messages as m
+from pdserve.kvstore.zmq_context import shared_context
 from pdserve.engine.core.output_processor import OutputProcessor
 from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
 from pdserve.engine.llm_engine import check_prompt_fits
@@ -62,7 +63,6 @@ class EngineCoreClient:
         self._stopping = self._closed = False
         self._lock = threading.Lock()                          # the send socket, _closed and _outputs
         self._next_seq = itertools.count(1)
-        self._ctx = zmq.Context()
         tag = f"pdserve-core-{os.getpid()}-{uuid.uuid4().hex}"
         inbound, outbound = f"ipc://@{tag}-in", f"ipc://@{tag}-out"     # abstract namespace: no file to leak
         self._to_core, self._from_core = self._connect(zmq.PUSH, inbound), self._connect(zmq.PULL, outbound)
@@ -72,7 +72,7 @@ class EngineCoreClient:
             ready = self._wait_ready(start_timeout)
         except BaseException:                                  # a failed start, or a signal (NodeStopped)
             self._stop_process(graceful=False)
-            self._ctx.destroy(linger=0)
+            self._close_sockets()
             raise
         self.pid, self.max_model_len, self._store, self._stats = ready.pid, ready.max_model_len, ready.store, \
             ready.stats
@@ -125,7 +125,11 @@ class EngineCoreClient:
         self._receiver.join(timeout=5.0)
         with self._lock:
             self._closed = True
-        self._ctx.destroy(linger=0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._to_core, self._from_core):
+            sock.close(linger=0)
 
     # -- the receiver thread ------------------------------------------------------------------
 
@@ -207,7 +211,7 @@ class EngineCoreClient:
     # -- the process ----------------------------------------------------------------------------
 
     def _connect(self, kind: int, address: str) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
+        sock = shared_context().socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)                    # a connecting PUSH queues, never blocks
         sock.setsockopt(zmq.RCVHWM, 0)
