@@ -40,10 +40,10 @@ import zmq
 
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.base import KVStore, StatsDict
-from pdserve.kvstore.zmq_context import shared_context
 from pdserve.kvstore.codec import tensor_bytes
 from pdserve.kvstore.keys import check_key
 from pdserve.kvstore.shm import ShmSegment, align
+from pdserve.kvstore.zmq_context import shared_context
 
 log = logging.getLogger(__name__)
 SHM_RETRY_S = 30.0      # after a refused Attach, use frames this long before asking again

@@ -28,8 +28,8 @@ import zmq
 
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.base import KVStore
-from pdserve.kvstore.zmq_context import shared_context
 from pdserve.kvstore.shm import NoSegment, SegmentTable, ShmSegment, align
+from pdserve.kvstore.zmq_context import shared_context
 
 log = logging.getLogger(__name__)
 

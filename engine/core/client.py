@@ -37,13 +37,13 @@ import zmq
 
 from pdserve.engine.async_engine import EngineDeadError, EngineStats
 from pdserve.engine.core import messages as m
-from pdserve.kvstore.zmq_context import shared_context
 from pdserve.engine.core.output_processor import OutputProcessor
 from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
 from pdserve.engine.llm_engine import check_prompt_fits
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.kvstore.zmq_context import shared_context
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.05                      # the receiver checks the core's pid this often while no message comes
