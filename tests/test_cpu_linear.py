@@ -90,3 +90,14 @@ def test_two_torch_threads_give_the_one_thread_bits():
             "print(all(torch.equal(p, q) for p, q in zip(a, b)) and torch.equal(a[2][:37], a[1]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_the_start_up_log_names_the_attention_backend_and_the_matmul_path(tiny_llama, caplog):
+    from pdserve.engine.llm import LLM
+
+    with caplog.at_level("INFO", logger="pdserve.engine.llm_engine"):
+        LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20).engine.shutdown()
+        LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory_bytes=4 << 20, attention_backend="torch").engine.shutdown()
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
+    assert "matmuls=onednn (>= 2 rows)" in ready[0] and "attention=" in ready[0]
+    assert ready[1].endswith("attention=torch matmuls=F.linear")
