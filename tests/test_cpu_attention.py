@@ -5,7 +5,8 @@ Ragged steps over scrambled block tables: chunked prefill on cached context, fir
 lengths; GQA 1-4 query heads per KV head; head sizes 8-128 (64 and 128 have their own unrolled variants);
 block sizes 8-32; float32, bfloat16 and float16 caches; sliding windows. The chunking property runs
 under hypothesis: any cut of a prompt into chunks, each chunk a step of its own and decodes mixed in,
-gives each position exactly the bits the one-chunk prefill gave it.
+gives each position exactly the bits the one-chunk prefill gave it. The numerical tests run on every
+build this CPU takes (avx2, and avx512vl where it has AVX-512VL), and the two builds agree bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.kernels import AttentionMetadata, cpu_attention, reference, resolve_backend
@@ -23,6 +24,15 @@ from pdserve.kernels.dispatch import paged_attention
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="cpu attention kernel not built here "
                                 "(needs x86-64 with AVX2/FMA/F16C and a C compiler)")
 NUM_BLOCKS = 96
+BUILDS = [isa for isa in cpu_attention.ISAS if cpu_attention.load(isa) is not None]
+
+
+@pytest.fixture(params=BUILDS)
+def each_build(request, monkeypatch):
+    """paged_attention calls the ``request.param`` build of the kernel in this test."""
+    lib = cpu_attention.load(request.param)
+    monkeypatch.setattr(cpu_attention, "load", lambda isa=None: lib)
+    return request.param
 
 
 def _step(specs, H, HKV, D, BS, dtype=torch.float32, seed=0):
@@ -60,6 +70,7 @@ SPECS = [(40, 13), (9, 9), (30, 1), (1, 1), (57, 1), (16, 16), (24, 8)]
 @pytest.mark.parametrize("H,HKV", [(4, 4), (4, 2), (6, 2), (8, 2)])
 @pytest.mark.parametrize("D,BS", [(64, 16), (128, 8), (8, 32), (24, 16)])
 @pytest.mark.parametrize("window", [None, 11])
+@pytest.mark.usefixtures("each_build")
 def test_equals_float64_oracle(H, HKV, D, BS, window):
     cache, tables, meta, q, k, v = _step(SPECS, H, HKV, D, BS)
     out = cpu_attention.paged_attention(q, k, v, cache, meta, 0.3, window)
@@ -67,6 +78,7 @@ def test_equals_float64_oracle(H, HKV, D, BS, window):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.usefixtures("each_build")
 def test_half_caches_equal_the_torch_reference(dtype, tol):
     cache, _, meta, q, k, v = _step(SPECS, 4, 2, 64, 16, dtype=dtype)
     ref_cache = {c: x.clone() for c, x in cache.items()}
@@ -99,7 +111,8 @@ def _prefill_in_chunks(q, k, v, cuts, decode_after, BS, window=None, neighbours=
     return torch.cat(out)
 
 
-@settings(max_examples=25, deadline=None)
+@pytest.mark.usefixtures("each_build")
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(L=st.integers(2, 90), data=st.data())
 def test_a_rows_bits_do_not_depend_on_chunking(L, data):
     """Any chunking of a prompt (and its last positions run as decodes, with other sequences in the call)
@@ -115,6 +128,7 @@ def test_a_rows_bits_do_not_depend_on_chunking(L, data):
     assert torch.equal(whole, chunked), (cuts, decode_after, neighbours)
 
 
+@pytest.mark.usefixtures("each_build")
 def test_threads_calling_at_once_get_the_serial_bits():
     """ctypes drops the GIL for the call and the kernel keeps no state: 4 threads x 20 calls on their own
     steps give exactly what each step gives alone."""
@@ -135,6 +149,7 @@ def test_threads_calling_at_once_get_the_serial_bits():
     assert all(torch.equal(r, serial[i]) for i in range(4) for r in results[i])
 
 
+@pytest.mark.usefixtures("each_build")
 def test_torch_threads_share_the_call_out_without_changing_a_bit():
     """torch.get_num_threads() > 1: the (tile, KV head) items go to OpenMP threads; same bits as one thread."""
     cache, _, meta, q, k, v = _step(SPECS + [(90, 90), (70, 35)], 6, 2, 64, 16)
@@ -202,3 +217,30 @@ def test_without_a_working_compiler_the_cpu_falls_back_to_torch(fresh_load, monk
     assert resolve_backend(None, "cpu") == "torch"
     with pytest.raises(ValueError, match="use torch"):
         resolve_backend("cpu", "cpu")
+
+
+def test_the_best_build_the_cpu_runs_is_the_default():
+    flags = cpu_attention._cpu_flags()
+    best = "avx512vl" if {"avx512f", "avx512vl"} <= flags else "avx2"
+    assert cpu_attention.load()._name == cpu_attention.load(best)._name
+    if best == "avx2":
+        assert cpu_attention.load("avx512vl") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,HKV,D,BS,window", [(4, 2, 64, 16, None), (6, 2, 128, 8, 11), (8, 2, 24, 16, None),
+                                               (4, 4, 8, 32, 5)])
+def test_the_builds_give_the_same_bits(monkeypatch, dtype, H, HKV, D, BS, window):
+    """The avx512vl build is the same source with 32 registers: engines on AVX2-only and AVX-512 CPUs must
+    publish the same KV and answer the same tokens. Mutation caught: a build that widens a vector or
+    reorders a sum (an AVX-512 variant tried this way differed in the last bits)."""
+    if len(BUILDS) < 2:
+        pytest.skip("this CPU runs the avx2 build only")
+    outs = []
+    for isa in BUILDS:
+        cache, _, meta, q, k, v = _step(SPECS + [(90, 90)], H, HKV, D, BS, dtype=dtype, seed=D)
+        lib = cpu_attention.load(isa)
+        monkeypatch.setattr(cpu_attention, "load", lambda isa=None, lib=lib: lib)
+        outs.append(cpu_attention.paged_attention(q, k, v, cache, meta, 0.3, window))
+        monkeypatch.undo()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
