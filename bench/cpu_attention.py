@@ -168,6 +168,19 @@ def cpu_kernel(case, plan):
     return cpu_attention.paged_attention(case["q"], case["k"], case["v"], case["cache"], case["meta"], case["scale"])
 
 
+def cpu_kernel_build(isa: str):
+    """The C kernel's ``isa`` build (cpu_attention.ISAS), whichever the machine's default is."""
+    lib = cpu_attention.load(isa)
+
+    def run(case, plan):
+        best, cpu_attention.load = cpu_attention.load, lambda isa=None: lib
+        try:
+            return cpu_kernel(case, plan)
+        finally:
+            cpu_attention.load = best
+    return run
+
+
 VARIANTS = {
     "baseline": grouped(sdpa_expanded, 8, False),
     "sdpa-g4": grouped(sdpa_expanded, 4, False),
@@ -184,6 +197,10 @@ VARIANTS = {
 PREFILL_VARIANTS = {"baseline": (torch_ref, torch_ref_plan)}   # the reference is the prefill baseline
 if cpu_attention.load() is not None:
     VARIANTS["cpu-kernel"] = PREFILL_VARIANTS["cpu-kernel"] = (cpu_kernel, lambda case: None)
+    for _isa in cpu_attention.ISAS:                      # each build this CPU runs (same bits, other speed)
+        if cpu_attention.load(_isa) is not None:
+            VARIANTS[f"cpu-kernel-{_isa}"] = PREFILL_VARIANTS[f"cpu-kernel-{_isa}"] = (cpu_kernel_build(_isa),
+                                                                                     lambda case: None)
 
 
 # ----------------------------------------------------------------------------------------------- flex
@@ -252,7 +269,7 @@ def bench_case(name: str, case: dict, variants: dict, args) -> list[dict]:
     for r in rows.values():
         del r["out"]
         r["ratio_vs_baseline"] = base / r["ms_per_layer"]
-        print(f"{name:10s} {r['variant']:12s} {r['ms_per_layer']:8.3f} ms  x{r['ratio_vs_baseline']:5.2f}  "
+        print(f"{name:10s} {r['variant']:19s} {r['ms_per_layer']:8.3f} ms  x{r['ratio_vs_baseline']:5.2f}  "
               f"plan {r['plan_ms']:6.3f} ms  err {r['max_abs_err']:.1e}  first call {r['first_call_s']:.2f} s")
     return list(rows.values())
 
