@@ -55,19 +55,24 @@ _ERRORS = {1: "shape (head size and block size must be multiples of 8, query hea
 
 @functools.cache
 def load(isa: str | None = None) -> ctypes.CDLL | None:
-    """The compiled kernel library (``isa``: a key of ISAS; None: the best this CPU runs), or None (with the
-    reason logged) where it cannot be built here."""
+    """The compiled kernel library (``isa``: a key of ISAS; None: the best build this CPU runs and this compiler
+    builds, avx2 if the other fails), or None (with the reasons logged) where none can be built here."""
     flags = _cpu_flags()
-    if isa is None:
-        isa = next((name for name, (_, needs) in ISAS.items() if flags and set(needs) <= flags), "avx2")
-    reason = _unsupported(flags, ISAS[isa][1])
-    if reason is None:
-        try:
-            return _bind(ctypes.CDLL(str(_build(ISAS[isa][0]))))
-        except (OSError, subprocess.SubprocessError) as e:
-            stderr = getattr(e, "stderr", None)
-            reason = f"build failed: {e}" + (f": {stderr.decode(errors='replace')[-500:]}" if stderr else "")
-    log.warning("cpu attention kernel unavailable (%s); using the plain-torch backend", reason)
+    names = [isa] if isa else [name for name, (_, needs) in ISAS.items()
+                               if name == "avx2" or (flags and set(needs) <= flags)]
+    reasons = []
+    for name in names:
+        reason = _unsupported(flags, ISAS[name][1])
+        if reason is None:
+            try:
+                return _bind(ctypes.CDLL(str(_build(ISAS[name][0]))))
+            except (OSError, subprocess.SubprocessError) as e:
+                stderr = getattr(e, "stderr", None)
+                reason = f"build failed: {e}" + (f": {stderr.decode(errors='replace')[-500:]}" if stderr else "")
+        reasons.append(f"{name}: {reason}")
+        if name != names[-1]:
+            log.warning("cpu attention kernel: the %s build is unavailable (%s); trying the next one", name, reason)
+    log.warning("cpu attention kernel unavailable (%s); using the plain-torch backend", "; ".join(reasons))
     return None
 
 

@@ -244,3 +244,22 @@ def test_the_builds_give_the_same_bits(monkeypatch, dtype, H, HKV, D, BS, window
         outs.append(cpu_attention.paged_attention(q, k, v, cache, meta, 0.3, window))
         monkeypatch.undo()
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_a_compiler_without_the_avx512_flags_falls_back_to_the_avx2_build(fresh_load, monkeypatch, caplog):
+    """Where -mavx512vl does not build (an old compiler), the default is the avx2 build, not plain torch."""
+    if len(BUILDS) < 2:
+        pytest.skip("this CPU runs the avx2 build only")
+    import subprocess
+
+    run = subprocess.run
+
+    def no_avx512(cmd, *a, **kw):
+        if "-mavx512vl" in cmd:
+            raise subprocess.CalledProcessError(1, cmd, stderr=b"cc: error: unrecognized option '-mavx512vl'")
+        return run(cmd, *a, **kw)
+
+    monkeypatch.setattr(cpu_attention.subprocess, "run", no_avx512)
+    lib = cpu_attention.load()
+    assert lib is not None and lib._name == cpu_attention.load("avx2")._name
+    assert "the avx512vl build is unavailable" in caplog.text and "plain-torch" not in caplog.text
