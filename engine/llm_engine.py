@@ -27,6 +27,7 @@ from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner, SampleFailure
+from pdserve.engine.models.layers import matmul_path
 from pdserve.engine.output_assembler import OutputAssembler
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, check_stop
@@ -70,7 +71,7 @@ class LLMEngine:
                     self.runtime.num_blocks * self.runtime.bytes_per_block / 2**20, self.runtime.max_model_len,
                     config.kv_transfer.store_url,
                     getattr(self.runner, "attention_backend", config.execution.attention_backend or "default"),
-                    _matmul_path(self.layout.dtype, config.resolved_device))
+                    matmul_path(self.layout.dtype, config.resolved_device))
 
     def _build_runner(self):
         """``ModelRunner`` in this process, or the ``ParallelExecutor`` of tp x pp worker processes."""
@@ -229,12 +230,3 @@ def _measure_runtime(config: EngineConfig, model_config, layout) -> EngineRuntim
         raise ConfigError(f"the KV cache holds {num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens, "
                           f"less than --max-model-len {max_len}; raise --kv-cache-memory-bytes or lower --max-model-len")
     return EngineRuntime(num_blocks=num_blocks, max_model_len=max_len, bytes_per_block=bytes_per_block)
-
-
-def _matmul_path(dtype, device: str) -> str:
-    """What the Linear layers call (``engine.models.layers.linear``), for the start-up log."""
-    from pdserve.engine.models import layers
-
-    if layers._ONEDNN and dtype == torch.float32 and device == "cpu":
-        return f"onednn (>= {layers.ONEDNN_MIN_ROWS} rows)"
-    return "F.linear"

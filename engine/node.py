@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pdserve.engine import envs
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
-from pdserve.engine.server.listen import add_fd_flag, inherited_socket, socket_port
+from pdserve.engine.server.listen import add_fd_flag, inherited_socket, served_address
 from pdserve.engine.config import (CacheConfig, EngineConfig, ExecutionConfig, KVTransferConfig, ParallelConfig,
                                    SchedulerConfig)
 
@@ -200,9 +200,8 @@ def run_node(args) -> int:
         gc.freeze()                           # start-up objects (65k KV blocks...): never scanned again, not at exit either
         server = _server(build_app(engine, api_key=args.api_key, limits=limits_from_args(args),
                                    max_inflight=args.max_inflight_requests), args)
-        host = sock.getsockname()[0] if sock is not None else args.host
-        logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name, host,
-                    socket_port(sock, args.port))
+        logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name,
+                    *served_address(sock, args.host, args.port))
         signals.server = server
         engine.on_fatal = lambda reason: setattr(server, "should_exit", True)   # exit 1: a supervisor restarts us
         server.run(sockets=[sock] if sock is not None else None)

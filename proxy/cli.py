@@ -15,7 +15,7 @@ import logging
 import sys
 
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
-from pdserve.engine.server.listen import add_fd_flag, inherited_socket, socket_port
+from pdserve.engine.server.listen import add_fd_flag, inherited_socket, served_address
 from pdserve.proxy.config import POLICIES, ProxyConfig
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,9 @@ def run_proxy(args) -> int:
     sock = inherited_socket(args.fd)
     tokenizer = load_tokenizer(resolve_model(config.model))
     app = build_app(config, tokenizer)
-    logger.info("proxy on http://%s:%d: prefill %s (%s), decode %s (%s)", config.host, socket_port(sock, config.port),
-                list(config.prefill_urls), config.prefill_policy, list(config.decode_urls), config.decode_policy)
+    logger.info("proxy on http://%s:%d: prefill %s (%s), decode %s (%s)",
+                *served_address(sock, config.host, config.port), list(config.prefill_urls), config.prefill_policy,
+                list(config.decode_urls), config.decode_policy)
     gc.freeze()        # start-up objects (torch, transformers): never scanned again -- no long pauses mid-request
     # access_log=False: at log level warning uvicorn logs no access line, but it built each one's arguments
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",

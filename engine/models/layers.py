@@ -37,6 +37,12 @@ _ONEDNN = envs.PDSERVE_CPU_LINEAR == "onednn" and torch.backends.mkldnn.is_avail
     torch.ops.mkldnn, "_linear_pointwise")
 
 
+def matmul_path(dtype: torch.dtype, device: str) -> str:
+    """What ``linear`` runs for activations of ``dtype`` on ``device`` (the engine's start-up log)."""
+    return f"onednn (>= {ONEDNN_MIN_ROWS} rows)" if _ONEDNN and dtype == torch.float32 and device == "cpu" \
+        else "F.linear"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b), x: [T, in]; oneDNN for fp32 CPU batches of >= ONEDNN_MIN_ROWS rows, else F.linear."""
     # compiled (--torch-compile): inductor lowers this op only for frozen weights; it picks its own GEMM

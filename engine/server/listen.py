@@ -51,5 +51,6 @@ def inherited_socket(fd: int | None) -> socket.socket | None:
     return sock
 
 
-def socket_port(sock: socket.socket | None, default: int) -> int:
-    return sock.getsockname()[1] if sock is not None else default
+def served_address(sock: socket.socket | None, host: str, port: int) -> tuple[str, int]:
+    """(host, port) a server listens on: the inherited socket's, else the flags'."""
+    return tuple(sock.getsockname()[:2]) if sock is not None else (host, port)
