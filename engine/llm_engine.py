@@ -34,6 +34,7 @@ from pdserve.engine.request import Request, check_stop
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.store_factory import build_node_store
 from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.kernels import resolve_backend
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,14 @@ class LLMEngine:
                     self.layout.dtype, self.runtime.num_blocks, block_size,
                     self.runtime.num_blocks * self.runtime.bytes_per_block / 2**20, self.runtime.max_model_len,
                     config.kv_transfer.store_url,
-                    getattr(self.runner, "attention_backend", config.execution.attention_backend or "default"),
-                    matmul_path(self.layout.dtype, config.resolved_device))
+                    self._attention_backend(),
+                    matmul_path(self.layout.dtype, config.resolved_device, config.compiles_model))
+
+    def _attention_backend(self) -> str:
+        """The runner's; tp x pp ranks resolve theirs the same way (same flag, env and device)."""
+        ex = self.config.execution
+        return getattr(self.runner, "attention_backend", None) or resolve_backend(ex.attention_backend,
+                                                                                  self.config.resolved_device)
 
     def _build_runner(self):
         """``ModelRunner`` in this process, or the ``ParallelExecutor`` of tp x pp worker processes."""

@@ -101,3 +101,20 @@ def test_the_start_up_log_names_the_attention_backend_and_the_matmul_path(tiny_l
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
     assert "matmuls=onednn (>= 2 rows)" in ready[0] and "attention=" in ready[0]
     assert ready[1].endswith("attention=torch matmuls=F.linear")
+
+
+def test_the_start_up_log_is_right_for_tensor_parallel_and_compiled_layers(tiny_llama, caplog, monkeypatch):
+    """tp 2: the ranks' backend, not a placeholder (the executor has no attribute to read); compiled: the
+    layers' GEMMs are inductor's, not oneDNN's."""
+    from pdserve.engine.llm import LLM
+
+    monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "torch")
+    with caplog.at_level("INFO", logger="pdserve.engine.llm_engine"):
+        with LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2):
+            pass
+        monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND")
+        llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20, torch_compile=True)
+        llm.engine.shutdown()
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
+    assert ready[0].endswith("attention=torch matmuls=onednn (>= 2 rows)")
+    assert ready[1].endswith("matmuls=inductor in compiled steps, else onednn (>= 2 rows)")

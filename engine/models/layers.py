@@ -37,10 +37,12 @@ _ONEDNN = envs.PDSERVE_CPU_LINEAR == "onednn" and torch.backends.mkldnn.is_avail
     torch.ops.mkldnn, "_linear_pointwise")
 
 
-def matmul_path(dtype: torch.dtype, device: str) -> str:
-    """What ``linear`` runs for activations of ``dtype`` on ``device`` (the engine's start-up log)."""
-    return f"onednn (>= {ONEDNN_MIN_ROWS} rows)" if _ONEDNN and dtype == torch.float32 and device == "cpu" \
+def matmul_path(dtype: torch.dtype, device: str, compiled: bool = False) -> str:
+    """What ``linear`` runs for activations of ``dtype`` on ``device`` (the engine's start-up log); ``compiled``:
+    the layers run torch.compile'd for big steps, where inductor picks the GEMM."""
+    eager = f"onednn (>= {ONEDNN_MIN_ROWS} rows)" if _ONEDNN and dtype == torch.float32 and device == "cpu" \
         else "F.linear"
+    return f"inductor in compiled steps, else {eager}" if compiled else eager
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
