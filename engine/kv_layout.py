@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.hugepages import zeros_on_hugepages
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -44,8 +46,11 @@ class KVLayout:
         """One ``{component: tensor[num_blocks, block_size, heads, dim]}`` dict per layer, every tensor a
         view of one buffer ``[layers, components, num_blocks, block_size, heads, dim]`` (``.buffer``), so a
         chunk of every layer moves in one gather/scatter (``kernels.chunk_io``)."""
-        shape = self.block_shape(num_blocks, block_size)
-        buffer = torch.zeros(self.num_layers, len(self.components), *shape, dtype=self.dtype, device=device)
+        shape = (self.num_layers, len(self.components), *self.block_shape(num_blocks, block_size))
+        if torch.device(device).type == "cpu":
+            buffer = zeros_on_hugepages(shape, self.dtype)          # scattered blocks: fewer TLB misses
+        else:
+            buffer = torch.zeros(shape, dtype=self.dtype, device=device)
         caches = KVCaches({c: buffer[layer, i] for i, c in enumerate(self.components)}
                           for layer in range(self.num_layers))
         caches.buffer = buffer

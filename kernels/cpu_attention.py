@@ -101,34 +101,35 @@ def _compiler() -> str | None:
     return next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
 
 
-def _build(isa_flags: list[str]) -> Path:
-    """The library's path, compiled if no loadable one is cached for this source, flags and compiler."""
+def _build(isa_flags: list[str], source: Path = SOURCE, symbol: str = "pd_paged_attention") -> Path:
+    """The library's path, compiled if no loadable one (exporting ``symbol``) is cached for this source, flags
+    and compiler. ``cpu_rope.py`` builds its own source through it."""
     cc, cflags = _compiler(), CFLAGS + isa_flags
     version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout.split(b"\n")[0]
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags).encode() + b"\0" + cc.encode() + version)
+    tag = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode() + b"\0" + cc.encode() + version)
     out_dir = envs.PDSERVE_CACHE_DIR / "kernels"
-    target = out_dir / f"cpu_attention-{tag.hexdigest()[:16]}.so"
-    if target.exists() and _loadable(target):
+    target = out_dir / f"{source.stem}-{tag.hexdigest()[:16]}.so"
+    if target.exists() and _loadable(target, symbol):
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, *cflags, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
-        if not _loadable(Path(tmp)):
-            raise OSError(f"{cc} wrote no loadable library with pd_paged_attention")
+        subprocess.run([cc, *cflags, "-o", tmp, str(source)], check=True, capture_output=True, timeout=120)
+        if not _loadable(Path(tmp), symbol):
+            raise OSError(f"{cc} wrote no loadable library with {symbol}")
         os.chmod(tmp, 0o755)                  # mkstemp made it 0600: other users of a shared cache read it too
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built the cpu attention kernel (%s): %s", " ".join(isa_flags) or "avx2", target)
+    log.info("built %s (%s): %s", source.name, " ".join(isa_flags) or "avx2", target)
     return target
 
 
-def _loadable(path: Path) -> bool:
+def _loadable(path: Path, symbol: str = "pd_paged_attention") -> bool:
     try:
-        return hasattr(ctypes.CDLL(str(path)), "pd_paged_attention")
+        return hasattr(ctypes.CDLL(str(path)), symbol)
     except OSError:
         return False
 
