@@ -7,7 +7,7 @@ one layer's cache over and over, which a 32 MiB L3 partly holds; here the step c
 caches of one buffer allocated like the engine's (``KVLayout.allocate``), blocks scrambled, so every call
 streams from DRAM, as in the engine. Three setups, in rounds (a shared box's load drifts over them alike):
 
-    hugepages   the engine's cache: advised onto transparent huge pages (engine/hugepages.py)
+    hugepages   the engine's cache: advised onto transparent huge pages (engine/host_memory.py)
     4k-pages    the same shape from plain torch.zeros (what the engine had before)
     hot         every sequence's table points into the same 40 blocks: cache-resident, the compute floor
 

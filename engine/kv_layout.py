@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.hugepages import zeros_on_hugepages
+from pdserve.engine.host_memory import zeros_on_hugepages
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from pdserve.engine import host_memory
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig, EngineRuntime
 from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
@@ -49,6 +50,7 @@ class LLMEngine:
         ``detokenize`` False: outputs carry token ids only and stop strings are the caller's (the
         engine-core process: its API process detokenizes and calls ``stop_request``)."""
         torch.set_num_threads(config.num_threads)
+        host_memory.tune()                                  # freed activations stay mapped (glibc)
         torch.manual_seed(config.seed)
         self.config = config
         self.model, self.model_config = _load(config)      # model None: tp x pp worker ranks hold it

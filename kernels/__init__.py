@@ -7,8 +7,8 @@ fallback) or to the Triton kernels (``triton_attention.py``,
 ``triton_cache.py``), as ``AttentionMetadata.backend`` says. The input batch
 (``pdserve.engine.input_batch``) builds the metadata once per step (``metadata.py``). The KV store's
 publisher and loader move chunks with ``transfer.py`` (torch) / ``triton_transfer.py`` (CUDA).
-``cpu_rope.py`` (``cpu_rope.c``) is the model's rotary embedding on CPU float32, called by
-``engine.models.rope.apply_rotary``. Each Triton kernel is tested against its torch reference under
+``cpu_ops.py`` (``cpu_ops.c``) holds the model's rotary embedding, RMSNorm and SiLU-and-mul on CPU
+float32, called by ``engine.models.rope`` and ``engine.models.layers``. Each Triton kernel is tested against its torch reference under
 ``TRITON_INTERPRET=1``.
 """
 

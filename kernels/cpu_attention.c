@@ -33,34 +33,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_vec.h"
+
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2 };
 #define MAX_LANES 32   /* (row, head) lanes per tile: their accumulators (32 x D floats) stay in L1/L2 */
 #define GROUP 8        /* keys per score vector: one AVX register */
 #define UNIT 32        /* keys per online-softmax step (4 groups), aligned to absolute positions */
 #define NG (UNIT / GROUP)
-#define INLINE static inline __attribute__((always_inline))
-
-/* exp on 8 lanes: 2^n * P(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-5 minimax polynomial (Cephes
- * expf coefficients; ~1 ulp); inputs below -87.3 give 0, so exp(-inf) = 0 as the softmax needs. */
-INLINE __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(under, y);
-}
 
 /* lane j of the result = sum of a[j]'s 8 lanes, in a fixed order */
 INLINE __m256 hsum8x8(const __m256 a[8]) {

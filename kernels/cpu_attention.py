@@ -103,10 +103,11 @@ def _compiler() -> str | None:
 
 def _build(isa_flags: list[str], source: Path = SOURCE, symbol: str = "pd_paged_attention") -> Path:
     """The library's path, compiled if no loadable one (exporting ``symbol``) is cached for this source, flags
-    and compiler. ``cpu_rope.py`` builds its own source through it."""
+    and compiler. ``cpu_ops.py`` builds its own source through it."""
     cc, cflags = _compiler(), CFLAGS + isa_flags
     version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout.split(b"\n")[0]
-    tag = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode() + b"\0" + cc.encode() + version)
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))      # cpu_vec.h
+    tag = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode() + b"\0" + cc.encode() + version)
     out_dir = envs.PDSERVE_CACHE_DIR / "kernels"
     target = out_dir / f"{source.stem}-{tag.hexdigest()[:16]}.so"
     if target.exists() and _loadable(target, symbol):

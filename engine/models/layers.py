@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import envs
+from pdserve.kernels import cpu_ops
 
 
 # fp32 matmuls on CPU go to oneDNN from 2 rows: it uses the CPU's widest vectors, where MKL runs its AVX2
@@ -63,7 +64,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., size]
+        # x: [..., size]; float32 [N, size] on CPU, eager: one C call (kernels/cpu_ops.c)
+        if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling():
+            y = cpu_ops.rms_norm(x, self.weight, self.eps)
+            if y is not None:
+                return y
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -155,7 +160,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] -> gate_up: [T, 2I] -> [T, I] -> [T, D]
-        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up(x)
+        if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and not torch.compiler.is_compiling():
+            y = cpu_ops.silu_and_mul(gate_up)                        # one C pass (kernels/cpu_ops.c)
+            if y is not None:
+                return self.down(y)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down(F.silu(gate) * up)
 
     def load(self, src, prefix: str, tp_rank: int = 0) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.model_config import RopeConfig
-from pdserve.kernels import cpu_rope
+from pdserve.kernels import cpu_ops
 
 
 class RotaryEmbedding(nn.Module):
@@ -56,9 +56,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D]; cos, sin: [T, D] -> [T, H, D] in x's dtype. Float32 on CPU, outside torch.compile: one
-    C call (``kernels/cpu_rope.c``, the same bits as the expression below)."""
+    C call (``kernels/cpu_ops.c``, the same bits as the expression below)."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling():
-        out = cpu_rope.rotary(x, cos, sin)
+        out = cpu_ops.rotary(x, cos, sin)
         if out is not None:
             return out
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)

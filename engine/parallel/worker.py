@@ -33,6 +33,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from pdserve.engine import host_memory
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel import faults
@@ -145,6 +146,7 @@ def run_rank(master_addr: str, master_port: int, rank: int, heartbeat_fd: int,
              connect_timeout: float = 300.0) -> int:
     """A rank's whole life (called in the process forked for it by ``launcher.py``); -> exit code."""
     torch.set_num_threads(1)
+    host_memory.tune()
     store = connect_store(master_addr, master_port, connect_timeout)
     worker = Worker(store, rank, heartbeat_fd)
     try:
