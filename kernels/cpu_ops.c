@@ -2,10 +2,11 @@
  * where torch needs several passes (and several dispatches) for the same expression.
  *
  *   pd_rotary        neox-style rotary embedding: the torch expression's operations in its order, each rounded
- *                    once, so its bits (x * cos + cat(-x2, x1) * sin)
+ *                    once, so its bits (x * cos + cat(-x2, x1) * sin); a NaN result is NaN, its sign bit not
+ *                    matched
  *   pd_rms_norm      y = w * (x * (1 / sqrt(mean(x^2) + eps))), HF's expression; only the sum of squares is
- *                    ordered differently from torch's reduction (a fixed order per row: 4 accumulators of 8
- *                    lanes, then a fixed tree), so a row's bits do not depend on the other rows
+ *                    computed differently from torch's reduction (in double, rounded once: the float nearest
+ *                    the exact sum), in a fixed order per row, so a row's bits do not depend on the other rows
  *   pd_silu_and_mul  y = silu(g) * u with silu(g) = g / (1 + exp(-g)); exp is cpu_vec.h's (~1 ulp)
  *
  * Built with -ffp-contract=off: no multiply is fused into an add unless an intrinsic says so (exp's polynomial).
@@ -51,24 +52,21 @@ int pd_rotary(const float *x, int64_t x_stride, float *out, const float *cos, co
 
 /* ------------------------------------------------------------------------------------------- rms norm */
 
-/* sum of x[0..D)^2: x^2 rounded, then added; 8-float chunks go round-robin to 4 vector accumulators, which
- * are added ((a0 + a1) + (a2 + a3)) and reduced over lanes in a fixed tree; the D % 8 tail is added last */
+/* sum of x[0..D)^2 in double: each square is exact there and the sum's error stays far below a float ulp at
+ * any D, so the result is the float nearest the exact sum (torch's cascade sum is within ~3 ulp of it).  Four
+ * lanes; 4-float chunks in order; the lanes are added ((l0 + l1) + (l2 + l3)); the D % 4 tail is added last */
 static float sum_squares(const float *x, int D) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256d acc = _mm256_setzero_pd();
     int d = 0;
-    for (int i = 0; d + 8 <= D; d += 8, i = (i + 1) & 3) {
-        __m256 v = _mm256_loadu_ps(x + d);
-        acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(v, v));
+    for (; d + 4 <= D; d += 4) {
+        __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + d));
+        acc = _mm256_add_pd(acc, _mm256_mul_pd(v, v));
     }
-    __m256 t = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    for (; d < D; d++) {
-        float sq = x[d] * x[d];
-        sum = sum + sq;
-    }
-    return sum;
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(acc), _mm256_extractf128_pd(acc, 1));
+    double sum = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+    for (; d < D; d++)
+        sum += (double)x[d] * (double)x[d];
+    return (float)sum;
 }
 
 /* x: rows of D floats, x_stride apart; w: [D]; y: [rows, D] */
@@ -93,12 +91,12 @@ int pd_rms_norm(const float *x, int64_t x_stride, const float *w, float *y, int6
 
 /* ---------------------------------------------------------------------------------------- silu and mul */
 
-/* silu(g) = g / (1 + exp(-g)); where exp(-g) overflows float (-g > 88.72) it is +inf, as in torch, and the
- * result is -0 (exp8 itself saturates near there) */
+/* silu(g) = g / (1 + exp(-g)).  exp8 saturates at 88.3 (its 2^n must stay a normal float), so above 88 exp(-g)
+ * is exp(-g / 2)^2 (~2 ulp), which also overflows to +inf past 88.72 as float's exp does: the result is -0 */
 INLINE __m256 silu8(__m256 g) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    __m256 ng = _mm256_xor_ps(g, sign), e = exp8(ng);
-    e = _mm256_blendv_ps(e, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(ng, _mm256_set1_ps(88.72283f), _CMP_GT_OQ));
+    __m256 ng = _mm256_xor_ps(g, sign), half = exp8(_mm256_mul_ps(ng, _mm256_set1_ps(0.5f)));
+    __m256 e = _mm256_blendv_ps(exp8(ng), _mm256_mul_ps(half, half), _mm256_cmp_ps(ng, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
     return _mm256_div_ps(g, _mm256_add_ps(one, e));
 }
 

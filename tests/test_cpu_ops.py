@@ -54,7 +54,7 @@ def test_q_and_k_as_column_slices_of_the_qkv_output(D):
         assert same_bits(cpu_ops.rotary(x, cos, sin), torch_rope(x, cos, sin))
 
 
-def test_special_values_round_like_torch():
+def test_special_values_round_like_torch():     # NaN where torch has NaN (its sign bit is not matched)
     x, cos, sin = torch.randn(4, 2, 16), torch.randn(4, 16), torch.randn(4, 16)
     x[0, 0, :3] = torch.tensor([float("inf"), -float("inf"), -0.0])
     x[1, 1, 9] = float("nan")
@@ -109,6 +109,30 @@ def test_silu_and_mul_is_within_a_few_ulp_of_torch(N, I, scale, seed):
     gate_up = torch.randn(N, 2 * I, generator=g) * scale
     gate, up = gate_up.split(I, dim=-1)
     torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), F.silu(gate) * up, rtol=4e-6, atol=1e-35)
+
+
+def test_silu_where_exp_of_minus_gate_nears_float_overflow():
+    gate = torch.linspace(-89.5, -87.0, 4001)                     # exp(-g) overflows float past 88.72
+    gate_up = torch.cat((gate, torch.ones_like(gate))).view(1, -1)
+    want = F.silu(gate)
+    got = cpu_ops.silu_and_mul(gate_up)[0]
+    assert torch.equal(got == 0, want == 0)
+    torch.testing.assert_close(got, want, rtol=4e-6, atol=0)
+
+
+@pytest.mark.parametrize("D", [4096, 8192, 65536])
+def test_rms_norm_stays_close_at_any_width(D):
+    for x in (torch.full((2, D), 1 / 3), torch.rand(2, D) * 0.2 + 0.9):
+        w = torch.ones(D)
+        torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), torch_rms_norm(x, w, 1e-6), rtol=4e-7, atol=0)
+
+
+def test_zero_width_falls_back_to_torch():
+    assert cpu_ops.rotary(torch.randn(4, 0, 8), torch.randn(4, 8), torch.randn(4, 8)) is None
+    assert cpu_ops.rms_norm(torch.randn(3, 0), torch.randn(0), 1e-6) is None
+    assert cpu_ops.silu_and_mul(torch.randn(3, 0)) is None
+    assert rope.apply_rotary(torch.randn(4, 0, 8), torch.randn(4, 8), torch.randn(4, 8)).shape == (4, 0, 8)
+    assert RMSNorm(0, 1e-6, torch.float32)(torch.randn(3, 0)).shape == (3, 0)
 
 
 def test_silu_and_mul_special_values():
