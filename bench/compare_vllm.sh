@@ -50,10 +50,14 @@ install_vllm() {
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
+alive() {  # PID: running, not a zombie (an exited child stays one until reaped, and kill -0 still finds it)
+  kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" | cut -c1)" != Z ]
+}
+
 wait_healthy() {  # URL PID LOG
   for _ in $(seq 1 600); do
     curl -sf "$1/health" >/dev/null && return 0
-    kill -0 "$2" 2>/dev/null || { echo "server died, see $3" >&2; tail -30 "$3" >&2; exit 1; }
+    alive "$2" || { echo "server died, see $3" >&2; tail -30 "$3" >&2; exit 1; }
     sleep 1
   done
   echo "$1 not healthy after 600 s, see $3" >&2; exit 1
@@ -85,15 +89,31 @@ compare() {  # MODEL NUM_PROMPTS RUN_DIR DISAGG(0|1): both servers on one model;
   if [ "$DISAGG" = 1 ]; then
     echo "== vLLM 1P1D (ExampleConnector) behind pdserve's proxy"
     KV_DIR=$(mktemp -d /tmp/vllm-kv-XXXX)
-    PP=$(free_port); DP=$(free_port); XP=$(free_port)
+    # each port is picked just before its server starts (vLLM's workers bind ports of their own as they start)
+    PP=$(free_port)
     start_vllm "$PP" "$RUN/vllm-prefill.log" --kv-transfer-config \
       "{\"kv_connector\":\"ExampleConnector\",\"kv_role\":\"kv_producer\",\"kv_connector_extra_config\":{\"shared_storage_path\":\"$KV_DIR\"}}"
+    DP=$(free_port)
     start_vllm "$DP" "$RUN/vllm-decode.log" --kv-transfer-config \
       "{\"kv_connector\":\"ExampleConnector\",\"kv_role\":\"kv_consumer\",\"kv_connector_extra_config\":{\"shared_storage_path\":\"$KV_DIR\"}}"
-    pdserve proxy --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --model "$MODEL" \
-      --port "$XP" > "$RUN/vllm-proxy.log" 2>&1 &
+    # the proxy serves a socket bound here and inherited (--fd): no window for another process to take its port
+    rm -f "$RUN/proxy.port"
+    python3 - "$RUN/proxy.port" --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --model "$MODEL" \
+      > "$RUN/vllm-proxy.log" 2>&1 <<'PY' &
+import os, socket, sys
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen(1024)
+os.set_inheritable(s.fileno(), True)
+with open(sys.argv[1], "w") as f:
+    f.write(str(s.getsockname()[1]))
+os.execvp("pdserve", ["pdserve", "proxy", "--fd", str(s.fileno()), *sys.argv[2:]])
+PY
     PIDS+=($!)
-    wait_healthy "http://127.0.0.1:$XP" "$!" "$RUN/vllm-proxy.log"
+    PROXY_PID=$!
+    for _ in $(seq 1 100); do [ -s "$RUN/proxy.port" ] && break; sleep 0.1; done
+    XP=$(cat "$RUN/proxy.port")
+    wait_healthy "http://127.0.0.1:$XP" "$PROXY_PID" "$RUN/vllm-proxy.log"
     pdserve bench serve --base-url "http://127.0.0.1:$XP" --tokenizer "$MODEL" "${WORKLOAD[@]}" \
       --save-result --result-dir "$RUN" --result-filename vllm-disagg.json
     stop_all
