@@ -132,6 +132,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params,
                     kv_transfer_params: dict | None = None) -> None:
         self.check_prompt(len(prompt_token_ids), params.max_tokens)
+        self.check_token_ids(prompt_token_ids)
         if self.outputs.is_live(request_id) or request_id in self.scheduler.loading:
             raise ValueError(f"request id {request_id!r} is already running (or its aborted KV load is "
                              "still finishing)")
@@ -150,6 +151,15 @@ class LLMEngine:
         if first is not None and self.outputs.first_token_from_prefill(req, check_stop(req, self.max_model_len)):
             return                                      # finished on the prefill node's token: never scheduled
         self.scheduler.add_request(req)
+
+    def check_token_ids(self, prompt_token_ids) -> None:
+        """Raise ValueError naming the first id outside the model's vocabulary: the HTTP edge checks this already,
+        but a token-id prompt from ``LLM.generate`` (or any other caller) would otherwise fail the whole step's
+        batch in the embedding lookup, not this request alone."""
+        vocab = self.model_config.vocab_size
+        if prompt_token_ids and not (0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab):
+            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad} is out of range; the vocabulary has {vocab} tokens")
 
     def _eos(self, i: int) -> int | None:
         ids = self.model_config.eos_token_ids

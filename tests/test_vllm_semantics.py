@@ -99,6 +99,17 @@ def test_rejected_prompt_leaves_nothing_queued(tiny_llama):
     assert len(out.token_ids) == 4
 
 
+@pytest.mark.parametrize("bad", [-1, 10**6])
+def test_a_token_id_outside_the_vocabulary_is_rejected_up_front(llm, bad):
+    # before, it reached the embedding lookup and failed every request of that step, not this one alone
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=f"token id {bad} is out of range; the vocabulary has {vocab} tokens"):
+        llm.generate([PROMPT, [5, 6, bad, 7], PROMPT], greedy(max_tokens=4))
+    assert not llm.engine.has_unfinished()
+    outs = llm.generate([PROMPT, [5, 6, vocab - 1, 7]], greedy(max_tokens=4))
+    assert [len(o.token_ids) for o in outs] == [4, 4]
+
+
 def test_metaspace_first_token_keeps_its_leading_space(tiny_llama_metaspace):
     llm = LLM(str(tiny_llama_metaspace))
     tok = llm.tokenizer
