@@ -67,8 +67,8 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for setting in ("tuned", "default"):
                 res = run_child(setting, model, args)
-                print(f"round {r + 1}/{args.rounds} {setting:8s} {res['ms']:8.1f} ms/step {res['faults']:8.0f} faults/step",
-                      flush=True)
+                print(f"round {r + 1}/{args.rounds} {setting:8s} {res['ms']:8.1f} ms/step "
+                      f"{res['faults']:8.0f} faults/step", flush=True)
                 if setting not in best or res["ms"] < best[setting]["ms"]:
                     best[setting] = res
     for setting, res in best.items():

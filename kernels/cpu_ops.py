@@ -10,9 +10,10 @@ then runs its torch expression. The callers skip it inside ``torch.compile`` (th
 
 Bits: ``rotary`` gives the torch expression's bits (same operations, same order; a NaN is NaN, its sign
 not matched). ``rms_norm`` differs from torch only in its sum of squares (in double, rounded once: at
-most ~4 ulp from torch's at any width), ``silu_and_mul`` in its exp (~2 ulp); neither depends on the other rows, so a prompt's KV does not depend on how it was
-batched or chunked. Tests: tests/test_cpu_ops.py. Speed, tiny model, 2048-token prompt step (one layer's
-op, torch -> C): rotary 0.96 -> 0.12 ms; each also saves several op dispatches per decode step.
+most ~4 ulp from torch's at any width), ``silu_and_mul`` in its exp (~2 ulp); no result depends on the
+other rows, so a prompt's KV does not depend on how it was batched or chunked. Tests:
+tests/test_cpu_ops.py. Speed, tiny model, 2048-token prompt step (torch -> C): rotary 0.96 -> 0.12 ms a
+layer, the step's 4 RMSNorms 5 -> 1.7 ms; each also saves several op dispatches per decode step.
 """
 
 from __future__ import annotations
