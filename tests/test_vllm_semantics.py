@@ -99,11 +99,13 @@ def test_rejected_prompt_leaves_nothing_queued(tiny_llama):
     assert len(out.token_ids) == 4
 
 
-@pytest.mark.parametrize("bad", [-1, 10**6])
+@pytest.mark.parametrize("bad", [-1, 10**6, 2.0, True, float("nan")])
 def test_a_token_id_outside_the_vocabulary_is_rejected_up_front(llm, bad):
     # before, it reached the embedding lookup and failed every request of that step, not this one alone
     vocab = llm.engine.model_config.vocab_size
-    with pytest.raises(ValueError, match=f"token id {bad} is out of range; the vocabulary has {vocab} tokens"):
+    message = (f"token id {bad} is out of range; the vocabulary has {vocab} tokens" if type(bad) is int
+               else f"token id {bad!r} is not an integer")
+    with pytest.raises(ValueError, match=message):
         llm.generate([PROMPT, [5, 6, bad, 7], PROMPT], greedy(max_tokens=4))
     assert not llm.engine.has_unfinished()
     outs = llm.generate([PROMPT, [5, 6, vocab - 1, 7]], greedy(max_tokens=4))

@@ -39,7 +39,7 @@ from pdserve.engine.async_engine import EngineDeadError, EngineStats
 from pdserve.engine.core import messages as m
 from pdserve.engine.core.output_processor import OutputProcessor
 from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
-from pdserve.engine.llm_engine import check_prompt_fits
+from pdserve.engine.llm_engine import check_prompt_fits, check_prompt_ids
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.tokenizer import load_tokenizer
@@ -94,16 +94,24 @@ class EngineCoreClient:
             lambda t: t.check_compatible(fingerprint=s.fingerprint, block_size=s.block_size,
                                          chunk_tokens=s.chunk_tokens, kv_layout=s.kv_layout)))
 
+    def check_token_ids(self, prompt_token_ids) -> None:
+        """``LLMEngine.check_token_ids``: here, before the core sees an id it could not decode."""
+        check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params,
                     kv_transfer_params: dict | None = None) -> None:
         if self._fatal is not None:
             raise EngineDeadError(self._fatal)
+        self.check_token_ids(prompt_token_ids)
+        ids = [int(t) for t in prompt_token_ids]              # numpy ints included: the wire takes int
         transfer = KVTransferParams.from_json_obj(kv_transfer_params) if kv_transfer_params else None
-        stop = self._outputs.first_token_stop(prompt_token_ids, params, transfer)
+        stop = self._outputs.first_token_stop(ids, params, transfer)
         with self._lock:
             seq = next(self._next_seq)
-            self._outputs.add(request_id, seq, prompt_token_ids, params)
-            self._send_locked(m.AddRequest(request_id, seq, list(prompt_token_ids), params, transfer, stop))
+            payload = m.encode(m.AddRequest(request_id, seq, ids, params, transfer, stop))   # fails registering nothing
+            self._outputs.add(request_id, seq, ids, params)
+            if not self._closed:
+                self._to_core.send(payload)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
