@@ -80,10 +80,9 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params, request_id: str,
                        kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
-        """Deltas of one request; raises ``PromptTooLongError`` / ``TransferMismatchError`` / ValueError (a prompt
-        token id that is not one of the vocabulary's) up front."""
+        """Deltas of one request; raises ``PromptTooLongError`` / ``TransferMismatchError`` up front, and the
+        engine's ``add_request`` errors (a prompt token id not in the vocabulary: ValueError) as the first item."""
         self.engine.check_prompt(len(prompt_token_ids), params.max_tokens)
-        self.engine.check_token_ids(prompt_token_ids)
         self.engine.check_transfer(kv_transfer_params)
         if self._fatal:
             raise EngineDeadError(self._fatal)
