@@ -7,9 +7,10 @@ fallback) or to the Triton kernels (``triton_attention.py``,
 ``triton_cache.py``), as ``AttentionMetadata.backend`` says. The input batch
 (``pdserve.engine.input_batch``) builds the metadata once per step (``metadata.py``). The KV store's
 publisher and loader move chunks with ``transfer.py`` (torch) / ``triton_transfer.py`` (CUDA).
-``cpu_ops.py`` (``cpu_ops.c``) holds the model's rotary embedding, RMSNorm and SiLU-and-mul on CPU
-float32, called by ``engine.models.rope`` and ``engine.models.layers``. Each Triton kernel is tested
-against its torch reference under ``TRITON_INTERPRET=1``.
+``cpu_build.py`` compiles both C sources; ``cpu_ops.py`` (``cpu_ops.c``) holds the model's rotary
+embedding, RMSNorm and SiLU-and-mul on CPU float32, called by ``engine.models.rope`` and
+``engine.models.layers``. Each Triton kernel is tested against its torch reference under
+``TRITON_INTERPRET=1``.
 """
 
 from pdserve.kernels.dispatch import BACKENDS, paged_attention, resolve_backend, write_to_cache

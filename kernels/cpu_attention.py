@@ -16,36 +16,27 @@ the compiler's name and version) with ``cc -O3 -mavx2 -mfma -mf16c -ffp-contract
 ``-mavx512f -mavx512vl`` on CPUs that have them: the same 8-float vectors and the same instructions'
 arithmetic, so the same bits (tests/test_cpu_attention.py compares the two builds bit for bit), but 32
 vector registers instead of 16 and no spills (an AVX-512 EPYC: prompt steps 10-20% and decode steps ~23%
-faster, ``bench/cpu_attention.py``). Either build is written
-to a temporary name, checked to load, made readable by all (a cache shared by users) and renamed, so
-processes building at once never see a half-written file and a compiler that wrote nothing poisons no
-cache. ``load()`` returns None — and the dispatcher keeps the plain-torch backend — when the CPU lacks
-AVX2/FMA/F16C, there is no compiler, or the build fails; the reason is logged once.
+faster, ``bench/cpu_attention.py``). ``cpu_build.py`` compiles and caches each build. ``load()`` returns
+None — and the dispatcher keeps the plain-torch backend — when the CPU lacks AVX2/FMA/F16C, there is no
+compiler, or the build fails; the reason is logged once.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from pdserve.engine import envs
+from pdserve.kernels.cpu_build import CPU_FLAGS, build, cpu_flags, unsupported
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.kernels.reference import write_to_cache
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC"]
-CPU_FLAGS = ("avx2", "fma", "f16c")
 ISAS = {"avx512vl": (["-mavx512f", "-mavx512vl"], CPU_FLAGS + ("avx512f", "avx512vl")),   # best first; same bits
         "avx2": ([], CPU_FLAGS)}
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -57,15 +48,15 @@ _ERRORS = {1: "shape (head size and block size must be multiples of 8, query hea
 def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library (``isa``: a key of ISAS; None: the best build this CPU runs and this compiler
     builds, avx2 if the other fails), or None (with the reasons logged) where none can be built here."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     names = [isa] if isa else [name for name, (_, needs) in ISAS.items()
                                if name == "avx2" or (flags and set(needs) <= flags)]
     reasons = []
     for name in names:
-        reason = _unsupported(flags, ISAS[name][1])
+        reason = unsupported(flags, ISAS[name][1])
         if reason is None:
             try:
-                return _bind(ctypes.CDLL(str(_build(ISAS[name][0]))))
+                return _bind(ctypes.CDLL(str(build(SOURCE, "pd_paged_attention", ISAS[name][0]))))
             except (OSError, subprocess.SubprocessError) as e:
                 stderr = getattr(e, "stderr", None)
                 reason = f"build failed: {e}" + (f": {stderr.decode(errors='replace')[-500:]}" if stderr else "")
@@ -74,65 +65,6 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
             log.warning("cpu attention kernel: the %s build is unavailable (%s); trying the next one", name, reason)
     log.warning("cpu attention kernel unavailable (%s); using the plain-torch backend", "; ".join(reasons))
     return None
-
-
-def _cpu_flags() -> set[str] | None:
-    try:
-        return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                        if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return None
-
-
-def _unsupported(flags: set[str] | None, needs: tuple[str, ...]) -> str | None:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"machine is {platform.machine()}, not x86_64"
-    if flags is None:
-        return "/proc/cpuinfo has no flags line"
-    missing = [f for f in needs if f not in flags]
-    if missing:
-        return f"CPU lacks {', '.join(missing)}"
-    if _compiler() is None:
-        return "no C compiler (cc, gcc or $CC)"
-    return None
-
-
-def _compiler() -> str | None:
-    return next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
-
-
-def _build(isa_flags: list[str], source: Path = SOURCE, symbol: str = "pd_paged_attention") -> Path:
-    """The library's path, compiled if no loadable one (exporting ``symbol``) is cached for this source, flags
-    and compiler. ``cpu_ops.py`` builds its own source through it."""
-    cc, cflags = _compiler(), CFLAGS + isa_flags
-    version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout.split(b"\n")[0]
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))      # cpu_vec.h
-    tag = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode() + b"\0" + cc.encode() + version)
-    out_dir = envs.PDSERVE_CACHE_DIR / "kernels"
-    target = out_dir / f"{source.stem}-{tag.hexdigest()[:16]}.so"
-    if target.exists() and _loadable(target, symbol):
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *cflags, "-o", tmp, str(source)], check=True, capture_output=True, timeout=120)
-        if not _loadable(Path(tmp), symbol):
-            raise OSError(f"{cc} wrote no loadable library with {symbol}")
-        os.chmod(tmp, 0o755)                  # mkstemp made it 0600: other users of a shared cache read it too
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built %s (%s): %s", source.name, " ".join(isa_flags) or "avx2", target)
-    return target
-
-
-def _loadable(path: Path, symbol: str = "pd_paged_attention") -> bool:
-    try:
-        return hasattr(ctypes.CDLL(str(path)), symbol)
-    except OSError:
-        return False
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels import cpu_attention
+from pdserve.kernels import cpu_build
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ops.c")
@@ -35,10 +35,10 @@ SOURCE = Path(__file__).with_name("cpu_ops.c")
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None (reason logged once) where it cannot be built or loaded here."""
-    reason = cpu_attention._unsupported(cpu_attention._cpu_flags(), cpu_attention.CPU_FLAGS)
+    reason = cpu_build.unsupported(cpu_build.cpu_flags(), cpu_build.CPU_FLAGS)
     if reason is None:
         try:
-            lib = ctypes.CDLL(str(cpu_attention._build([], SOURCE, "pd_silu_and_mul")))
+            lib = ctypes.CDLL(str(cpu_build.build(SOURCE, "pd_silu_and_mul")))
         except (OSError, subprocess.SubprocessError) as e:
             reason = f"build failed: {e}"
         else:

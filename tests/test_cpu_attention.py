@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.kernels import AttentionMetadata, cpu_attention, reference, resolve_backend
+from pdserve.kernels import AttentionMetadata, cpu_attention, cpu_build, reference, resolve_backend
 from pdserve.kernels.dispatch import paged_attention
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="cpu attention kernel not built here "
@@ -200,7 +200,7 @@ def test_the_library_is_built_once_and_reused(fresh_load, monkeypatch):
     assert cpu_attention.load() is not None and len(compiles) == 1
     assert len(list((fresh_load / "kernels").glob("cpu_attention-*.so"))) == 1
     cpu_attention.load.cache_clear()
-    monkeypatch.setenv("CC", "gcc" if cpu_attention._compiler() != "gcc" else "cc")
+    monkeypatch.setenv("CC", "gcc" if cpu_build.compiler() != "gcc" else "cc")
     assert cpu_attention.load() is not None and len(compiles) == 2
 
 
@@ -220,7 +220,7 @@ def test_without_a_working_compiler_the_cpu_falls_back_to_torch(fresh_load, monk
 
 
 def test_the_best_build_the_cpu_runs_is_the_default():
-    flags = cpu_attention._cpu_flags()
+    flags = cpu_build.cpu_flags()
     best = "avx512vl" if {"avx512f", "avx512vl"} <= flags else "avx2"
     assert cpu_attention.load()._name == cpu_attention.load(best)._name
     if best == "avx2":

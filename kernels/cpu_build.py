@@ -1,0 +1,89 @@
+"""Building pdserve's C kernels (``cpu_attention.c``, ``cpu_ops.c``) with the machine's compiler, cached.
+
+    path = build(SOURCE, "pd_symbol", isa_flags)   # compiled once per source + headers + flags + compiler
+    reason = unsupported(cpu_flags(), CPU_FLAGS)   # None where this machine can build and run them
+
+Called by ``cpu_attention.load`` and ``cpu_ops.load``. A library is built at
+``PDSERVE_CACHE_DIR/kernels/<stem>-<hash>.so`` with ``cc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp``
+(plus the caller's ISA flags): written to a temporary name, checked to load, made readable by all (a cache
+shared by users) and renamed, so processes building at once never see a half-written file and a compiler
+that wrote nothing poisons no cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from pdserve.engine import envs
+
+log = logging.getLogger(__name__)
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC"]
+CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+def cpu_flags() -> set[str] | None:
+    try:
+        return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                        if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return None
+
+
+def unsupported(flags: set[str] | None, needs: tuple[str, ...]) -> str | None:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"machine is {platform.machine()}, not x86_64"
+    if flags is None:
+        return "/proc/cpuinfo has no flags line"
+    missing = [f for f in needs if f not in flags]
+    if missing:
+        return f"CPU lacks {', '.join(missing)}"
+    if compiler() is None:
+        return "no C compiler (cc, gcc or $CC)"
+    return None
+
+
+def compiler() -> str | None:
+    return next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
+
+
+def build(source: Path, symbol: str, isa_flags: Sequence[str] = ()) -> Path:
+    """The library's path, compiled if no loadable one (exporting ``symbol``) is cached for this source (with
+    the headers beside it), flags and compiler."""
+    cc, cflags = compiler(), CFLAGS + list(isa_flags)
+    version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout.split(b"\n")[0]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))      # cpu_vec.h
+    tag = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode() + b"\0" + cc.encode() + version)
+    out_dir = envs.PDSERVE_CACHE_DIR / "kernels"
+    target = out_dir / f"{source.stem}-{tag.hexdigest()[:16]}.so"
+    if target.exists() and loadable(target, symbol):
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *cflags, "-o", tmp, str(source)], check=True, capture_output=True, timeout=120)
+        if not loadable(Path(tmp), symbol):
+            raise OSError(f"{cc} wrote no loadable library with {symbol}")
+        os.chmod(tmp, 0o755)                  # mkstemp made it 0600: other users of a shared cache read it too
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built %s (%s): %s", source.name, " ".join(isa_flags) or "avx2", target)
+    return target
+
+
+def loadable(path: Path, symbol: str) -> bool:
+    try:
+        return hasattr(ctypes.CDLL(str(path)), symbol)
+    except OSError:
+        return False
