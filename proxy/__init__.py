@@ -21,7 +21,8 @@ P->D protocol, per client request (``orchestrate``):
 Modules: ``config`` (ProxyConfig), ``nodes`` + ``router`` (node pools, in-flight leases),
 ``policies`` (round_robin, least_loaded, prefix_aware), ``health`` (periodic /health probes on their
 own connections), ``inputs`` (the nodes' validation and limits, tokenization, downstream bodies),
-``http1`` (the HTTP/1.1 client of node calls on aiohttp: kept-alive connection pools, failure kinds),
+``http1`` (the HTTP/1.1 client of node calls: asyncio protocols and httptools' parser, kept-alive
+connection pools, failure kinds),
 ``upstream`` (one node call and how it failed: unreachable, 5xx, busy 429/503, an error streamed
 before the first token, or the client's fault), ``orchestrate`` (the two phases, retries on another
 node before the first byte, SSE relay that ends a broken stream with an error event), ``metrics``,

@@ -3,10 +3,12 @@
 Built by ``cli.run_proxy`` (or a test) with ``build_app(config, tokenizer)`` and served by uvicorn.
 Routes: POST /v1/completions and /v1/chat/completions (the body parsed into the nodes' own pydantic
 models, ``inputs.admit_request``, then ``Orchestrator.handle``), GET /v1/models, /health (200 only while
->= 1 prefill and >= 1 decode node are healthy), /metrics, /openapi.json. In front of the routes, outermost
-first: ``BearerAuth`` with ``--api-key`` (every path but /health and /metrics), then ``BodyLimits``
-(``--max-request-bytes``, JSON nesting) -- the node's own middleware --, then ``DirectRoutes``, which
-serves the two POST routes itself when FastAPI would accept the body (``direct``). The lifespan owns the pool of
+>= 1 prefill and >= 1 decode node are healthy), /metrics, /openapi.json. Every request first passes the
+proxy's own pure-ASGI front, outermost first: ``BearerAuth`` with ``--api-key`` (every path but /health and
+/metrics), then ``BodyLimits`` (``--max-request-bytes``, JSON nesting) -- the node's own middleware --, then
+``DirectRoutes``, which serves the two POST routes itself when FastAPI would accept the body (``direct``).
+The front sits outside FastAPI's middleware stack (``ProxyApp``): a generation request never passes
+Starlette's and FastAPI's layers on its way in or its answer's way out. The lifespan owns the pool of
 node connections (``http1.ConnectionPool``, ``--max-node-connections``) and the prober, which has its own.
 """
 
@@ -17,11 +19,11 @@ import json
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp
 
 from pdserve.engine.server.app import BearerAuth
 from pdserve.engine.server.errors import APIError, error_response, install_error_handlers
@@ -39,6 +41,17 @@ from pdserve.proxy.router import NodePool
 
 class ClientGone(Exception):
     """The client disconnected before its response started."""
+
+
+class ProxyApp(FastAPI):
+    """FastAPI whose whole middleware stack sits behind ``front`` (a pure-ASGI wrapper, built once)."""
+
+    def __init__(self, front: Callable[[ASGIApp], ASGIApp], **kwargs: Any):
+        super().__init__(**kwargs)
+        self._front = front
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return self._front(super().build_middleware_stack())
 
 
 class ProxyState:
@@ -79,14 +92,14 @@ def build_app(config: ProxyConfig, tokenizer) -> FastAPI:
             await state.client.aclose()
             state.gate.prompts.shutdown()
 
-    app = FastAPI(title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    def front(inner: ASGIApp) -> ASGIApp:
+        outer = BodyLimits(DirectRoutes(inner, _direct_routes(state), lambda: app.exception_handlers), config.limits)
+        return BearerAuth(outer, config.api_key) if config.api_key else outer
+
+    app = ProxyApp(front, title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.proxy = state
     install_error_handlers(app)
     _add_routes(app, state)
-    app.add_middleware(DirectRoutes, routes=_direct_routes(state), handlers=lambda: app.exception_handlers)
-    app.add_middleware(BodyLimits, limits=config.limits)
-    if config.api_key:
-        app.add_middleware(BearerAuth, api_key=config.api_key)
     return app
 
 
@@ -153,18 +166,27 @@ def _check_model(state: ProxyState, model: Any) -> None:
 async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
     """Run ``work``; if the client disconnects first, cancel it (closing its node calls) and raise ClientGone."""
     task = asyncio.ensure_future(work)
-    watch = asyncio.create_task(_wait_disconnect(request))
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+
+    def on_watch_done(w: asyncio.Future) -> None:
+        if not w.cancelled() and w.exception() is None:      # the client left (a failed watch leaves the work be)
+            task.cancel()
+
+    watch.add_done_callback(on_watch_done)
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientGone()
+        return await task                   # returns once ``task`` is done, its clean-up included
+    except asyncio.CancelledError:
+        left = watch.done() and not watch.cancelled() and watch.exception() is None
+        if left and not _cancelling(asyncio.current_task()):       # this task's own cancel goes on up
+            raise ClientGone() from None
+        raise
     finally:
-        for t in (task, watch):
-            if not t.done():
-                t.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(task, watch, return_exceptions=True)
+        watch.cancel()                      # nothing to clean up in it: no need to wait for it
+
+
+def _cancelling(task: asyncio.Task | None) -> int:
+    """Cancel requests pending on ``task`` (Python 3.11+; 0 before, where it cannot be told)."""
+    return task.cancelling() if task is not None and hasattr(task, "cancelling") else 0
 
 
 async def _wait_disconnect(request: Request) -> None:

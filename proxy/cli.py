@@ -71,9 +71,11 @@ def run_proxy(args) -> int:
                 *served_address(sock, config.host, config.port), list(config.prefill_urls), config.prefill_policy,
                 list(config.decode_urls), config.decode_policy)
     gc.freeze()        # start-up objects (torch, transformers): never scanned again -- no long pauses mid-request
-    # access_log=False: at log level warning uvicorn logs no access line, but it built each one's arguments
+    # access_log=False: at log level warning uvicorn logs no access line, but it built each one's arguments;
+    # proxy_headers=False: nothing here reads the client's address, so X-Forwarded-For need not be parsed.
+    # uvloop and httptools (dependencies) are uvicorn's "auto" choice where installed.
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           access_log=False))
+                                           access_log=False, proxy_headers=False))
     server.run(sockets=[sock] if sock is not None else None)
     return 0 if server.started else 3          # 3: uvicorn's start-up failure (the port taken...)
 

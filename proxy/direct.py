@@ -1,19 +1,19 @@
 """The two generation routes served straight from ASGI, in front of FastAPI, for requests FastAPI would accept.
 
-Added by ``app.build_app`` as the innermost of its middleware (inside ``BearerAuth`` and ``BodyLimits``, in
-front of FastAPI's routing):
+Part of the proxy's pure-ASGI front (``app.build_app``), inside ``BearerAuth`` and ``BodyLimits`` and outside
+all of FastAPI's middleware stack:
 
-    app.add_middleware(DirectRoutes, routes={"/v1/completions": (CompletionRequest, serve), ...},
-                       handlers=lambda: app.exception_handlers)
+    DirectRoutes(fastapi_stack, routes={"/v1/completions": (CompletionRequest, serve), ...},
+                 handlers=lambda: app.exception_handlers)
 
 A POST to one of the routes with a ``Content-Type: application/json`` body that parses and validates
 against the route's pydantic model goes to ``serve(request, parsed, body)`` here; its exceptions go to the
-FastAPI app's own exception handlers (an unexpected one to Starlette's 500), so an error answer is the one
-FastAPI would give. Every other request
+FastAPI app's own exception handlers (an unexpected one to its ``Exception`` handler: logged, answered 500),
+so an error answer is the one FastAPI would give. Every other request
 -- another path or method, another content type, a body that is not JSON or does not validate -- goes to
 the FastAPI app unchanged (its body replayed), which answers it exactly as before. The same models, the same
-``serve``: what changes is only the work skipped on the way, FastAPI's routing, dependency solving and
-middleware stack (a fifth of the proxy's CPU per request; ``bench/proxy_overhead.py``).
+``serve``: what changes is only the work skipped on the way in and out, FastAPI's routing, dependency solving
+and middleware stack (``bench/proxy_overhead.py`` measures what the proxy adds).
 """
 
 from __future__ import annotations
@@ -53,16 +53,16 @@ class DirectRoutes:
             response = await route[1](request, parsed, body)
         except Exception as exc:
             handler = self._handler(exc)
-            if handler is None:           # unexpected: Starlette's ServerErrorMiddleware, outside us, answers 500
+            if handler is None:           # no handler at all: uvicorn logs it and answers 500
                 raise
             response = await handler(request, exc)
         await response(scope, receive, send)
 
     def _handler(self, exc: Exception) -> Callable | None:
-        """The app's handler for ``exc`` as Starlette's ExceptionMiddleware looks it up: the most specific
-        class first; ``Exception`` itself is left to the ServerErrorMiddleware."""
+        """The app's handler for ``exc`` as Starlette looks it up: the most specific class first, down to
+        ``Exception`` (which Starlette's ServerErrorMiddleware would have called: we are outside it)."""
         handlers = self._handlers()
-        return next((handlers[cls] for cls in type(exc).__mro__ if cls in handlers and cls is not Exception), None)
+        return next((handlers[cls] for cls in type(exc).__mro__ if cls in handlers), None)
 
 
 def _json_content(scope: Scope) -> bool:

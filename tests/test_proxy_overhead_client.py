@@ -1,4 +1,4 @@
-"""The proxy's HTTP/1.1 client (``proxy/http1.py``, on aiohttp) against a scripted raw-socket server: the
+"""The proxy's HTTP/1.1 client (``proxy/http1.py``, on asyncio and httptools) against a scripted raw-socket server: the
 request on the wire, connection reuse, closing, pool limits and each failure kind. No timing in any assertion: a time limit
 is only ever the outcome a test waits for."""
 
