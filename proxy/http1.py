@@ -35,10 +35,11 @@ request goes out on it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import ssl
-from typing import AsyncIterator
-from urllib.parse import urlsplit
+from typing import AsyncIterator, Callable
+from urllib.parse import unquote, urlsplit
 
 import httptools
 
@@ -82,11 +83,16 @@ class _Origin:
         self.host, self.port = url.hostname, url.port or (443 if self.tls else 80)
         self.key = (url.scheme, self.host, self.port)
         self.prefix = url.path.rstrip("/").encode()
-        self.host_header = url.netloc.encode("idna") if not url.netloc.isascii() else url.netloc.encode()
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.host_header = (host if url.port is None else f"{host}:{url.port}").encode("idna")
+        self.extra = []                               # user:password@ -> basic auth, never the Host header
+        if url.username is not None:
+            user = f"{unquote(url.username)}:{unquote(url.password or '')}".encode()
+            self.extra.append(b"Authorization: Basic " + base64.b64encode(user))
 
     def head(self, method: str, path: str, body: bytes | None) -> bytes:
         lines = [b"%s %s%s HTTP/1.1" % (method.encode(), self.prefix, path.encode()), b"Host: " + self.host_header,
-                 b"User-Agent: " + _USER_AGENT]
+                 b"User-Agent: " + _USER_AGENT, *self.extra]
         if body is not None:
             lines += [b"Content-Type: application/json", b"Content-Length: %d" % len(body)]
         return b"\r\n".join(lines) + b"\r\n\r\n"
@@ -97,19 +103,21 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, origin: _Origin):
         self.origin, self.transport, self.closed, self.idle_since = origin, None, False, 0.0
-        self._new_answer()
+        self.closed_here = False                      # closed by us: whatever comes after is no answer
+        self._new_answer(head_only=False)
 
-    def _new_answer(self) -> None:
+    def _new_answer(self, head_only: bool) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.status, self.headers, self.head_done, self.complete = 0, {}, False, False
         self.error: HTTPError | None = None
         self.pieces: collections.deque[bytes] = collections.deque()
         self.buffered, self.paused, self.waiter = 0, False, None
-        self.in_use = False
+        self.in_use, self.head_only, self.begun, self.interim = False, head_only, False, False
 
     # -- the caller's side
-    def send(self, data: bytes) -> None:
-        self._new_answer()
+    def send(self, data: bytes, head_only: bool = False) -> None:
+        """One request; ``head_only``: its answer has no body (HEAD), whatever its headers say."""
+        self._new_answer(head_only)
         self.in_use = True
         self.transport.write(data)
 
@@ -137,7 +145,7 @@ class _Connection(asyncio.Protocol):
         return piece
 
     def close(self) -> None:
-        self.closed = True
+        self.closed = self.closed_here = True
         if self.transport is not None:
             self.transport.close()
 
@@ -152,17 +160,21 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(ConnectionBroken(f"{self.origin.where}: the connection broke: the node did not answer "
-                                        f"HTTP/1.1 ({type(exc).__name__}: {exc})"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if not self.complete:
+                self._fail(ConnectionBroken(f"{self.origin.where}: the connection broke: the node did not answer "
+                                            f"HTTP/1.1 ({type(exc).__name__}: {exc})"))
+            else:                                     # bytes after the answer: it stands, the connection does not
+                self._fail(ConnectionBroken(f"{self.origin.where}: the node sent bytes after its answer"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.in_use and self.head_done and not self.complete and self._ends_at_close():
+        if (self.in_use and self.head_done and not self.complete and not self.closed_here and exc is None
+                and self._ends_at_close()):
             self.complete = True                      # a body without length or chunking ends with the connection
         elif self.in_use and not self.complete:
-            detail = f"{type(exc).__name__}: {exc}" if exc else "closed by the node"
+            detail = f"{type(exc).__name__}: {exc}" if exc else "closed here" if self.closed_here else "closed by the node"
             self._fail(ConnectionBroken(f"{self.origin.where}: the connection broke: {detail}"))
         self._wake()
 
@@ -170,11 +182,23 @@ class _Connection(asyncio.Protocol):
         return "content-length" not in self.headers and "chunked" not in self.headers.get("transfer-encoding", "")
 
     # -- httptools' side
+    def on_message_begin(self) -> None:
+        if self.begun:                                # a second answer to one request: stop parsing (feed_data
+            raise ConnectionBroken("a second answer")  # raises), the connection is closed
+        self.begun = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        self.status, self.head_done = self.parser.get_status_code(), True
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:     # 1xx (103 Early Hints...): the real answer follows
+            self.headers, self.interim = {}, True
+            return
+        self.status, self.head_done = status, True
+        if self.head_only:                            # no body follows; llhttp would wait for Content-Length
+            self.complete = True                      # bytes, so this connection is not used again
+            self.closed = True
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -186,6 +210,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = self.begun = False
+            return
         self.complete = True
         if not self.parser.should_keep_alive():
             self.closed = True                        # read to the end, but the node will not take another
@@ -225,6 +252,8 @@ class Response:
             raise ConnectionBroken("the answer was already read or closed")
         try:
             while True:
+                if self._conn is not conn:            # aclose() while this reader waited
+                    raise ConnectionBroken(f"{conn.origin.where}: the answer was closed while being read")
                 piece = conn.take()
                 if piece is not None:
                     yield piece
@@ -237,8 +266,9 @@ class Response:
         except BaseException:
             self._close()
             raise
-        self._conn = None
-        self._pool._release(conn)
+        if self._conn is conn:
+            self._conn = None
+            self._pool._release(conn)
 
     async def aclose(self) -> None:
         """Done with the answer: an unread body closes the connection (the node aborts its request)."""
@@ -257,7 +287,7 @@ class ConnectionPool:
     def __init__(self, max_connections: int, connect_timeout_s: float, timeout_s: float, keepalive_s: float = 4.0):
         self.timeout_s, self.connect_timeout_s, self.keepalive_s = timeout_s, connect_timeout_s, keepalive_s
         self.max_connections = max_connections
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: _Slots | None = None
         self._origins: dict[str, _Origin] = {}
         self._idle: dict[tuple, list[_Connection]] = {}
         self._open: set[_Connection] = set()
@@ -305,12 +335,12 @@ class ConnectionPool:
         try:
             conn = self._idle_connection(origin) or await self._connect(origin)
         except BaseException:
-            self._slots.release()
+            self._slots.give()
             raise
         response = Response(self, conn, 0, conn.headers)
         try:
             head = origin.head(method, path, body)
-            conn.send(head + body if body is not None else head)
+            conn.send(head + body if body is not None else head, head_only=method.upper() == "HEAD")
             loop = asyncio.get_running_loop()
             while not conn.head_done:
                 if conn.error is not None:
@@ -330,15 +360,9 @@ class ConnectionPool:
 
     async def _take_slot(self, end: float) -> None:
         if self._slots is None:
-            self._slots = asyncio.Semaphore(self.max_connections)
-        if not self._slots.locked():
-            await self._slots.acquire()               # free: returns at once
-            return
-        try:
-            await asyncio.wait_for(self._slots.acquire(), max(end - asyncio.get_running_loop().time(), 0.0))
-        except asyncio.TimeoutError:
-            raise PoolTimeout(f"no free connection within {self.timeout_s:g}s "
-                              f"(all {self.max_connections} busy)") from None
+            self._slots = _Slots(self.max_connections)
+        await self._slots.take(end, lambda: PoolTimeout(f"no free connection within {self.timeout_s:g}s "
+                                                         f"(all {self.max_connections} busy)"))
 
     def _idle_connection(self, origin: _Origin) -> _Connection | None:
         idle, now = self._idle.get(origin.key), asyncio.get_running_loop().time()
@@ -370,7 +394,7 @@ class ConnectionPool:
             self._idle.setdefault(conn.origin.key, []).append(conn)
         else:
             self._forget(conn)
-        self._slots.release()
+        self._slots.give()
 
     def _forget(self, conn: _Connection) -> None:
         conn.close()
@@ -380,6 +404,42 @@ class ConnectionPool:
         if self._tls is None:
             self._tls = ssl.create_default_context()
         return self._tls
+
+
+class _Slots:
+    """At most ``n`` taken at once; waiters are served in order. A waiter cancelled in the same turn as it
+    was handed a slot passes the slot on and still raises CancelledError (``asyncio.wait_for`` on 3.11 can
+    return the slot and lose the cancel: a client gone would still get its node call)."""
+
+    def __init__(self, n: int):
+        self.free, self.waiters = n, collections.deque()
+
+    async def take(self, end: float, timed_out: Callable[[], HTTPError]) -> None:
+        if self.free > 0 and not self.waiters:
+            self.free -= 1
+            return
+        loop = asyncio.get_running_loop()
+        slot = loop.create_future()
+        self.waiters.append(slot)
+        timer = loop.call_at(end, lambda: slot.done() or slot.set_exception(timed_out()))
+        try:
+            await slot
+        except BaseException:
+            if slot.done() and not slot.cancelled() and slot.exception() is None:
+                self.give()                           # handed one, then cancelled: the next waiter's
+            elif slot in self.waiters:
+                self.waiters.remove(slot)
+            raise
+        finally:
+            timer.cancel()
+
+    def give(self) -> None:
+        while self.waiters:
+            slot = self.waiters.popleft()
+            if not slot.done():
+                slot.set_result(None)
+                return
+        self.free += 1
 
 
 def _describe(exc: BaseException) -> str:

@@ -205,3 +205,116 @@ def test_a_chunked_sse_body_cut_anywhere_arrives_whole():
     for _ in range(20):
         got = run(lambda: scenario(sorted(rng.sample(range(1, len(body)), 6))))
         assert [e for batch in got for e in batch] == events
+
+
+def test_a_stream_closed_while_being_read_fails_its_reader_and_frees_one_slot():
+    """aclose() from another task while a reader waits: the reader gets ConnectionBroken (not a body that
+    looks whole), and the pool's one slot is freed once -- a second call still finds it bounded."""
+    async def hold(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nfirst")     # ends at close
+        await asyncio.sleep(30)
+
+    async def scenario():
+        server = Server([hold, hold])
+        url = await server.start()
+        pool = ConnectionPool(1, connect_timeout_s=5, timeout_s=30)
+        response = await pool.stream("POST", url, "/a", b"{}")
+
+        async def read_all():
+            return [piece async for piece in response.iter_bytes()]
+
+        reader = asyncio.ensure_future(read_all())
+        while not response._conn.pieces and not reader.done():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        await response.aclose()
+        with pytest.raises(ConnectionBroken):
+            await reader
+        first = await pool.stream("POST", url, "/b", b"{}")            # the one slot, free again
+        pool.timeout_s = 0.2
+        with pytest.raises(PoolTimeout):                               # and only one: not freed twice
+            await pool.stream("POST", url, "/c", b"{}")
+        await first.aclose()
+        await pool.aclose()
+        await server.stop()
+
+    run(scenario)
+
+
+def test_bytes_after_an_answer_are_not_part_of_it_and_the_connection_is_dropped():
+    """A second answer in the same packet: the first stands as sent, the connection is not reused."""
+    async def scenario():
+        server = Server([ok(b"hi") + b"HTTP/1.1 200 OK\r\nx-smuggled: yes\r\ncontent-length: 5\r\n\r\nworld",
+                         ok(b"next")])
+        url = await server.start()
+        pool = ConnectionPool(4, connect_timeout_s=5, timeout_s=30)
+        first = await pool.fetch("GET", url, "/a")
+        server.replies.insert(0, ok(b"next"))                         # the new connection's answer
+        second = await pool.fetch("GET", url, "/b")
+        await pool.aclose()
+        await server.stop()
+        return server, first, second
+
+    server, first, second = run(scenario)
+    assert (first.status, first.content, "x-smuggled" in first.headers) == (200, b"hi", False)
+    assert second.content == b"next" and server.connections == 2
+
+
+def test_an_interim_answer_is_skipped_and_a_head_answer_has_no_body():
+    async def scenario():
+        server = Server([b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" + ok(b"real"),
+                         b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n", ok(b"after")])
+        url = await server.start()
+        pool = ConnectionPool(4, connect_timeout_s=5, timeout_s=30)
+        real = await pool.fetch("GET", url, "/a")
+        head = await pool.fetch("HEAD", url, "/b")
+        server.replies.insert(0, ok(b"after"))                        # HEAD's connection is not reused
+        after = await pool.fetch("GET", url, "/c")
+        await pool.aclose()
+        await server.stop()
+        return real, head, after
+
+    real, head, after = run(scenario)
+    assert (real.status, real.content, "link" in real.headers) == (200, b"real", False)
+    assert (head.status, head.content, head.headers["content-length"]) == (200, b"", "10")
+    assert after.content == b"after"
+
+
+def test_credentials_in_a_node_url_go_in_authorization_not_host():
+    async def scenario():
+        server = Server([ok(b"")])
+        url = await server.start()
+        pool = ConnectionPool(4, connect_timeout_s=5, timeout_s=30)
+        await pool.fetch("GET", url.replace("http://", "http://us%40er:s3cret@"), "/health")
+        await pool.aclose()
+        await server.stop()
+        return server.requests[0].decode(), url.removeprefix("http://")
+
+    head, netloc = run(scenario)
+    assert f"\r\nHost: {netloc}\r\n" in head and "s3cret" not in head
+    assert "\r\nAuthorization: Basic dXNAZXI6czNjcmV0\r\n" in head             # base64("us@er:s3cret")
+
+
+def test_a_waiter_cancelled_as_its_slot_frees_stays_cancelled():
+    """The client hangs up while its call waits for a free connection, in the same loop turn as one frees:
+    the call raises CancelledError and never reaches the node (asyncio.wait_for on 3.11 lost the cancel)."""
+    async def scenario():
+        server = Server([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n", ok(b"never")])
+        url = await server.start()
+        pool = ConnectionPool(1, connect_timeout_s=5, timeout_s=30)
+        holder = await pool.stream("POST", url, "/holder", b"{}")
+        waiter = asyncio.ensure_future(pool.fetch("POST", url, "/cancelled", b"{}"))
+        await asyncio.sleep(0.05)
+        await holder.aclose()                                          # the slot frees ...
+        waiter.cancel()                                                # ... and the waiter is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        again = await pool.stream("POST", url, "/again", b"{}")        # the slot was passed on, not lost
+        await again.aclose()
+        await asyncio.sleep(0.05)
+        await pool.aclose()
+        await server.stop()
+        return server.requests
+
+    requests = run(scenario)
+    assert [r.split(b" ")[1] for r in requests] == [b"/holder", b"/again"]
