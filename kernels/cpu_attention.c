@@ -29,8 +29,8 @@
  * after it into L3/L2 (T2); on a Zen 4 EPYC a layer's decode over 32 x ~550 tokens, its cache in DRAM
  * (bench/cpu_kv_memory.py), went from 2.0 to 1.4 ms (9 to 13 GB/s).  A decode row (its sequence's only query
  * row) is one work item for all KV heads (attend_row_all_heads): each key's row of all heads -- contiguous --
- * is prefetched and read in one pass, not in Hkv passes over strided halves (7-15% less time on that bench,
- * 1.94-1.97 -> 1.68-1.81 ms on a slower day).  Neither changes any arithmetic: the bits are the same.
+ * is prefetched and read in one pass, not in Hkv passes over strided halves (7-15% less time on that bench
+ * on a Zen 3 EPYC: 1.94-1.97 -> 1.68-1.81 ms).  Neither changes any arithmetic: the bits are the same.
  */
 #include <immintrin.h>
 #include <stdint.h>
