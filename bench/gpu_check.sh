@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The device check, one command on a lent GPU (from the repo root; about 6 minutes):
+# The device check, one command on a lent GPU (from the repo root; about 6 minutes). First, here:
+#     bash scripts/device_prep.sh        (.device/: the shared set-up and wheels, plus httptools and aiohttp's)
+# then on the device, with .device in the run's carry:
 #     bash .device/setup.sh && source /tmp/pdserve-env.sh && bash bench/gpu_check.sh
 # Dry run on a CPU box (tiny shapes, the same code paths where they exist):  SMALL=1 bash bench/gpu_check.sh
 #   1. the Triton kernel tests compiled for the device (no interpreter) and the CUDA-graph tests
