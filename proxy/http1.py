@@ -241,15 +241,17 @@ class Response:
         self._pool, self._conn = pool, conn
         self.status, self.headers, self.content = status, headers, content
 
-    async def read(self) -> bytes:
-        self.content = b"".join([piece async for piece in self.iter_bytes()])
+    async def read(self, deadline: float | None = None) -> bytes:
+        self.content = b"".join([piece async for piece in self.iter_bytes(deadline)])
         return self.content
 
-    async def iter_bytes(self) -> AsyncIterator[bytes]:
-        """The body piece by piece, ``timeout_s`` for each read; then the connection goes back to the pool."""
+    async def iter_bytes(self, deadline: float | None = None) -> AsyncIterator[bytes]:
+        """The body piece by piece, ``timeout_s`` for each read (or all of it by ``deadline``, a loop time);
+        then the connection goes back to the pool. Any other ending closes it."""
         conn = self._conn
         if conn is None:
             raise ConnectionBroken("the answer was already read or closed")
+        loop, limit = asyncio.get_running_loop(), self._pool.timeout_s
         try:
             while True:
                 if self._conn is not conn:            # aclose() while this reader waited
@@ -262,7 +264,7 @@ class Response:
                 elif conn.error is not None:
                     raise conn.error
                 else:
-                    await conn.wait(self._pool.timeout_s, f"{self._pool.timeout_s:g}s")
+                    await conn.wait(limit if deadline is None else deadline - loop.time(), f"{limit:g}s")
         except BaseException:
             self._close()
             raise
@@ -295,27 +297,9 @@ class ConnectionPool:
 
     async def fetch(self, method: str, base_url: str, path: str, body: bytes | None = None) -> Response:
         """One request and its whole answer, within ``timeout_s``."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.timeout_s
+        end = asyncio.get_running_loop().time() + self.timeout_s
         response = await self._request(method, base_url, path, body, end)
-        conn, content = response._conn, []
-        try:
-            while True:
-                piece = conn.take()
-                if piece is not None:
-                    content.append(piece)
-                elif conn.complete:
-                    break
-                elif conn.error is not None:
-                    raise conn.error
-                else:
-                    await conn.wait(end - loop.time(), f"{self.timeout_s:g}s")
-        except BaseException:
-            response._close()
-            raise
-        response._conn = None
-        self._release(conn)
-        response.content = b"".join(content)
+        await response.read(end)
         return response
 
     async def stream(self, method: str, base_url: str, path: str, body: bytes | None = None) -> Response:
