@@ -188,6 +188,24 @@ INLINE void prefetch_far(int k0, int kmax, const char *kc, const char *vc, const
     }
 }
 
+/* a lane for query row r, head h, at position pos: empty accumulator, its first key under the window */
+INLINE void lane_init(Lane *ln, const float *q, float *acc, int r, int h, int pos, const Shape *s) {
+    ln->q = q + ((size_t)r * s->H + h) * s->D;
+    ln->acc = acc;
+    for (int d = 0; d < s->D; d++) ln->acc[d] = 0.0f;
+    ln->m = -__builtin_inff(); ln->l = 0.0f;
+    ln->pos = pos;
+    ln->lo = s->window > 0 && pos - s->window + 1 > 0 ? pos - s->window + 1 : 0;
+}
+
+/* out[r, h] = the lane's accumulator / its softmax denominator */
+INLINE void lane_write(const Lane *ln, float *out, int r, int h, const Shape *s) {
+    float *o = out + ((size_t)r * s->H + h) * s->D;
+    __m256 inv = _mm256_set1_ps(ln->l);
+    for (int d = 0; d < s->D; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(ln->acc + d), inv));
+}
+
 /* rows [r0, r1) of one sequence (first row at position pos0), KV head g: every key group any lane needs */
 INLINE void attend_tile(const float *q, float *out, const char *kc, const char *vc, const int32_t *table,
                         int r0, int r1, int pos0, int g, Lane *lanes, float *accs, const Shape *s) {
@@ -195,12 +213,7 @@ INLINE void attend_tile(const float *q, float *out, const char *kc, const char *
     for (int r = r0; r < r1; r++)
         for (int h = g * G; h < (g + 1) * G; h++, n++) {
             Lane *ln = &lanes[n];
-            ln->q = q + ((size_t)r * s->H + h) * s->D;
-            ln->acc = accs + (size_t)n * s->D;
-            for (int d = 0; d < s->D; d++) ln->acc[d] = 0.0f;
-            ln->m = -__builtin_inff(); ln->l = 0.0f;
-            ln->pos = pos0 + (r - r0);
-            ln->lo = s->window > 0 && ln->pos - s->window + 1 > 0 ? ln->pos - s->window + 1 : 0;
+            lane_init(ln, q, accs + (size_t)n * s->D, r, h, pos0 + (r - r0), s);
             if (ln->lo < kmin) kmin = ln->lo;
             if (ln->pos > kmax) kmax = ln->pos;
         }
@@ -219,12 +232,8 @@ INLINE void attend_tile(const float *q, float *out, const char *kc, const char *
                 attend_unit(&lanes[i], rows[u][0], rows[u][1], k0, s);
     }
     for (int i = 0, r = r0; r < r1; r++)
-        for (int h = g * G; h < (g + 1) * G; h++, i++) {
-            float *o = out + ((size_t)r * s->H + h) * s->D;
-            __m256 inv = _mm256_set1_ps(lanes[i].l);
-            for (int d = 0; d < s->D; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(lanes[i].acc + d), inv));
-        }
+        for (int h = g * G; h < (g + 1) * G; h++, i++)
+            lane_write(&lanes[i], out, r, h, s);
 }
 
 /* one decode row (position pos), every KV head at once: each key's K and V rows -- all heads, contiguous --
@@ -232,15 +241,8 @@ INLINE void attend_tile(const float *q, float *out, const char *kc, const char *
 INLINE void attend_row_all_heads(const float *q, float *out, const char *kc, const char *vc, const int32_t *table,
                                  int r, int pos, Lane *lanes, float *accs, const Shape *s) {
     int G = s->H / s->Hkv;
-    for (int h = 0; h < s->H; h++) {
-        Lane *ln = &lanes[h];
-        ln->q = q + ((size_t)r * s->H + h) * s->D;
-        ln->acc = accs + (size_t)h * s->D;
-        for (int d = 0; d < s->D; d++) ln->acc[d] = 0.0f;
-        ln->m = -__builtin_inff(); ln->l = 0.0f;
-        ln->pos = pos;
-        ln->lo = s->window > 0 && pos - s->window + 1 > 0 ? pos - s->window + 1 : 0;
-    }
+    for (int h = 0; h < s->H; h++)
+        lane_init(&lanes[h], q, accs + (size_t)h * s->D, r, h, pos, s);
     int kmin = lanes[0].lo, kmax = pos;
     size_t row_bytes = (size_t)s->Hkv * s->D * s->esize, head_bytes = (size_t)s->D * s->esize;
     int k0 = kmin / UNIT * UNIT, blk = k0 / s->bs, off = k0 % s->bs;
@@ -263,12 +265,8 @@ INLINE void attend_row_all_heads(const float *q, float *out, const char *kc, con
                     attend_unit(&lanes[h], head_rows[0], head_rows[1], k0, s);
         }
     }
-    for (int h = 0; h < s->H; h++) {
-        float *o = out + ((size_t)r * s->H + h) * s->D;
-        __m256 inv = _mm256_set1_ps(lanes[h].l);
-        for (int d = 0; d < s->D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(lanes[h].acc + d), inv));
-    }
+    for (int h = 0; h < s->H; h++)
+        lane_write(&lanes[h], out, r, h, s);
 }
 
 /* attend_tile specialised per cache dtype and for the common head sizes: with dt, esize and D constants
