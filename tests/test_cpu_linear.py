@@ -1,7 +1,8 @@
 """fp32 CPU matmuls through oneDNN (``engine.models.layers.linear``): close to F.linear, and a row's bits
 do not depend on how many rows share the call -- so a prompt's KV is the same however it was chunked,
 which the store's digest check needs. Mutations caught: sending fp32 batches to F.linear (MKL) or
-small and half-precision ones to oneDNN; an env switch that does not switch."""
+small and half-precision ones to oneDNN; an env switch that does not switch; a reordered weight that gives
+other bits, or that is kept after the weight changed."""
 
 from __future__ import annotations
 
@@ -27,6 +28,66 @@ def test_a_rows_bits_do_not_depend_on_the_row_count(k, n):
     for m in (ONEDNN_MIN_ROWS, 3, 4, 5, 16, 31, 32, 33, 100, 299):
         for start in (0, 1):
             assert torch.equal(linear(x[start:start + m].contiguous(), w), full[start:start + m]), (m, start)
+
+
+def _module(k: int, n: int, seed: int, bias: bool = False) -> layers.Linear:
+    g = torch.Generator().manual_seed(seed)
+    mod = layers.Linear(k, n, bias, torch.float32)
+    with torch.no_grad():
+        mod.weight.copy_(torch.randn(n, k, generator=g))
+        if bias:
+            mod.bias.copy_(torch.randn(n, generator=g))
+    return mod
+
+
+@pytest.mark.parametrize("k,n,bias", [(64, 128, False), (256, 512, True), (576, 1536, False), (1536, 576, False)])
+def test_the_module_s_reordered_weight_gives_the_bits_of_the_weight_as_it_is(k, n, bias):
+    """Linear hands oneDNN a copy of its weight reordered once; every row count >= 2 must give the bits the
+    weight as it is gives (and so the same bits at every row count), else a prompt's KV would depend on
+    whether its chunks ran through the module or not."""
+    mod = _module(k, n, k + n, bias)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(1))
+    full = linear(x, mod.weight, mod.bias)
+    for m in (ONEDNN_MIN_ROWS, 3, 16, 17, 32, 100, 299):
+        for start in (0, 1):
+            assert torch.equal(mod(x[start:start + m].contiguous()), full[start:start + m]), (m, start)
+    assert mod._reordered is not None and mod._reordered[3].is_mkldnn        # the copy, not the weight, was used
+    assert torch.equal(mod(x[:1]), F.linear(x[:1], mod.weight, mod.bias))     # one row: F.linear, as before
+
+
+def test_the_reordered_copy_follows_the_weight():
+    """Written in place, replaced (a tied LM head) or resized: the next call reorders again; unchanged: it
+    keeps the copy it made."""
+    mod = _module(64, 96, 5)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
+    mod(x)
+    first = mod._reordered[3]
+    mod(x)
+    assert mod._reordered[3] is first
+    with torch.no_grad():
+        mod.weight.mul_(2.0)
+    assert torch.equal(mod(x), linear(x, mod.weight))
+    other = _module(64, 96, 6)
+    mod.weight = other.weight
+    assert torch.equal(mod(x), linear(x, other.weight))
+    mod.weight = torch.nn.Parameter(torch.randn(32, 64), requires_grad=False)
+    assert mod(x).shape == (8, 32) and torch.equal(mod(x), linear(x, mod.weight))
+    with torch.no_grad():
+        mod.weight.data = torch.randn(32, 64)                          # re-pointed: same object, same version
+    assert torch.equal(mod(x), linear(x, mod.weight))
+    with torch.inference_mode():                                        # weights made in inference mode
+        inf = _module(64, 96, 7)
+        inf.weight = torch.nn.Parameter(torch.randn(96, 64), requires_grad=False)
+    assert torch.equal(inf(x), linear(x, inf.weight))
+
+
+def test_the_module_in_half_precision_makes_no_copy():
+    mod = layers.Linear(64, 96, False, torch.bfloat16)
+    with torch.no_grad():
+        mod.weight.copy_(torch.randn(96, 64))
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    assert torch.equal(mod(x), F.linear(x, mod.weight))
+    assert mod._reordered is None
 
 
 def test_it_is_f_linear_to_rounding_with_bias_and_strided_input():
