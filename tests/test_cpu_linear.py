@@ -81,6 +81,56 @@ def test_the_reordered_copy_follows_the_weight():
     assert torch.equal(inf(x), linear(x, inf.weight))
 
 
+def test_the_copy_follows_weights_re_pointed_at_the_same_address_or_strides():
+    """The weight's memory freed and new memory given out at the same address, or the same memory seen
+    transposed: the pointer and the version match the old key, so it must hold more than those."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    for i in range(20):
+        mod = _module(64, 64, 10 + i)
+        mod(x)
+        with torch.no_grad():
+            mod.weight.data = torch.empty(0)
+            mod.weight.data = torch.randn(64, 64)
+        assert torch.equal(mod(x), linear(x, mod.weight)), i
+    mod = _module(64, 64, 40)
+    mod(x)
+    with torch.no_grad():
+        mod.weight.data = mod.weight.data.t()
+    assert torch.equal(mod(x), linear(x, mod.weight))
+
+
+def test_a_dtype_or_device_change_drops_the_copy():
+    mod = _module(64, 96, 8)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
+    mod(x)
+    mod.bfloat16()
+    assert mod._reordered is None                                       # no fp32 copy kept alive
+    mod.float()
+    assert torch.equal(mod(x), linear(x, mod.weight))
+
+
+def test_the_model_s_load_weights_drops_the_copies_even_in_inference_mode(tmp_path):
+    """Inference tensors have no version counter: a reload written into them in place leaves no trace the key
+    can see, so the loader drops every copy itself (the tied LM head's weight is written through the
+    embedding)."""
+    from pdserve.engine.loader import WeightSource, load_model
+    from pdserve.engine.tiny_model import make_tiny_model
+
+    tied = make_tiny_model(tmp_path / "tied", arch="llama", seed=0, tie_word_embeddings=True)
+    other = make_tiny_model(tmp_path / "other", arch="llama", seed=1, tie_word_embeddings=True)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        model, _ = load_model(str(tied), "float32")
+        assert model.lm_head.weight is model.embed_tokens.weight
+        x = x[:, :model.lm_head.in_size].clone()
+        before = model.lm_head(x)
+        with WeightSource(str(other)) as src:
+            model.load_weights(src)
+        after = model.lm_head(x)
+        assert model.lm_head.weight.is_inference()
+        assert not torch.equal(before, after) and torch.equal(after, linear(x, model.lm_head.weight))
+
+
 def test_the_module_in_half_precision_makes_no_copy():
     mod = layers.Linear(64, 96, False, torch.bfloat16)
     with torch.no_grad():

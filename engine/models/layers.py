@@ -112,7 +112,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
         self.collective = None          # tensor parallel: all-reduce (row) or all-gather (LM head)
-        self._reordered = None          # (weight, its data pointer, its version, oneDNN's copy of it)
+        self._reordered = None          # (weight, alias of its data, key, oneDNN's copy): _onednn_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out] (after an all-gather: [T, out * tp])
@@ -123,20 +123,32 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _onednn_weight(self) -> torch.Tensor | None:
-        """The weight reordered for oneDNN, made at the first call and again whenever the weight was replaced,
-        re-pointed or written in place since (the key: the weight object, its data pointer and its version
-        counter; an inference tensor has none, and outside inference mode cannot be written); None unless it
-        is fp32 on the CPU. Threads running one model may both make it: the copies are equal, and the
-        (key, copy) tuple is swapped in as one reference, so no call pairs one weight's key with another's copy."""
+        """The weight reordered for oneDNN: made at the first call, and again when the weight was replaced,
+        re-pointed, re-strided or written in place since. The key is the weight object, its data pointer,
+        strides, shape and version counter; the cache holds an alias of the old data, so freed weight memory
+        cannot come back at the same address and pass for it. Two writes leave no trace in that key --
+        through ``.data`` (its own version counter) and to an inference tensor (none) -- so ``load`` and the
+        model's ``load_weights`` call ``forget_reordered`` themselves. None (and no copy kept) unless the
+        weight is fp32 on the CPU. Threads running one model may both make it: the copies are equal, and the
+        cache is swapped in as one tuple, so no call pairs one weight's key with another's copy."""
         w = self.weight
         if w.dtype != torch.float32 or w.device.type != "cpu":
+            self._reordered = None
             return None
-        version = -1 if w.is_inference() else w._version
+        key = (w.data_ptr(), w.stride(), w.shape, -1 if w.is_inference() else w._version)
         cached = self._reordered
-        if cached is None or cached[0] is not w or cached[1] != w.data_ptr() or cached[2] != version:
-            cached = (w, w.data_ptr(), version, reorder_for_onednn(w))
+        if cached is None or cached[0] is not w or cached[2] != key:
+            cached = (w, w.detach(), key, reorder_for_onednn(w))
             self._reordered = cached
         return cached[3]
+
+    def forget_reordered(self) -> None:
+        """Drop the reordered copy: the next call makes it from the weight as it is then."""
+        self._reordered = None
+
+    def _apply(self, fn, recurse=True):
+        self.forget_reordered()             # .to(), .half(), .cuda(): the copy is of the weight before it
+        return super()._apply(fn, recurse)
 
     def load(self, src, names: str | Sequence[str], tp_rank: int = 0) -> None:
         """Fill from checkpoint modules ``names`` (one per fused part, HF prefixes)."""
@@ -145,6 +157,7 @@ class Linear(nn.Module):
             raise ValueError(f"Linear fuses {len(self.out_sizes)} parts but got names {names}")
         weights = [self._read(src, f"{n}.weight", rows, tp_rank) for n, rows in zip(names, self.out_sizes)]
         _copy(self.weight, torch.cat(weights), f"{names[0]}.weight")
+        self.forget_reordered()
         if self.bias is not None:
             biases = [self._read(src, f"{n}.bias", rows, tp_rank) for n, rows in zip(names, self.out_sizes)]
             _copy(self.bias, torch.cat(biases), f"{names[0]}.bias")

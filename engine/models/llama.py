@@ -181,6 +181,9 @@ class LlamaForCausalLM(nn.Module):
         if self.is_last:
             self.norm.load(src, "model.norm")
             self._load_lm_head(src, tp_rank)
+        for module in self.modules():           # a tied LM head's weight was written through the embedding
+            if isinstance(module, Linear):
+                module.forget_reordered()
 
     def _load_lm_head(self, src, tp_rank: int) -> None:
         if not self.config.tie_word_embeddings:
