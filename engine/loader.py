@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.layers import reorder_linears
 from pdserve.engine.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,11 @@ def load_model(model_dir: str | Path, dtype: str = "auto", *, first_layer: int =
     logger.info("loaded %s from %s: %d layers [%d, %d), tp rank %d of %d, dtype %s", config.architecture,
                 model_dir, model.num_layers, first_layer, first_layer + model.num_layers, tp_rank, tp_size,
                 config.dtype)
+    start = time.perf_counter()
+    made, nbytes = reorder_linears(model)
+    if made:
+        logger.info("reordered %d fp32 weights for oneDNN in %.2f s (a second copy: %.0f MiB)", made,
+                    time.perf_counter() - start, nbytes / 2**20)
     return model, config
 
 

@@ -229,3 +229,16 @@ def test_the_start_up_log_is_right_for_tensor_parallel_and_compiled_layers(tiny_
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
     assert ready[0].endswith("attention=torch matmuls=onednn (>= 2 rows)")
     assert ready[1].endswith("matmuls=inductor in compiled steps, else onednn (>= 2 rows)")
+
+
+def test_the_loader_makes_the_copies_so_no_request_pays_for_them(tiny_models, caplog):
+    from pdserve.engine.loader import load_model
+
+    with caplog.at_level("INFO", logger="pdserve.engine.loader"):
+        model, _ = load_model(str(tiny_models["llama"]), "float32")
+    linears = [m for m in model.modules() if isinstance(m, layers.Linear)]
+    assert linears and all(m._reordered is not None and m._reordered[0] is m.weight for m in linears)
+    assert any(r.getMessage().startswith(f"reordered {len(linears)} fp32 weights for oneDNN")
+               for r in caplog.records)
+    half, _ = load_model(str(tiny_models["llama"]), "bfloat16")
+    assert all(m._reordered is None for m in half.modules() if isinstance(m, layers.Linear))

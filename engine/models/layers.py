@@ -40,7 +40,8 @@ _ONEDNN = envs.PDSERVE_CPU_LINEAR == "onednn" and torch.backends.mkldnn.is_avail
 # reordered inside every call: a decode step of SmolLM2-135M's 30 layers at 16 rows, weights streaming from
 # DRAM, 64 -> 41 ms; 32 rows 94 -> 71; 2048 rows -5% (a Zen 4 EPYC, bench/cpu_linear.py --layers). The result
 # is bit-identical to the unreordered call for any row count >= 2 (tests/test_cpu_linear.py). The reorder is a
-# second copy of the weight (the original stays: 1-row calls, torch.compile and the GPU read it). The batch
+# second copy of the weight (the original stays: 1-row calls, torch.compile and the GPU read it), made by the
+# loader (``reorder_linears``: the first step paid 26 ms of reorders on the tiny model otherwise). The batch
 # size it is tuned for measured the same from 16 to 2048 rows.
 _REORDER_ROWS = 256
 
@@ -67,6 +68,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if onednn_takes(x):
         return torch.ops.mkldnn._linear_pointwise(x, weight if reordered is None else reordered, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def reorder_linears(model: nn.Module) -> tuple[int, int]:
+    """Make every ``Linear``'s reordered copy now (the loader calls it once the weights are in place, so no
+    request pays for them: SmolLM2-135M's take ~0.5 s); -> (copies made, their bytes). None made where oneDNN
+    is off or the weights are not fp32 on the CPU."""
+    made = nbytes = 0
+    if not _ONEDNN:
+        return made, nbytes
+    for module in model.modules():
+        if isinstance(module, Linear) and module._onednn_weight() is not None:
+            made, nbytes = made + 1, nbytes + module.weight.numel() * module.weight.element_size()
+    return made, nbytes
 
 
 def reorder_for_onednn(weight: torch.Tensor) -> torch.Tensor:
@@ -123,9 +137,9 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _onednn_weight(self) -> torch.Tensor | None:
-        """The weight reordered for oneDNN: made at the first call, and again when the weight was replaced,
-        re-pointed, re-strided or written in place since. The key is the weight object, its data pointer,
-        strides, shape and version counter; the cache holds an alias of the old data, so freed weight memory
+        """The weight reordered for oneDNN: made by the loader (or the first call), and again when the weight
+        was replaced, re-pointed, re-strided or written in place since. The key is the weight object, its data
+        pointer, strides, shape and version counter; the cache holds an alias of the old data, so freed memory
         cannot come back at the same address and pass for it. Two writes leave no trace in that key --
         through ``.data`` (its own version counter) and to an inference tensor (none) -- so ``load`` and the
         model's ``load_weights`` call ``forget_reordered`` themselves. None (and no copy kept) unless the
