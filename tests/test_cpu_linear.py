@@ -242,3 +242,20 @@ def test_the_loader_makes_the_copies_so_no_request_pays_for_them(tiny_models, ca
                for r in caplog.records)
     half, _ = load_model(str(tiny_models["llama"]), "bfloat16")
     assert all(m._reordered is None for m in half.modules() if isinstance(m, layers.Linear))
+
+
+def test_a_loaded_model_still_deep_copies_and_pickles(tiny_models):
+    """oneDNN's reordered copy has no storage: a copy or a pickle of the model leaves it out (the copy makes its
+    own at its first call) instead of failing."""
+    import copy
+    import io
+
+    from pdserve.engine.loader import load_model
+
+    model, _ = load_model(str(tiny_models["llama"]), "float32")
+    clone = copy.deepcopy(model)
+    torch.save(model, io.BytesIO())
+    head, twin = model.lm_head, clone.lm_head
+    assert twin._reordered is None and head._reordered is not None
+    x = torch.randn(4, head.in_size, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(twin(x), head(x))

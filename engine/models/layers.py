@@ -164,6 +164,10 @@ class Linear(nn.Module):
         self.forget_reordered()             # .to(), .half(), .cuda(): the copy is of the weight before it
         return super()._apply(fn, recurse)
 
+    def __getstate__(self):
+        state = super().__getstate__()      # copy.deepcopy and pickle: oneDNN's copy has no storage to copy
+        return {**state, "_reordered": None}
+
     def load(self, src, names: str | Sequence[str], tp_rank: int = 0) -> None:
         """Fill from checkpoint modules ``names`` (one per fused part, HF prefixes)."""
         names = (names,) if isinstance(names, str) else tuple(names)
