@@ -38,7 +38,7 @@ _ONEDNN = envs.PDSERVE_CPU_LINEAR == "onednn" and torch.backends.mkldnn.is_avail
     torch.ops.mkldnn, "_linear_pointwise")
 # ``Linear`` hands oneDNN its weight reordered once into oneDNN's blocked layout, where an unreordered weight is
 # reordered inside every call: a decode step of SmolLM2-135M's 30 layers at 16 rows, weights streaming from
-# DRAM, 64 -> 41 ms; 32 rows 94 -> 71; 2048 rows -5% (a Zen 4 EPYC, bench/cpu_linear.py --layers). The result
+# DRAM, 65.9 -> 43.1 ms; 32 rows 94.7 -> 72.6; 2048 rows -4% (a Zen 4 EPYC, bench/cpu_linear.py --layers). The result
 # is bit-identical to the unreordered call for any row count >= 2 (tests/test_cpu_linear.py). The reorder is a
 # second copy of the weight (the original stays: 1-row calls, torch.compile and the GPU read it), made by the
 # loader (``reorder_linears``: the first step paid 26 ms of reorders on the tiny model otherwise). The batch
@@ -72,7 +72,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def reorder_linears(model: nn.Module) -> tuple[int, int]:
     """Make every ``Linear``'s reordered copy now (the loader calls it once the weights are in place, so no
-    request pays for them: SmolLM2-135M's take ~0.5 s); -> (copies made, their bytes). None made where oneDNN
+    request pays for them: SmolLM2-135M's take 0.3-0.4 s); -> (copies made, their bytes). None made where oneDNN
     is off or the weights are not fp32 on the CPU."""
     made = nbytes = 0
     if not _ONEDNN:
