@@ -11,7 +11,8 @@ below ``ONEDNN_MIN_ROWS`` go to F.linear in both columns: their ratio is ~1 by c
 ``--layers``: a whole forward's projections, as a decode step runs them: SmolLM2-135M's 30 layers (qkv, o,
 gate_up, down; 424 MB of fp32 weights, so they stream from DRAM as in serving) at each row count, three
 ways in turn -- F.linear, oneDNN given the weight as it is (reordered inside every call), and ``Linear``
-(oneDNN given the copy it reordered once) -- each the best of --repeats passes, in ms.
+(oneDNN given the copy it reordered once) -- each the best of --repeats passes, in ms. Before timing, every
+layer's ``Linear`` output is checked bit for bit against oneDNN's with the weight as it is.
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ def measure_layers(rows: list[int], repeats: int, num_layers: int = 30) -> list[
     results = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g) for k, _ in SHAPES.values()}
+        for mods in layers:
+            for mod in mods:
+                x = xs[mod.in_size]
+                if not torch.equal(ways["Linear (reordered once)"](mod, x), ways["oneDNN, weight as is"](mod, x)):
+                    raise AssertionError(f"the reordered weight changed the bits at {m} rows "
+                                         f"({tuple(mod.weight.shape)})")
         best = dict.fromkeys(ways, float("inf"))
         for _ in range(repeats + 1):                       # the first pass warms up (and makes Linear's copies)
             for way, fn in ways.items():

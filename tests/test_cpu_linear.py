@@ -259,3 +259,22 @@ def test_a_loaded_model_still_deep_copies_and_pickles(tiny_models):
     assert twin._reordered is None and head._reordered is not None
     x = torch.randn(4, head.in_size, generator=torch.Generator().manual_seed(6))
     assert torch.equal(twin(x), head(x))
+
+
+def test_the_layers_bench_checks_the_bits_and_times_three_ways(monkeypatch):
+    """bench/cpu_linear.py --layers on one layer: it raises if the reordered weight changed a bit (mutation:
+    a copy of another weight), and gives each way a time."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("cpu_linear_bench",
+                                                  Path(__file__).parents[1] / "bench" / "cpu_linear.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (row,) = bench.measure_layers([16], repeats=1, num_layers=1)
+    ways = ("F.linear", "oneDNN, weight as is", "Linear (reordered once)")
+    assert row["rows"] == 16 and all(row[w] > 0 for w in ways)
+    monkeypatch.setattr(layers.Linear, "_onednn_weight",
+                        lambda self: layers.reorder_for_onednn(torch.ones_like(self.weight)))
+    with pytest.raises(AssertionError, match="changed the bits at 16 rows"):
+        bench.measure_layers([16], repeats=1, num_layers=1)
