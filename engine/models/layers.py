@@ -61,12 +61,11 @@ def onednn_takes(x: torch.Tensor) -> bool:
             and x.shape[0] >= ONEDNN_MIN_ROWS and not torch.compiler.is_compiling())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           reordered: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b), x: [T, in]; oneDNN for fp32 CPU batches of >= ONEDNN_MIN_ROWS rows (``reordered``: the
-    weight from ``reorder_for_onednn``, used there when given), else F.linear."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b), x: [T, in]; oneDNN for fp32 CPU batches of >= ONEDNN_MIN_ROWS rows, else F.linear.
+    (``Linear`` decides the same way but hands oneDNN its reordered weight.)"""
     if onednn_takes(x):
-        return torch.ops.mkldnn._linear_pointwise(x, weight if reordered is None else reordered, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -84,7 +83,7 @@ def reorder_linears(model: nn.Module) -> tuple[int, int]:
 
 
 def reorder_for_onednn(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ([out, in], fp32, CPU) in oneDNN's blocked layout: a copy, for ``linear``'s ``reordered``."""
+    """``weight`` ([out, in], fp32, CPU) in oneDNN's blocked layout: a copy, for ``Linear``."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _REORDER_ROWS)
 
 
@@ -130,10 +129,16 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out] (after an all-gather: [T, out * tp])
-        reordered = self._onednn_weight() if onednn_takes(x) else None
+        bias = self.bias if self.collective is None else None
+        if onednn_takes(x):
+            reordered = self._onednn_weight()
+            weight = self.weight if reordered is None else reordered
+            y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, bias)
         if self.collective is None:
-            return linear(x, self.weight, self.bias, reordered)
-        y = self.collective(linear(x, self.weight, reordered=reordered))
+            return y
+        y = self.collective(y)
         return y if self.bias is None else y + self.bias
 
     def _onednn_weight(self) -> torch.Tensor | None:
