@@ -313,8 +313,9 @@ static int32_t *work_of(const int32_t *query_start_loc, int num_seqs, int rows_p
     if (work)
         for (int b = 0, t = 0; b < num_seqs; b++) {
             int start = query_start_loc[b], end = query_start_loc[b + 1];
+            int merged = end - start == 1 && merge, g0 = merged ? -1 : 0, g1 = merged ? 0 : Hkv;
             for (int r = start; r < end; r += rows_per_tile)
-                for (int g = end - start == 1 && merge ? -1 : 0; g < (end - start == 1 && merge ? 0 : Hkv); g++, t++) {
+                for (int g = g0; g < g1; g++, t++) {
                     work[3 * t] = b;
                     work[3 * t + 1] = r;
                     work[3 * t + 2] = g;
