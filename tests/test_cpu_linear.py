@@ -278,3 +278,42 @@ def test_the_layers_bench_checks_the_bits_and_times_three_ways(monkeypatch):
                         lambda self: layers.reorder_for_onednn(torch.ones_like(self.weight)))
     with pytest.raises(AssertionError, match="changed the bits at 16 rows"):
         bench.measure_layers([16], repeats=1, num_layers=1)
+
+
+def test_a_copy_begun_before_a_reload_is_not_kept_after_it(monkeypatch):
+    """A thread reorders the old weight while the loader writes the new one into an inference tensor (no
+    version counter) and forgets the copy: the thread's late copy must not answer the calls after the load."""
+    import threading
+
+    with torch.inference_mode():
+        mod = _module(64, 96, 11)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(7))
+    started, written = threading.Event(), threading.Event()
+    reorder = layers.reorder_for_onednn
+
+    def slow_reorder(weight):
+        copy = reorder(weight)                       # the old weight's copy
+        started.set()
+        written.wait(10)
+        return copy
+
+    monkeypatch.setattr(layers, "reorder_for_onednn", slow_reorder)
+    caller = threading.Thread(target=mod, args=(x,))
+    caller.start()
+    assert started.wait(10)
+    monkeypatch.setattr(layers, "reorder_for_onednn", reorder)
+    with torch.inference_mode():
+        mod.weight.copy_(torch.randn(96, 64, generator=torch.Generator().manual_seed(12)))
+    mod.forget_reordered()                           # what Linear.load does after its copy
+    written.set()
+    caller.join(10)
+    assert torch.equal(mod(x), linear(x, mod.weight))
+
+
+def test_a_weight_of_another_dtype_goes_to_f_linear_and_its_error():
+    """An fp32 batch against a bf16 weight: oneDNN's error named a primitive descriptor, F.linear's the dtypes."""
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(8))
+    half = _module(64, 48, 9).bfloat16()
+    for call in (half, lambda x: linear(x, half.weight)):
+        with pytest.raises(RuntimeError, match="dtype"):
+            call(x)

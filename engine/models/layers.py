@@ -54,17 +54,20 @@ def matmul_path(dtype: torch.dtype, device: str, compiled: bool = False) -> str:
     return f"inductor in compiled steps, else {eager}" if compiled else eager
 
 
-def onednn_takes(x: torch.Tensor) -> bool:
-    """Whether ``linear`` sends ``x`` to oneDNN: fp32 CPU batches of >= ONEDNN_MIN_ROWS rows, run eagerly."""
+def onednn_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` sends ``x`` to oneDNN: fp32 CPU batches of >= ONEDNN_MIN_ROWS rows against an fp32 CPU
+    weight, run eagerly. (Given a weight of another dtype, oneDNN fails with a primitive-descriptor error;
+    F.linear's names the dtypes.)"""
     # compiled (--torch-compile): inductor lowers this op only for frozen weights; it picks its own GEMM
     return (_ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
-            and x.shape[0] >= ONEDNN_MIN_ROWS and not torch.compiler.is_compiling())
+            and x.shape[0] >= ONEDNN_MIN_ROWS and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and not torch.compiler.is_compiling())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b), x: [T, in]; oneDNN for fp32 CPU batches of >= ONEDNN_MIN_ROWS rows, else F.linear.
     (``Linear`` decides the same way but hands oneDNN its reordered weight.)"""
-    if onednn_takes(x):
+    if onednn_takes(x, weight):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -126,11 +129,12 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
         self.collective = None          # tensor parallel: all-reduce (row) or all-gather (LM head)
         self._reordered = None          # (weight, alias of its data, key, oneDNN's copy): _onednn_weight
+        self._generation = 0            # forget_reordered's count: a copy begun before the last forget is stale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out] (after an all-gather: [T, out * tp])
         bias = self.bias if self.collective is None else None
-        if onednn_takes(x):
+        if onednn_takes(x, self.weight):
             reordered = self._onednn_weight()
             weight = self.weight if reordered is None else reordered
             y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -147,14 +151,15 @@ class Linear(nn.Module):
         pointer, strides, shape and version counter; the cache holds an alias of the old data, so freed memory
         cannot come back at the same address and pass for it. Two writes leave no trace in that key --
         through ``.data`` (its own version counter) and to an inference tensor (none) -- so ``load`` and the
-        model's ``load_weights`` call ``forget_reordered`` themselves. None (and no copy kept) unless the
+        model's ``load_weights`` call ``forget_reordered`` themselves; its generation count is in the key too,
+        so a copy another thread began before the forget is not taken afterwards. None (and no copy kept) unless the
         weight is fp32 on the CPU. Threads running one model may both make it: the copies are equal, and the
         cache is swapped in as one tuple, so no call pairs one weight's key with another's copy."""
         w = self.weight
         if w.dtype != torch.float32 or w.device.type != "cpu":
             self._reordered = None
             return None
-        key = (w.data_ptr(), w.stride(), w.shape, -1 if w.is_inference() else w._version)
+        key = (self._generation, w.data_ptr(), w.stride(), w.shape, -1 if w.is_inference() else w._version)
         cached = self._reordered
         if cached is None or cached[0] is not w or cached[2] != key:
             cached = (w, w.detach(), key, reorder_for_onednn(w))
@@ -162,7 +167,10 @@ class Linear(nn.Module):
         return cached[3]
 
     def forget_reordered(self) -> None:
-        """Drop the reordered copy: the next call makes it from the weight as it is then."""
+        """Drop the reordered copy: the next call makes it from the weight as it is then. A call that began its
+        copy before this (another thread, reading the weight while it was being written) stores it under the
+        old generation, which no later call accepts."""
+        self._generation += 1
         self._reordered = None
 
     def _apply(self, fn, recurse=True):
