@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.kernels import cpu_ops
 from pdserve.kernels.cpu_build import CPU_FLAGS, build, cpu_flags, unsupported
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.kernels.reference import write_to_cache
@@ -88,7 +89,8 @@ def supports(cache: dict) -> bool:
 def paged_attention(q, k, v, cache: dict, meta: AttentionMetadata, scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H, D] in q's dtype (computed in float32)."""
-    write_to_cache(k, v, cache, meta.slot_mapping)
+    if not cpu_ops.write_kv(k, v, cache, meta.slot_mapping):    # float32 caches: one C pass
+        write_to_cache(k, v, cache, meta.slot_mapping)
     lib = load()
     qf = q.to(torch.float32).contiguous()
     out = torch.empty_like(qf)

@@ -8,6 +8,8 @@
  *                    computed differently from torch's reduction (in double, rounded once: the float nearest
  *                    the exact sum), in a fixed order per row, so a row's bits do not depend on the other rows
  *   pd_silu_and_mul  y = silu(g) * u with silu(g) = g / (1 + exp(-g)); exp is cpu_vec.h's (~1 ulp)
+ *   pd_write_kv      the step's new K and V rows into a float32 paged cache at their slots: copies, so the bits
+ *                    of torch's index_copy_ (kernels/reference.py: write_to_cache), in one pass per tensor
  *
  * Built with -ffp-contract=off: no multiply is fused into an add unless an intrinsic says so (exp's polynomial).
  * Rows are x_stride floats apart (column slices of a fused projection); outputs are contiguous.
@@ -15,6 +17,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_vec.h"
 
@@ -116,6 +119,25 @@ int pd_silu_and_mul(const float *gu, int64_t gu_stride, float *y, int64_t rows, 
             _mm256_storeu_ps(yt, _mm256_mul_ps(silu8(_mm256_loadu_ps(gt)), _mm256_loadu_ps(ut)));
             for (int j = 0; i + j < I; j++) yr[i + j] = yt[j];
         }
+    }
+    return 0;
+}
+
+/* -------------------------------------------------------------------------------------------- KV write */
+
+/* row t of k and of v (row_elems floats each, k_stride / v_stride apart) to flat slot slots[t] of kc and vc
+ * ([num_slots, row_elems]); a negative slot is a padding row, skipped.  Every slot is checked before anything is
+ * written: 2 = a slot past the cache, and the cache is untouched. */
+int pd_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *slots, int64_t T,
+                float *kc, float *vc, int64_t row_elems, int64_t num_slots) {
+    if (T < 0 || row_elems <= 0) return 1;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return 2;
+    size_t bytes = (size_t)row_elems * sizeof(float);
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(kc + slots[t] * row_elems, k + t * k_stride, bytes);
+        memcpy(vc + slots[t] * row_elems, v + t * v_stride, bytes);
     }
     return 0;
 }

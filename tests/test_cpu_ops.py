@@ -184,3 +184,46 @@ def test_gated_mlp_uses_the_fused_pass_and_matches_torch():
     x = torch.randn(17, 64, generator=g)
     gate, up = mlp.gate_up(x).split(48, dim=-1)
     torch.testing.assert_close(mlp(x), mlp.down(F.silu(gate) * up), rtol=1e-5, atol=1e-6)
+
+
+def _caches(num_blocks=6, bs=4, hkv=2, d=8, dtype=torch.float32):
+    base = torch.randn(num_blocks, bs, hkv, d).to(dtype)
+    return {"k": base.clone(), "v": (base + 1).clone()}, {"k": base.clone(), "v": (base + 1).clone()}
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(0, 24), hkv=st.integers(1, 3), d=st.sampled_from([8, 16, 24]), pad=st.integers(0, 4),
+       slot_dtype=st.sampled_from([torch.int32, torch.int64]), seed=st.integers(0, 2**31 - 1))
+def test_write_kv_writes_what_index_copy_writes(T, hkv, d, pad, slot_dtype, seed):
+    """K a contiguous tensor (rotary's output), V a column slice of the qkv output; padding slots skipped."""
+    from pdserve.kernels.reference import write_to_cache
+    g = torch.Generator().manual_seed(seed)
+    ours, ref = _caches(hkv=hkv, d=d)
+    num_slots = ours["k"].shape[0] * ours["k"].shape[1]
+    qkv = torch.randn(T, 3 * hkv * d, generator=g)
+    k = qkv[:, hkv * d:2 * hkv * d].contiguous().view(T, hkv, d)
+    v = qkv[:, 2 * hkv * d:].view(T, hkv, d)
+    slots = torch.randperm(num_slots, generator=g)[:T]
+    slots[torch.randperm(T, generator=g)[:min(pad, T)]] = -1
+    slots = slots.to(slot_dtype)
+    assert cpu_ops.write_kv(k, v, ours, slots)
+    write_to_cache(k, v, ref, slots)
+    assert same_bits(ours["k"], ref["k"]) and same_bits(ours["v"], ref["v"])
+
+
+def test_write_kv_refuses_a_slot_past_the_cache_and_writes_nothing():
+    ours, ref = _caches()
+    k = torch.randn(3, 2, 8)
+    with pytest.raises(IndexError, match="past the KV cache's 24 slots"):
+        cpu_ops.write_kv(k, k, ours, torch.tensor([0, 5, 24]))
+    assert torch.equal(ours["k"], ref["k"]) and torch.equal(ours["v"], ref["v"])
+
+
+def test_write_kv_leaves_what_it_cannot_take_to_torch():
+    ours, _ = _caches(dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 8)
+    assert not cpu_ops.write_kv(k, k, ours, torch.tensor([0, 1]))                 # a bfloat16 cache
+    ours, _ = _caches()
+    assert not cpu_ops.write_kv(k.transpose(1, 2).contiguous().transpose(1, 2), k, ours, torch.tensor([0, 1]))
+    assert not cpu_ops.write_kv(k, k, ours, torch.tensor([0.0, 1.0]))              # float slots
+    assert not cpu_ops.write_kv(k, k[:, :1], ours, torch.tensor([0, 1]))          # shapes differ
