@@ -61,7 +61,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _f32_cpu(*xs: torch.Tensor) -> bool:
-    return all(x.dtype == torch.float32 and x.device.type == "cpu" for x in xs)
+    """Plain float32 CPU tensors whose data pointer holds their values: not a lazily negated view (its memory
+    holds -x) and not a ZeroTensor (no memory at all)."""
+    return all(x.dtype == torch.float32 and x.device.type == "cpu" and not x.is_neg() and not x._is_zerotensor()
+               for x in xs)
+
+
+def _shares_storage(xs, ys) -> bool:
+    return any(x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for x in xs for y in ys)
 
 
 def _row_stride(x: torch.Tensor, row_elems: int) -> int:
@@ -132,8 +139,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: dict, slot_mapping: torch.
             and kc.shape[2:] == k.shape[1:] and kc.is_contiguous() and vc.is_contiguous()
             and all(_dense(x, 2, 1) and _dense(x, 1, x.shape[2]) for x in (k, v))
             and slot_mapping.device.type == "cpu" and slot_mapping.shape == (k.shape[0],)
-            and slot_mapping.dtype in (torch.int32, torch.int64)):
-        return False
+            and slot_mapping.dtype in (torch.int32, torch.int64) and not _shares_storage((k, v), (kc, vc))):
+        return False                          # (k or v inside the cache: torch's index_copy_ refuses it or orders it)
     lib = load()
     if lib is None:
         return False

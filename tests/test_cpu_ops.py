@@ -227,3 +227,22 @@ def test_write_kv_leaves_what_it_cannot_take_to_torch():
     assert not cpu_ops.write_kv(k.transpose(1, 2).contiguous().transpose(1, 2), k, ours, torch.tensor([0, 1]))
     assert not cpu_ops.write_kv(k, k, ours, torch.tensor([0.0, 1.0]))              # float slots
     assert not cpu_ops.write_kv(k, k[:, :1], ours, torch.tensor([0, 1]))          # shapes differ
+
+
+def test_write_kv_leaves_views_it_cannot_read_plainly_to_torch():
+    """A lazily negated view (its memory holds -k), a ZeroTensor (no memory) and K/V that live inside the cache
+    itself: torch's path, which reads them right or refuses them (a hostile review's reproductions)."""
+    from pdserve.kernels.reference import write_to_cache
+    slots = torch.tensor([1, 2])
+    ours, ref = _caches()
+    k = torch.arange(32, dtype=torch.float32).view(2, 2, 8)
+    neg = torch._neg_view(k)
+    assert neg.is_neg() and not cpu_ops.write_kv(neg, k, ours, slots)
+    zero = torch._efficientzerotensor((2, 2, 8))
+    assert not cpu_ops.write_kv(zero, k, ours, slots)
+    inside = ours["k"].view(-1, 2, 8)[0:2]
+    assert not cpu_ops.write_kv(inside, k, ours, slots)
+    assert not cpu_ops.write_kv(k, ours["v"].view(-1, 2, 8)[3:5], ours, slots)
+    write_to_cache(neg, k, ref, slots)
+    assert torch.equal(ref["k"].view(-1, 2, 8)[1], -k[0])
+    assert cpu_ops.rms_norm(torch._neg_view(torch.ones(2, 8)), torch.ones(8), 1e-6) is None
