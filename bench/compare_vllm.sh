@@ -18,7 +18,7 @@
 # --dtype float32 --no-enable-prefix-caching (prefix caching flatters repeated-seed runs). Its P/D
 # peer uses ExampleConnector (KV through a directory: kv_producer / kv_consumer) behind pdserve's
 # own proxy. pdserve runs with the same limits and prefix caching off (bench sweep's default).
-# One round's ratio moves 10-20% on a shared 2-core box (vLLM's own tiny figure: 1,035-1,274 tok/s in
+# One round's ratio moves 10-20% on a shared 2-core box (vLLM's own tiny figure: 980-1,319 tok/s in
 # one afternoon): with ROUNDS=N each model is compared N times, odd rounds vLLM first, even rounds
 # pdserve first, into OUT/<model>/round-<i>, and OUT/<model>/compare.md holds the medians.
 set -euo pipefail
