@@ -72,9 +72,9 @@ def rounds_table(rounds: list[list[tuple[str, dict, dict]]]) -> str:
             ratios = [p / v for v, p in got]
             ratio = statistics.median(ratios)
             ahead = ratio > 1 if higher_better else ratio < 1
-            lines.append(f"| {setup} | {label} | {statistics.median(v for v, _ in got):.2f} | "
-                         f"{statistics.median(p for _, p in got):.2f} | {ratio:.2f} | {min(ratios):.2f}-{max(ratios):.2f} "
-                         f"| {'yes' if ahead else 'NO'} |")
+            vllm, ours = statistics.median(v for v, _ in got), statistics.median(p for _, p in got)
+            lines.append(f"| {setup} | {label} | {vllm:.2f} | {ours:.2f} | {ratio:.2f} | "
+                         f"{min(ratios):.2f}-{max(ratios):.2f} | {'yes' if ahead else 'NO'} |")
     return "\n".join(lines)
 
 

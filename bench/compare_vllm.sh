@@ -135,7 +135,7 @@ run_pdserve() {  # MODEL RUN DISAGG: pdserve colocated (and 1P1D) on the same wo
     --node-args "--max-model-len 2048 --dtype float32 ${PDSERVE_NODE_ARGS:-}" "${WORKLOAD[@]}" --output-dir "$RUN/pdserve" --no-plots
 }
 
-compare() {  # MODEL NUM_PROMPTS RUN_DIR DISAGG(0|1) [FIRST: vllm|pdserve]: both servers on one model; RUN_DIR/compare.md
+compare() {  # MODEL NUM_PROMPTS RUN_DIR DISAGG(0|1) [FIRST: vllm|pdserve]: both servers, one model; RUN_DIR/compare.md
   local MODEL=$1 RUN=$3 DISAGG=$4
   mkdir -p "$RUN"; workload "$2"
   if [ "${5:-vllm}" = pdserve ]; then

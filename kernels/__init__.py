@@ -9,8 +9,8 @@ fallback) or to the Triton kernels (``triton_attention.py``,
 publisher and loader move chunks with ``transfer.py`` (torch) / ``triton_transfer.py`` (CUDA).
 ``cpu_build.py`` compiles both C sources; ``cpu_ops.py`` (``cpu_ops.c``) holds the model's rotary
 embedding, RMSNorm and SiLU-and-mul on CPU float32, called by ``engine.models.rope`` and
-``engine.models.layers``, and the float32 K/V write the C attention path starts with. Each Triton kernel is tested against its torch reference under
-``TRITON_INTERPRET=1``.
+``engine.models.layers``, and the float32 K/V write the C attention path starts with. Each Triton
+kernel is tested against its torch reference under ``TRITON_INTERPRET=1``.
 """
 
 from pdserve.kernels.dispatch import BACKENDS, paged_attention, resolve_backend, write_to_cache

@@ -19,9 +19,9 @@
  * D in a fixed order, and P @ V accumulates keys in position order.  Rows are tiled (up to 32 (row, head)
  * lanes share each unit's K/V while it is in L1), and lanes that take a whole unit go through it four at a
  * time with each K/V vector loaded once into registers for all four (attend_unit_block), only to reuse
- * loads: a lane's arithmetic never reads another lane's.  So a prompt prefilled in one chunk or in ten, on the prefill node or the decode node,
- * publishes the same KV bytes — what the store's digest check requires (the fused SDPA kernel tiles by
- * the chunk's length and did not).  Built with -ffp-contract=off and no
+ * loads: a lane's arithmetic never reads another lane's.  So a prompt prefilled in one chunk or in ten, on
+ * the prefill node or the decode node, publishes the same KV bytes — what the store's digest check requires
+ * (the fused SDPA kernel tiles by the chunk's length and did not).  Built with -ffp-contract=off and no
  * fast-math so the compiler cannot re-associate; every FMA is an explicit intrinsic.
  *
  * Memory: a decode row reads its whole context once (K and V, fp32: 512 B a token for 2 KV heads of 64), so

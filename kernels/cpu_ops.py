@@ -5,9 +5,10 @@
     y = silu_and_mul(gate_up)         # engine/models/layers.py: GatedMLP
     done = write_kv(k, v, cache, slot_mapping)   # kernels/cpu_attention.py: the step's K/V into the cache
 
-Each returns a new contiguous tensor (``write_kv``: True), or None (False) where its path does not apply (not float32 on CPU, a layout
-it does not take, or no library: no AVX2/FMA/F16C or no compiler, logged once by ``load``); the caller
-then runs its torch expression. The callers skip it inside ``torch.compile`` (the graph keeps torch's ops).
+Each returns a new contiguous tensor (``write_kv``: True), or None (False) where its path does not apply
+(not float32 on CPU, a layout it does not take, or no library: no AVX2/FMA/F16C or no compiler, logged
+once by ``load``); the caller then runs its torch expression. The callers skip it inside ``torch.compile``
+(the graph keeps torch's ops).
 
 Bits: ``rotary`` gives the torch expression's bits (same operations, same order; a NaN is NaN, its sign
 not matched). ``rms_norm`` differs from torch only in its sum of squares (in double, rounded once: at
@@ -15,7 +16,8 @@ most ~4 ulp from torch's at any width), ``silu_and_mul`` in its exp (~2 ulp); no
 other rows, so a prompt's KV does not depend on how it was batched or chunked. Tests:
 tests/test_cpu_ops.py. Speed, tiny model, 2048-token prompt step (torch -> C): rotary 0.96 -> 0.12 ms a
 layer, the step's 4 RMSNorms 5 -> 1.7 ms; each also saves several op dispatches per decode step.
-``write_kv`` copies (index_copy_'s bits): a 2048-token step of the tiny model, 0.66 -> 0.07 ms a layer (K and V).
+``write_kv`` copies (index_copy_'s bits): a 2048-token step of the tiny model, 0.66 -> 0.07 ms a layer
+(K and V).
 """
 
 from __future__ import annotations
