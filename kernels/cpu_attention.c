@@ -36,7 +36,7 @@
  * gaps), and the next work item's first units are asked for before an item starts (they were cold misses):
  * bench/cpu_kv_memory.py on a Zen 4 EPYC, 1.50-1.63 -> 1.25-1.31 ms a layer (12 -> 14 GB/s).  A cache that
  * sits in L3 pays for the extra prefetch instructions: its "hot" figure went 0.52 -> 0.63 ms (asking for units
- * 3-4 only: DRAM 1.36-1.40, hot 0.59-0.60; a decode step's cache is DRAM-sized).  None of this changes any
+ * 3-4 only: DRAM 1.45, hot 0.55-0.56; a decode step's cache is DRAM-sized).  None of this changes any
  * arithmetic: the bits are the same.
  */
 #include <immintrin.h>
@@ -272,6 +272,11 @@ INLINE void prefetch_far(int k0, int kmax, const char *kc, const char *vc, const
     }
 }
 
+/* the first key a query at position pos sees: 0, or pos - window + 1 under a sliding window */
+INLINE int first_key(int pos, const Shape *s) {
+    return s->window > 0 && pos - s->window + 1 > 0 ? pos - s->window + 1 : 0;
+}
+
 /* a lane for query row r, head h, at position pos: empty accumulator, its first key under the window */
 INLINE void lane_init(Lane *ln, const float *q, float *acc, int r, int h, int pos, const Shape *s) {
     ln->q = q + ((size_t)r * s->H + h) * s->D;
@@ -279,7 +284,7 @@ INLINE void lane_init(Lane *ln, const float *q, float *acc, int r, int h, int po
     for (int d = 0; d < s->D; d++) ln->acc[d] = 0.0f;
     ln->m = -__builtin_inff(); ln->l = 0.0f;
     ln->pos = pos;
-    ln->lo = s->window > 0 && pos - s->window + 1 > 0 ? pos - s->window + 1 : 0;
+    ln->lo = first_key(pos, s);
 }
 
 /* out[r, h] = the lane's accumulator / its softmax denominator */
@@ -365,7 +370,7 @@ INLINE void attend_row_all_heads(const float *q, float *out, const char *kc, con
 /* a decode row's first units (sequence b, its one query at seq_len - 1), asked for before its item starts */
 static void prefetch_row_start(int b, const void *kc, const void *vc, const int32_t *block_table, int64_t table_stride,
                                const int32_t *seq_lens, const Shape *s) {
-    int pos = seq_lens[b] - 1, lo = s->window > 0 && pos - s->window + 1 > 0 ? pos - s->window + 1 : 0;
+    int pos = seq_lens[b] - 1, lo = first_key(pos, s);
     size_t row_bytes = (size_t)s->Hkv * s->D * s->esize;
     for (int k0 = lo / UNIT * UNIT, f = 0; f < AHEAD - 1 && k0 <= pos; f++, k0 += UNIT)
         prefetch_far(k0, pos, kc, vc, block_table + (int64_t)b * table_stride, row_bytes, 0, row_bytes, s);
