@@ -5,6 +5,7 @@ Who calls what, in order:
     server (event loop)                     engine thread
     -------------------                     -------------
     generate(ids, params, id) ──"add"──>    drain inbox -> engine.add_request
+      (= submit(...) now, then stream(id, queue): the HTTP handlers submit before their response starts)
                                             engine.step() -> deltas
     async for delta  <──call_soon_threadsafe── (one asyncio.Queue per request)
     abort(id) / client gone ──"abort"──>    engine.abort_request (frees its blocks)
@@ -82,6 +83,14 @@ class AsyncEngine:
                        kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Deltas of one request; raises ``PromptTooLongError`` / ``TransferMismatchError`` up front, and the
         engine's ``add_request`` errors (a prompt token id not in the vocabulary: ValueError) as the first item."""
+        out_q = self.submit(prompt_token_ids, params, request_id, kv_transfer_params)
+        async for item in self.stream(request_id, out_q):
+            yield item
+
+    def submit(self, prompt_token_ids: list[int], params, request_id: str,
+               kv_transfer_params: dict | None = None) -> asyncio.Queue:
+        """Send the request to the engine now (no await: a burst's adds do not wait behind the event loop's
+        other work) and return the queue its deltas arrive on; ``stream`` reads it. Raises as ``generate``."""
         self.engine.check_prompt(len(prompt_token_ids), params.max_tokens)
         self.engine.check_transfer(kv_transfer_params)
         if self._fatal:
@@ -89,6 +98,10 @@ class AsyncEngine:
         out_q: asyncio.Queue = asyncio.Queue()
         self._send(("add", request_id, list(prompt_token_ids), params, kv_transfer_params,
                     asyncio.get_running_loop(), out_q))
+        return out_q
+
+    async def stream(self, request_id: str, out_q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The deltas ``submit`` queued for ``request_id``; leaving before its final one aborts it."""
         finished = False
         try:
             while not finished:

@@ -7,7 +7,7 @@ models, ``inputs.admit_request``, then ``Orchestrator.handle``), GET /v1/models,
 proxy's own pure-ASGI front, outermost first: ``BearerAuth`` with ``--api-key`` (every path but /health and
 /metrics), then ``BodyLimits`` (``--max-request-bytes``, JSON nesting) -- the node's own middleware --, then
 ``DirectRoutes``, which serves the two POST routes itself when FastAPI would accept the body (``direct``).
-The front sits outside FastAPI's middleware stack (``ProxyApp``): a generation request never passes
+The front sits outside FastAPI's middleware stack (``FrontedApp``): a generation request never passes
 Starlette's and FastAPI's layers on its way in or its answer's way out. The lifespan owns the pool of
 node connections (``http1.ConnectionPool``, ``--max-node-connections``) and the prober, which has its own.
 """
@@ -19,18 +19,18 @@ import json
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
 from pdserve.engine.server.app import BearerAuth
+from pdserve.engine.server.direct import DirectRoutes, FrontedApp
 from pdserve.engine.server.errors import APIError, error_response, install_error_handlers
 from pdserve.engine.server.limits import BodyLimits
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.proxy.config import ProxyConfig
-from pdserve.proxy.direct import DirectRoutes
 from pdserve.proxy.health import HealthChecker
 from pdserve.proxy.http1 import ConnectionPool
 from pdserve.proxy.inputs import CHAT, COMPLETIONS, Gate, Routing, admit_request
@@ -41,17 +41,6 @@ from pdserve.proxy.router import NodePool
 
 class ClientGone(Exception):
     """The client disconnected before its response started."""
-
-
-class ProxyApp(FastAPI):
-    """FastAPI whose whole middleware stack sits behind ``front`` (a pure-ASGI wrapper, built once)."""
-
-    def __init__(self, front: Callable[[ASGIApp], ASGIApp], **kwargs: Any):
-        super().__init__(**kwargs)
-        self._front = front
-
-    def build_middleware_stack(self) -> ASGIApp:
-        return self._front(super().build_middleware_stack())
 
 
 class ProxyState:
@@ -96,7 +85,7 @@ def build_app(config: ProxyConfig, tokenizer) -> FastAPI:
         outer = BodyLimits(DirectRoutes(inner, _direct_routes(state), lambda: app.exception_handlers), config.limits)
         return BearerAuth(outer, config.api_key) if config.api_key else outer
 
-    app = ProxyApp(front, title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FrontedApp(front, title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.proxy = state
     install_error_handlers(app)
     _add_routes(app, state)

@@ -11,8 +11,8 @@ the body into the nodes' own pydantic model (so a bad body gets the node's 400 w
 
 ``admit_request`` runs the nodes' checks in the nodes' order: ``checks.check_request`` (unsupported
 fields, vocabulary, choices, SamplingParams ranges), the character limit of each prompt, tokenizing
-(``PromptWork``: worker thread, deadline; a prompt of up to ``INLINE_ENCODE_CHARS`` characters on the event
-loop), token ids against the vocabulary, and -- once a node has
+(``PromptWork``: a prompt of up to ``INLINE_ENCODE_CHARS`` characters on the event loop, a longer one in a
+worker thread with a deadline), token ids against the vocabulary, and -- once a node has
 told its ``max_model_len`` -- the prompt against it. A request the proxy accepts is one the nodes
 accept; a bad one is refused before any node is called. ``parse_request`` does the same from raw
 bytes (tests, tools).
@@ -39,7 +39,6 @@ from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequ
 from pdserve.kvstore.keys import chunk_keys
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-INLINE_ENCODE_CHARS = 1024        # prompts up to this many characters are encoded on the event loop
 
 
 @dataclass(frozen=True)
@@ -185,16 +184,7 @@ async def _tokenize(parsed, gate: Gate) -> list[list[int]]:
             gate.prompts.check_chars(len(p), "prompt")
     out = []
     for p in prompts:
-        ids = await _encode(p, gate) if isinstance(p, str) else list(p)
+        ids = await gate.prompts.encode(p) if isinstance(p, str) else list(p)
         check_token_ids(ids, gate.vocab_size)
         out.append(ids)
     return out
-
-
-async def _encode(text: str, gate: Gate) -> list[int]:
-    """A short prompt is encoded on the event loop: it takes tens of microseconds, while the hop to a worker
-    thread and back costs two thread wake-ups, which on a busy box are the larger part of the proxy's time.
-    A longer one goes to ``PromptWork`` (worker thread, ``--tokenize-timeout``). The ids are the same."""
-    if len(text) <= INLINE_ENCODE_CHARS:
-        return gate.prompts.tokenizer.encode(text, add_special_tokens=True)
-    return await gate.prompts.encode(text)

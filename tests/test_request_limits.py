@@ -183,9 +183,10 @@ def test_tokenizing_runs_off_the_event_loop_and_gives_up_at_the_deadline(tokeniz
     """A tokenization that does not end (held until the test ends): other work runs on the event loop while
     it is held -- a condition, not a count of ticks in 0.5 s -- and the caller gets 503 + Retry-After at
     --tokenize-timeout. Before: encode ran on the event loop. Mutation caught: ``PromptWork._run``
-    (engine/server/prompt_work.py) calling ``work()`` on the loop -> the loop blocks (pytest-timeout)."""
+    (engine/server/prompt_work.py) calling ``work()`` on the loop -> the loop blocks (pytest-timeout).
+    ``inline_chars=0``: every prompt takes the thread (by default one this short is encoded on the loop)."""
     spy = _SpyTokenizer(tokenizer, threading.Event())
-    work = PromptWork(spy, RequestLimits(tokenize_timeout_s=0.5), lambda: 128)
+    work = PromptWork(spy, RequestLimits(tokenize_timeout_s=0.5), lambda: 128, inline_chars=0)
 
     async def scenario():
         async def other_work() -> bool:           # done only after encode started; encode never ends
@@ -205,6 +206,31 @@ def test_tokenizing_runs_off_the_event_loop_and_gives_up_at_the_deadline(tokeniz
         work.shutdown()
     assert error.status == 503 and "--tokenize-timeout 0.5 s" in error.message
     assert error.headers == {"Retry-After": "1"} and ran_while_held
+
+
+def test_a_short_prompt_is_encoded_on_the_event_loop_and_a_long_one_in_a_worker_thread(tokenizer):
+    """Up to ``inline_chars`` characters the loop's own thread encodes (no GIL-contended hop in a burst);
+    one character more goes to a tokenize thread. The ids are the tokenizer's either way. Mutation caught:
+    the length test in ``PromptWork.encode`` dropped (every prompt on the loop) or inverted."""
+    threads: list[str] = []
+
+    class Where(_SpyTokenizer):
+        def encode(self, text, **kwargs):
+            threads.append(threading.current_thread().name)
+            return super().encode(text, **kwargs)
+
+    work = PromptWork(Where(tokenizer), RequestLimits(), lambda: 4096, inline_chars=64)
+    short, long = "hello world " * 5, "hello world " * 6                   # 60 and 72 characters
+
+    async def scenario():
+        return await work.encode(short), await work.encode(long), threading.current_thread().name
+
+    try:
+        got_short, got_long, loop_thread = asyncio.run(scenario())
+    finally:
+        work.shutdown()
+    assert got_short == tokenizer.encode(short) and got_long == tokenizer.encode(long)
+    assert threads[0] == loop_thread and threads[1].startswith("tokenize")
 
 
 # -- the chat-template sandbox ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -76,8 +76,9 @@ async def respond(request: Request, state: NodeState, body, calls: list[EngineCa
                   stream: Callable, response: Callable):
     """Run ``calls``: an SSE response built by ``stream(generation)``, or ``response(choices)`` once done."""
     generation = Generation(state.engine, state.metrics, calls, arrival)
+    generation.start()                         # the engine has the requests before the response begins
     if body.stream:
-        return sse_response(stream(generation))
+        return sse_response(stream(generation), on_close=generation.close)
     try:
         choices = await generation.collect(request)
     except ClientDisconnected:
@@ -186,8 +187,10 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    """Wraps ``events``: a failure mid-stream becomes an error event; ``[DONE]`` always ends it."""
+def sse_response(events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]] | None = None) -> StreamingResponse:
+    """Wraps ``events``: a failure mid-stream becomes an error event; ``[DONE]`` always ends it. ``on_close``
+    runs once the response is over, however it ended -- also when it never began to iterate ``events``
+    (the client left first): the requests behind it are aborted then, not run to their last token."""
     async def framed() -> AsyncIterator[str]:
         try:
             async for event in events:
@@ -198,5 +201,18 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
             await events.aclose()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(framed(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _SSEResponse(framed(), on_close, media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _SSEResponse(StreamingResponse):
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._on_close is not None:
+                await self._on_close()

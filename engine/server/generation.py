@@ -3,15 +3,18 @@
 Called by ``completions.py`` and ``chat.py``:
 
     gen = Generation(engine, metrics, calls, arrival)    # one EngineCall per choice (prompts x n)
+    gen.start()                                          # every call sent to the engine now (no await)
     async with aclosing(gen.outputs()) as it:            # streaming: (choice index, delta) as they come
         async for index, delta in it: ...
     choices = await gen.collect(request)                 # non-streaming: whole choices; aborts when
                                                          # the client disconnects while waiting
 
-Each choice is an independent engine request (``n`` > 1 included), pumped by its own task into
-one queue. However the consumer stops (finished, client gone, error, cancellation), ``outputs``'
-``finally`` cancels the pumps and calls ``engine.abort`` for every unfinished request, shielded
-from cancellation, so a disconnected client never leaves blocks allocated.
+Each choice is an independent engine request (``n`` > 1 included), submitted by ``start`` (the engine
+has it before the response begins: in a burst, the pump tasks would run only after the event loop has
+taken in every other arriving request) and pumped by its own task into one queue. However the consumer
+stops (finished, client gone, error, cancellation), ``outputs``' ``finally`` cancels the pumps and calls
+``engine.abort`` for every unfinished request, shielded from cancellation, so a disconnected client never
+leaves blocks allocated; ``close`` does the same for a response that never began to iterate ``outputs``.
 """
 
 from __future__ import annotations
@@ -74,6 +77,21 @@ class Generation:
         self._engine, self._calls = engine, calls
         self._trackers = {c.request_id: metrics.track(arrival) for c in calls}
         self._finished: set[str] = set()
+        self._submitted: dict[str, asyncio.Queue | Exception] = {}   # request id -> its deltas, or why not
+
+    def start(self) -> None:
+        """Submit every call to the engine now; a call the engine refuses fails when its pump runs."""
+        for call in self._calls:
+            try:
+                self._submitted[call.request_id] = self._engine.submit(
+                    call.prompt_ids, call.params, call.request_id, call.kv_transfer_params)
+            except Exception as exc:  # noqa: BLE001 - delivered by _pump, as generate() would have raised it
+                self._submitted[call.request_id] = exc
+
+    async def close(self) -> None:
+        """Abort what was submitted and is not finished (idempotent; ``outputs``' own clean-up does it too)."""
+        with anyio.CancelScope(shield=True):
+            await self._abort_unfinished()
 
     async def outputs(self) -> AsyncIterator[tuple[int, object]]:
         """(choice index, RequestOutput) in arrival order; raises APIError when a request fails."""
@@ -118,8 +136,7 @@ class Generation:
     async def _pump(self, call: EngineCall, queue: asyncio.Queue) -> None:
         tracker = self._trackers[call.request_id]
         try:
-            async with aclosing(self._engine.generate(call.prompt_ids, call.params, call.request_id,
-                                                          call.kv_transfer_params)) as stream:
+            async with aclosing(self._deltas(call)) as stream:
                 async for delta in stream:
                     self._record(call.request_id, tracker, delta)
                     queue.put_nowait((call.index, delta))
@@ -130,6 +147,14 @@ class Generation:
             self._finished.add(call.request_id)
             queue.put_nowait(_as_api_error(call.request_id, exc))
         queue.put_nowait(None)
+
+    def _deltas(self, call: EngineCall) -> AsyncIterator:
+        submitted = self._submitted.pop(call.request_id, None)
+        if submitted is None:                      # not started: submit now (generate's own order)
+            return self._engine.generate(call.prompt_ids, call.params, call.request_id, call.kv_transfer_params)
+        if isinstance(submitted, Exception):
+            return _raises(submitted)
+        return self._engine.stream(call.request_id, submitted)
 
     def _record(self, request_id: str, tracker: RequestTracker, delta) -> None:
         tracker.on_output(len(delta.new_token_ids), delta.num_prompt_tokens)
@@ -143,11 +168,20 @@ class Generation:
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
+        await self._abort_unfinished()
+
+    async def _abort_unfinished(self) -> None:
         for call in self._calls:
             if call.request_id not in self._finished:
+                self._finished.add(call.request_id)
                 logger.info("aborting %s: its client stopped reading", call.request_id)
                 await self._engine.abort(call.request_id)
                 self._trackers[call.request_id].on_end("abort")
+
+
+async def _raises(exc: Exception) -> AsyncIterator:
+    raise exc
+    yield                                      # an async generator that raises on its first step
 
 
 async def _wait_disconnect(request: Request) -> None:

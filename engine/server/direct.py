@@ -1,10 +1,10 @@
 """The two generation routes served straight from ASGI, in front of FastAPI, for requests FastAPI would accept.
 
-Part of the proxy's pure-ASGI front (``app.build_app``), inside ``BearerAuth`` and ``BodyLimits`` and outside
-all of FastAPI's middleware stack:
+Used by the node (``engine.server.app.build_app``) and the proxy (``proxy.app.build_app``), each as the
+innermost layer of a pure-ASGI front that sits outside all of FastAPI's middleware stack (``FrontedApp``):
 
-    DirectRoutes(fastapi_stack, routes={"/v1/completions": (CompletionRequest, serve), ...},
-                 handlers=lambda: app.exception_handlers)
+    app = FrontedApp(lambda stack: BodyLimits(DirectRoutes(stack, routes, lambda: app.exception_handlers)))
+    routes = {"/v1/completions": (CompletionRequest, serve), ...}      # serve(request, parsed, body) -> Response
 
 A POST to one of the routes with a ``Content-Type: application/json`` body that parses and validates
 against the route's pydantic model goes to ``serve(request, parsed, body)`` here; its exceptions go to the
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable
 
+from fastapi import FastAPI
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
@@ -29,6 +30,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdserve.engine.server.limits import replay_body
 
 Serve = Callable[[Request, Any, dict[str, Any]], Awaitable[Response]]
+
+
+class FrontedApp(FastAPI):
+    """FastAPI whose whole middleware stack sits behind ``front`` (a pure-ASGI wrapper, built once)."""
+
+    def __init__(self, front: Callable[[ASGIApp], ASGIApp], **kwargs: Any):
+        super().__init__(**kwargs)
+        self._front = front
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return self._front(super().build_middleware_stack())
 
 
 class DirectRoutes:
