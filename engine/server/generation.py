@@ -125,6 +125,7 @@ class Generation:
                 task.cancel()
             with anyio.CancelScope(shield=True):
                 await asyncio.gather(work, watch, return_exceptions=True)
+                await self._abort_unfinished()     # ``work`` cancelled before it ran: nothing aborted yet
 
     async def _collect(self) -> list[Choice]:
         choices = {c.index: Choice(c.index) for c in self._calls}
