@@ -27,6 +27,7 @@ import asyncio
 import logging
 import queue
 import threading
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -84,8 +85,9 @@ class AsyncEngine:
         """Deltas of one request; raises ``PromptTooLongError`` / ``TransferMismatchError`` up front, and the
         engine's ``add_request`` errors (a prompt token id not in the vocabulary: ValueError) as the first item."""
         out_q = self.submit(prompt_token_ids, params, request_id, kv_transfer_params)
-        async for item in self.stream(request_id, out_q):
-            yield item
+        async with aclosing(self.stream(request_id, out_q)) as deltas:   # closed with us, not when collected:
+            async for item in deltas:                                     # a late abort would hit a reused id
+                yield item
 
     def submit(self, prompt_token_ids: list[int], params, request_id: str,
                kv_transfer_params: dict | None = None) -> asyncio.Queue:
