@@ -178,13 +178,7 @@ async def _tokenize(parsed, gate: Gate) -> list[list[int]]:
     """Token ids of each prompt, exactly as the node computes them (and with its limits)."""
     if isinstance(parsed, ChatCompletionRequest):
         return [await gate.prompts.chat(message_dicts(parsed.messages), parsed.add_generation_prompt)]
-    prompts = prompt_list(parsed.prompt)
-    for p in prompts:                        # every character limit before any tokenizing
-        if isinstance(p, str):
-            gate.prompts.check_chars(len(p), "prompt")
-    out = []
-    for p in prompts:
-        ids = await gate.prompts.encode(p) if isinstance(p, str) else list(p)
+    out = await gate.prompts.encode_prompts(prompt_list(parsed.prompt))
+    for ids in out:
         check_token_ids(ids, gate.vocab_size)
-        out.append(ids)
     return out

@@ -44,14 +44,9 @@ async def _tokenize_prompts(state: NodeState, prompt) -> list[list[int]]:
     prompts = prompt_list(prompt)
     if not prompts:
         raise bad_request("prompt is empty; send at least one token", "prompt")
-    for p in prompts:                      # every character limit before any tokenizing
-        if isinstance(p, str):
-            state.prompts.check_chars(len(p), "prompt")
-    out = []
-    for p in prompts:
-        ids = await state.prompts.encode(p) if isinstance(p, str) else list(p)
+    out = await state.prompts.encode_prompts(prompts)
+    for ids in out:
         check_token_ids(state, ids)
-        out.append(ids)
     return out
 
 

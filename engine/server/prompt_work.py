@@ -4,15 +4,19 @@ One ``PromptWork`` per process (node: ``NodeState.prompts``; proxy: ``ProxyState
 
     work = PromptWork(tokenizer, limits, max_model_len=lambda: 2048)
     ids = await work.encode(text, param="prompt")                # raises APIError
+    ids_each = await work.encode_prompts(["text", [1, 2, 3]])    # one request's prompts (text or ids)
     ids = await work.chat(message_dicts, add_generation_prompt)
 
 Order, per prompt: (1) the character limit -- a prompt longer than ``max_model_len`` x the longest
 token of the vocabulary cannot fit, so it is refused before a token is made (``checks.check_prompt_chars``);
-(2) a text prompt of at most ``inline_chars`` characters (``INLINE_ENCODE_CHARS``) is encoded on the event
-loop itself: at ~0.4 us a character that is at most ~1.5 ms, while the hop to a worker thread and back waits
-for the GIL behind the loop -- in a burst of 32 prompts of 512 tokens (``bench/compare_vllm.sh``'s workload,
-traced) the hop held prompts 20-35 ms from the engine; (3) anything longer, and every chat template, runs in
-one of ``limits.tokenize_workers`` threads, so the event loop keeps serving other clients; (4) the caller
+(2) a request whose text prompts have at most ``inline_chars`` characters in all (``INLINE_ENCODE_CHARS``)
+is encoded on the event loop itself, while the hop to a worker thread and back waits for the GIL behind the
+loop -- in a burst of 32 prompts of 512 tokens (``bench/compare_vllm.sh``'s workload, traced) the hop held
+prompts 20-35 ms from the engine. The budget is per request, not per prompt (64 prompts of 4,096 characters
+held the loop 0.3-0.5 s, a hostile review found), so one request holds the loop for at most one budget's
+encode: ~1.5 ms of ordinary text at ~0.4 us a character, 5-7 ms of the costliest (4-byte emoji) -- bounded
+by the character count, so no deadline is needed there; (3) a larger request, and every chat template, runs
+in one of ``limits.tokenize_workers`` threads, so the event loop keeps serving other clients; (4) the caller
 waits at most ``--tokenize-timeout``: past it the client gets 503 with
 ``Retry-After`` (the thread finishes on its own -- the character limit bounds it, and a chat template
 stops itself at the same deadline, see ``engine.chat_template``). ``max_model_len`` is a callable
@@ -52,11 +56,23 @@ class PromptWork:
     def check_chars(self, num_chars: int, param: str) -> None:
         check_prompt_chars(num_chars, self._max_model_len(), self.chars_per_token, param)
 
-    async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt",
+                     inline: bool | None = None) -> list[int]:
+        """``inline`` None: on the loop when ``text`` alone fits ``inline_chars``; a caller with several prompts
+        decides for all of them (``encode_prompts``)."""
         self.check_chars(len(text), param)
-        if len(text) <= self.inline_chars:
+        if len(text) <= self.inline_chars if inline is None else inline:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return await self._run(param, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def encode_prompts(self, prompts: list, param: str = "prompt") -> list[list[int]]:
+        """One request's prompts (text, or token ids passed through): every character limit before any
+        tokenizing, then on the loop only if the texts together fit ``inline_chars``."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        for text in texts:
+            self.check_chars(len(text), param)
+        inline = sum(map(len, texts)) <= self.inline_chars
+        return [await self.encode(p, param=param, inline=inline) if isinstance(p, str) else list(p) for p in prompts]
 
     async def chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         self.check_chars(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
