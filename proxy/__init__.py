@@ -26,6 +26,6 @@ connection pools, failure kinds),
 ``upstream`` (one node call and how it failed: unreachable, 5xx, busy 429/503, an error streamed
 before the first token, or the client's fault), ``orchestrate`` (the two phases, retries on another
 node before the first byte, SSE relay that ends a broken stream with an error event), ``metrics``,
-``app`` (FastAPI), ``direct`` (the two POST routes served in front of FastAPI for bodies it would
-accept), ``cli``. What the proxy adds to a request's latency: ``bench/proxy_overhead.py``.
+``app`` (FastAPI, with ``engine.server.direct``: the two POST routes served in front of FastAPI for
+bodies it would accept, as the node does), ``cli``. What the proxy adds to a request's latency: ``bench/proxy_overhead.py``.
 """

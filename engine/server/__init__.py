@@ -1,13 +1,15 @@
 """The node's OpenAI-compatible HTTP server (FastAPI), over ``pdserve.engine.async_engine.AsyncEngine``.
 
 ``pdserve node`` calls ``build_app(engine, api_key=..., limits=...)`` and runs it with uvicorn; the proxy
-reuses ``protocol``, ``checks``, ``limits``, ``prompt_work`` and ``errors``, so both refuse alike.
+reuses ``protocol``, ``checks``, ``limits``, ``prompt_work``, ``direct`` and ``errors``, so both refuse alike.
 
     app.py          build_app: routers, error handlers, per-app metrics registry, Bearer auth, body limits
     protocol.py     pydantic request bodies (OpenAI fields + vLLM extras), every field bounded -> SamplingParams
     checks.py       the checks after parsing (vocabulary, choices, prompt characters and tokens), node and proxy
+    direct.py       DirectRoutes / FrontedApp: the two POST routes served ahead of FastAPI's stack (node and proxy)
     limits.py       BodyLimits: --max-request-bytes and JSON nesting, before the body is parsed
-    prompt_work.py  tokenization and chat templating: character limit, worker threads, --tokenize-timeout
+    prompt_work.py  tokenization and chat templating: character limit, short requests on the event loop, worker
+                    threads, --tokenize-timeout
     errors.py       the one OpenAI error body; validation / bad JSON / bad params -> 400
     common.py       node state, engine calls, usage, SSE
     generation.py   runs prompts x n engine requests; aborts them when the client goes away
