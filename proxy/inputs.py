@@ -11,8 +11,8 @@ the body into the nodes' own pydantic model (so a bad body gets the node's 400 w
 
 ``admit_request`` runs the nodes' checks in the nodes' order: ``checks.check_request`` (unsupported
 fields, vocabulary, choices, SamplingParams ranges), the character limit of each prompt, tokenizing
-(``PromptWork``: a prompt of up to ``INLINE_ENCODE_CHARS`` characters on the event loop, a longer one in a
-worker thread with a deadline), token ids against the vocabulary, and -- once a node has
+(``PromptWork.encode_prompts``: a request's prompts of up to ``INLINE_ENCODE_CHARS`` characters in all on the
+event loop, a larger request's in a worker thread with a deadline), token ids against the vocabulary, and -- once a node has
 told its ``max_model_len`` -- the prompt against it. A request the proxy accepts is one the nodes
 accept; a bad one is refused before any node is called. ``parse_request`` does the same from raw
 bytes (tests, tools).

@@ -77,10 +77,14 @@ class Generation:
         self._engine, self._calls = engine, calls
         self._trackers = {c.request_id: metrics.track(arrival) for c in calls}
         self._finished: set[str] = set()
-        self._submitted: dict[str, asyncio.Queue | Exception] = {}   # request id -> its deltas, or why not
+        self._submitted: dict[str, asyncio.Queue | Exception] | None = None   # id -> its deltas, or why not
 
     def start(self) -> None:
-        """Submit every call to the engine now; a call the engine refuses fails when its pump runs."""
+        """Submit every call to the engine now; a call the engine refuses fails when its pump runs.
+        ``outputs`` starts a generation nobody started (idempotent)."""
+        if self._submitted is not None:
+            return
+        self._submitted = {}
         for call in self._calls:
             try:
                 self._submitted[call.request_id] = self._engine.submit(
@@ -95,6 +99,7 @@ class Generation:
 
     async def outputs(self) -> AsyncIterator[tuple[int, object]]:
         """(choice index, RequestOutput) in arrival order; raises APIError when a request fails."""
+        self.start()
         queue: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(self._pump(call, queue)) for call in self._calls]
         remaining = len(pumps)
@@ -150,9 +155,7 @@ class Generation:
         queue.put_nowait(None)
 
     def _deltas(self, call: EngineCall) -> AsyncIterator:
-        submitted = self._submitted.pop(call.request_id, None)
-        if submitted is None:                      # not started: submit now (generate's own order)
-            return self._engine.generate(call.prompt_ids, call.params, call.request_id, call.kv_transfer_params)
+        submitted = self._submitted.pop(call.request_id)
         if isinstance(submitted, Exception):
             return _raises(submitted)
         return self._engine.stream(call.request_id, submitted)

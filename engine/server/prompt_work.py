@@ -56,14 +56,9 @@ class PromptWork:
     def check_chars(self, num_chars: int, param: str) -> None:
         check_prompt_chars(num_chars, self._max_model_len(), self.chars_per_token, param)
 
-    async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt",
-                     inline: bool | None = None) -> list[int]:
-        """``inline`` None: on the loop when ``text`` alone fits ``inline_chars``; a caller with several prompts
-        decides for all of them (``encode_prompts``)."""
+    async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         self.check_chars(len(text), param)
-        if len(text) <= self.inline_chars if inline is None else inline:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await self._run(param, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return await self._encode(text, add_special_tokens, len(text) <= self.inline_chars, param)
 
     async def encode_prompts(self, prompts: list, param: str = "prompt") -> list[list[int]]:
         """One request's prompts (text, or token ids passed through): every character limit before any
@@ -72,7 +67,12 @@ class PromptWork:
         for text in texts:
             self.check_chars(len(text), param)
         inline = sum(map(len, texts)) <= self.inline_chars
-        return [await self.encode(p, param=param, inline=inline) if isinstance(p, str) else list(p) for p in prompts]
+        return [await self._encode(p, True, inline, param) if isinstance(p, str) else list(p) for p in prompts]
+
+    async def _encode(self, text: str, add_special_tokens: bool, inline: bool, param: str) -> list[int]:
+        if inline:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await self._run(param, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         self.check_chars(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
