@@ -17,9 +17,10 @@
  * floating-point operations whatever else is in the call: keys are visited in units of 32 aligned to
  * absolute positions 0, 32, 64, ... (the online softmax rescales once per unit), a score is reduced over
  * D in a fixed order, and P @ V accumulates keys in position order.  Rows are tiled (up to 32 (row, head)
- * lanes share each unit's K/V while it is in L1), and lanes that take a whole unit go through it four at a
- * time with each K/V vector loaded once into registers for all four (attend_unit_block), only to reuse
- * loads: a lane's arithmetic never reads another lane's.  So a prompt prefilled in one chunk or in ten, on
+ * lanes share each unit's K/V while it is in L1); the AVX-512 build puts two lanes in each 16-float register
+ * (lanes that take a whole unit four at a time, attend_unit_block; two heads of one row, attend_unit_pair),
+ * each K/V vector loaded once for all of them, only to halve the instructions: a lane's arithmetic never
+ * reads another lane's, and it is the AVX2 build's.  So a prompt prefilled in one chunk or in ten, on
  * the prefill node or the decode node, publishes the same KV bytes — what the store's digest check requires
  * (the fused SDPA kernel tiles by the chunk's length and did not).  Built with -ffp-contract=off and no
  * fast-math so the compiler cannot re-associate; every FMA is an explicit intrinsic.
@@ -171,73 +172,179 @@ INLINE void attend_unit(Lane *ln, const void *const krow[UNIT], const void *cons
     PV_CHUNK(1)
 }
 
-/* Register blocking: LB lanes that take every key of a unit (prompt rows below the diagonal: most of a prompt's
- * work) go through it together, each K and V row loaded once into registers for all LB lanes' FMAs instead of
- * once per lane.  Each lane's operations and their order are attend_unit's (an all-ones mask changes no
- * value), so the bits are the same.  The AVX2 build has 16 vector registers, too few for LB > 1: it keeps
- * attend_unit for every lane.  LB 4 measured fastest of 2, 3, 4 and 6 on a Zen 4 EPYC (bench/cpu_attention.py
- * --prefill: a 512-token prompt, 4 q / 2 KV heads of 64, 10.2 -> 7.9 ms a layer for 4 prompts). */
-#ifdef __AVX512VL__
+/* Pairs (the AVX-512 build): one 16-float register holds two lanes' 8-float vectors side by side (the first lane
+ * in the low half), and each K or V row's 8 floats are loaded once, into both halves, for every pair's FMA.  Each
+ * lane's operations and their order are attend_unit's -- an FMA on a register half is the 8-float FMA, exp16 is
+ * exp8 lane by lane, the pair's horizontal sums pair the same values as hsum8x8, a masked move keeps or zeroes
+ * what the 8-float AND does -- so the bits are those of the AVX2 build (tests/test_cpu_attention.py compares
+ * them); a pair only halves the instructions.  Two kinds of pair:
+ *   - a block: LB lanes that take every key of a unit (prompt rows below the diagonal: most of a prompt's work),
+ *     LB / 2 pairs of any lanes of the tile; LB 4 keeps the scores' 16 accumulators, two q pairs and a K row in
+ *     19 of the 32 registers (LB 6 and 8 measured no faster);
+ *   - two heads of one query row (its diagonal unit, a window's first, and every unit of a decode row): the same
+ *     keys and the same mask for both.
+ * On a Sapphire Rapids Xeon (bench/cpu_attention.py --prefill, 4 q / 2 KV heads of 64) a 512-token prompt's layer
+ * went from 2.28 to ~1.8 ms with blocks of pairs.  (The 8-float blocking before it, 4 lanes sharing each load,
+ * took the same prompt from 10.2 to 7.9 ms a layer for 4 prompts on a Zen 4 EPYC.)  The AVX2 build has 16 vector
+ * registers, too few for either: it runs attend_unit for every lane. */
+#ifdef __AVX512F__
 #define LB 4
-#else
-#define LB 1
-#endif
+#define NP (LB / 2)            /* pairs in a block */
 
-/* scores8 for the block's LB lanes: each K row's 8 floats feed LB lanes' FMAs */
-INLINE void scores8_block(Lane *const ls[LB], const void *const krow[GROUP], const Shape *s, __m256 out[LB]) {
-    __m256 a[LB][GROUP];
-    for (int l = 0; l < LB; l++)
-        for (int j = 0; j < GROUP; j++) a[l][j] = _mm256_setzero_ps();
+/* lane a's 8 floats in the low half, lane b's in the high */
+INLINE __m512 pair8(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+
+INLINE __m256 low8(__m512 x) { return _mm512_castps512_ps256(x); }
+INLINE __m256 high8(__m512 x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
+
+/* 8 cache elements -> float32, in both halves (fp32: one broadcast load) */
+INLINE __m512 load8_both(const void *p, int dt) {
+    if (dt == DT_F32) return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)p)));
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load8(p, dt))));
+}
+
+/* _mm256_hadd_ps in each half: the same two values summed for every output */
+INLINE __m512 hadd_pair(__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+}
+
+/* hsum8x8 for both halves: the same tree, then the halves' 128-bit quarters put back in place */
+INLINE __m512 hsum8x8_pair(const __m512 a[GROUP]) {
+    __m512 t0 = hadd_pair(a[0], a[1]), t1 = hadd_pair(a[2], a[3]);
+    __m512 t2 = hadd_pair(a[4], a[5]), t3 = hadd_pair(a[6], a[7]);
+    __m512 u0 = hadd_pair(t0, t1), u1 = hadd_pair(t2, t3);
+    __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),      /* [a lo | b lo | a hi | b hi] */
+                               _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* scores8 for np pairs of lanes (ls[2p], ls[2p + 1]), a pair per register: each K row feeds every pair's FMA */
+INLINE void scores8_pairs(Lane *const *ls, int np, const void *const krow[GROUP], const Shape *s, __m512 out[]) {
+    __m512 a[NP][GROUP];
+    for (int p = 0; p < np; p++)
+        for (int j = 0; j < GROUP; j++) a[p][j] = _mm512_setzero_ps();
     for (int d = 0; d < s->D; d += 8) {
-        __m256 qd[LB];
-        for (int l = 0; l < LB; l++) qd[l] = _mm256_loadu_ps(ls[l]->q + d);
+        __m512 qd[NP];
+        for (int p = 0; p < np; p++)
+            qd[p] = pair8(_mm256_loadu_ps(ls[2 * p]->q + d), _mm256_loadu_ps(ls[2 * p + 1]->q + d));
         size_t off = (size_t)d * s->esize;
         for (int j = 0; j < GROUP; j++) {
-            __m256 kv = load8((const char *)krow[j] + off, s->dt);
-            for (int l = 0; l < LB; l++) a[l][j] = _mm256_fmadd_ps(qd[l], kv, a[l][j]);
+            __m512 kv = load8_both((const char *)krow[j] + off, s->dt);
+            for (int p = 0; p < np; p++) a[p][j] = _mm512_fmadd_ps(qd[p], kv, a[p][j]);
         }
     }
-    for (int l = 0; l < LB; l++) out[l] = _mm256_mul_ps(hsum8x8(a[l]), _mm256_set1_ps(s->scale));
+    for (int p = 0; p < np; p++) out[p] = _mm512_mul_ps(hsum8x8_pair(a[p]), _mm512_set1_ps(s->scale));
 }
 
-/* acc[l][d..d+8*W) += sum_j pj[l][j] v_j[...] for the block's lanes, keys 0..UNIT-1 in order: PV_CHUNK's
- * chains, each V load shared by LB lanes */
-#define PV_BLOCK_CHUNK(W)                                                                                \
+/* unit_softmax's rescale for one lane whose unit maximum is m_new */
+INLINE void lane_rescale(Lane *ln, float m_new, const Shape *s) {
+    if (m_new > ln->m) {
+        float alpha = _mm256_cvtss_f32(exp8(_mm256_set1_ps(ln->m - m_new)));
+        __m256 va = _mm256_set1_ps(alpha);
+        for (int d = 0; d < s->D; d += 8)
+            _mm256_storeu_ps(ln->acc + d, _mm256_mul_ps(_mm256_loadu_ps(ln->acc + d), va));
+        ln->l *= alpha;
+        ln->m = m_new;
+    }
+}
+
+/* unit_softmax for a pair of lanes (sc: groups g0..g1's scores side by side, masked keys at -inf; valid: their
+ * keys): the maximum, the exps and the denominator's sums lane by lane in unit_softmax's order; pa, pb: weights */
+INLINE void unit_softmax_pair(Lane *a, Lane *b, const __m512 sc[NG], const __mmask16 valid[NG], int g0, int g1,
+                              float pa[UNIT], float pb[UNIT], const Shape *s) {
+    __m512 umax = _mm512_set1_ps(-__builtin_inff());
+    for (int gi = g0; gi <= g1; gi++) umax = _mm512_max_ps(umax, sc[gi]);
+    lane_rescale(a, hmax(low8(umax)), s);
+    lane_rescale(b, hmax(high8(umax)), s);
+    __m512 psum = _mm512_setzero_ps(), vm = pair8(_mm256_set1_ps(a->m), _mm256_set1_ps(b->m));
+    for (int gi = g0; gi <= g1; gi++) {
+        __m512 p = _mm512_maskz_mov_ps(valid[gi], exp16(_mm512_sub_ps(sc[gi], vm)));
+        _mm256_storeu_ps(pa + gi * GROUP, low8(p));
+        _mm256_storeu_ps(pb + gi * GROUP, high8(p));
+        psum = _mm512_add_ps(psum, p);
+    }
+    a->l += hsum(low8(psum));
+    b->l += hsum(high8(psum));
+}
+
+/* acc[l][d..d+8*W) += sum_j pj[l][j] v_j[...] for np pairs of lanes, keys J0..J1 in order: PV_CHUNK's chains, a
+ * pair per register, each V load shared by all pairs */
+#define PV_PAIRS_CHUNK(W, NPV, J0, J1)                                                                   \
     for (; d + 8 * (W) <= s->D; d += 8 * (W)) {                                                          \
-        __m256 acc[LB][W];                                                                               \
-        for (int l = 0; l < LB; l++)                                                                     \
-            for (int w = 0; w < (W); w++) acc[l][w] = _mm256_loadu_ps(ls[l]->acc + d + 8 * w);           \
-        for (int j = 0; j < UNIT; j++) {                                                                 \
-            __m256 pb[LB];                                                                               \
-            for (int l = 0; l < LB; l++) pb[l] = _mm256_set1_ps(pj[l][j]);                               \
+        __m512 acc[NP][W];                                                                               \
+        for (int p = 0; p < (NPV); p++)                                                                  \
+            for (int w = 0; w < (W); w++)                                                                \
+                acc[p][w] = pair8(_mm256_loadu_ps(ls[2 * p]->acc + d + 8 * w),                           \
+                                  _mm256_loadu_ps(ls[2 * p + 1]->acc + d + 8 * w));                      \
+        for (int j = (J0); j <= (J1); j++) {                                                             \
+            __m512 pb[NP];                                                                               \
+            for (int p = 0; p < (NPV); p++)                                                              \
+                pb[p] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(pj[2 * p][j]),                       \
+                                             _mm512_set1_ps(pj[2 * p + 1][j]));                          \
             const char *vr = (const char *)vrow[j] + (size_t)d * s->esize;                               \
             for (int w = 0; w < (W); w++) {                                                              \
-                __m256 vv = load8(vr + (size_t)8 * w * s->esize, s->dt);                                 \
-                for (int l = 0; l < LB; l++) acc[l][w] = _mm256_fmadd_ps(pb[l], vv, acc[l][w]);          \
+                __m512 vv = load8_both(vr + (size_t)8 * w * s->esize, s->dt);                            \
+                for (int p = 0; p < (NPV); p++) acc[p][w] = _mm512_fmadd_ps(pb[p], vv, acc[p][w]);       \
             }                                                                                            \
         }                                                                                                \
-        for (int l = 0; l < LB; l++)                                                                     \
-            for (int w = 0; w < (W); w++) _mm256_storeu_ps(ls[l]->acc + d + 8 * w, acc[l][w]);           \
+        for (int p = 0; p < (NPV); p++)                                                                  \
+            for (int w = 0; w < (W); w++) {                                                              \
+                _mm256_storeu_ps(ls[2 * p]->acc + d + 8 * w, low8(acc[p][w]));                           \
+                _mm256_storeu_ps(ls[2 * p + 1]->acc + d + 8 * w, high8(acc[p][w]));                      \
+            }                                                                                            \
     }
 
-/* attend_unit for LB lanes that each take all UNIT keys of the unit: the scores of all of them, then each lane's
- * softmax (an all-ones mask: attend_unit's operations on unmasked keys), then P @ V for all of them */
+/* attend_unit for LB lanes that each take all UNIT keys of the unit: the scores of all of them, each pair's
+ * softmax (attend_unit's operations on unmasked keys), then P @ V */
 INLINE void attend_unit_block(Lane *const ls[LB], const void *const krow[UNIT], const void *const vrow[UNIT],
                               const Shape *s) {
-    __m256 sc[NG][LB], lane_sc[NG], all[NG];
+    __m512 sc[NP][NG], out[NP];
+    __mmask16 all[NG];
     for (int gi = 0; gi < NG; gi++) {
-        scores8_block(ls, krow + gi * GROUP, s, sc[gi]);
-        all[gi] = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        scores8_pairs(ls, NP, krow + gi * GROUP, s, out);
+        for (int p = 0; p < NP; p++) sc[p][gi] = out[p];
+        all[gi] = 0xFFFF;
     }
     float pj[LB][UNIT];
-    for (int l = 0; l < LB; l++) {
-        for (int gi = 0; gi < NG; gi++) lane_sc[gi] = sc[gi][l];
-        unit_softmax(ls[l], lane_sc, all, 0, NG - 1, pj[l], s);
-    }
+    for (int p = 0; p < NP; p++)
+        unit_softmax_pair(ls[2 * p], ls[2 * p + 1], sc[p], all, 0, NG - 1, pj[2 * p], pj[2 * p + 1], s);
     int d = 0;
-    PV_BLOCK_CHUNK(8)
-    PV_BLOCK_CHUNK(1)
+    PV_PAIRS_CHUNK(8, NP, 0, UNIT - 1)
+    PV_PAIRS_CHUNK(1, NP, 0, UNIT - 1)
 }
+
+/* attend_unit for two heads of one query row (the same position and first key: the same keys of the unit) */
+INLINE void attend_unit_pair(Lane *a, Lane *b, const void *const krow[UNIT], const void *const vrow[UNIT], int k0,
+                             const Shape *s) {
+    int first = a->lo > k0 ? a->lo - k0 : 0, last = a->pos - k0 < UNIT - 1 ? a->pos - k0 : UNIT - 1;
+    int g0 = first / GROUP, g1 = last / GROUP;
+    uint32_t keys = (uint32_t)(((uint64_t)1 << (last + 1)) - 1) & ~(uint32_t)(((uint64_t)1 << first) - 1);
+    Lane *ls[2] = {a, b};
+    __m512 sc[NG];
+    __mmask16 valid[NG];
+    for (int gi = g0; gi <= g1; gi++) {
+        uint32_t g = keys >> (gi * GROUP) & 0xFF;
+        valid[gi] = (__mmask16)(g | g << 8);
+        __m512 raw;
+        scores8_pairs(ls, 1, krow + gi * GROUP, s, &raw);
+        sc[gi] = _mm512_mask_blend_ps(valid[gi], _mm512_set1_ps(-__builtin_inff()), raw);
+    }
+    float pj[2][UNIT];
+    unit_softmax_pair(a, b, sc, valid, g0, g1, pj[0], pj[1], s);
+    int d = 0;
+    PV_PAIRS_CHUNK(8, 1, first, last)
+    PV_PAIRS_CHUNK(1, 1, first, last)
+}
+
+/* lanes [i, i + 2) are two heads of one query row: attend_tile's lanes run row by row, G heads a row */
+INLINE int same_row(int i, int n, int G) { return i % G + 1 < G && i + 1 < n; }
+#define HAS_PAIRS 1
+#else
+#define LB 1
+#define HAS_PAIRS 0
+#endif
 
 /* the K and V rows of keys k0 .. min(k0 + UNIT - 1, kmax) (block and offset tracked across calls, no
  * division); prefetch: ask for their cache lines now, they are the next unit's */
@@ -321,13 +428,27 @@ INLINE void attend_tile(const float *q, float *out, const char *kc, const char *
         int nb = 0;
         for (int i = 0; i < n; i++) {
             if (lanes[i].pos < k0 || lanes[i].lo >= k0 + UNIT) continue;
-            if (LB > 1 && lanes[i].lo <= k0 && lanes[i].pos >= k0 + UNIT - 1) {
+#if LB > 1
+            if (lanes[i].lo <= k0 && lanes[i].pos >= k0 + UNIT - 1) {
                 block[nb++] = &lanes[i];
                 if (nb == LB) { attend_unit_block(block, rows[u][0], rows[u][1], s); nb = 0; }
-            } else
-                attend_unit(&lanes[i], rows[u][0], rows[u][1], k0, s);
+                continue;
+            }
+#endif
+#if HAS_PAIRS
+            if (same_row(i, n, G)) {          /* the row's next head: the same keys */
+                attend_unit_pair(&lanes[i], &lanes[i + 1], rows[u][0], rows[u][1], k0, s);
+                i++;
+                continue;
+            }
+#endif
+            attend_unit(&lanes[i], rows[u][0], rows[u][1], k0, s);
         }
-        for (int i = 0; i < nb; i++) attend_unit(block[i], rows[u][0], rows[u][1], k0, s);
+        int i = 0;
+#if HAS_PAIRS
+        for (; i + 1 < nb; i += 2) attend_unit_pair(block[i], block[i + 1], rows[u][0], rows[u][1], k0, s);
+#endif
+        for (; i < nb; i++) attend_unit(block[i], rows[u][0], rows[u][1], k0, s);
     }
     for (int i = 0, r = r0; r < r1; r++)
         for (int h = g * G; h < (g + 1) * G; h++, i++)
@@ -358,9 +479,12 @@ INLINE void attend_row_all_heads(const float *q, float *out, const char *kc, con
                 head_rows[0][j] = (const char *)rows[u][0][j] + g * head_bytes;
                 head_rows[1][j] = (const char *)rows[u][1][j] + g * head_bytes;
             }
-            for (int h = g * G; h < (g + 1) * G; h++)
-                if (lanes[h].lo < k0 + UNIT)
-                    attend_unit(&lanes[h], head_rows[0], head_rows[1], k0, s);
+            if (lanes[g * G].lo >= k0 + UNIT) continue;    /* (all heads of the row: the same keys) */
+            int h = g * G;
+#if HAS_PAIRS
+            for (; h + 1 < (g + 1) * G; h += 2) attend_unit_pair(&lanes[h], &lanes[h + 1], head_rows[0], head_rows[1], k0, s);
+#endif
+            for (; h < (g + 1) * G; h++) attend_unit(&lanes[h], head_rows[0], head_rows[1], k0, s);
         }
     }
     for (int h = 0; h < s->H; h++)
