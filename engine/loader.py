@@ -111,10 +111,10 @@ def load_model(model_dir: str | Path, dtype: str = "auto", *, first_layer: int =
                 model_dir, model.num_layers, first_layer, first_layer + model.num_layers, tp_rank, tp_size,
                 config.dtype)
     start = time.perf_counter()
-    made, nbytes = reorder_linears(model)
+    made, nbytes, panel_bytes = reorder_linears(model)
     if made:
-        logger.info("reordered %d fp32 weights for oneDNN in %.2f s (a second copy: %.0f MiB)", made,
-                    time.perf_counter() - start, nbytes / 2**20)
+        logger.info("reordered %d fp32 weights for oneDNN in %.2f s (a second copy: %.0f MiB; few-row panels, a "
+                    "third: %.0f MiB)", made, time.perf_counter() - start, nbytes / 2**20, panel_bytes / 2**20)
     return model, config
 
 

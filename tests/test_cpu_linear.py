@@ -16,8 +16,12 @@ import torch.nn.functional as F
 
 from pdserve.engine.models import layers
 from pdserve.engine.models.layers import ONEDNN_MIN_ROWS, linear
+from pdserve.kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(not layers._ONEDNN, reason="this torch has no oneDNN linear")
+# what the start-up log names for fp32 CPU matmuls run eagerly: the few-row kernel where this CPU has AVX-512
+FP32_EAGER = ("few-row kernel (1-32 rows, oneDNN's bits), else onednn" if cpu_linear.load() is not None
+              else "onednn (>= 2 rows)")
 
 
 @pytest.mark.parametrize("k,n", [(64, 128), (256, 512), (576, 1536)])
@@ -52,7 +56,11 @@ def test_the_module_s_reordered_weight_gives_the_bits_of_the_weight_as_it_is(k, 
         for start in (0, 1):
             assert torch.equal(mod(x[start:start + m].contiguous()), full[start:start + m]), (m, start)
     assert mod._reordered is not None and mod._reordered[3].is_mkldnn        # the copy, not the weight, was used
-    assert torch.equal(mod(x[:1]), F.linear(x[:1], mod.weight, mod.bias))     # one row: F.linear, as before
+    if mod._reordered[4] is not None and mod.bias is None:    # the few-row kernel (AVX-512): one row too
+        for start in (0, 1, 299):
+            assert torch.equal(mod(x[start:start + 1]), full[start:start + 1]), start
+    else:
+        assert torch.equal(mod(x[:1]), F.linear(x[:1], mod.weight, mod.bias))     # one row: F.linear, as before
 
 
 def test_the_reordered_copy_follows_the_weight():
@@ -148,8 +156,8 @@ def test_it_is_f_linear_to_rounding_with_bias_and_strided_input():
 
 
 def test_fp32_batches_of_enough_rows_take_onednn():
-    g = torch.Generator().manual_seed(4)
-    w, x = torch.randn(512, 256, generator=g), torch.randn(64, 256, generator=g)
+    g = torch.Generator().manual_seed(4)     # K 1100: oneDNN and MKL sum in other blocks (at K 256 MKL's AVX-512
+    w, x = torch.randn(512, 1100, generator=g), torch.randn(64, 1100, generator=g)   # code matched oneDNN's)
     onednn = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     assert not torch.equal(onednn, F.linear(x, w))                 # the two paths round differently here
     assert torch.equal(linear(x, w), onednn)
@@ -210,7 +218,7 @@ def test_the_start_up_log_names_the_attention_backend_and_the_matmul_path(tiny_l
         LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20).engine.shutdown()
         LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory_bytes=4 << 20, attention_backend="torch").engine.shutdown()
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
-    assert "matmuls=onednn (>= 2 rows)" in ready[0] and "attention=" in ready[0]
+    assert f"matmuls={FP32_EAGER}" in ready[0] and "attention=" in ready[0]
     assert ready[1].endswith("attention=torch matmuls=F.linear")
 
 
@@ -227,8 +235,8 @@ def test_the_start_up_log_is_right_for_tensor_parallel_and_compiled_layers(tiny_
         llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20, torch_compile=True)
         llm.engine.shutdown()
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
-    assert ready[0].endswith("attention=torch matmuls=onednn (>= 2 rows)")
-    assert ready[1].endswith("matmuls=inductor in compiled steps, else onednn (>= 2 rows)")
+    assert ready[0].endswith(f"attention=torch matmuls={FP32_EAGER}")
+    assert ready[1].endswith(f"matmuls=inductor in compiled steps, else {FP32_EAGER}")
 
 
 def test_the_loader_makes_the_copies_so_no_request_pays_for_them(tiny_models, caplog):
@@ -272,12 +280,19 @@ def test_the_layers_bench_checks_the_bits_and_times_three_ways(monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     (row,) = bench.measure_layers([16], repeats=1, num_layers=1)
-    ways = ("F.linear", "oneDNN, weight as is", "Linear (reordered once)")
+    ways = ("F.linear", "oneDNN, weight as is", "oneDNN, reordered once", "Linear")
     assert row["rows"] == 16 and all(row[w] > 0 for w in ways)
-    monkeypatch.setattr(layers.Linear, "_onednn_weight",
-                        lambda self: layers.reorder_for_onednn(torch.ones_like(self.weight)))
-    with pytest.raises(AssertionError, match="changed the bits at 16 rows"):
-        bench.measure_layers([16], repeats=1, num_layers=1)
+    real = layers.Linear._copies
+
+    def of_another_weight(self):                  # the module's copies made from another weight
+        copies, ones = real(self), torch.ones_like(self.weight)
+        reordered = layers.reorder_for_onednn(ones)
+        return (*copies[:3], reordered, layers.cpu_linear.prepare(ones, reordered))
+
+    monkeypatch.setattr(layers.Linear, "_copies", of_another_weight)
+    for rows in (16, 64):                         # the few-row kernel's panels (where it runs), oneDNN's copy
+        with pytest.raises(AssertionError, match=f"changed the bits at {rows} rows"):
+            bench.measure_layers([rows], repeats=1, num_layers=1)
 
 
 def test_a_copy_begun_before_a_reload_is_not_kept_after_it(monkeypatch):

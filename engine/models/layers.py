@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import envs
-from pdserve.kernels import cpu_ops
+from pdserve.kernels import cpu_linear, cpu_ops
 
 
 # fp32 matmuls on CPU go to oneDNN from 2 rows: it uses the CPU's widest vectors, where MKL runs its AVX2
@@ -51,6 +51,8 @@ def matmul_path(dtype: torch.dtype, device: str, compiled: bool = False) -> str:
     the layers run torch.compile'd for big steps, where inductor picks the GEMM."""
     eager = f"onednn (>= {ONEDNN_MIN_ROWS} rows)" if _ONEDNN and dtype == torch.float32 and device == "cpu" \
         else "F.linear"
+    if eager.startswith("onednn") and cpu_linear.load() is not None:
+        eager = f"few-row kernel (1-{cpu_linear.MAX_ROWS} rows, oneDNN's bits), else onednn"
     return f"inductor in compiled steps, else {eager}" if compiled else eager
 
 
@@ -72,17 +74,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def reorder_linears(model: nn.Module) -> tuple[int, int]:
-    """Make every ``Linear``'s reordered copy now (the loader calls it once the weights are in place, so no
-    request pays for them: SmolLM2-135M's take 0.3-0.4 s); -> (copies made, their bytes). None made where oneDNN
-    is off or the weights are not fp32 on the CPU."""
-    made = nbytes = 0
+def reorder_linears(model: nn.Module) -> tuple[int, int, int]:
+    """Make every ``Linear``'s reordered copy and few-row panels now (the loader calls it once the weights are
+    in place, so no request pays for them: SmolLM2-135M's take ~1.4 s, ~0.35 s of it the oneDNN reorders);
+    -> (weights done, bytes of oneDNN's copies, bytes of panels). None made where oneDNN is off or the weights
+    are not fp32 on the CPU."""
+    made = nbytes = panel_bytes = 0
     if not _ONEDNN:
-        return made, nbytes
+        return made, nbytes, panel_bytes
     for module in model.modules():
-        if isinstance(module, Linear) and module._onednn_weight() is not None:
+        copies = module._copies() if isinstance(module, Linear) else None
+        if copies is not None:
             made, nbytes = made + 1, nbytes + module.weight.numel() * module.weight.element_size()
-    return made, nbytes
+            panel_bytes += 0 if copies[4] is None else copies[4].panels.numel() * 4
+    return made, nbytes, panel_bytes
 
 
 def reorder_for_onednn(weight: torch.Tensor) -> torch.Tensor:
@@ -128,13 +133,17 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
         self.collective = None          # tensor parallel: all-reduce (row) or all-gather (LM head)
-        self._reordered = None          # (weight, alias of its data, key, oneDNN's copy): _onednn_weight
+        self._reordered = None          # (weight, alias of its data, key, oneDNN's copy, the few-row panels or
+                                        # None): _onednn_weight
         self._generation = 0            # forget_reordered's count: a copy begun before the last forget is stale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out] (after an all-gather: [T, out * tp])
         bias = self.bias if self.collective is None else None
-        if onednn_takes(x, self.weight):
+        panels = self._few_row_panels(x) if bias is None else None
+        if panels is not None:
+            y = cpu_linear.linear(x, panels)
+        elif onednn_takes(x, self.weight):
             reordered = self._onednn_weight()
             weight = self.weight if reordered is None else reordered
             y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -145,8 +154,22 @@ class Linear(nn.Module):
         y = self.collective(y)
         return y if self.bias is None else y + self.bias
 
+    def _few_row_panels(self, x: torch.Tensor) -> cpu_linear.Panels | None:
+        """The weight's panels where ``x`` goes to the few-row kernel (``kernels/cpu_linear.py``): 1 .. MAX_ROWS
+        fp32 CPU rows, run eagerly, with oneDNN on and panels made (with oneDNN's copy, ``_copies``)."""
+        if not (_ONEDNN and x.dim() == 2 and 1 <= x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == torch.float32
+                and x.device.type == "cpu" and not torch.compiler.is_compiling()):
+            return None
+        copies = self._copies()
+        return copies[4] if copies is not None and cpu_linear.takes(x, copies[4]) else None
+
     def _onednn_weight(self) -> torch.Tensor | None:
-        """The weight reordered for oneDNN: made by the loader (or the first call), and again when the weight
+        """The weight reordered for oneDNN (``_copies``), or None."""
+        copies = self._copies()
+        return None if copies is None else copies[3]
+
+    def _copies(self) -> tuple | None:
+        """The weight reordered for oneDNN and its few-row panels: made by the loader (or the first call), and again when the weight
         was replaced, re-pointed, re-strided or written in place since. The key is the weight object, its data
         pointer, strides, shape and version counter; the cache holds an alias of the old data, so freed memory
         cannot come back at the same address and pass for it. Two writes leave no trace in that key --
@@ -154,7 +177,8 @@ class Linear(nn.Module):
         model's ``load_weights`` call ``forget_reordered`` themselves; its generation count is in the key too,
         so a copy another thread began before the forget is not taken afterwards. None (and no copy kept) unless the
         weight is fp32 on the CPU. Threads running one model may both make it: the copies are equal, and the
-        cache is swapped in as one tuple, so no call pairs one weight's key with another's copy."""
+        cache is swapped in as one tuple (oneDNN's copy and the few-row panels together), read once a call, so no
+        call pairs one weight's key with another's copy. -> the cached tuple (``_reordered``)."""
         w = self.weight
         if w.dtype != torch.float32 or w.device.type != "cpu":
             self._reordered = None
@@ -162,9 +186,10 @@ class Linear(nn.Module):
         key = (self._generation, w.data_ptr(), w.stride(), w.shape, -1 if w.is_inference() else w._version)
         cached = self._reordered
         if cached is None or cached[0] is not w or cached[2] != key:
-            cached = (w, w.detach(), key, reorder_for_onednn(w))
+            reordered = reorder_for_onednn(w)
+            cached = (w, w.detach(), key, reordered, cpu_linear.prepare(w, reordered))
             self._reordered = cached
-        return cached[3]
+        return cached
 
     def forget_reordered(self) -> None:
         """Drop the reordered copy: the next call makes it from the weight as it is then. A call that began its

@@ -1,0 +1,92 @@
+"""The few-row fp32 matmul kernel (kernels/cpu_linear.c, AVX-512) against oneDNN: the same bits at every row
+count from 1 to MAX_ROWS, for strided rows, single panels and a panel tail, K in one block or several; the
+layer takes it only where ``prepare`` proved those bits, and stays on oneDNN / F.linear otherwise.
+Mutations caught: a K block that is not oneDNN's (its bits differ, prepare refuses it); rows past MAX_ROWS,
+a bias or a weight whose width is not a multiple of 16 sent to the kernel; a fallback that drops the call."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.models import layers
+from pdserve.kernels import cpu_linear
+
+pytestmark = pytest.mark.skipif(cpu_linear.load() is None or not layers._ONEDNN,
+                                reason="the few-row kernel needs AVX-512 and torch's oneDNN linear")
+
+
+def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """oneDNN's bits for x's rows (one row: the first row of a two-row call; oneDNN takes >= 2)."""
+    rows = torch.cat([x, x]) if x.shape[0] == 1 else x
+    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), w, None, "none", [], "")[:x.shape[0]]
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 256), (512, 256), (960, 576), (576, 1536), (64, 2048), (32, 600)])
+def test_every_row_count_gives_onednn_s_bits(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    made = cpu_linear.prepare(w, layers.reorder_for_onednn(w))
+    assert made is not None and made.k_block in cpu_linear.K_BLOCKS
+    wide = torch.randn(cpu_linear.MAX_ROWS + 3, k + 5, generator=g)
+    for m in range(1, cpu_linear.MAX_ROWS + 1):
+        for x in (wide[:m, :k].contiguous(), wide[3:3 + m, 5:]):         # contiguous, and rows k + 5 apart
+            got = cpu_linear.linear(x, made)
+            assert got is not None and torch.equal(got, onednn(x, w)), (m, x.stride())
+
+
+def test_a_k_block_that_is_not_onednn_s_is_refused(monkeypatch, caplog):
+    w = torch.randn(64, 600, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(cpu_linear, "K_BLOCKS", (100, 64))               # oneDNN blocks K 600 as 512
+    with caplog.at_level(logging.INFO, logger="pdserve.kernels.cpu_linear"):
+        assert cpu_linear.prepare(w, layers.reorder_for_onednn(w)) is None
+    assert "no K block gives oneDNN's bits for a (64, 600) weight" in caplog.text
+
+
+def test_what_the_kernel_does_not_take():
+    g = torch.Generator().manual_seed(2)
+    assert cpu_linear.prepare(torch.randn(40, 64, generator=g), None) is None          # 40 outputs: not 16 x
+    assert cpu_linear.prepare(torch.randn(32, 64, generator=g).double(), None) is None
+    w = torch.randn(32, 64, generator=g)
+    made = cpu_linear.prepare(w, None)                                                 # oneDNN on the plain weight
+    for x in (torch.randn(cpu_linear.MAX_ROWS + 1, 64, generator=g), torch.randn(0, 64), torch.randn(4, 32),
+              torch.randn(4, 128, generator=g)[:, ::2], torch.randn(4, 64).bfloat16(), torch.randn(64)):
+        assert not cpu_linear.takes(x, made) and cpu_linear.linear(x, made) is None, tuple(x.shape)
+    assert not cpu_linear.takes(torch.randn(4, 64), None)
+
+
+def _module(n, k, bias, seed):
+    mod = layers.Linear(k, n, bias, torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        mod.weight.copy_(torch.randn(n, k, generator=g))
+        if bias:
+            mod.bias.copy_(torch.randn(n, generator=g))
+    return mod
+
+
+def test_the_layer_runs_few_rows_through_the_kernel_and_the_rest_as_before(monkeypatch):
+    mod, biased = _module(96, 64, False, 3), _module(96, 64, True, 4)
+    calls = []
+    real = cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda x, made: calls.append(x.shape[0]) or real(x, made))
+    x = torch.randn(cpu_linear.MAX_ROWS + 8, 64, generator=torch.Generator().manual_seed(5))
+    full = mod(x)                                                       # 40 rows: oneDNN
+    for m in (1, 2, 17, cpu_linear.MAX_ROWS):
+        assert torch.equal(mod(x[:m]), full[:m]), m
+    assert calls == [1, 2, 17, cpu_linear.MAX_ROWS]
+    assert torch.equal(biased(x[:1]), F.linear(x[:1], biased.weight, biased.bias))     # a bias: as before
+    assert torch.equal(biased(x[:5]), layers.linear(x[:5], biased.weight, biased.bias))
+    assert calls == [1, 2, 17, cpu_linear.MAX_ROWS]
+
+
+def test_without_panels_the_layer_stays_on_onednn_and_f_linear(monkeypatch):
+    """prepare refusing (another oneDNN's blocks): 2+ rows on oneDNN, one row on F.linear, as before the kernel."""
+    monkeypatch.setattr(cpu_linear, "K_BLOCKS", (100,))
+    mod = _module(96, 600, False, 6)
+    x = torch.randn(8, 600, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(mod(x), onednn(x, mod.weight)) and mod._reordered[4] is None
+    assert torch.equal(mod(x[:1]), F.linear(x[:1], mod.weight))
