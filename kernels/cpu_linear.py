@@ -76,10 +76,12 @@ def _run(x: torch.Tensor, made: Panels, k_block: int) -> torch.Tensor:
     return y
 
 
-def prepare(weight: torch.Tensor, onednn_weight: torch.Tensor | None) -> Panels | None:
+def prepare(weight: torch.Tensor, onednn_weight: torch.Tensor | None,
+            bias: torch.Tensor | None = None) -> Panels | None:
     """``weight`` [N, K] (fp32, CPU) as panels with oneDNN's K block, checked against oneDNN (given its
-    reordered copy, or the weight) on seeded rows; None where the kernel is unavailable, N is not a multiple
-    of 16, or no candidate block gives oneDNN's bits."""
+    reordered copy, or the weight) on seeded rows -- and, given the layer's ``bias``, the kernel's result plus
+    the bias against oneDNN's call with it; None where the kernel is unavailable, N is not a multiple of 16,
+    or no candidate block gives oneDNN's bits."""
     n, k = weight.shape
     if load() is None or n % 16 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
@@ -87,10 +89,12 @@ def prepare(weight: torch.Tensor, onednn_weight: torch.Tensor | None) -> Panels 
     made = Panels(panels, n, k, 0)
     x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(n * 131 + k))
     w = weight if onednn_weight is None else onednn_weight
-    want = {m: torch.ops.mkldnn._linear_pointwise(x[:m], w, None, "none", [], "") for m in CHECK_ROWS}
+    biases = (None,) if bias is None else (None, bias.detach())
+    want = {(m, i): torch.ops.mkldnn._linear_pointwise(x[:m], w, b, "none", [], "")
+            for m in CHECK_ROWS for i, b in enumerate(biases)}
     for k_block in K_BLOCKS:
-        if all(torch.equal(_run(x[:m], made, k_block), want[m]) for m in CHECK_ROWS) \
-                and torch.equal(_run(x[:1], made, k_block), want[2][:1]):
+        if all(torch.equal(_add(_run(x[:m], made, k_block), b), want[m, i]) for m in CHECK_ROWS
+               for i, b in enumerate(biases)) and torch.equal(_run(x[:1], made, k_block), want[2, 0][:1]):
             return made._replace(k_block=k_block)
     log.info("few-row linear kernel: no K block gives oneDNN's bits for a (%d, %d) weight; it stays on oneDNN",
              n, k)
@@ -104,6 +108,11 @@ def takes(x: torch.Tensor, made: Panels | None) -> bool:
             and not x.is_neg() and not x._is_zerotensor())
 
 
-def linear(x: torch.Tensor, made: Panels | None) -> torch.Tensor | None:
-    """x [M, K] W^T -> [M, N], the bits oneDNN gives those rows; None where ``takes`` says no."""
-    return _run(x, made, made.k_block) if takes(x, made) else None
+def _add(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y.add_(bias)
+
+
+def linear(x: torch.Tensor, made: Panels | None, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] W^T (+ bias, added after: the bits of oneDNN's call with it, which ``prepare`` checked for the
+    layer's bias) -> [M, N], the bits oneDNN gives those rows; None where ``takes`` says no."""
+    return _add(_run(x, made, made.k_block), bias) if takes(x, made) else None

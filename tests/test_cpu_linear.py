@@ -56,7 +56,7 @@ def test_the_module_s_reordered_weight_gives_the_bits_of_the_weight_as_it_is(k, 
         for start in (0, 1):
             assert torch.equal(mod(x[start:start + m].contiguous()), full[start:start + m]), (m, start)
     assert mod._reordered is not None and mod._reordered[3].is_mkldnn        # the copy, not the weight, was used
-    if mod._reordered[4] is not None and mod.bias is None:    # the few-row kernel (AVX-512): one row too
+    if mod._reordered[4] is not None:                         # the few-row kernel (AVX-512): one row too
         for start in (0, 1, 299):
             assert torch.equal(mod(x[start:start + 1]), full[start:start + 1]), start
     else:
@@ -196,6 +196,9 @@ def test_a_prompt_leaves_the_same_kv_bytes_however_it_was_chunked(tiny_llama):
         llm.engine.shutdown()
     assert buffers[0].abs().sum() > 0
     assert torch.equal(buffers[0], buffers[1])
+    if cpu_linear.load() is not None:                  # the few-row kernel gives a 1-row chunk oneDNN's bits
+        assert torch.equal(buffers[0], buffers[2])
+        return
     # a 1-row chunk goes to F.linear: that one row may differ in the last bits, every other row is equal
     diff = (buffers[0] != buffers[2]).flatten(3).any(-1)          # [layers, k/v, blocks, block rows]
     assert diff.nonzero()[:, 2:].unique(dim=0).shape[0] <= 1

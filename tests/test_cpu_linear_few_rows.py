@@ -1,8 +1,9 @@
 """The few-row fp32 matmul kernel (kernels/cpu_linear.c, AVX-512) against oneDNN: the same bits at every row
 count from 1 to MAX_ROWS, for strided rows, single panels and a panel tail, K in one block or several; the
 layer takes it only where ``prepare`` proved those bits, and stays on oneDNN / F.linear otherwise.
-Mutations caught: a K block that is not oneDNN's (its bits differ, prepare refuses it); rows past MAX_ROWS,
-a bias or a weight whose width is not a multiple of 16 sent to the kernel; a fallback that drops the call."""
+Mutations caught: a K block that is not oneDNN's (its bits differ, prepare refuses it); rows past MAX_ROWS
+or a weight whose width is not a multiple of 16 sent to the kernel; a bias left out or added before the
+blocks' sums; a fallback that drops the call."""
 
 from __future__ import annotations
 
@@ -72,15 +73,17 @@ def test_the_layer_runs_few_rows_through_the_kernel_and_the_rest_as_before(monke
     mod, biased = _module(96, 64, False, 3), _module(96, 64, True, 4)
     calls = []
     real = cpu_linear.linear
-    monkeypatch.setattr(cpu_linear, "linear", lambda x, made: calls.append(x.shape[0]) or real(x, made))
+    monkeypatch.setattr(cpu_linear, "linear", lambda x, made, b=None: calls.append(x.shape[0]) or real(x, made, b))
     x = torch.randn(cpu_linear.MAX_ROWS + 8, 64, generator=torch.Generator().manual_seed(5))
     full = mod(x)                                                       # 40 rows: oneDNN
     for m in (1, 2, 17, cpu_linear.MAX_ROWS):
         assert torch.equal(mod(x[:m]), full[:m]), m
     assert calls == [1, 2, 17, cpu_linear.MAX_ROWS]
-    assert torch.equal(biased(x[:1]), F.linear(x[:1], biased.weight, biased.bias))     # a bias: as before
-    assert torch.equal(biased(x[:5]), layers.linear(x[:5], biased.weight, biased.bias))
-    assert calls == [1, 2, 17, cpu_linear.MAX_ROWS]
+    full = biased(x)                                                    # a bias (qwen2's q/k/v): added after,
+    for m in (1, 3):                                                    # oneDNN's bits with it
+        assert torch.equal(biased(x[:m]), full[:m]) and torch.equal(full[:m], layers.linear(x[:m].repeat(2, 1),
+                                                                    biased.weight, biased.bias)[:m]), m
+    assert calls == [1, 2, 17, cpu_linear.MAX_ROWS, 1, 3]
 
 
 def test_without_panels_the_layer_stays_on_onednn_and_f_linear(monkeypatch):

@@ -140,9 +140,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out] (after an all-gather: [T, out * tp])
         bias = self.bias if self.collective is None else None
-        panels = self._few_row_panels(x) if bias is None else None
+        panels = self._few_row_panels(x)
         if panels is not None:
-            y = cpu_linear.linear(x, panels)
+            y = cpu_linear.linear(x, panels, bias)
         elif onednn_takes(x, self.weight):
             reordered = self._onednn_weight()
             weight = self.weight if reordered is None else reordered
@@ -187,7 +187,7 @@ class Linear(nn.Module):
         cached = self._reordered
         if cached is None or cached[0] is not w or cached[2] != key:
             reordered = reorder_for_onednn(w)
-            cached = (w, w.detach(), key, reordered, cpu_linear.prepare(w, reordered))
+            cached = (w, w.detach(), key, reordered, cpu_linear.prepare(w, reordered, self.bias))
             self._reordered = cached
         return cached
 
