@@ -93,3 +93,29 @@ def test_without_panels_the_layer_stays_on_onednn_and_f_linear(monkeypatch):
     x = torch.randn(8, 600, generator=torch.Generator().manual_seed(7))
     assert torch.equal(mod(x), onednn(x, mod.weight)) and mod._reordered[4] is None
     assert torch.equal(mod(x[:1]), F.linear(x[:1], mod.weight))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_request_s_tokens_and_logprobs_do_not_depend_on_its_batch(tiny_models, arch):
+    """Greedy tokens and logprobs of each request alone equal its own in batches of 2, 5 and 12 -- decode steps
+    of 1 row and of several, qwen2's biased q/k/v included (a review's reproduction: every qwen2 request
+    differed before biased layers took the kernel)."""
+    import random
+
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_models[arch]), dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_seqs=16)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(3, 30))] for _ in range(12)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
+
+    def key(out):
+        return tuple(out.token_ids), repr(out.logprobs)
+
+    try:
+        alone = [key(llm.generate([p], params)[0]) for p in prompts[:4]]
+        for size in (2, 5, 12):
+            assert [key(o) for o in llm.generate(prompts[:size], params)[:4]] == alone[:min(size, 4)], size
+    finally:
+        llm.shutdown()
