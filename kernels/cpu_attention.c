@@ -37,8 +37,10 @@
  * gaps), and the next work item's first units are asked for before an item starts (they were cold misses):
  * bench/cpu_kv_memory.py on a Zen 4 EPYC, 1.50-1.63 -> 1.25-1.31 ms a layer (12 -> 14 GB/s).  A cache that
  * sits in L3 pays for the extra prefetch instructions: its "hot" figure went 0.52 -> 0.63 ms (asking for units
- * 3-4 only: DRAM 1.45, hot 0.55-0.56; a decode step's cache is DRAM-sized).  None of this changes any
- * arithmetic: the bits are the same.
+ * 3-4 only: DRAM 1.45, hot 0.55-0.56; a decode step's cache is DRAM-sized).  On a Sapphire Rapids Xeon the
+ * extra requests cost more than they bring: asking for unit 2 only (AHEAD 2), DRAM 1.76-1.95 -> 1.44-1.55 ms
+ * and hot 0.69-0.71 -> 0.53-0.54, so Intel builds take AHEAD 2.  None of this changes any arithmetic: the bits
+ * are the same.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -52,7 +54,10 @@ enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2 };
 #define GROUP 8        /* keys per score vector: one AVX register */
 #define UNIT 32        /* keys per online-softmax step (4 groups), aligned to absolute positions */
 #define NG (UNIT / GROUP)
-#define AHEAD 4        /* a decode row asks for the units 2 .. AHEAD ahead of the one it reads */
+#ifndef AHEAD          /* a decode row asks for the units 2 .. AHEAD ahead of the one it reads (the build sets it
+                        * per CPU vendor: kernels/cpu_attention.py, PREFETCH_AHEAD) */
+#define AHEAD 4
+#endif
 
 /* lane j of the result = sum of a[j]'s 8 lanes, in a fixed order */
 INLINE __m256 hsum8x8(const __m256 a[8]) {

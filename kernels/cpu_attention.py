@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from pdserve.kernels import cpu_ops
-from pdserve.kernels.cpu_build import CPU_FLAGS, build, cpu_flags, unsupported
+from pdserve.kernels.cpu_build import CPU_FLAGS, build, cpu_flags, cpu_vendor, unsupported
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.kernels.reference import write_to_cache
 
@@ -46,6 +46,18 @@ ISAS = {"avx512vl": (["-mavx512f", "-mavx512vl"], CPU_FLAGS + ("avx512f", "avx51
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ERRORS = {1: "shape (head size and block size must be multiples of 8, query heads a multiple of KV heads)",
            2: "out of memory"}
+
+
+# units a decode row's prefetch runs ahead, by CPU vendor (bench/cpu_kv_memory.py; prefetches change no bits):
+# 2..4 on a Zen 4 EPYC (1.50-1.63 -> 1.25-1.31 ms a layer), unit 2 only on a Sapphire Rapids Xeon (1.76-1.95 ->
+# 1.44-1.55 ms: the extra requests cost more than they bring there)
+PREFETCH_AHEAD = {"GenuineIntel": 2}
+DEFAULT_AHEAD = 4
+
+
+def prefetch_flags() -> list[str]:
+    """The build's -DAHEAD for this machine's CPU vendor (/proc/cpuinfo), DEFAULT_AHEAD where unknown."""
+    return [f"-DAHEAD={PREFETCH_AHEAD.get(cpu_vendor(), DEFAULT_AHEAD)}"]
 
 
 @functools.cache
@@ -60,7 +72,7 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         reason = unsupported(flags, ISAS[name][1])
         if reason is None:
             try:
-                return _bind(ctypes.CDLL(str(build(SOURCE, "pd_paged_attention", ISAS[name][0]))))
+                return _bind(ctypes.CDLL(str(build(SOURCE, "pd_paged_attention", ISAS[name][0] + prefetch_flags()))))
             except (OSError, subprocess.SubprocessError) as e:
                 stderr = getattr(e, "stderr", None)
                 reason = f"build failed: {e}" + (f": {stderr.decode(errors='replace')[-500:]}" if stderr else "")

@@ -38,6 +38,15 @@ def cpu_flags() -> set[str] | None:
         return None
 
 
+def cpu_vendor() -> str | None:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or None."""
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("vendor_id")).split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        return None
+
+
 def unsupported(flags: set[str] | None, needs: tuple[str, ...]) -> str | None:
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"machine is {platform.machine()}, not x86_64"
