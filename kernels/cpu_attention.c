@@ -135,14 +135,9 @@ INLINE __m256 mask8(int first, int last) {
                                                 _mm256_cmpgt_epi32(_mm256_set1_epi32(last + 1), idx)));
 }
 
-/* a lane's online softmax over one unit: groups g0..g1's scores sc (masked keys at -inf, valid: their lanes),
- * one max and one rescale for the unit, then pj = exp(score - max) (0 where masked) and the denominator */
-INLINE void unit_softmax(Lane *ln, const __m256 sc[NG], const __m256 valid[NG], int g0, int g1, float pj[UNIT],
-                         const Shape *s) {
-    __m256 umax = _mm256_set1_ps(-__builtin_inff());
-    for (int gi = g0; gi <= g1; gi++) umax = _mm256_max_ps(umax, sc[gi]);
-    float m_new = hmax(umax);
-    if (m_new > ln->m) {                      /* new running max: rescale what was accumulated */
+/* a lane whose unit maximum is m_new: a new running max rescales what was accumulated */
+INLINE void lane_rescale(Lane *ln, float m_new, const Shape *s) {
+    if (m_new > ln->m) {
         float alpha = _mm256_cvtss_f32(exp8(_mm256_set1_ps(ln->m - m_new)));
         __m256 va = _mm256_set1_ps(alpha);
         for (int d = 0; d < s->D; d += 8)
@@ -150,6 +145,15 @@ INLINE void unit_softmax(Lane *ln, const __m256 sc[NG], const __m256 valid[NG], 
         ln->l *= alpha;
         ln->m = m_new;
     }
+}
+
+/* a lane's online softmax over one unit: groups g0..g1's scores sc (masked keys at -inf, valid: their lanes),
+ * one max and one rescale for the unit, then pj = exp(score - max) (0 where masked) and the denominator */
+INLINE void unit_softmax(Lane *ln, const __m256 sc[NG], const __m256 valid[NG], int g0, int g1, float pj[UNIT],
+                         const Shape *s) {
+    __m256 umax = _mm256_set1_ps(-__builtin_inff());
+    for (int gi = g0; gi <= g1; gi++) umax = _mm256_max_ps(umax, sc[gi]);
+    lane_rescale(ln, hmax(umax), s);
     __m256 psum = _mm256_setzero_ps(), vm = _mm256_set1_ps(ln->m);
     for (int gi = g0; gi <= g1; gi++) {
         __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sc[gi], vm)), valid[gi]);
@@ -241,18 +245,6 @@ INLINE void scores8_pairs(Lane *const *ls, int np, const void *const krow[GROUP]
         }
     }
     for (int p = 0; p < np; p++) out[p] = _mm512_mul_ps(hsum8x8_pair(a[p]), _mm512_set1_ps(s->scale));
-}
-
-/* unit_softmax's rescale for one lane whose unit maximum is m_new */
-INLINE void lane_rescale(Lane *ln, float m_new, const Shape *s) {
-    if (m_new > ln->m) {
-        float alpha = _mm256_cvtss_f32(exp8(_mm256_set1_ps(ln->m - m_new)));
-        __m256 va = _mm256_set1_ps(alpha);
-        for (int d = 0; d < s->D; d += 8)
-            _mm256_storeu_ps(ln->acc + d, _mm256_mul_ps(_mm256_loadu_ps(ln->acc + d), va));
-        ln->l *= alpha;
-        ln->m = m_new;
-    }
 }
 
 /* unit_softmax for a pair of lanes (sc: groups g0..g1's scores side by side, masked keys at -inf; valid: their
