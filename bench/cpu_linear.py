@@ -82,7 +82,7 @@ def measure_layers(rows: list[int], repeats: int, num_layers: int = 30) -> list[
         for mods in layers:
             for mod in mods:
                 x = xs[mod.in_size]
-                if m < ONEDNN_MIN_ROWS and mod._few_row_panels(x) is None:
+                if m < ONEDNN_MIN_ROWS and mod._few_rows(x, None) is None:
                     continue                                   # one row on F.linear: MKL's bits, not oneDNN's
                 want = linear(torch.cat([x, x]), mod.weight)[:m]          # oneDNN's bits, for one row too
                 if not torch.equal(ways["Linear"](mod, x), want):

@@ -140,28 +140,27 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out] (after an all-gather: [T, out * tp])
         bias = self.bias if self.collective is None else None
-        panels = self._few_row_panels(x)
-        if panels is not None:
-            y = cpu_linear.linear(x, panels, bias)
-        elif onednn_takes(x, self.weight):
+        y = self._few_rows(x, bias)
+        if y is None and onednn_takes(x, self.weight):
             reordered = self._onednn_weight()
             weight = self.weight if reordered is None else reordered
             y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        else:
+        elif y is None:
             y = F.linear(x, self.weight, bias)
         if self.collective is None:
             return y
         y = self.collective(y)
         return y if self.bias is None else y + self.bias
 
-    def _few_row_panels(self, x: torch.Tensor) -> cpu_linear.Panels | None:
-        """The weight's panels where ``x`` goes to the few-row kernel (``kernels/cpu_linear.py``): 1 .. MAX_ROWS
-        fp32 CPU rows, run eagerly, with oneDNN on and panels made (with oneDNN's copy, ``_copies``)."""
-        if not (_ONEDNN and x.dim() == 2 and 1 <= x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == torch.float32
-                and x.device.type == "cpu" and not torch.compiler.is_compiling()):
+    def _few_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x W^T (+ bias) through the few-row kernel (``kernels/cpu_linear.py``), or None where it does not run:
+        not fp32 on the CPU, compiled, oneDNN off, more than MAX_ROWS rows, or no panels (``_copies``); the
+        kernel's ``takes`` checks the rest."""
+        if not (_ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+                and x.shape[0] <= cpu_linear.MAX_ROWS and not torch.compiler.is_compiling()):
             return None
         copies = self._copies()
-        return copies[4] if copies is not None and cpu_linear.takes(x, copies[4]) else None
+        return None if copies is None else cpu_linear.linear(x, copies[4], bias)
 
     def _onednn_weight(self) -> torch.Tensor | None:
         """The weight reordered for oneDNN (``_copies``), or None."""
