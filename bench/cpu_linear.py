@@ -12,7 +12,7 @@ below ``ONEDNN_MIN_ROWS`` go to F.linear in both columns: their ratio is ~1 by c
 gate_up, down; 424 MB of fp32 weights, so they stream from DRAM as in serving) at each row count, four
 ways in turn -- F.linear, oneDNN given the weight as it is (reordered inside every call), oneDNN given the
 copy ``Linear`` reordered once, and ``Linear`` itself (the few-row kernel, ``kernels/cpu_linear.py``, at
-1-32 rows where the CPU has AVX-512; else that copy) -- each the best of --repeats passes, in ms. Before
+1-32 rows where the CPU has AVX2; else that copy) -- each the best of --repeats passes, in ms. Before
 timing, every layer's ``Linear`` output is checked bit for bit against oneDNN's with the weight as it is
 (for one row: the first row of a two-row call).
 """

@@ -9,6 +9,7 @@
 | PDSERVE_COMPILE       | 1: torch.compile on CPU (default of --torch-compile) | 0                      |
 | PDSERVE_ENGINE_CORE_PROCESS | 0: `pdserve node` runs its engine core in the HTTP process (the tests set it) | 1 |
 | PDSERVE_CPU_LINEAR    | fp32 CPU matmuls: onednn, or torch (F.linear: MKL) | onednn where torch has it |
+| PDSERVE_CPU_ISA       | the C kernels' widest build: avx512vl (where the CPU has it), or avx2 (same bits) | avx512vl |
 | PDSERVE_HOST_MEMORY   | tuned: freed memory stays mapped, KV cache on huge pages; default: the platform's (engine/host_memory.py) | tuned |
 """
 
@@ -59,6 +60,7 @@ PDSERVE_NUM_THREADS = _int("PDSERVE_NUM_THREADS", 1, 1)
 PDSERVE_LOG_LEVEL = _level("PDSERVE_LOG_LEVEL", "INFO")
 PDSERVE_ENGINE_CORE_PROCESS = _bool("PDSERVE_ENGINE_CORE_PROCESS", True)   # default of --engine-core-process
 PDSERVE_COMPILE = _bool("PDSERVE_COMPILE", False)        # default of ExecutionConfig.torch_compile
+PDSERVE_CPU_ISA = _choice("PDSERVE_CPU_ISA", "avx512vl", ("avx512vl", "avx2"))   # kernels/cpu_build.isa_order
 PDSERVE_HOST_MEMORY = _choice("PDSERVE_HOST_MEMORY", "tuned", ("tuned", "default"))   # engine/host_memory.py
 PDSERVE_CPU_LINEAR = _choice("PDSERVE_CPU_LINEAR", "onednn", ("onednn", "torch"))   # engine/models/layers.py
 PDSERVE_FAULTS = os.environ.get("PDSERVE_FAULTS", "")     # parsed and checked by engine/parallel/faults.py

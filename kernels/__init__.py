@@ -10,7 +10,7 @@ publisher and loader move chunks with ``transfer.py`` (torch) / ``triton_transfe
 ``cpu_build.py`` compiles the C sources; ``cpu_ops.py`` (``cpu_ops.c``) holds the model's rotary
 embedding, RMSNorm and SiLU-and-mul on CPU float32, called by ``engine.models.rope`` and
 ``engine.models.layers``, and the float32 K/V write the C attention path starts with; ``cpu_linear.py``
-(``cpu_linear.c``, AVX-512) the few-row fp32 matmuls of decode steps, with oneDNN's bits, called by
+(``cpu_linear.c``, AVX-512 or AVX2) the few-row fp32 matmuls of decode steps, with oneDNN's bits, called by
 ``engine.models.layers.Linear``. Each Triton
 kernel is tested against its torch reference under ``TRITON_INTERPRET=1``.
 """

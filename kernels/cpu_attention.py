@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from pdserve.kernels import cpu_ops
-from pdserve.kernels.cpu_build import CPU_FLAGS, build, cpu_flags, cpu_vendor, unsupported
+from pdserve.kernels.cpu_build import CPU_FLAGS, build, cpu_flags, cpu_vendor, isa_order, unsupported
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.kernels.reference import write_to_cache
 
@@ -63,10 +63,9 @@ def prefetch_flags() -> list[str]:
 @functools.cache
 def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library (``isa``: a key of ISAS; None: the best build this CPU runs and this compiler
-    builds, avx2 if the other fails), or None (with the reasons logged) where none can be built here."""
+    builds, capped by ``PDSERVE_CPU_ISA``, avx2 if the other fails), or None (with the reasons logged) where none can be built here."""
     flags = cpu_flags()
-    names = [isa] if isa else [name for name, (_, needs) in ISAS.items()
-                               if name == "avx2" or (flags and set(needs) <= flags)]
+    names = [isa] if isa else isa_order(ISAS)
     reasons = []
     for name in names:
         reason = unsupported(flags, ISAS[name][1])

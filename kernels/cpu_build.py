@@ -47,6 +47,15 @@ def cpu_vendor() -> str | None:
         return None
 
 
+def isa_order(isas: dict[str, tuple]) -> list[str]:
+    """The builds of ``isas`` (name -> (cc flags, CPU flags needed), best first, ending in "avx2") to try on this
+    machine: those its CPU has, from ``PDSERVE_CPU_ISA`` down ("avx2": the AVX2 builds only, on any CPU; the
+    builds give the same bits, so this is for mixed fleets and tests)."""
+    flags, names = cpu_flags(), list(isas)
+    names = names[names.index(envs.PDSERVE_CPU_ISA):] if envs.PDSERVE_CPU_ISA in names else names
+    return [name for name in names if name == "avx2" or (flags and set(isas[name][1]) <= flags)]
+
+
 def unsupported(flags: set[str] | None, needs: tuple[str, ...]) -> str | None:
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"machine is {platform.machine()}, not x86_64"

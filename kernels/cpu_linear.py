@@ -1,20 +1,22 @@
-"""Few-row fp32 matmuls on AVX-512 CPUs: ``cpu_linear.c`` built like the attention kernel, for decode steps.
+"""Few-row fp32 matmuls: ``cpu_linear.c`` built like the attention kernel (AVX-512, else AVX2), for decode steps.
 
     made = prepare(weight, onednn_weight)    # the loader, once per Linear: panels + oneDNN's K block, or None
     y = linear(x, made)                      # engine/models/layers.Linear: 1 .. MAX_ROWS rows, else None
 
 A decode step multiplies a few rows by every weight, so it runs at the speed the weights stream from
-memory; oneDNN's fp32 kernels read them at 5-8 GB/s there. This kernel holds each 16 outputs' weights as one
-contiguous panel and streams them once: on a Sapphire Rapids Xeon, SmolLM2-135M's layer matmuls at 16 rows
-with the weights in DRAM took 28% less time (bench/cpu_linear.py --layers).
+memory; oneDNN's fp32 kernels read them at 5-8 GB/s there. This kernel holds each 16 (AVX2: 8) outputs'
+weights as one contiguous panel and streams them once: on a Sapphire Rapids Xeon, SmolLM2-135M's layer matmuls
+at 16 rows with the weights in DRAM took 28% less time (bench/cpu_linear.py --layers). Any width N: the last
+panel is padded with zeros and its missing outputs are never stored (a 32,001- or 49,152-token LM head).
 
 Bits: each output is the sum oneDNN computes (K in blocks, a block one FMA chain in order, the blocks added
 in order). The block size is oneDNN's choice, so ``prepare`` finds it: for each candidate it compares this
 kernel with oneDNN on the layer's own weight at several row counts and keeps the first that gives oneDNN's
 bits at every one; where none does (another oneDNN, another CPU), it returns None and the layer stays on
 oneDNN. So a row's bits are the same whichever path ran it and however many rows shared the step -- one row
-included, which oneDNN itself does not take (``layers.ONEDNN_MIN_ROWS``). Where the CPU lacks AVX-512 or the
-build fails, ``load`` returns None (logged once) and nothing changes.
+included, which oneDNN itself does not take (``layers.ONEDNN_MIN_ROWS``). The two builds give the same bits
+(the vectors run across outputs, not along the sum); ``PDSERVE_CPU_ISA=avx2`` makes an AVX-512 CPU run the
+AVX2 build. Where the CPU lacks AVX2 or the build fails, ``load`` returns None (logged once) and nothing changes.
 
 The panels are a copy of the weight (beside oneDNN's reordered copy and the original). Thread safety: the
 kernel keeps no state; ``prepare``'s result is immutable.
@@ -35,58 +37,76 @@ from pdserve.kernels import cpu_build
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_linear.c")
-ISA = (["-mavx512f", "-mavx512vl"], cpu_build.CPU_FLAGS + ("avx512f", "avx512vl"))
+ISAS = {"avx512vl": (["-mavx512f", "-mavx512vl"], cpu_build.CPU_FLAGS + ("avx512f", "avx512vl")),  # best first
+        "avx2": ([], cpu_build.CPU_FLAGS)}                                                            # same bits
 MAX_ROWS = 32                          # above this oneDNN is as fast (bench/cpu_linear.py --layers)
 K_BLOCKS = (512, 1024, 256, 2048)      # oneDNN's fp32 K blocks seen: 512 for K <= 1024, 1024 above
 CHECK_ROWS = (2, 3, 8, 17, MAX_ROWS)   # row counts prepare compares at (1 row: the 2-row call's first row)
 
 
 class Panels(NamedTuple):
-    """A weight [N, K] as panels [N / 16, K, 16] and the K block that gives oneDNN's bits."""
+    """A weight [N, K] as panels [ceil(N / width), K, width] for the ``isa`` build (the last panel padded with
+    zeros) and the K block that gives oneDNN's bits."""
     panels: torch.Tensor
     n: int
     k: int
     k_block: int
+    isa: str
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled library, or None (reason logged once) where this CPU or compiler cannot run it."""
-    reason = cpu_build.unsupported(cpu_build.cpu_flags(), ISA[1])
-    if reason is None:
-        try:
-            lib = ctypes.CDLL(str(cpu_build.build(SOURCE, "pd_skinny_linear", ISA[0])))
-        except (OSError, subprocess.SubprocessError) as e:
-            reason = f"build failed: {e}"
-        else:
-            p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-            lib.pd_skinny_linear.argtypes = [p, i64, p, p, i32, i32, i32, i32]
-            lib.pd_skinny_linear.restype = i32
-            return lib
-    log.info("few-row linear kernel unavailable (%s); decode-step matmuls stay on oneDNN", reason)
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled library (``isa``: a key of ISAS; None: the best build this CPU runs, capped by
+    ``PDSERVE_CPU_ISA``), or None (reasons logged once) where this CPU or compiler runs none."""
+    flags, reasons = cpu_build.cpu_flags(), []
+    for name in [isa] if isa else cpu_build.isa_order(ISAS):
+        reason = cpu_build.unsupported(flags, ISAS[name][1])
+        if reason is None:
+            try:
+                lib = ctypes.CDLL(str(cpu_build.build(SOURCE, "pd_skinny_linear", ISAS[name][0])))
+            except (OSError, subprocess.SubprocessError) as e:
+                reason = f"build failed: {e}"
+            else:
+                p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+                lib.pd_skinny_linear.argtypes = [p, i64, p, p, i32, i32, i32, i32]
+                lib.pd_skinny_linear.restype = i32
+                lib.pd_skinny_width.restype = i32
+                lib.isa = name
+                return lib
+        reasons.append(f"{name}: {reason}")
+    log.info("few-row linear kernel unavailable (%s); decode-step matmuls stay on oneDNN", "; ".join(reasons))
     return None
 
 
 def _run(x: torch.Tensor, made: Panels, k_block: int) -> torch.Tensor:
     y = torch.empty((x.shape[0], made.n), dtype=torch.float32)
-    rc = load().pd_skinny_linear(x.data_ptr(), x.stride(0) if x.shape[0] > 1 else made.k, made.panels.data_ptr(),
+    rc = load(made.isa).pd_skinny_linear(x.data_ptr(), x.stride(0) if x.shape[0] > 1 else made.k, made.panels.data_ptr(),
                                  y.data_ptr(), x.shape[0], made.n, made.k, k_block)
     if rc:
         raise RuntimeError(f"cpu few-row linear kernel failed on x {tuple(x.shape)}, weight ({made.n}, {made.k})")
     return y
 
 
-def prepare(weight: torch.Tensor, onednn_weight: torch.Tensor | None,
-            bias: torch.Tensor | None = None) -> Panels | None:
-    """``weight`` [N, K] (fp32, CPU) as panels with oneDNN's K block, checked against oneDNN (given its
-    reordered copy, or the weight) on seeded rows -- and, given the layer's ``bias``, the kernel's result plus
-    the bias against oneDNN's call with it; None where the kernel is unavailable, N is not a multiple of 16,
-    or no candidate block gives oneDNN's bits."""
+def make_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N / width), K, width]: each ``width`` outputs' weights contiguous, k-major; the last
+    panel's missing outputs zeros."""
     n, k = weight.shape
-    if load() is None or n % 16 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    padded = torch.zeros((-(-n // width) * width, k), dtype=weight.dtype)
+    padded[:n] = weight.detach()
+    return padded.reshape(-1, width, k).transpose(1, 2).contiguous()
+
+
+def prepare(weight: torch.Tensor, onednn_weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+            isa: str | None = None) -> Panels | None:
+    """``weight`` [N, K] (fp32, CPU) as panels for the ``isa`` build (None: ``load()``'s) with oneDNN's K block,
+    checked against oneDNN (given its reordered copy, or the weight) on seeded rows -- and, given the layer's
+    ``bias``, the kernel's result plus the bias against oneDNN's call with it; None where the kernel is
+    unavailable or no candidate block gives oneDNN's bits."""
+    lib = load(isa)
+    if lib is None or weight.dim() != 2 or weight.numel() == 0 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
-    panels = weight.detach().reshape(n // 16, 16, k).transpose(1, 2).contiguous()
-    made = Panels(panels, n, k, 0)
+    n, k = weight.shape
+    made = Panels(make_panels(weight, lib.pd_skinny_width()), n, k, 0, lib.isa)
     x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(n * 131 + k))
     w = weight if onednn_weight is None else onednn_weight
     biases = (None,) if bias is None else (None, bias.detach())

@@ -1,9 +1,11 @@
-"""The few-row fp32 matmul kernel (kernels/cpu_linear.c, AVX-512) against oneDNN: the same bits at every row
-count from 1 to MAX_ROWS, for strided rows, single panels and a panel tail, K in one block or several; the
-layer takes it only where ``prepare`` proved those bits, and stays on oneDNN / F.linear otherwise.
+"""The few-row fp32 matmul kernel (kernels/cpu_linear.c, its AVX-512 and AVX2 builds) against oneDNN: the same
+bits at every row count from 1 to MAX_ROWS, for strided rows, single panels, a pair tail and widths that are
+no multiple of the panel (the last panel's outputs masked), K in one block or several; the layer takes it only
+where ``prepare`` proved those bits, and stays on oneDNN / F.linear otherwise. An emulated AVX2-only node
+(oneDNN capped at AVX2, the kernel's AVX2 build) keeps a request's bits independent of its batch too.
 Mutations caught: a K block that is not oneDNN's (its bits differ, prepare refuses it); rows past MAX_ROWS
-or a weight whose width is not a multiple of 16 sent to the kernel; a bias left out or added before the
-blocks' sums; a fallback that drops the call."""
+sent to the kernel; a masked tail that stores past N or drops its last outputs; a bias left out or added
+before the blocks' sums; a fallback that drops the call."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from pdserve.engine.models import layers
 from pdserve.kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(cpu_linear.load() is None or not layers._ONEDNN,
-                                reason="the few-row kernel needs AVX-512 and torch's oneDNN linear")
+                                reason="the few-row kernel needs AVX2 and torch's oneDNN linear")
+ISAS = [isa for isa in cpu_linear.ISAS if cpu_linear.load(isa) is not None]      # the builds this CPU runs
 
 
 def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -26,17 +29,53 @@ def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), w, None, "none", [], "")[:x.shape[0]]
 
 
-@pytest.mark.parametrize("n,k", [(16, 64), (48, 256), (512, 256), (960, 576), (576, 1536), (64, 2048), (32, 600)])
-def test_every_row_count_gives_onednn_s_bits(n, k):
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 256), (512, 256), (960, 576), (576, 1536), (64, 2048), (32, 600),
+                                 (2, 64), (7, 64), (40, 256), (17, 600), (1001, 64)])
+def test_every_row_count_gives_onednn_s_bits(n, k, isa):
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g)
-    made = cpu_linear.prepare(w, layers.reorder_for_onednn(w))
-    assert made is not None and made.k_block in cpu_linear.K_BLOCKS
+    made = cpu_linear.prepare(w, layers.reorder_for_onednn(w), isa=isa)
+    width = cpu_linear.load(isa).pd_skinny_width()
+    assert made is not None and made.k_block in cpu_linear.K_BLOCKS and made.isa == isa
+    assert made.panels.shape == (-(-n // width), k, width)
     wide = torch.randn(cpu_linear.MAX_ROWS + 3, k + 5, generator=g)
     for m in range(1, cpu_linear.MAX_ROWS + 1):
         for x in (wide[:m, :k].contiguous(), wide[3:3 + m, 5:]):         # contiguous, and rows k + 5 apart
             got = cpu_linear.linear(x, made)
             assert got is not None and torch.equal(got, onednn(x, w)), (m, x.stride())
+
+
+@pytest.mark.parametrize("n", [3, 16, 33, 32001])
+def test_a_masked_tail_writes_only_its_outputs(n):
+    """The last panel's padding lanes are never stored: the kernel writes into a buffer with guard words on both
+    sides, row by row N apart, and every guard keeps its value."""
+    k, rows = 64, 5
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    for isa in ISAS:
+        made = cpu_linear.prepare(w, None, isa=isa)
+        buf = torch.full((rows * n + 64,), 7.0)
+        y = buf[32:32 + rows * n]
+        rc = cpu_linear.load(isa).pd_skinny_linear(x.data_ptr(), k, made.panels.data_ptr(), y.data_ptr(), rows, n,
+                                                   k, made.k_block)
+        assert rc == 0 and torch.equal(y.view(rows, n), onednn(x, w)), isa
+        assert torch.equal(buf[:32], torch.full((32,), 7.0)) and torch.equal(buf[-32:], torch.full((32,), 7.0)), isa
+
+
+def test_the_builds_give_the_same_bits():
+    """AVX-512 panels of 16 and AVX2 panels of 8: the vectors run across outputs, each output's sum is one chain
+    (only where this CPU runs both)."""
+    if len(ISAS) < 2:
+        pytest.skip(f"this CPU runs only {ISAS}")
+    g = torch.Generator().manual_seed(8)
+    for n, k in ((40, 1100), (4099, 96)):
+        w, x = torch.randn(n, k, generator=g), torch.randn(cpu_linear.MAX_ROWS, k, generator=g)
+        made = [cpu_linear.prepare(w, None, isa=isa) for isa in ISAS]
+        assert len({m.k_block for m in made}) == 1
+        for m in (1, 6, 7, 13, cpu_linear.MAX_ROWS):
+            assert torch.equal(cpu_linear.linear(x[:m], made[0]), cpu_linear.linear(x[:m], made[1])), (n, m)
 
 
 def test_a_k_block_that_is_not_onednn_s_is_refused(monkeypatch, caplog):
@@ -49,7 +88,7 @@ def test_a_k_block_that_is_not_onednn_s_is_refused(monkeypatch, caplog):
 
 def test_what_the_kernel_does_not_take():
     g = torch.Generator().manual_seed(2)
-    assert cpu_linear.prepare(torch.randn(40, 64, generator=g), None) is None          # 40 outputs: not 16 x
+    assert cpu_linear.prepare(torch.randn(0, 64), None) is None
     assert cpu_linear.prepare(torch.randn(32, 64, generator=g).double(), None) is None
     w = torch.randn(32, 64, generator=g)
     made = cpu_linear.prepare(w, None)                                                 # oneDNN on the plain weight
@@ -119,3 +158,35 @@ def test_a_request_s_tokens_and_logprobs_do_not_depend_on_its_batch(tiny_models,
             assert [key(o) for o in llm.generate(prompts[:size], params)[:4]] == alone[:min(size, 4)], size
     finally:
         llm.shutdown()
+
+
+def test_an_avx2_only_node_keeps_a_request_s_bits_independent_of_its_batch(tiny_models, tmp_path):
+    """An AVX-512 CPU made an AVX2-only node (oneDNN capped at AVX2, ``PDSERVE_CPU_ISA=avx2``): the kernel's AVX2
+    build finds AVX2 oneDNN's K blocks and one row keeps the bits of any batch (a review's reproduction: 7/7
+    requests' logprobs differed between batch 1 and 7 there, when one row ran F.linear)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "node.py"
+    script.write_text(textwrap.dedent(f"""
+        import random
+        from pdserve.engine.llm import LLM
+        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.kernels import cpu_linear
+        assert cpu_linear.load().isa == "avx2", cpu_linear.load().isa
+        llm = LLM({str(tiny_models["llama"])!r}, dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_seqs=8)
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(3, 30))] for _ in range(7)]
+        params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, ignore_eos=True)
+        key = lambda o: (tuple(o.token_ids), repr(o.logprobs))
+        alone = [key(llm.generate([p], params)[0]) for p in prompts]
+        together = [key(o) for o in llm.generate(prompts, params)]
+        llm.shutdown()
+        print("same" if alone == together else f"differ: {{sum(a != b for a, b in zip(alone, together))}}/7")
+    """))
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", PDSERVE_CPU_ISA="avx2")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "same", out.stdout + out.stderr[-2000:]
