@@ -29,13 +29,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
 from pdserve.kernels import cpu_ops
-from pdserve.kernels.cpu_build import CPU_FLAGS, build, cpu_flags, cpu_vendor, isa_order, unsupported
+from pdserve.kernels.cpu_build import CPU_FLAGS, cpu_vendor, load_best
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.kernels.reference import write_to_cache
 
@@ -63,23 +62,12 @@ def prefetch_flags() -> list[str]:
 @functools.cache
 def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library (``isa``: a key of ISAS; None: the best build this CPU runs and this compiler
-    builds, capped by ``PDSERVE_CPU_ISA``, avx2 if the other fails), or None (with the reasons logged) where none can be built here."""
-    flags = cpu_flags()
-    names = [isa] if isa else isa_order(ISAS)
-    reasons = []
-    for name in names:
-        reason = unsupported(flags, ISAS[name][1])
-        if reason is None:
-            try:
-                return _bind(ctypes.CDLL(str(build(SOURCE, "pd_paged_attention", ISAS[name][0] + prefetch_flags()))))
-            except (OSError, subprocess.SubprocessError) as e:
-                stderr = getattr(e, "stderr", None)
-                reason = f"build failed: {e}" + (f": {stderr.decode(errors='replace')[-500:]}" if stderr else "")
-        reasons.append(f"{name}: {reason}")
-        if name != names[-1]:
-            log.warning("cpu attention kernel: the %s build is unavailable (%s); trying the next one", name, reason)
-    log.warning("cpu attention kernel unavailable (%s); using the plain-torch backend", "; ".join(reasons))
-    return None
+    builds, capped by ``PDSERVE_CPU_ISA``, avx2 if the other fails), or None (with the reasons logged) where none
+    can be built here."""
+    lib, _, reasons = load_best(SOURCE, "pd_paged_attention", ISAS, isa, "cpu attention kernel", prefetch_flags())
+    if lib is None:
+        log.warning("cpu attention kernel unavailable (%s); using the plain-torch backend", "; ".join(reasons))
+    return None if lib is None else _bind(lib)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -1,10 +1,12 @@
-"""Building pdserve's C kernels (``cpu_attention.c``, ``cpu_ops.c``) with the machine's compiler, cached.
+"""Building pdserve's C kernels (``cpu_attention.c``, ``cpu_ops.c``, ``cpu_linear.c``) with the machine's compiler,
+cached.
 
+    lib, isa, reasons = load_best(SOURCE, "pd_symbol", ISAS, None, "label")  # the best build that runs
     path = build(SOURCE, "pd_symbol", isa_flags)   # compiled once per source + headers + flags + compiler
     reason = unsupported(cpu_flags(), CPU_FLAGS)   # None where this machine can build and run them
 
-Called by ``cpu_attention.load`` and ``cpu_ops.load``. A library is built at
-``PDSERVE_CACHE_DIR/kernels/<stem>-<hash>.so`` with ``cc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp``
+Called by the ``load`` of ``cpu_attention``, ``cpu_ops`` and ``cpu_linear`` (through ``load_best``). A library
+is built at ``PDSERVE_CACHE_DIR/kernels/<stem>-<hash>.so`` with ``cc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp``
 (plus the caller's ISA flags): written to a temporary name, checked to load, made readable by all (a cache
 shared by users) and renamed, so processes building at once never see a half-written file and a compiler
 that wrote nothing poisons no cache.
@@ -54,6 +56,27 @@ def isa_order(isas: dict[str, tuple]) -> list[str]:
     flags, names = cpu_flags(), list(isas)
     names = names[names.index(envs.PDSERVE_CPU_ISA):] if envs.PDSERVE_CPU_ISA in names else names
     return [name for name in names if name == "avx2" or (flags and set(isas[name][1]) <= flags)]
+
+
+def load_best(source: Path, symbol: str, isas: dict[str, tuple], isa: str | None, label: str,
+              extra_flags: Sequence[str] = ()) -> tuple[ctypes.CDLL | None, str | None, list[str]]:
+    """The first of ``isas`` (``isa`` alone, or ``isa_order``'s) this machine builds and loads, with
+    ``extra_flags``: -> (library, its name, the reasons the ones before it failed); (None, None, reasons) where
+    none did. A build that fails before another is tried is logged (``label`` names the kernel)."""
+    flags, reasons = cpu_flags(), []
+    names = [isa] if isa else isa_order(isas)
+    for name in names:
+        reason = unsupported(flags, isas[name][1])
+        if reason is None:
+            try:
+                return ctypes.CDLL(str(build(source, symbol, list(isas[name][0]) + list(extra_flags)))), name, reasons
+            except (OSError, subprocess.SubprocessError) as e:
+                stderr = getattr(e, "stderr", None)
+                reason = f"build failed: {e}" + (f": {stderr.decode(errors='replace')[-500:]}" if stderr else "")
+        reasons.append(f"{name}: {reason}")
+        if name != names[-1]:
+            log.warning("%s: the %s build is unavailable (%s); trying the next one", label, name, reason)
+    return None, None, reasons
 
 
 def unsupported(flags: set[str] | None, needs: tuple[str, ...]) -> str | None:

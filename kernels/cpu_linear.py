@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
@@ -57,31 +56,24 @@ class Panels(NamedTuple):
 @functools.cache
 def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled library (``isa``: a key of ISAS; None: the best build this CPU runs, capped by
-    ``PDSERVE_CPU_ISA``), or None (reasons logged once) where this CPU or compiler runs none."""
-    flags, reasons = cpu_build.cpu_flags(), []
-    for name in [isa] if isa else cpu_build.isa_order(ISAS):
-        reason = cpu_build.unsupported(flags, ISAS[name][1])
-        if reason is None:
-            try:
-                lib = ctypes.CDLL(str(cpu_build.build(SOURCE, "pd_skinny_linear", ISAS[name][0])))
-            except (OSError, subprocess.SubprocessError) as e:
-                reason = f"build failed: {e}"
-            else:
-                p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-                lib.pd_skinny_linear.argtypes = [p, i64, p, p, i32, i32, i32, i32]
-                lib.pd_skinny_linear.restype = i32
-                lib.pd_skinny_width.restype = i32
-                lib.isa = name
-                return lib
-        reasons.append(f"{name}: {reason}")
-    log.info("few-row linear kernel unavailable (%s); decode-step matmuls stay on oneDNN", "; ".join(reasons))
-    return None
+    ``PDSERVE_CPU_ISA``), or None (reasons logged once) where this CPU or compiler runs none. Its ``isa`` names
+    the build."""
+    lib, name, reasons = cpu_build.load_best(SOURCE, "pd_skinny_linear", ISAS, isa, "few-row linear kernel")
+    if lib is None:
+        log.info("few-row linear kernel unavailable (%s); decode-step matmuls stay on oneDNN", "; ".join(reasons))
+        return None
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.pd_skinny_linear.argtypes = [p, i64, p, p, i32, i32, i32, i32]
+    lib.pd_skinny_linear.restype = i32
+    lib.pd_skinny_width.restype = i32
+    lib.isa = name
+    return lib
 
 
 def _run(x: torch.Tensor, made: Panels, k_block: int) -> torch.Tensor:
     y = torch.empty((x.shape[0], made.n), dtype=torch.float32)
-    rc = load(made.isa).pd_skinny_linear(x.data_ptr(), x.stride(0) if x.shape[0] > 1 else made.k, made.panels.data_ptr(),
-                                 y.data_ptr(), x.shape[0], made.n, made.k, k_block)
+    rc = load(made.isa).pd_skinny_linear(x.data_ptr(), x.stride(0) if x.shape[0] > 1 else made.k,
+                                         made.panels.data_ptr(), y.data_ptr(), x.shape[0], made.n, made.k, k_block)
     if rc:
         raise RuntimeError(f"cpu few-row linear kernel failed on x {tuple(x.shape)}, weight ({made.n}, {made.k})")
     return y
@@ -103,7 +95,8 @@ def prepare(weight: torch.Tensor, onednn_weight: torch.Tensor | None, bias: torc
     ``bias``, the kernel's result plus the bias against oneDNN's call with it; None where the kernel is
     unavailable or no candidate block gives oneDNN's bits."""
     lib = load(isa)
-    if lib is None or weight.dim() != 2 or weight.numel() == 0 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    if (lib is None or weight.dim() != 2 or weight.numel() == 0 or weight.dtype != torch.float32
+            or weight.device.type != "cpu"):
         return None
     n, k = weight.shape
     made = Panels(make_panels(weight, lib.pd_skinny_width()), n, k, 0, lib.isa)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from pathlib import Path
 
 import torch
@@ -39,16 +38,11 @@ SOURCE = Path(__file__).with_name("cpu_ops.c")
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None (reason logged once) where it cannot be built or loaded here."""
-    reason = cpu_build.unsupported(cpu_build.cpu_flags(), cpu_build.CPU_FLAGS)
-    if reason is None:
-        try:
-            lib = ctypes.CDLL(str(cpu_build.build(SOURCE, "pd_silu_and_mul")))
-        except (OSError, subprocess.SubprocessError) as e:
-            reason = f"build failed: {e}"
-        else:
-            return _bind(lib)
-    log.warning("cpu ops kernels unavailable (%s); rotary, RMSNorm and SiLU use torch", reason)
-    return None
+    lib, _, reasons = cpu_build.load_best(SOURCE, "pd_silu_and_mul", {"avx2": ((), cpu_build.CPU_FLAGS)}, None,
+                                          "cpu ops kernels")
+    if lib is None:
+        log.warning("cpu ops kernels unavailable (%s); rotary, RMSNorm and SiLU use torch", "; ".join(reasons))
+    return None if lib is None else _bind(lib)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -194,7 +194,7 @@ def test_the_library_is_built_once_and_reused(fresh_load, monkeypatch):
         compiles.extend([cmd] if "-o" in cmd else [])
         return run(cmd, *a, **kw)
 
-    monkeypatch.setattr(cpu_attention.subprocess, "run", counting_run)
+    monkeypatch.setattr(cpu_build.subprocess, "run", counting_run)
     assert cpu_attention.load() is not None and len(compiles) == 1
     cpu_attention.load.cache_clear()
     assert cpu_attention.load() is not None and len(compiles) == 1
@@ -259,7 +259,7 @@ def test_a_compiler_without_the_avx512_flags_falls_back_to_the_avx2_build(fresh_
             raise subprocess.CalledProcessError(1, cmd, stderr=b"cc: error: unrecognized option '-mavx512vl'")
         return run(cmd, *a, **kw)
 
-    monkeypatch.setattr(cpu_attention.subprocess, "run", no_avx512)
+    monkeypatch.setattr(cpu_build.subprocess, "run", no_avx512)
     lib = cpu_attention.load()
     assert lib is not None and lib._name == cpu_attention.load("avx2")._name
     assert "the avx512vl build is unavailable" in caplog.text and "plain-torch" not in caplog.text
