@@ -6,10 +6,10 @@ cached.
     reason = unsupported(cpu_flags(), CPU_FLAGS)   # None where this machine can build and run them
 
 Called by the ``load`` of ``cpu_attention``, ``cpu_ops`` and ``cpu_linear`` (through ``load_best``). A library
-is built at ``PDSERVE_CACHE_DIR/kernels/<stem>-<hash>.so`` with ``cc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp``
-(plus the caller's ISA flags): written to a temporary name, checked to load, made readable by all (a cache
-shared by users) and renamed, so processes building at once never see a half-written file and a compiler
-that wrote nothing poisons no cache.
+is built at ``PDSERVE_CACHE_DIR/kernels/<stem>-<hash>.so`` with
+``cc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp`` (plus the caller's ISA flags): written to a temporary
+name, checked to load, made readable by all (a cache shared by users) and renamed, so processes building at once
+never see a half-written file and a compiler that wrote nothing poisons no cache.
 """
 
 from __future__ import annotations
