@@ -53,11 +53,15 @@ class Panels(NamedTuple):
     isa: str
 
 
-@functools.cache
 def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled library (``isa``: a key of ISAS; None: the best build this CPU runs, capped by
     ``PDSERVE_CPU_ISA``), or None (reasons logged once) where this CPU or compiler runs none. Its ``isa`` names
     the build."""
+    return _load(isa)
+
+
+@functools.cache
+def _load(isa: str | None) -> ctypes.CDLL | None:      # load() and load(None): one cache entry, one log
     lib, name, reasons = cpu_build.load_best(SOURCE, "pd_skinny_linear", ISAS, isa, "few-row linear kernel")
     if lib is None:
         log.info("few-row linear kernel unavailable (%s); decode-step matmuls stay on oneDNN", "; ".join(reasons))
