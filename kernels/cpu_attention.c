@@ -20,7 +20,9 @@
  * lanes share each unit's K/V while it is in L1); the AVX-512 build puts two lanes in each 16-float register
  * (lanes that take a whole unit four at a time, attend_unit_block; two heads of one row, attend_unit_pair),
  * each K/V vector loaded once for all of them, only to halve the instructions: a lane's arithmetic never
- * reads another lane's, and it is the AVX2 build's.  So a prompt prefilled in one chunk or in ten, on
+ * reads another lane's, and it is the AVX2 build's.  The AVX2 build takes the lanes below the diagonal two at
+ * a time (attend_unit_block: one K or V load for both lanes' FMAs, the same per-lane arithmetic; a 512-token
+ * prompt's layer on a Zen 3 EPYC, 4 prompts, 17.1 -> 15.3 ms).  So a prompt prefilled in one chunk or in ten, on
  * the prefill node or the decode node, publishes the same KV bytes — what the store's digest check requires
  * (the fused SDPA kernel tiles by the chunk's length and did not).  Built with -ffp-contract=off and no
  * fast-math so the compiler cannot re-associate; every FMA is an explicit intrinsic.
@@ -195,7 +197,7 @@ INLINE void attend_unit(Lane *ln, const void *const krow[UNIT], const void *cons
  * On a Sapphire Rapids Xeon (bench/cpu_attention.py --prefill, 4 q / 2 KV heads of 64) a 512-token prompt's layer
  * went from 2.28 to ~1.8 ms with blocks of pairs.  (The 8-float blocking before it, 4 lanes sharing each load,
  * took the same prompt from 10.2 to 7.9 ms a layer for 4 prompts on a Zen 4 EPYC.)  The AVX2 build has 16 vector
- * registers, too few for either: it runs attend_unit for every lane. */
+ * registers, too few for either: its blocks are two lanes of 8-float vectors (below). */
 #ifdef __AVX512F__
 #define LB 4
 #define NP (LB / 2)            /* pairs in a block */
@@ -339,8 +341,78 @@ INLINE void attend_unit_pair(Lane *a, Lane *b, const void *const krow[UNIT], con
 INLINE int same_row(int i, int n, int G) { return i % G + 1 < G && i + 1 < n; }
 #define HAS_PAIRS 1
 #else
-#define LB 1
+/* Blocks of two (the AVX2 build): two lanes that take every key of a unit share each K and V load.  Scores: each
+ * lane's 8 partial sums a key are scores8's (d in order), four keys of both lanes at a time, and one hsum8x8 sums
+ * the 8 of them (its lane j sums a[j] alone, in its fixed order); P @ V: each lane's chain of FMAs per d is
+ * PV_CHUNK's, keys in order, two lanes a V load.  So each lane's bits are attend_unit's. */
 #define HAS_PAIRS 0
+#ifdef PD_ONE_LANE_AT_A_TIME   /* (tests: the same source with every lane through attend_unit, to compare bits) */
+#define LB 1
+#else
+#define LB 2
+
+/* scores8 for lanes a and b: *sa, *sb */
+INLINE void scores8_two(const Lane *a, const Lane *b, const void *const krow[GROUP], const Shape *s, __m256 *sa,
+                        __m256 *sb) {
+    __m256 half[2];
+    for (int hf = 0; hf < 2; hf++) {
+        __m256 acc[GROUP];                    /* [0, 4): lane a's keys 4 hf .. 4 hf + 3; [4, 8): lane b's */
+        for (int j = 0; j < GROUP; j++) acc[j] = _mm256_setzero_ps();
+        for (int d = 0; d < s->D; d += 8) {
+            __m256 qa = _mm256_loadu_ps(a->q + d), qb = _mm256_loadu_ps(b->q + d);
+            size_t off = (size_t)d * s->esize;
+            for (int j = 0; j < 4; j++) {
+                __m256 kv = load8((const char *)krow[4 * hf + j] + off, s->dt);
+                acc[j] = _mm256_fmadd_ps(qa, kv, acc[j]);
+                acc[4 + j] = _mm256_fmadd_ps(qb, kv, acc[4 + j]);
+            }
+        }
+        half[hf] = hsum8x8(acc);
+    }
+    __m256 scale = _mm256_set1_ps(s->scale);
+    *sa = _mm256_mul_ps(_mm256_permute2f128_ps(half[0], half[1], 0x20), scale);
+    *sb = _mm256_mul_ps(_mm256_permute2f128_ps(half[0], half[1], 0x31), scale);
+}
+
+/* acc[d..d+8*W) += sum_j p_j v_j[...] for lanes a and b, keys 0 .. UNIT - 1 in order */
+#define PV_TWO_CHUNK(W)                                                                                  \
+    for (; d + 8 * (W) <= s->D; d += 8 * (W)) {                                                          \
+        __m256 xa[W], xb[W];                                                                             \
+        for (int w = 0; w < (W); w++) {                                                                  \
+            xa[w] = _mm256_loadu_ps(ls[0]->acc + d + 8 * w);                                             \
+            xb[w] = _mm256_loadu_ps(ls[1]->acc + d + 8 * w);                                             \
+        }                                                                                                \
+        for (int j = 0; j < UNIT; j++) {                                                                 \
+            __m256 p0 = _mm256_set1_ps(pj[0][j]), p1 = _mm256_set1_ps(pj[1][j]);                         \
+            const char *vr = (const char *)vrow[j] + (size_t)d * s->esize;                               \
+            for (int w = 0; w < (W); w++) {                                                              \
+                __m256 vv = load8(vr + (size_t)8 * w * s->esize, s->dt);                                 \
+                xa[w] = _mm256_fmadd_ps(p0, vv, xa[w]);                                                  \
+                xb[w] = _mm256_fmadd_ps(p1, vv, xb[w]);                                                  \
+            }                                                                                            \
+        }                                                                                                \
+        for (int w = 0; w < (W); w++) {                                                                  \
+            _mm256_storeu_ps(ls[0]->acc + d + 8 * w, xa[w]);                                             \
+            _mm256_storeu_ps(ls[1]->acc + d + 8 * w, xb[w]);                                             \
+        }                                                                                                \
+    }
+
+/* attend_unit for two lanes that each take all UNIT keys of the unit */
+INLINE void attend_unit_block(Lane *const ls[LB], const void *const krow[UNIT], const void *const vrow[UNIT],
+                              const Shape *s) {
+    __m256 sc[2][NG], all[NG];
+    for (int gi = 0; gi < NG; gi++) {
+        scores8_two(ls[0], ls[1], krow + gi * GROUP, s, &sc[0][gi], &sc[1][gi]);
+        all[gi] = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    }
+    float pj[2][UNIT];
+    unit_softmax(ls[0], sc[0], all, 0, NG - 1, pj[0], s);
+    unit_softmax(ls[1], sc[1], all, 0, NG - 1, pj[1], s);
+    int d = 0;
+    PV_TWO_CHUNK(4)
+    PV_TWO_CHUNK(1)
+}
+#endif
 #endif
 
 /* the K and V rows of keys k0 .. min(k0 + UNIT - 1, kmax) (block and offset tracked across calls, no

@@ -11,6 +11,7 @@ build this CPU takes (avx2, and avx512vl where it has AVX-512VL), and the two bu
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import pytest
@@ -277,3 +278,26 @@ def test_the_prefetch_distance_follows_the_vendor_and_changes_no_bit(fresh_load,
         outs.append(cpu_attention.paged_attention(q, k, v, cache, meta, 0.125, None))
     assert len(list((fresh_load / "kernels").glob("cpu_attention-*.so"))) >= 2     # two builds, not one reused
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,HKV,D,BS,window", [(4, 2, 64, 16, None), (6, 2, 128, 16, 70), (8, 2, 24, 16, None),
+                                               (3, 3, 8, 32, None), (9, 3, 64, 16, 45)])
+def test_the_avx2_blocks_of_two_lanes_change_no_bit(monkeypatch, dtype, H, HKV, D, BS, window):
+    """The AVX2 build takes the lanes that see a whole unit two at a time (one K/V load for both); built with
+    -DPD_ONE_LANE_AT_A_TIME every lane runs alone. Prompts long enough for units below the diagonal, odd lane
+    counts (a lane left over), windows, decode rows. Mutation caught: a block whose P @ V visits the keys in
+    another order, or whose scores pair other partial sums."""
+    lib = cpu_attention.load("avx2")
+    path = cpu_build.build(cpu_attention.SOURCE, "pd_paged_attention",
+                           cpu_attention.prefetch_flags() + ["-DPD_ONE_LANE_AT_A_TIME"])
+    alone = cpu_attention._bind(ctypes.CDLL(str(path)))
+    specs = [(300, 300), (200, 137), (129, 64), (90, 90), (500, 1), (40, 13), (97, 1)]
+    outs = []
+    for build in (lib, alone):
+        cache, _, meta, q, k, v = _step(specs, H, HKV, D, BS, dtype=dtype, seed=H + D)
+        monkeypatch.setattr(cpu_attention, "load", lambda isa=None, build=build: build)
+        outs.append(cpu_attention.paged_attention(q, k, v, cache, meta, 0.2, window))
+        monkeypatch.undo()
+    bits = [o.view(torch.int32 if o.element_size() == 4 else torch.int16) for o in outs]   # -0.0 is not 0.0
+    assert torch.equal(bits[0], bits[1])
