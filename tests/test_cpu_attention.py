@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdserve.engine import envs
 from pdserve.kernels import AttentionMetadata, cpu_attention, cpu_build, reference, resolve_backend
 from pdserve.kernels.dispatch import paged_attention
 
@@ -196,6 +197,7 @@ def test_the_library_is_built_once_and_reused(fresh_load, monkeypatch):
         return run(cmd, *a, **kw)
 
     monkeypatch.setattr(cpu_build.subprocess, "run", counting_run)
+    monkeypatch.setattr(envs, "PDSERVE_CPU_ISA", "avx2")    # the cache's rules, not the ISA: the quicker build
     assert cpu_attention.load() is not None and len(compiles) == 1
     cpu_attention.load.cache_clear()
     assert cpu_attention.load() is not None and len(compiles) == 1
@@ -270,6 +272,7 @@ def test_the_prefetch_distance_follows_the_vendor_and_changes_no_bit(fresh_load,
     """Intel builds ask for unit 2 ahead only, others for units 2-4 (bench/cpu_kv_memory.py); the prefetches
     are hints, so both builds give the same bits. Mutation caught: a distance that reaches the arithmetic."""
     outs = []
+    monkeypatch.setattr(envs, "PDSERVE_CPU_ISA", "avx2")    # the flag, not the ISA: the quicker build
     for vendor, ahead in (("GenuineIntel", 2), ("AuthenticAMD", 4), (None, 4)):
         monkeypatch.setattr(cpu_attention, "cpu_vendor", lambda v=vendor: v)
         assert cpu_attention.prefetch_flags() == [f"-DAHEAD={ahead}"]
