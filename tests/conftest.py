@@ -147,3 +147,13 @@ def fresh_load(monkeypatch, tmp_path):
     cpu_attention.load.cache_clear()
     yield tmp_path
     cpu_attention.load.cache_clear()
+
+
+@pytest.fixture
+def fresh_avx2_load(fresh_load, monkeypatch):
+    """fresh_load with builds capped at AVX2 (PDSERVE_CPU_ISA=avx2), for tests of the build cache's rules, which do
+    not depend on the ISA: the AVX2 library compiles in half the time (a Zen 4 EPYC: 4.1 s against 8.5 s)."""
+    from pdserve.engine import envs
+
+    monkeypatch.setattr(envs, "PDSERVE_CPU_ISA", "avx2")
+    return fresh_load

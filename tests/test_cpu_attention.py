@@ -19,7 +19,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine import envs
 from pdserve.kernels import AttentionMetadata, cpu_attention, cpu_build, reference, resolve_backend
 from pdserve.kernels.dispatch import paged_attention
 
@@ -185,7 +184,7 @@ def test_a_bad_shape_is_an_error_naming_it_not_a_crash():
         cpu_attention.paged_attention(q, k, v, cache, meta, 0.3)
 
 
-def test_the_library_is_built_once_and_reused(fresh_load, monkeypatch):
+def test_the_library_is_built_once_and_reused(fresh_avx2_load, monkeypatch):
     """The second load (a new process, say) finds the cached library for this source, flags and compiler
     and compiles nothing; another compiler gets its own entry."""
     import subprocess
@@ -197,11 +196,10 @@ def test_the_library_is_built_once_and_reused(fresh_load, monkeypatch):
         return run(cmd, *a, **kw)
 
     monkeypatch.setattr(cpu_build.subprocess, "run", counting_run)
-    monkeypatch.setattr(envs, "PDSERVE_CPU_ISA", "avx2")    # the cache's rules, not the ISA: the quicker build
     assert cpu_attention.load() is not None and len(compiles) == 1
     cpu_attention.load.cache_clear()
     assert cpu_attention.load() is not None and len(compiles) == 1
-    assert len(list((fresh_load / "kernels").glob("cpu_attention-*.so"))) == 1
+    assert len(list((fresh_avx2_load / "kernels").glob("cpu_attention-*.so"))) == 1
     cpu_attention.load.cache_clear()
     monkeypatch.setenv("CC", "gcc" if cpu_build.compiler() != "gcc" else "cc")
     assert cpu_attention.load() is not None and len(compiles) == 2
@@ -268,18 +266,17 @@ def test_a_compiler_without_the_avx512_flags_falls_back_to_the_avx2_build(fresh_
     assert "the avx512vl build is unavailable" in caplog.text and "plain-torch" not in caplog.text
 
 
-def test_the_prefetch_distance_follows_the_vendor_and_changes_no_bit(fresh_load, monkeypatch):
+def test_the_prefetch_distance_follows_the_vendor_and_changes_no_bit(fresh_avx2_load, monkeypatch):
     """Intel builds ask for unit 2 ahead only, others for units 2-4 (bench/cpu_kv_memory.py); the prefetches
     are hints, so both builds give the same bits. Mutation caught: a distance that reaches the arithmetic."""
     outs = []
-    monkeypatch.setattr(envs, "PDSERVE_CPU_ISA", "avx2")    # the flag, not the ISA: the quicker build
     for vendor, ahead in (("GenuineIntel", 2), ("AuthenticAMD", 4), (None, 4)):
         monkeypatch.setattr(cpu_attention, "cpu_vendor", lambda v=vendor: v)
         assert cpu_attention.prefetch_flags() == [f"-DAHEAD={ahead}"]
         cpu_attention.load.cache_clear()
         cache, _, meta, q, k, v = _step(SPECS + [(300, 1), (200, 1), (129, 64)], 4, 2, 64, 16, seed=5)
         outs.append(cpu_attention.paged_attention(q, k, v, cache, meta, 0.125, None))
-    assert len(list((fresh_load / "kernels").glob("cpu_attention-*.so"))) >= 2     # two builds, not one reused
+    assert len(list((fresh_avx2_load / "kernels").glob("cpu_attention-*.so"))) >= 2     # two builds, not one reused
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 

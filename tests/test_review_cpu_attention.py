@@ -11,38 +11,35 @@ import stat
 import pytest
 import torch
 
-from pdserve.engine import envs
 from pdserve.kernels import AttentionMetadata, cpu_attention, reference
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="cpu attention kernel not built here")
 
 
-def test_a_build_that_leaves_an_unloadable_library_does_not_poison_the_cache(fresh_load, monkeypatch):
+def test_a_build_that_leaves_an_unloadable_library_does_not_poison_the_cache(fresh_avx2_load, monkeypatch):
     """A "compiler" that exits 0 without writing a loadable library (CC=true here; a cross compiler or a
     broken wrapper alike) makes load() fall back, fine. But _build() renames mkstemp's empty file onto the
     hash-named target, and every later process -- with a working compiler -- finds target.exists(), dlopen
     fails ("file too short") and it falls back to torch forever (the hash ignores the compiler, and a
     cached library that does not load is never rebuilt)."""
-    monkeypatch.setattr(envs, "PDSERVE_CPU_ISA", "avx2")    # the cache's rules, not the ISA: the quicker build
     monkeypatch.setenv("CC", "true")
     assert cpu_attention.load() is None
     cpu_attention.load.cache_clear()
     monkeypatch.delenv("CC")                      # the machine's real cc/gcc from here on
-    assert cpu_attention.load() is not None, list((fresh_load / "kernels").iterdir())
+    assert cpu_attention.load() is not None, list((fresh_avx2_load / "kernels").iterdir())
 
 
-def test_the_cached_kernel_is_readable_by_other_users(fresh_load, monkeypatch):
+def test_the_cached_kernel_is_readable_by_other_users(fresh_avx2_load):
     """Built under umask 022 the library should be world-readable like any other cache file (the models
     next to it are). mkstemp creates the output 0600 and the linker keeps that (-rwx--x--x): in a cache
     dir shared by users (built by one, served by another) dlopen says "Permission denied" and the other
     user silently runs the torch backend -- whose bits differ, so two nodes publish different KV bytes."""
-    monkeypatch.setattr(envs, "PDSERVE_CPU_ISA", "avx2")    # the file's mode, not the ISA: the quicker build
     old = os.umask(0o022)
     try:
         assert cpu_attention.load() is not None
     finally:
         os.umask(old)
-    [built] = (fresh_load / "kernels").glob("cpu_attention-*.so")
+    [built] = (fresh_avx2_load / "kernels").glob("cpu_attention-*.so")
     mode = stat.S_IMODE(built.stat().st_mode)
     assert mode & 0o044 == 0o044, oct(mode)
 
