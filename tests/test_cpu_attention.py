@@ -266,7 +266,7 @@ def test_a_compiler_without_the_avx512_flags_falls_back_to_the_avx2_build(fresh_
     assert "the avx512vl build is unavailable" in caplog.text and "plain-torch" not in caplog.text
 
 
-def test_the_prefetch_distance_follows_the_vendor_and_changes_no_bit(fresh_avx2_load, monkeypatch):
+def test_the_prefetch_distance_follows_the_vendor_and_changes_no_bit(fresh_load, monkeypatch):
     """Intel builds ask for unit 2 ahead only, others for units 2-4 (bench/cpu_kv_memory.py); the prefetches
     are hints, so both builds give the same bits. Mutation caught: a distance that reaches the arithmetic."""
     outs = []
@@ -276,7 +276,7 @@ def test_the_prefetch_distance_follows_the_vendor_and_changes_no_bit(fresh_avx2_
         cpu_attention.load.cache_clear()
         cache, _, meta, q, k, v = _step(SPECS + [(300, 1), (200, 1), (129, 64)], 4, 2, 64, 16, seed=5)
         outs.append(cpu_attention.paged_attention(q, k, v, cache, meta, 0.125, None))
-    assert len(list((fresh_avx2_load / "kernels").glob("cpu_attention-*.so"))) >= 2     # two builds, not one reused
+    assert len(list((fresh_load / "kernels").glob("cpu_attention-*.so"))) >= 2     # two builds, not one reused
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
