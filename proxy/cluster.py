@@ -9,6 +9,9 @@ Used by ``pdserve serve`` (the one-command demo), the benchmark sweeps and the e
 Start order: store daemon -> nodes (all at once, then wait for each /health) -> proxy (waits for
 its /health: >= 1 healthy prefill and decode). Stop order is the reverse; every child is ended
 by PID (SIGTERM, then SIGKILL after a grace period). Logs go to one file per child in ``log_dir``.
+Inside ``with``, a SIGTERM to this process (``timeout``, a supervisor, a script's clean-up trap) unwinds the
+block like Ctrl-C does (``SystemExit(143)`` from the main thread, only where SIGTERM had its default action),
+so ``__exit__`` ends the children: a killed benchmark driver used to leave its whole cluster running.
 Nodes and the proxy serve on a socket this process bound and passed down (``--fd``): a port picked
 free and bound later by the child could be taken in between (see ``pdserve.engine.server.listen``).
 
@@ -22,10 +25,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,13 +87,22 @@ class LocalCluster:
     log_dir: Path | None = None
     children: list[Child] = field(default_factory=list)
     store_url: str = ""
+    _sigterm: "SigtermUnwinds | None" = field(default=None, repr=False)
 
     def __enter__(self) -> "LocalCluster":
-        self.start()
+        self._sigterm = SigtermUnwinds().install()
+        try:
+            self.start()
+        except BaseException:
+            self._sigterm.restore()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            self._sigterm.restore()
 
     @property
     def url(self) -> str:
@@ -259,6 +273,32 @@ def _check_alive(child: Child) -> None:
     if child.proc.poll() is not None:
         tail = child.log.read_text(errors="replace")[-2000:] if child.log.exists() else ""
         raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}; log {child.log}:\n{tail}")
+
+
+class SigtermUnwinds:
+    """While installed, the first SIGTERM raises ``SystemExit(128 + SIGTERM)`` in the main thread, so ``finally``
+    blocks and ``__exit__`` run as they do for Ctrl-C (later ones are ignored until ``restore``). Installed only
+    from the main thread and only over SIGTERM's default action: a handler someone else set (``pdserve
+    serve``'s) is left alone."""
+
+    def __init__(self) -> None:
+        self._previous = None
+
+    def install(self) -> "SigtermUnwinds":
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._previous = signal.signal(signal.SIGTERM, _unwind)
+        return self
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def _unwind(signum: int, _frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)     # once: a second SIGTERM must not cut the clean-up short
+    raise SystemExit(128 + signum)
 
 
 def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
