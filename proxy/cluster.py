@@ -129,6 +129,8 @@ class LocalCluster:
             raise
 
     def stop(self) -> None:
+        if self._sigterm is not None:
+            self._sigterm.quiet()                # a SIGTERM now must not cut the stopping short
         for child in reversed(self.children):
             terminate(child.proc)
         self.children.clear()
@@ -277,9 +279,9 @@ def _check_alive(child: Child) -> None:
 
 class SigtermUnwinds:
     """While installed, the first SIGTERM raises ``SystemExit(128 + SIGTERM)`` in the main thread, so ``finally``
-    blocks and ``__exit__`` run as they do for Ctrl-C (later ones are ignored until ``restore``). Installed only
-    from the main thread and only over SIGTERM's default action: a handler someone else set (``pdserve
-    serve``'s) is left alone."""
+    blocks and ``__exit__`` run as they do for Ctrl-C; later ones, and any during ``LocalCluster.stop``, are
+    ignored until ``restore``. Installed only from the main thread and only over SIGTERM's default action: a
+    handler someone else set (``pdserve serve``'s) is left alone."""
 
     def __init__(self) -> None:
         self._previous = None
@@ -289,6 +291,11 @@ class SigtermUnwinds:
                 and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             self._previous = signal.signal(signal.SIGTERM, _unwind)
         return self
+
+    def quiet(self) -> None:
+        """Ignore SIGTERM from now until ``restore`` (if installed): the clean-up is under way."""
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def restore(self) -> None:
         if self._previous is not None:

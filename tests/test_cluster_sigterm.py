@@ -41,7 +41,7 @@ class StoreAndSlow(LocalCluster):     # the real start-up path's first child (th
 
 with StoreAndSlow("unused", ClusterSpec()) as cluster:
     print(*(c.proc.pid for c in cluster.children), flush=True)
-    time.sleep(600)
+    BODY
 """
 
 
@@ -57,9 +57,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _hold(tmp_path) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=tmp_path)
+def _hold(tmp_path, body: str = "time.sleep(600)") -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER.replace("BODY", body)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     line = proc.stdout.readline()
     if not line.strip():
         proc.kill()
@@ -86,6 +86,23 @@ def test_sigterm_to_the_holder_ends_the_clusters_children_and_a_second_one_does_
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        left = [pid for pid in children if not _wait_gone(pid)]
+        assert not left, f"children {left} outlived their cluster's holder"
+    finally:
+        for pid in (proc.pid, *children):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_sigterm_during_the_normal_stop_does_not_cut_it_short(tmp_path):
+    """The block ends by itself; the SIGTERM lands while ``stop()`` waits for the slow child."""
+    proc, children = _hold(tmp_path, "sys.stdin.readline()")
+    try:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.communicate(timeout=10)[1][-2000:]
         left = [pid for pid in children if not _wait_gone(pid)]
         assert not left, f"children {left} outlived their cluster's holder"
     finally:
