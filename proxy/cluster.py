@@ -10,8 +10,8 @@ Start order: store daemon -> nodes (all at once, then wait for each /health) -> 
 its /health: >= 1 healthy prefill and decode). Stop order is the reverse; every child is ended
 by PID (SIGTERM, then SIGKILL after a grace period). Logs go to one file per child in ``log_dir``.
 Inside ``with``, a SIGTERM to this process (``timeout``, a supervisor, a script's clean-up trap) unwinds the
-block like Ctrl-C does (``SystemExit(143)`` from the main thread, only where SIGTERM had its default action),
-so ``__exit__`` ends the children: a killed benchmark driver used to leave its whole cluster running.
+block like Ctrl-C does (``SystemExit(143)`` from the main thread, ``SigtermUnwinds``), so ``__exit__`` ends the
+children: a killed benchmark driver used to leave its whole cluster running.
 Nodes and the proxy serve on a socket this process bound and passed down (``--fd``): a port picked
 free and bound later by the child could be taken in between (see ``pdserve.engine.server.listen``).
 
@@ -32,8 +32,10 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -129,11 +131,13 @@ class LocalCluster:
             raise
 
     def stop(self) -> None:
-        if self._sigterm is not None:
-            self._sigterm.quiet()                # a SIGTERM now must not cut the stopping short
-        for child in reversed(self.children):
-            terminate(child.proc)
-        self.children.clear()
+        with self._held():                       # a SIGTERM now waits until every child is ended
+            for child in reversed(self.children):
+                terminate(child.proc)
+            self.children.clear()
+
+    def _held(self):
+        return self._sigterm.held() if self._sigterm is not None else nullcontext()
 
     def _start_store(self) -> None:
         if self.spec.colocated or self.spec.store == "embedded":
@@ -192,7 +196,8 @@ class LocalCluster:
                     logger.error("%s: cannot bind its port %s again (%s); trying again in %.0fs", child.name,
                                  child.port, exc.strerror, delay)
                     continue
-                child.proc = self._popen(child.args, child.log, append=True, sock=sock)
+                with self._held():                # the new PID is recorded before a SIGTERM acts
+                    child.proc = self._popen(child.args, child.log, append=True, sock=sock)
                 child.started_at, child.restarts, child.restart_at = now, child.restarts + 1, None
                 restarted.append(child.name)
         return restarted
@@ -201,11 +206,12 @@ class LocalCluster:
         """Start a child; with ``sock`` it serves on that listening socket (``--fd``) and this process lets go of it."""
         log = self.log_dir / f"{name}.log"
         port = None if sock is None else sock.getsockname()[1]
-        child = Child(name, self._popen(args, log, append=False, sock=sock), log, args=list(args),
-                      started_at=time.monotonic(), port=port)
+        with self._held():                       # the new PID is recorded before a SIGTERM acts
+            child = Child(name, self._popen(args, log, append=False, sock=sock), log, args=list(args),
+                          started_at=time.monotonic(), port=port)
+            self.children.append(child)
         if port is not None:
             child.url = f"http://127.0.0.1:{port}"
-        self.children.append(child)
         return child
 
     def _popen(self, args: list[str], log: Path, append: bool, sock: socket.socket | None) -> subprocess.Popen:
@@ -278,34 +284,55 @@ def _check_alive(child: Child) -> None:
 
 
 class SigtermUnwinds:
-    """While installed, the first SIGTERM raises ``SystemExit(128 + SIGTERM)`` in the main thread, so ``finally``
-    blocks and ``__exit__`` run as they do for Ctrl-C; later ones, and any during ``LocalCluster.stop``, are
-    ignored until ``restore``. Installed only from the main thread and only over SIGTERM's default action: a
-    handler someone else set (``pdserve serve``'s) is left alone."""
+    """While installed (``install`` .. ``restore``), SIGTERM raises ``SystemExit(128 + SIGTERM)`` in the main
+    thread, so ``finally`` blocks and ``__exit__`` run as they do for Ctrl-C. Inside ``held()`` -- a child being
+    spawned and not yet recorded, ``LocalCluster.stop`` -- a SIGTERM waits and is raised as the scope ends, so it
+    never leaves a PID unrecorded or a stop half done. Once raised, further SIGTERMs are swallowed: the unwinding
+    is under way. Installs only from the main thread, over SIGTERM's default action or over another
+    ``SigtermUnwinds`` (a cluster inside a cluster: the inner one's, restored to the outer's after); a handler
+    someone else set (``pdserve serve``'s) is left alone."""
 
     def __init__(self) -> None:
         self._previous = None
+        self._state = "off"               # off | armed | held | unwinding
+        self._pending = False
 
     def install(self) -> "SigtermUnwinds":
-        if threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            self._previous = signal.signal(signal.SIGTERM, _unwind)
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        current = signal.getsignal(signal.SIGTERM)
+        if current is signal.SIG_DFL or isinstance(getattr(current, "__self__", None), SigtermUnwinds):
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._state = "armed"
         return self
-
-    def quiet(self) -> None:
-        """Ignore SIGTERM from now until ``restore`` (if installed): the clean-up is under way."""
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def restore(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+            self._previous, self._state = None, "off"
 
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """A SIGTERM inside waits until the scope ends, then raises (if installed and not unwinding already)."""
+        if self._state != "armed":
+            yield
+            return
+        self._state = "held"
+        try:
+            yield
+        finally:
+            if self._state == "held":
+                self._state = "armed"
+                if self._pending:
+                    self._pending = False
+                    self._on_sigterm(signal.SIGTERM, None)
 
-def _unwind(signum: int, _frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)     # once: a second SIGTERM must not cut the clean-up short
-    raise SystemExit(128 + signum)
+    def _on_sigterm(self, signum: int, _frame) -> None:
+        if self._state == "held":
+            self._pending = True
+        elif self._state == "armed":
+            self._state = "unwinding"
+            raise SystemExit(128 + signum)
 
 
 def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

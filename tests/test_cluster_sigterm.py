@@ -2,8 +2,9 @@
 
 The children run in their own sessions (``start_new_session``), so nothing but the parent's ``__exit__``
 stops them: before ``SigtermUnwinds``, ``timeout 600 pdserve bench sweep ...`` or a script's clean-up trap
-left a whole cluster running. The subprocess here holds a real store daemon and a child that is slow to stop,
-and gets two SIGTERMs; both children's PIDs must be gone.
+left a whole cluster running. The subprocesses here hold a cluster started by the real ``start()`` with two
+children (a ``sleep``, and one that takes 1.5 s to stop) and get SIGTERMs at the worst moments; both children's
+PIDs must be gone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster, SigtermUnwinds
 
 HOLDER = r"""
-import subprocess, sys, time
+import os, subprocess, sys, time
 from pdserve.proxy.cluster import Child, ClusterSpec, LocalCluster
 
 SLOW = ("import signal, sys, time\n"
@@ -28,18 +29,22 @@ SLOW = ("import signal, sys, time\n"
         "print('ready', flush=True)\n"
         "time.sleep(600)\n")
 
-class StoreAndSlow(LocalCluster):     # the real start-up path's first child (the store daemon), then a child
-    def start(self):                  # that takes 1.5 s to stop: stop() ends it first (reverse order)
-        import tempfile
-        from pathlib import Path
-        self.log_dir = Path(tempfile.mkdtemp(prefix="pdserve-sigterm-"))
-        self._start_store()
+class TwoChildren(LocalCluster):      # the real start() (colocated: no store daemon) with, for its nodes, a
+    def _start_nodes(self):           # `sleep` and then a child that takes 1.5 s to stop: stop() goes in reverse
+        quick = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        self.children.append(Child("quick", quick, self.log_dir / "quick.log"))
         slow = subprocess.Popen([sys.executable, "-c", SLOW], stdout=subprocess.PIPE, text=True,
                                 start_new_session=True)
-        assert slow.stdout.readline().strip() == "ready"
         self.children.append(Child("slow", slow, self.log_dir / "slow.log"))
+        assert slow.stdout.readline().strip() == "ready"
+        if os.environ.get("HOLD_IN_START"):            # a start-up that is still waiting for its nodes
+            print(*(c.proc.pid for c in self.children), flush=True)
+            time.sleep(600)
 
-with StoreAndSlow("unused", ClusterSpec()) as cluster:
+    def _start_proxy(self, sock):
+        sock.close()
+
+with TwoChildren("unused", ClusterSpec(colocated=True)) as cluster:
     print(*(c.proc.pid for c in cluster.children), flush=True)
     BODY
 """
@@ -57,9 +62,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _hold(tmp_path, body: str = "time.sleep(600)") -> tuple[subprocess.Popen, list[int]]:
+def _hold(tmp_path, body: str = "time.sleep(600)", in_start: bool = False) -> tuple[subprocess.Popen, list[int]]:
+    env = dict(os.environ, HOLD_IN_START="1") if in_start else None
     proc = subprocess.Popen([sys.executable, "-c", HOLDER.replace("BODY", body)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
     line = proc.stdout.readline()
     if not line.strip():
         proc.kill()
@@ -76,16 +82,18 @@ def _wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
     return False
 
 
-def test_sigterm_to_the_holder_ends_the_clusters_children_and_a_second_one_does_not_cut_that_short(tmp_path):
-    """The second SIGTERM lands while ``stop()`` waits for the slow child: were it to raise again, the store
-    daemon (stopped after it) would be left running."""
-    proc, children = _hold(tmp_path)
+def test_sigterm_unwinds_the_block_ends_the_children_and_a_second_one_is_swallowed(tmp_path):
+    """The second SIGTERM lands in the holder's own 1 s ``finally``: it must neither cut that short nor the
+    stop after it (the slow child is stopped first: a stop cut short would leave the `sleep` running)."""
+    body = "try:\n        time.sleep(600)\n    finally:\n        time.sleep(1.0)\n        print('finally done', flush=True)"
+    proc, children = _hold(tmp_path, body)
     try:
         assert all(_alive(pid) for pid in children)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        time.sleep(0.4)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM and "finally done" in out, err[-2000:]
         left = [pid for pid in children if not _wait_gone(pid)]
         assert not left, f"children {left} outlived their cluster's holder"
     finally:
@@ -94,15 +102,16 @@ def test_sigterm_to_the_holder_ends_the_clusters_children_and_a_second_one_does_
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_sigterm_during_the_normal_stop_does_not_cut_it_short(tmp_path):
-    """The block ends by itself; the SIGTERM lands while ``stop()`` waits for the slow child."""
+def test_a_sigterm_during_the_normal_stop_waits_for_it_then_exits(tmp_path):
+    """The block ends by itself; the SIGTERM lands while ``stop()`` waits for the slow child: it is raised once
+    every child is ended."""
     proc, children = _hold(tmp_path, "sys.stdin.readline()")
     try:
         proc.stdin.write("go\n")
         proc.stdin.flush()
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, proc.communicate(timeout=10)[1][-2000:]
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM, proc.communicate(timeout=10)[1][-2000:]
         left = [pid for pid in children if not _wait_gone(pid)]
         assert not left, f"children {left} outlived their cluster's holder"
     finally:
@@ -111,12 +120,72 @@ def test_a_sigterm_during_the_normal_stop_does_not_cut_it_short(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_sigterm_during_start_up_ends_what_was_started(tmp_path):
+    """The real ``start()``: the `sleep` and the slow child are up, the nodes are "loading"."""
+    proc, children = _hold(tmp_path, in_start=True)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        left = [pid for pid in children if not _wait_gone(pid)]
+        assert not left, f"children {left} outlived a start-up cut short"
+    finally:
+        for pid in (proc.pid, *children):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+class _NoChildren(LocalCluster):
+    def start(self):
+        pass
+
+
 def test_the_previous_sigterm_action_comes_back_after_the_block():
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    guard = SigtermUnwinds().install()
-    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
-    guard.restore()
+    with _NoChildren("unused", ClusterSpec()):
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+        with _NoChildren("unused", ClusterSpec()) as inner:          # a cluster inside a cluster: its own
+            assert signal.getsignal(signal.SIGTERM) == inner._sigterm._on_sigterm
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, inner._sigterm._on_sigterm)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_sigterm_inside_held_waits_for_the_scope_to_end():
+    guard = SigtermUnwinds().install()
+    try:
+        with pytest.raises(SystemExit) as raised:
+            with guard.held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)                                       # delivered here, and kept
+                reached = True
+        assert reached and raised.value.code == 128 + signal.SIGTERM
+    finally:
+        guard.restore()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_sigterm_while_a_child_is_spawned_leaves_it_recorded(tmp_path):
+    """The spawn's race: the PID exists before it is recorded. A SIGTERM in between must not lose it."""
+    spawned = []
+
+    class SignalledMidSpawn(_NoChildren):
+        def _popen(self, args, log, append, sock):
+            spawned.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)                                           # delivered before _spawn records it
+            return spawned[-1]
+
+    cluster = SignalledMidSpawn("unused", ClusterSpec(), log_dir=tmp_path)
+    try:
+        with pytest.raises(SystemExit):
+            with cluster:
+                cluster._spawn("sleeper", [])
+        assert spawned and spawned[0].poll() is not None, "the child spawned under the SIGTERM was left running"
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        for proc in spawned:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_a_failed_start_restores_the_sigterm_action(tmp_path):
