@@ -289,8 +289,10 @@ class SigtermUnwinds:
     spawned and not yet recorded, ``LocalCluster.stop`` -- a SIGTERM waits and is raised as the scope ends, so it
     never leaves a PID unrecorded or a stop half done. Once raised, further SIGTERMs are swallowed: the unwinding
     is under way. Installs only from the main thread, over SIGTERM's default action or over another
-    ``SigtermUnwinds`` (a cluster inside a cluster: the inner one's, restored to the outer's after); a handler
-    someone else set (``pdserve serve``'s) is left alone."""
+    ``SigtermUnwinds`` (a cluster inside a cluster: the inner one's, restored to the outer's after; clusters exit
+    in reverse order, as ``with`` and ``ExitStack`` do, and a finished one's handler left installed by any other
+    order acts as the default action); a handler someone else set (``pdserve serve``'s) is left alone. ``held()``
+    acts on the main thread only: SystemExit raised on another would end just that thread."""
 
     def __init__(self) -> None:
         self._previous = None
@@ -302,8 +304,8 @@ class SigtermUnwinds:
             return self
         current = signal.getsignal(signal.SIGTERM)
         if current is signal.SIG_DFL or isinstance(getattr(current, "__self__", None), SigtermUnwinds):
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-            self._state = "armed"
+            self._previous, self._state = current, "armed"      # armed first: a SIGTERM as it installs counts
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         return self
 
     def restore(self) -> None:
@@ -313,8 +315,9 @@ class SigtermUnwinds:
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        """A SIGTERM inside waits until the scope ends, then raises (if installed and not unwinding already)."""
-        if self._state != "armed":
+        """A SIGTERM inside waits until the scope ends, then raises (if installed and not unwinding already).
+        Off the main thread it does nothing: SystemExit raised there would end only that thread."""
+        if self._state != "armed" or threading.current_thread() is not threading.main_thread():
             yield
             return
         self._state = "held"
@@ -333,6 +336,9 @@ class SigtermUnwinds:
         elif self._state == "armed":
             self._state = "unwinding"
             raise SystemExit(128 + signum)
+        elif self._state == "off":        # left installed by clusters exited out of order: the default action
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

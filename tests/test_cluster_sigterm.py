@@ -163,6 +163,29 @@ def test_a_sigterm_inside_held_waits_for_the_scope_to_end():
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_held_off_the_main_thread_leaves_the_sigterm_to_the_main_thread():
+    """``stop()`` run by a worker thread: a SIGTERM then must still unwind the main thread, not end the worker."""
+    guard = SigtermUnwinds().install()
+    inside, release = threading.Event(), threading.Event()
+
+    def work():
+        with guard.held():
+            inside.set()
+            release.wait(5)
+
+    worker = threading.Thread(target=work)
+    try:
+        with pytest.raises(SystemExit):
+            worker.start()
+            inside.wait(5)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)                                           # the handler runs here, in the main thread
+    finally:
+        release.set()
+        worker.join()
+        guard.restore()
+
+
 def test_a_sigterm_while_a_child_is_spawned_leaves_it_recorded(tmp_path):
     """The spawn's race: the PID exists before it is recorded. A SIGTERM in between must not lose it."""
     spawned = []
@@ -219,3 +242,17 @@ def test_outside_the_main_thread_nothing_is_installed():
     worker.start()
     worker.join()
     assert seen == [None] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_clusters_exited_out_of_order_leave_sigterm_its_default_action(tmp_path):
+    """a, then b inside it, a exits first: b's exit puts a's (finished) handler back, which must then act as
+    SIGTERM's default action, not swallow it."""
+    script = ("import os, signal, time\n"
+              "from pdserve.proxy.cluster import SigtermUnwinds\n"
+              "a = SigtermUnwinds().install(); b = SigtermUnwinds().install()\n"
+              "a.restore(); b.restore()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(5)\n"
+              "print('survived SIGTERM', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == -signal.SIGTERM, (done.stdout, done.stderr[-2000:])
