@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 
@@ -62,7 +64,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _hold(tmp_path, body: str = "time.sleep(600)", in_start: bool = False) -> tuple[subprocess.Popen, list[int]]:
+@contextmanager
+def _holding(tmp_path, body: str = "time.sleep(600)", in_start: bool = False) -> Iterator[tuple[subprocess.Popen,
+                                                                                                  list[int]]]:
+    """A holder process and its cluster's children's PIDs; after the ``with``: every child must be gone (then
+    whatever is left, the holder included, is SIGKILLed)."""
     env = dict(os.environ, HOLD_IN_START="1") if in_start else None
     proc = subprocess.Popen([sys.executable, "-c", HOLDER.replace("BODY", body)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
@@ -70,7 +76,15 @@ def _hold(tmp_path, body: str = "time.sleep(600)", in_start: bool = False) -> tu
     if not line.strip():
         proc.kill()
         pytest.fail(f"the holder printed no PIDs: {proc.communicate(timeout=10)[1][-2000:]}")
-    return proc, [int(p) for p in line.split()]
+    children = [int(p) for p in line.split()]
+    try:
+        yield proc, children
+        left = [pid for pid in children if not _wait_gone(pid)]
+        assert not left, f"children {left} outlived their cluster's holder"
+    finally:
+        for pid in (proc.pid, *children):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
@@ -86,52 +100,31 @@ def test_sigterm_unwinds_the_block_ends_the_children_and_a_second_one_is_swallow
     """The second SIGTERM lands in the holder's own 1 s ``finally``: it must neither cut that short nor the
     stop after it (the slow child is stopped first: a stop cut short would leave the `sleep` running)."""
     body = "try:\n        time.sleep(600)\n    finally:\n        time.sleep(1.0)\n        print('finally done', flush=True)"
-    proc, children = _hold(tmp_path, body)
-    try:
+    with _holding(tmp_path, body) as (proc, children):
         assert all(_alive(pid) for pid in children)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.4)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM and "finally done" in out, err[-2000:]
-        left = [pid for pid in children if not _wait_gone(pid)]
-        assert not left, f"children {left} outlived their cluster's holder"
-    finally:
-        for pid in (proc.pid, *children):
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_sigterm_during_the_normal_stop_waits_for_it_then_exits(tmp_path):
     """The block ends by itself; the SIGTERM lands while ``stop()`` waits for the slow child: it is raised once
     every child is ended."""
-    proc, children = _hold(tmp_path, "sys.stdin.readline()")
-    try:
+    with _holding(tmp_path, "sys.stdin.readline()") as (proc, _):
         proc.stdin.write("go\n")
         proc.stdin.flush()
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM, proc.communicate(timeout=10)[1][-2000:]
-        left = [pid for pid in children if not _wait_gone(pid)]
-        assert not left, f"children {left} outlived their cluster's holder"
-    finally:
-        for pid in (proc.pid, *children):
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_sigterm_during_start_up_ends_what_was_started(tmp_path):
     """The real ``start()``: the `sleep` and the slow child are up, the nodes are "loading"."""
-    proc, children = _hold(tmp_path, in_start=True)
-    try:
+    with _holding(tmp_path, in_start=True) as (proc, _):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
-        left = [pid for pid in children if not _wait_gone(pid)]
-        assert not left, f"children {left} outlived a start-up cut short"
-    finally:
-        for pid in (proc.pid, *children):
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 class _NoChildren(LocalCluster):
