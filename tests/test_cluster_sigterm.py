@@ -26,8 +26,8 @@ HOLDER = r"""
 import os, subprocess, sys, time
 from pdserve.proxy.cluster import Child, ClusterSpec, LocalCluster
 
-SLOW = ("import signal, sys, time\n"
-        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.5), sys.exit(0)))\n"
+SLOW = ("import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path('stopping').touch(), time.sleep(1.5), sys.exit(0)))\n"
         "print('ready', flush=True)\n"
         "time.sleep(600)\n")
 
@@ -87,13 +87,18 @@ def _holding(tmp_path, body: str = "time.sleep(600)", in_start: bool = False) ->
                 os.kill(pid, signal.SIGKILL)
 
 
-def _wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
+def _poll(done, timeout_s: float = 15.0) -> bool:
+    """``done()`` became true within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if done():
             return True
-        time.sleep(0.05)
+        time.sleep(0.02)
     return False
+
+
+def _wait_gone(pid: int) -> bool:
+    return _poll(lambda: not _alive(pid))
 
 
 def test_sigterm_unwinds_the_block_ends_the_children_and_a_second_one_is_swallowed(tmp_path):
@@ -115,7 +120,7 @@ def test_a_sigterm_during_the_normal_stop_waits_for_it_then_exits(tmp_path):
     with _holding(tmp_path, "sys.stdin.readline()") as (proc, _):
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        time.sleep(0.5)
+        assert _poll(lambda: (tmp_path / "stopping").exists()), "stop() never reached the slow child"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM, proc.communicate(timeout=10)[1][-2000:]
 
@@ -172,7 +177,7 @@ def test_held_off_the_main_thread_leaves_the_sigterm_to_the_main_thread():
             worker.start()
             inside.wait(5)
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(1.0)                                           # the handler runs here, in the main thread
+            _poll(lambda: False)                                      # the handler raises here, in the main thread
     finally:
         release.set()
         worker.join()
