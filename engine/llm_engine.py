@@ -49,13 +49,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, store=None, detokenize: bool = True):
         """``store``: a ``KVStore`` to use instead of building one from ``config.kv_transfer``.
         ``detokenize`` False: outputs carry token ids only and stop strings are the caller's (the
-        engine-core process: its API process detokenizes and calls ``stop_request``)."""
+        engine-core process: its API process detokenizes and calls ``stop_request``), and no tokenizer is
+        loaded (``tokenizer`` None: ~1.5 s of start-up, transformers' config imports, saved)."""
         torch.set_num_threads(config.num_threads)
         host_memory.tune()                                  # freed activations stay mapped (glibc)
         torch.manual_seed(config.seed)
         self.config = config
         self.model, self.model_config = _load(config)      # model None: tp x pp worker ranks hold it
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model) if detokenize else None   # the core process has none
         self.layout = self.model_config.kv_layout()
         self.runtime = _measure_runtime(config, self.model_config, self.layout)
         block_size = config.cache.block_size

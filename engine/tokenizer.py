@@ -5,18 +5,41 @@ Called by the engine, the HTTP server and the proxy, which must tokenize exactly
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pdserve.engine.chat_template import TemplateLimits, render_chat
 
 
 def load_tokenizer(model_dir: str | Path):
+    """``AutoTokenizer.from_pretrained(model_dir)``, without its model config where the choice does not need it."""
     from transformers import AutoTokenizer
 
     path = Path(model_dir)
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {path}")
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), config=_light_config(path))
+
+
+def _light_config(path: Path):
+    """What ``AutoTokenizer`` reads of the model config (``model_type``, the path), as a bare ``PreTrainedConfig``,
+    when ``tokenizer_config.json`` names its class and has no ``auto_map`` (remote code): then the class chosen
+    is the same, and transformers does not import the model family's config module (~1.5 s of start-up: rope
+    utilities, torch.distributed.tensor) in every process that tokenizes. None otherwise: AutoTokenizer loads
+    the real config. ``tests/test_tokenizer_load.py`` checks both ways give the same tokenizer."""
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(tokenizer_config, dict) or not isinstance(tokenizer_config.get("tokenizer_class"), str) \
+            or "auto_map" in tokenizer_config or not isinstance(model_type, str):
+        return None
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig()
+    config.model_type, config._name_or_path = model_type, str(path)
+    return config
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

@@ -24,10 +24,18 @@ Who calls it: the engine's KV connector (prefill: ``put``; decode: ``lookup`` th
     zmq_context.py the process's one zmq context (a context per object can hang the garbage collector)
 """
 
-from pdserve.kvstore.accounting import KVAccounting, account
-from pdserve.kvstore.base import KVStore, TierStats
-from pdserve.kvstore.config import KVStoreConfig, build_store
-from pdserve.kvstore.keys import chunk_keys, model_fingerprint, object_key
+from __future__ import annotations
 
 __all__ = ["KVAccounting", "KVStore", "KVStoreConfig", "TierStats", "account", "build_store",
            "chunk_keys", "model_fingerprint", "object_key"]
+_HOMES = {"KVAccounting": "accounting", "account": "accounting", "KVStore": "base", "TierStats": "base",
+          "KVStoreConfig": "config", "build_store": "config", "chunk_keys": "keys", "model_fingerprint": "keys",
+          "object_key": "keys"}
+
+
+def __getattr__(name: str):
+    # Lazy: the proxy needs only ``keys`` (prefix routing), and ``base`` imports torch.
+    if name not in _HOMES:
+        raise AttributeError(name)
+    import importlib
+    return getattr(importlib.import_module(f"pdserve.kvstore.{_HOMES[name]}"), name)

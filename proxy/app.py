@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
-from pdserve.engine.server.app import BearerAuth
+from pdserve.engine.server.auth import BearerAuth
 from pdserve.engine.server.direct import DirectRoutes, FrontedApp
 from pdserve.engine.server.errors import APIError, error_response, install_error_handlers
 from pdserve.engine.server.limits import BodyLimits

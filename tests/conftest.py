@@ -18,6 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PDSERVE_COMPILE", "0")    # eager (the default): test_compile.py asks for compile
 # nodes the tests start run in one process (half the start-up); the engine-core tests ask for the core
 os.environ.setdefault("PDSERVE_ENGINE_CORE_PROCESS", "0")
+# the KV cache on 4 KiB pages: faulting 512 MiB in as huge pages costs a node ~1-2 s more of start-up on these VMs,
+# and pages change no bit (test_host_memory.py asks for "tuned")
+os.environ.setdefault("PDSERVE_HOST_MEMORY", "default")
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402

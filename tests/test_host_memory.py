@@ -39,7 +39,8 @@ def test_the_cache_is_zeroed_with_its_layout():
 
 
 @pytest.mark.skipif(not LINUX, reason="madvise(MADV_HUGEPAGE) is Linux's")
-def test_a_big_cache_is_advised_onto_huge_pages():
+def test_a_big_cache_is_advised_onto_huge_pages(monkeypatch):
+    monkeypatch.setattr(envs, "PDSERVE_HOST_MEMORY", "tuned")         # the suite runs "default" (conftest)
     t = host_memory.zeros_on_hugepages((64 * 2**20 // 4,), torch.float32)       # 64 MiB
     assert not t.any()
     assert "hg" in vm_flags(t.data_ptr() + 32 * 2**20)          # MADV_HUGEPAGE set on the mapping
@@ -48,6 +49,7 @@ def test_a_big_cache_is_advised_onto_huge_pages():
 def test_switched_off_or_small_it_advises_nothing(monkeypatch):
     advised = []
     monkeypatch.setattr(host_memory, "advise", lambda *a: advised.append(a) or True)
+    monkeypatch.setattr(envs, "PDSERVE_HOST_MEMORY", "tuned")
     host_memory.zeros_on_hugepages((1024,), torch.float32)                       # under 4 MiB: not worth it
     monkeypatch.setattr(envs, "PDSERVE_HOST_MEMORY", "default")
     t = host_memory.zeros_on_hugepages((8 * 2**20,), torch.float32)

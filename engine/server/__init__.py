@@ -3,7 +3,8 @@
 ``pdserve node`` calls ``build_app(engine, api_key=..., limits=...)`` and runs it with uvicorn; the proxy
 reuses ``protocol``, ``checks``, ``limits``, ``prompt_work``, ``direct`` and ``errors``, so both refuse alike.
 
-    app.py          build_app: routers, error handlers, per-app metrics registry, Bearer auth, body limits
+    app.py          build_app: routers, error handlers, per-app metrics registry, body limits
+    auth.py         BearerAuth (--api-key), node and proxy
     protocol.py     pydantic request bodies (OpenAI fields + vLLM extras), every field bounded -> SamplingParams
     checks.py       the checks after parsing (vocabulary, choices, prompt characters and tokens), node and proxy
     direct.py       DirectRoutes / FrontedApp: the two POST routes served ahead of FastAPI's stack (node and proxy)
@@ -19,6 +20,14 @@ reuses ``protocol``, ``checks``, ``limits``, ``prompt_work``, ``direct`` and ``e
     metrics.py      Prometheus: running/waiting, KV usage, prefix cache, TTFT/ITL, finish reasons
 """
 
-from pdserve.engine.server.app import build_app
+from __future__ import annotations
 
 __all__ = ["build_app"]
+
+
+def __getattr__(name: str):
+    # Lazy: the proxy imports protocol, checks, direct ... from here without the node's app (and torch).
+    if name == "build_app":
+        from pdserve.engine.server.app import build_app
+        return build_app
+    raise AttributeError(name)

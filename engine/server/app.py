@@ -17,7 +17,6 @@ reaches the engine that much sooner: the API process is the one that admits them
 
 from __future__ import annotations
 
-import hmac
 
 from typing import Any
 
@@ -25,19 +24,19 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from pdserve.engine.request_limits import RequestLimits
 from pdserve.engine.server import chat, completions, info
+from pdserve.engine.server.auth import BearerAuth
 from pdserve.engine.server.common import make_node_state
 from pdserve.engine.server.direct import DirectRoutes, FrontedApp
-from pdserve.engine.server.errors import error_response, install_error_handlers
+from pdserve.engine.server.errors import install_error_handlers
 from pdserve.engine.server.inflight import InflightLimit
 from pdserve.engine.server.limits import BodyLimits
 from pdserve.engine.server.metrics import ServerMetrics
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def build_app(engine, *, api_key: str | None = None, limits: RequestLimits = RequestLimits(),
@@ -70,22 +69,3 @@ def _direct_routes() -> dict[str, tuple[type, Any]]:
             "/v1/chat/completions": (ChatCompletionRequest, serve(chat.create_chat_completion))}
 
 
-class BearerAuth:
-    """Pure ASGI middleware: every path but OPEN_PATHS needs ``Authorization: Bearer <key>``.
-    Runs before body parsing, so an unauthenticated client learns nothing but 401."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode("latin-1")
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
-            await self.app(scope, receive, send)
-            return
-        response = error_response(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return hmac.compare_digest(got, self._expected)
