@@ -21,19 +21,25 @@ def load_tokenizer(model_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(path), config=_light_config(path))
 
 
+_READ_BY_AUTOTOKENIZER = {"tokenizer_class", "model_name"}    # config.json keys it would read: then the whole path
+
+
 def _light_config(path: Path):
     """What ``AutoTokenizer`` reads of the model config (``model_type``, the path), as a bare ``PreTrainedConfig``,
-    when ``tokenizer_config.json`` names its class and has no ``auto_map`` (remote code): then the class chosen
+    when ``tokenizer_config.json`` names its class and has no ``auto_map`` (remote code), and config.json has none
+    of the other keys AutoTokenizer reads (``tokenizer_class``, ``model_name``): then the class chosen
     is the same, and transformers does not import the model family's config module (~1.5 s of start-up: rope
     utilities, torch.distributed.tensor) in every process that tokenizes. None otherwise: AutoTokenizer loads
     the real config. ``tests/test_tokenizer_load.py`` checks both ways give the same tokenizer."""
     try:
         tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
-        model_type = json.loads((path / "config.json").read_text())["model_type"]
+        model_config = json.loads((path / "config.json").read_text())
+        model_type = model_config["model_type"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not isinstance(tokenizer_config, dict) or not isinstance(tokenizer_config.get("tokenizer_class"), str) \
-            or "auto_map" in tokenizer_config or not isinstance(model_type, str):
+    declared = tokenizer_config.get("tokenizer_class") if isinstance(tokenizer_config, dict) else None
+    if not declared or not isinstance(declared, str) or "auto_map" in tokenizer_config \
+            or not isinstance(model_type, str) or _READ_BY_AUTOTOKENIZER & model_config.keys():
         return None
     from transformers import PretrainedConfig
 

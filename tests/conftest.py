@@ -18,8 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PDSERVE_COMPILE", "0")    # eager (the default): test_compile.py asks for compile
 # nodes the tests start run in one process (half the start-up); the engine-core tests ask for the core
 os.environ.setdefault("PDSERVE_ENGINE_CORE_PROCESS", "0")
-# the KV cache on 4 KiB pages: faulting 512 MiB in as huge pages costs a node ~1-2 s more of start-up on these VMs,
-# and pages change no bit (test_host_memory.py asks for "tuned")
+# host memory as the platform has it (KV cache on 4 KiB pages, glibc's own malloc thresholds): faulting 512 MiB in
+# as huge pages costs a node ~1-2 s more of start-up on these VMs, and neither changes a bit; test_host_memory.py
+# asks for "tuned" (production's default) where it tests it
 os.environ.setdefault("PDSERVE_HOST_MEMORY", "default")
 
 import httpx  # noqa: E402

@@ -97,7 +97,7 @@ def test_api_process_text_equals_in_process(engines, lag):
     reference, core = engines
     prompt = reference.tokenizer.encode(PROMPT)
     cases = _cases(_texts(reference, prompt, 12), eos_ok=True)
-    api = OutputProcessor(core.tokenizer, wait_for_core=False)
+    api = OutputProcessor(reference.tokenizer, wait_for_core=False)
     for name, params in cases.items():
         reference.add_request(name, prompt, params)
         core.add_request(name, prompt, params)
@@ -123,7 +123,7 @@ def test_in_flight_tokens_after_a_stop_string_are_dropped(engines):
     params = _greedy(max_tokens=300, stop=(_ending_at(t[8], len(t[3]), start_before=len(t[2])),))
     reference.add_request("x", prompt, params)
     expected = _run(reference)
-    api = OutputProcessor(core.tokenizer, wait_for_core=False)
+    api = OutputProcessor(reference.tokenizer, wait_for_core=False)
     core.add_request("x", prompt, params)
     api.add("x", 1, prompt, params)
     got, stops = [], []
@@ -153,7 +153,7 @@ def test_a_final_output_waits_for_the_core_with_a_store(engines):
     prompt = reference.tokenizer.encode(PROMPT)
     t = _texts(reference, prompt, 8)
     params = _greedy(max_tokens=50, stop=(_ending_at(t[8], len(t[3]), start_before=len(t[2])),))
-    api = OutputProcessor(core.tokenizer, wait_for_core=True)
+    api = OutputProcessor(reference.tokenizer, wait_for_core=True)
     core.add_request("y", prompt, params)
     api.add("y", 1, prompt, params)
     got, stop = [], None

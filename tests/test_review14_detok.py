@@ -29,6 +29,7 @@ from pdserve.engine.core.proc import CoreLoop
 from pdserve.engine.kv_transfer import KVTransferParams
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.kvstore.memory import MemoryTier
 from pdserve.kvstore.tiered import TieredStore
 
@@ -51,7 +52,7 @@ class _Core:
     def __init__(self, engine: LLMEngine, wait_for_core: bool):
         self.engine, self.box = engine, _Outbox()
         self.loop = CoreLoop(engine, None, self.box)
-        self.api = OutputProcessor(engine.tokenizer, wait_for_core=wait_for_core)
+        self.api = OutputProcessor(load_tokenizer(engine.config.model), wait_for_core=wait_for_core)   # the API's own
 
     def turn(self, messages=()) -> list:
         """Apply ``messages``, step, send: -> what the API process delivers."""
@@ -82,7 +83,7 @@ def test_an_id_re_added_with_the_stop_in_one_batch_gets_its_own_outputs(tiny_lla
                        detokenize=False)
     try:
         core = _Core(engine, wait_for_core=False)
-        prompt = engine.tokenizer.encode(PROMPT)
+        prompt = core.api.tokenizer.encode(PROMPT)
         old, new = _greedy(max_tokens=400), _greedy(max_tokens=4)
         core.api.add("X", 1, prompt, old)
         core.turn([m.AddRequest("X", 1, prompt, old)])

@@ -31,19 +31,26 @@ def test_the_tokenizer_is_autotokenizer_s_own(tiny_models, tiny_llama_metaspace,
         assert _fingerprint(load_tokenizer(path)) == _fingerprint(AutoTokenizer.from_pretrained(str(path))), name
 
 
-def test_remote_code_or_no_declared_class_takes_autotokenizer_s_whole_path(tiny_llama, tmp_path):
-    for change in ({"auto_map": {"AutoTokenizer": ["x.Tok", None]}}, {"tokenizer_class": None}):
-        model = tmp_path / next(iter(change))
-        model.mkdir()
-        for f in tiny_llama.iterdir():
-            if f.suffix == ".json":
-                (model / f.name).write_bytes(f.read_bytes())
-        config = json.loads((model / "tokenizer_config.json").read_text())
-        config.update(change)
-        (model / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
-        assert _light_config(model) is None
-    (tmp_path / "no-config").mkdir()
-    assert _light_config(tmp_path / "no-config") is None
+CHANGES = [("tokenizer_config.json", {"auto_map": {"AutoTokenizer": ["x.Tok", None]}}),
+           ("tokenizer_config.json", {"tokenizer_class": None}), ("tokenizer_config.json", {"tokenizer_class": ""}),
+           ("config.json", {"tokenizer_class": "LlamaTokenizer"}), ("config.json", {"model_name": "phi3"})]
+
+
+@pytest.mark.parametrize("file, change", CHANGES, ids=[f"{f}:{next(iter(c))}={next(iter(c.values()))}"
+                                                       for f, c in CHANGES])
+def test_what_the_bare_config_would_miss_takes_autotokenizer_s_whole_path(tiny_llama, tmp_path, file, change):
+    for f in tiny_llama.iterdir():
+        if f.suffix == ".json":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / file).read_text())
+    config.update(change)
+    (tmp_path / file).write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    assert _light_config(tmp_path) is None
+    assert _fingerprint(load_tokenizer(tmp_path)) == _fingerprint(AutoTokenizer.from_pretrained(str(tmp_path)))
+
+
+def test_a_dir_without_a_config_takes_the_whole_path(tmp_path):
+    assert _light_config(tmp_path) is None
 
 
 def test_loading_does_not_import_the_model_family_s_config(tiny_llama):
