@@ -26,11 +26,10 @@ Who calls it: the engine's KV connector (prefill: ``put``; decode: ``lookup`` th
 
 from __future__ import annotations
 
-__all__ = ["KVAccounting", "KVStore", "KVStoreConfig", "TierStats", "account", "build_store",
-           "chunk_keys", "model_fingerprint", "object_key"]
 _HOMES = {"KVAccounting": "accounting", "account": "accounting", "KVStore": "base", "TierStats": "base",
           "KVStoreConfig": "config", "build_store": "config", "chunk_keys": "keys", "model_fingerprint": "keys",
-          "object_key": "keys"}
+          "object_key": "keys"}                  # the package's names -> the module each lives in
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str):

@@ -17,7 +17,6 @@ reaches the engine that much sooner: the API process is the one that admits them
 
 from __future__ import annotations
 
-
 from typing import Any
 
 from fastapi import FastAPI
@@ -36,7 +35,6 @@ from pdserve.engine.server.inflight import InflightLimit
 from pdserve.engine.server.limits import BodyLimits
 from pdserve.engine.server.metrics import ServerMetrics
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
-
 
 
 def build_app(engine, *, api_key: str | None = None, limits: RequestLimits = RequestLimits(),
@@ -67,5 +65,3 @@ def _direct_routes() -> dict[str, tuple[type, Any]]:
         return direct
     return {"/v1/completions": (CompletionRequest, serve(completions.create_completion)),
             "/v1/chat/completions": (ChatCompletionRequest, serve(chat.create_chat_completion))}
-
-
