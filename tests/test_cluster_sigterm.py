@@ -130,11 +130,12 @@ def test_sigterm_unwinds_the_block_ends_the_children_and_a_second_one_is_swallow
     """The second SIGTERM lands in the holder's own ``finally`` (held open until the test creates
     ``finally_release``): it must neither cut that short nor the stop after it (the gated child is stopped first:
     a stop cut short would leave the `sleep` running)."""
-    body = ("try:\n        while True:\n            signal.pause()\n    finally:\n"
-            "        pathlib.Path('in_finally').touch()\n        gate('finally_release')\n"
+    body = ("try:\n        pathlib.Path('in_try').touch()\n        while True:\n            signal.pause()\n"
+            "    finally:\n        pathlib.Path('in_finally').touch()\n        gate('finally_release')\n"
             "        print('finally done', flush=True)")
     with _holding(tmp_path, body) as (proc, children):
         assert all(_alive(pid) for pid in children)
+        assert _poll(lambda: (tmp_path / "in_try").exists()), "the holder never entered its try"
         proc.send_signal(signal.SIGTERM)
         assert _poll(lambda: (tmp_path / "in_finally").exists()), "the first SIGTERM did not unwind the block"
         proc.send_signal(signal.SIGTERM)
