@@ -14,6 +14,7 @@ import torch
 
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.models.llama import LogitRows
 from pdserve.engine.sampler import sample, skip_draws
 from pdserve.kernels import resolve_backend
 
@@ -59,14 +60,27 @@ class ModelRunner:
             return {}
         inputs = self.input_batch.prepare(scheduled)
         hidden = self.graphs.run(inputs) if self.graphs is not None else None                # decode: replay
-        if hidden is None:
-            pieces = self.compiled.pieces_for(inputs.input_ids.shape[0]) if self.compiled is not None else None
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
-                                pieces=pieces)                                                # [T, D]
+        if hidden is not None:
+            hidden = hidden[inputs.sample_rows]
+        else:
+            hidden = self._forward(inputs)                                                    # [S, D]
         if not inputs.sample_requests:
             return {}
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])                       # [S, V]
+        logits = self.model.compute_logits(hidden)                                            # [S, V]
         return self.sample_requests(logits, inputs.sample_requests)
+
+    def _forward(self, inputs) -> torch.Tensor:
+        """The hidden states of the sampled rows, [S, D]. On the ``cpu`` attention backend a step with rows
+        that are not sampled (prompt chunks) runs its last layer's attention and MLP for the sampled rows
+        only (``LogitRows``: the same bits for them, less work); other steps run every row and pick."""
+        n, rows = inputs.input_ids.shape[0], inputs.sample_rows
+        pieces = self.compiled.pieces_for(n) if self.compiled is not None else None
+        if self.attention_backend == "cpu" and rows.numel() < n:
+            keep = LogitRows(rows, inputs.attn.for_rows(rows),
+                             self.compiled.pieces_for(rows.numel()) if self.compiled is not None else None)
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, pieces=pieces,
+                              logit_rows=keep)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, pieces=pieces)[rows]
 
     def sample_requests(self, logits: torch.Tensor, reqs: list) -> dict:
         """logits: [S, V] of ``reqs`` (anything with request_id, sampling_params, all_token_ids,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from pdserve.kernels import cpu_attention, reference
+from pdserve.kernels import cpu_attention, cpu_ops, reference
 
 BACKENDS = ("cpu", "torch", "triton")
 
@@ -54,6 +54,9 @@ def paged_attention(q, k, v, cache: dict, meta, scale: float, sliding_window: in
 
 
 def write_to_cache(k, v, cache: dict, slot_mapping, backend: str = "torch") -> None:
+    """Only the write of ``paged_attention`` (the same bytes): the step's K/V at ``slot_mapping``."""
+    if backend == "cpu" and cpu_ops.write_kv(k, v, cache, slot_mapping):
+        return
     if backend == "triton":
         from pdserve.kernels import triton_cache
 

@@ -15,6 +15,13 @@ Everything a kernel reads is a device tensor; the host ints (``max_query_len``, 
 size grids without a device sync. The ``*_cpu`` mirrors hold the same values on the host for the
 plain-torch backend (its Python loops read them; on CUDA that costs no sync either).
 CUDA-graph padding rows: ``q_len`` 1, ``seq_len`` 1, ``slot_mapping`` -1 (nothing written).
+
+``for_rows(rows)`` re-cuts a step's metadata to some of its flat rows, each a query of its own that sees
+its sequence's keys up to its own position (the model's last layer, whose attention only the sampled rows
+need, once every row's K/V is in the cache):
+
+    step:        | seq 0: rows 0..4 (positions 7..11) | seq 1: row 5 (position 39) |
+    for_rows([4, 5]):  query_start_loc [0, 1, 2], seq_lens [12, 40], block_table rows of seq 0, seq 1
 """
 
 from __future__ import annotations
@@ -49,6 +56,17 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def for_rows(self, rows: torch.Tensor) -> "AttentionMetadata":
+        """One query row per flat row in ``rows`` ([S] int64, host, ascending), attending to its sequence's
+        keys up to and including its own position; host-side metadata (the CPU backends)."""
+        qsl = self.query_start_loc_cpu.long()
+        seqs = torch.searchsorted(qsl[1:], rows, right=True)                       # [S] sequence of each row
+        lens = (self.seq_lens_cpu.long()[seqs] - (qsl[seqs + 1] - 1 - rows)).to(torch.int32)   # position + 1
+        starts = torch.arange(rows.numel() + 1, dtype=torch.int32)
+        return AttentionMetadata(self.slot_mapping[rows], starts, lens, self.block_table[seqs], 1,
+                                 int(lens.max()) if rows.numel() else 1, self.block_size, starts, lens,
+                                 self.backend)
 
     @staticmethod
     def build(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,

@@ -6,6 +6,18 @@ bias, q/k norm, per-layer sliding window). Called by the model runner once per s
     hidden = model(input_ids, positions, kv_caches, attn_meta)   # [T, D], T = all new tokens
     logits = model.compute_logits(hidden[sample_rows])           # [N, V] float32
 
+or, where only the sampled rows' hidden states are wanted (``logit_rows``, the single-process CPU runner):
+
+    hidden = model(input_ids, positions, kv_caches, attn_meta, logit_rows=LogitRows(rows, attn_meta.for_rows(rows)))
+    logits = model.compute_logits(hidden)                        # hidden: [N, D]
+
+The last layer then runs its norm and q/k/v projection for every row (their K/V go into the cache), but
+attention, o_proj and the MLP only for ``rows``: a prompt's other rows feed no logits, and no later layer
+reads them. A 2048-token prefill step of a 4-layer model skips ~a quarter of its attention and MLP work.
+Each kept row's result has the bits it has in the full step where no result depends on the other rows
+(the ``cpu`` attention backend, whose rows do not depend on how a prompt is chunked, and the few-row
+matmuls, with oneDNN's bits): tests/test_logit_rows.py compares them.
+
 Tokens of the whole batch are flattened (no padding); ``attn_meta`` (``pdserve.kernels``) says
 which rows belong to which sequence and where their K/V go in the paged cache. ``kv_caches``
 holds this model's layers only: ``kv_caches[i]`` belongs to global layer ``first_layer + i``.
@@ -31,7 +43,7 @@ from torch import nn
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
-from pdserve.kernels import AttentionMetadata, paged_attention
+from pdserve.kernels import AttentionMetadata, paged_attention, write_to_cache
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,13 @@ class LayerPieces(NamedTuple):
     ``torch.compile``d versions (``pdserve.engine.compile``). Attention itself always runs eagerly."""
     before_attention: Callable        # (layer, h, cos, sin) -> q, k, v
     after_attention: Callable         # (layer, h, attn_out) -> h
+
+
+class LogitRows(NamedTuple):
+    """The rows whose hidden states feed logits, and the attention metadata that makes each its own query."""
+    rows: torch.Tensor                # [S] int64, host: flat rows of the step, ascending
+    attn: AttentionMetadata           # ``attn_meta.for_rows(rows)``
+    pieces: LayerPieces | None = None   # for the last layer's after_attention on S rows (None: eager)
 
 
 class Attention(nn.Module):
@@ -116,6 +135,17 @@ class DecoderLayer(nn.Module):
         q, k, v = pieces.before_attention(self, h, cos, sin)
         return pieces.after_attention(self, h, self.attn.attend(q, k, v, kv_cache, attn_meta))
 
+    def forward_rows(self, h: torch.Tensor, cos, sin, kv_cache, attn_meta, keep: LogitRows,
+                     pieces: LayerPieces | None = None) -> torch.Tensor:
+        # h: [T, D] -> [S, D]: every row's K/V into the cache, attention and the MLP for ``keep.rows`` only
+        q, k, v = (pieces or EAGER_PIECES).before_attention(self, h, cos, sin)
+        write_to_cache(k, v, kv_cache, attn_meta.slot_mapping, attn_meta.backend)
+        r = keep.rows
+        if not r.numel():                                # a step that samples nothing: no row goes on
+            return h[:0]
+        out = self.attn.attend(q[r], k[r], v[r], kv_cache, keep.attn)   # writes those rows' K/V again: same bytes
+        return (keep.pieces or EAGER_PIECES).after_attention(self, h[r], out)
+
     def before_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # h: [T, D] -> q: [T, H, Dh], k, v: [T, Hkv, Dh]
         return self.attn.project(self.input_norm(h), cos, sin)
@@ -156,16 +186,24 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[dict[str, torch.Tensor]], attn_meta: AttentionMetadata,
-                hidden: torch.Tensor | None = None, pieces: LayerPieces | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, pieces: LayerPieces | None = None,
+                logit_rows: LogitRows | None = None) -> torch.Tensor:
         # input_ids, positions: [T]; hidden: [T, D] from the previous stage (later stages only)
+        # -> [T, D], or [S, D] for ``logit_rows`` (the last stage only)
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"got {len(kv_caches)} KV caches for {self.num_layers} layers")
+        if logit_rows is not None and not self.is_last:
+            raise ValueError("logit_rows needs the model's last layer (a pipeline's last stage)")
         h = self.embed_tokens(input_ids) if hidden is None else hidden               # [T, D]
         seq_lens = _rope_seq_lens(positions, attn_meta) if self.rotary.dynamic else None
         cos, sin = self.rotary(positions, seq_lens)                                  # [T, Dh] each
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, attn_meta, pieces)
-        return self.norm(h) if self.is_last else h                                   # [T, D]
+        last = self.num_layers - 1 if logit_rows is not None else -1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if i == last:
+                h = layer.forward_rows(h, cos, sin, kv_cache, attn_meta, logit_rows, pieces)   # [S, D]
+            else:
+                h = layer(h, cos, sin, kv_cache, attn_meta, pieces)
+        return self.norm(h) if self.is_last else h                                   # [T or S, D]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, D] -> logits: [N, V] float32

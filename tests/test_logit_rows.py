@@ -1,0 +1,154 @@
+"""The last layer for the sampled rows only (``LogitRows``, ``AttentionMetadata.for_rows``).
+
+A prefill step's model forward runs its last layer's attention and MLP only for the rows whose logits are
+sampled. These tests hold it to the full step: the kept rows' hidden states bit for bit, every KV byte of
+the cache, on every architecture, for steps that mix prompt chunks (sampled and not), an extend chunk over
+cached context and decode rows; and the engine's runner takes that path on the ``cpu`` backend only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.engine.loader import load_model
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.llama import LogitRows
+from pdserve.kernels import AttentionMetadata, cpu_attention
+
+BLOCK = 16
+needs_kernel = pytest.mark.skipif(cpu_attention.load() is None, reason="the cpu attention kernel does not build here")
+
+# (cached tokens, new tokens) per sequence; a sequence is sampled when its chunk reaches its prompt's end
+STEP = [(0, 37, True), (0, 40, False), (23, 9, True), (50, 1, True), (0, 1, True), (16, 16, False), (70, 1, True)]
+
+
+def _step(backend: str):
+    """The step's metadata and its sampled rows; the block table hands each sequence blocks out of order."""
+    q_lens = [n for _, n, _ in STEP]
+    seq_lens = [c + n for c, n, _ in STEP]
+    tables, next_block = [], 0
+    for length in seq_lens:
+        nb = -(-length // BLOCK)
+        tables.append([next_block + (5 * j) % nb for j in range(nb)])
+        next_block += nb
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK, backend=backend)
+    ends = np.cumsum(q_lens)
+    rows = torch.tensor([e - 1 for e, (_, _, s) in zip(ends, STEP) if s], dtype=torch.int64)
+    positions = torch.cat([torch.arange(c, c + n) for c, n, _ in STEP])
+    return meta, rows, positions, next_block
+
+
+def _run(model, config, backend: str, keep: bool):
+    """-> (hidden states of the sampled rows [S, D], the KV cache buffer) after the cached context and the step."""
+    meta, rows, positions, num_blocks = _step(backend)
+    layout = config.kv_layout(num_layers=model.num_layers)
+    caches = layout.allocate(num_blocks + 1, BLOCK)
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        context = [c for c, _, _ in STEP]              # cached tokens: a step of their own first
+        if any(context):
+            idx = [i for i, c in enumerate(context) if c]
+            ctx_meta = AttentionMetadata.build([context[i] for i in idx], [context[i] for i in idx],
+                                               [meta.block_table[i].tolist() for i in idx], BLOCK, backend=backend)
+            ctx_ids = torch.randint(0, config.vocab_size, (sum(context),), generator=gen)
+            model(ctx_ids, torch.cat([torch.arange(context[i]) for i in idx]), caches, ctx_meta)
+        ids = torch.randint(0, config.vocab_size, (positions.numel(),), generator=gen)
+        if keep:
+            hidden = model(ids, positions, caches, meta, logit_rows=LogitRows(rows, meta.for_rows(rows)))
+        else:
+            hidden = model(ids, positions, caches, meta)[rows]
+    return hidden, caches.buffer.clone()
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_the_sampled_rows_and_every_kv_byte_equal_the_full_step(tiny_models, arch):
+    model, config = load_model(tiny_models[arch])
+    full_hidden, full_kv = _run(model, config, "cpu", keep=False)
+    kept_hidden, kept_kv = _run(model, config, "cpu", keep=True)
+    assert kept_hidden.shape == full_hidden.shape == (5, config.hidden_size)
+    assert torch.equal(kept_hidden, full_hidden)
+    assert torch.equal(kept_kv, full_kv)
+
+
+def test_for_rows_makes_each_row_a_query_up_to_its_own_position():
+    meta, rows, positions, _ = _step("cpu")
+    sub = meta.for_rows(rows)
+    seqs = [i for i, (_, _, s) in enumerate(STEP) if s]
+    assert sub.query_start_loc.tolist() == list(range(len(seqs) + 1)) and sub.max_query_len == 1
+    assert sub.seq_lens.tolist() == [int(positions[r]) + 1 for r in rows] == [37, 32, 51, 1, 71]
+    assert torch.equal(sub.block_table, meta.block_table[seqs])
+    assert torch.equal(sub.slot_mapping, meta.slot_mapping[rows]) and sub.max_seq_len == 71
+    inner = meta.for_rows(torch.tensor([3, 38]))    # rows inside a chunk: their own positions, not the chunk's end
+    assert inner.seq_lens.tolist() == [4, 2] and torch.equal(inner.block_table, meta.block_table[[0, 1]])
+    empty = meta.for_rows(torch.tensor([], dtype=torch.int64))
+    assert empty.num_seqs == 0 and empty.query_start_loc.tolist() == [0]
+
+
+@needs_kernel
+def test_a_step_that_samples_nothing_writes_every_kv_byte(tiny_llama):
+    model, config = load_model(tiny_llama)
+    meta = AttentionMetadata.build([24], [24], [[2, 0]], BLOCK, backend="cpu")
+    ids, positions = torch.arange(24) % config.vocab_size, torch.arange(24)
+    buffers = []
+    for keep in (None, LogitRows(torch.tensor([], dtype=torch.int64), meta.for_rows(torch.tensor([], dtype=torch.int64)))):
+        caches = config.kv_layout().allocate(3, BLOCK)
+        with torch.inference_mode():
+            out = model(ids, positions, caches, meta, logit_rows=keep)
+        assert out.shape == ((24 if keep is None else 0), config.hidden_size)
+        buffers.append(caches.buffer.clone())
+    assert torch.equal(*buffers) and buffers[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_the_runner_keeps_only_the_sampled_rows_on_the_cpu_backend(tiny_llama, backend, monkeypatch):
+    if backend == "cpu" and cpu_attention.load() is None:
+        pytest.skip("the cpu attention kernel does not build here")
+    model, config = load_model(tiny_llama)
+    runner = ModelRunner(model, config.kv_layout(), 8, BLOCK, attention_backend=backend)
+    seen = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, *a, **kw: seen.append(kw.get("logit_rows"))
+                        or forward(self, *a, **kw))
+    step = _Scheduled([_Item(_Req("a", list(range(1, 21))), 20)])
+    out = runner.execute(step)
+    assert list(out) == ["a"]
+    assert (seen[0] is not None) == (backend == "cpu")
+    if backend == "cpu":
+        assert seen[0].rows.tolist() == [19] and seen[0].attn.seq_lens.tolist() == [20]
+
+
+def test_logit_rows_need_the_last_layer(tiny_llama):
+    from pdserve.engine.models.llama import LlamaForCausalLM
+    from pdserve.engine.model_config import ModelConfig
+
+    config = ModelConfig.from_dir(tiny_llama)
+    first_stage = LlamaForCausalLM(config, first_layer=0, num_layers=1)
+    meta = AttentionMetadata.build([2], [2], [[0]], BLOCK)
+    rows = torch.tensor([1])
+    with pytest.raises(ValueError, match="last layer"):
+        first_stage(torch.tensor([1, 2]), torch.arange(2), config.kv_layout(num_layers=1).allocate(1, BLOCK), meta,
+                    logit_rows=LogitRows(rows, meta.for_rows(rows)))
+
+
+class _Req:
+    """What the input batch and the sampler read of a request."""
+
+    def __init__(self, request_id: str, prompt: list[int]):
+        from pdserve.engine.sampling_params import SamplingParams
+
+        self.request_id, self.all_token_ids, self.num_tokens = request_id, prompt, len(prompt)
+        self.num_computed_tokens, self.block_ids = 0, [3, 1]
+        self.sampling_params, self.banned_token_ids, self.sampler_draws = SamplingParams(temperature=0.0), [], 0
+
+
+class _Item:
+    def __init__(self, request, n: int):
+        self.request, self.num_new_tokens = request, n
+
+
+class _Scheduled:
+    def __init__(self, scheduled):
+        self.scheduled, self.preempted, self.rejected = scheduled, [], []
