@@ -16,7 +16,7 @@ from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.engine.models.llama import LogitRows
 from pdserve.engine.sampler import sample, skip_draws
-from pdserve.kernels import resolve_backend
+from pdserve.kernels import cpu_attention, cpu_ops, resolve_backend
 
 
 class SampleFailure:
@@ -50,6 +50,7 @@ class ModelRunner:
             from pdserve.engine.compile import compile_layers
 
             self.compiled = compile_layers(model)
+        self.keep_sampled_rows = self._rows_keep_their_bits()     # LogitRows: see _forward
 
     @torch.inference_mode()
     def execute(self, scheduler_output) -> dict:
@@ -70,17 +71,27 @@ class ModelRunner:
         return self.sample_requests(logits, inputs.sample_requests)
 
     def _forward(self, inputs) -> torch.Tensor:
-        """The hidden states of the sampled rows, [S, D]. On the ``cpu`` attention backend a step with rows
-        that are not sampled (prompt chunks) runs its last layer's attention and MLP for the sampled rows
+        """The hidden states of the sampled rows, [S, D]. Where ``keep_sampled_rows`` holds, an eager step with
+        rows that are not sampled (prompt chunks) runs its last layer's attention and MLP for the sampled rows
         only (``LogitRows``: the same bits for them, less work); other steps run every row and pick."""
         n, rows = inputs.input_ids.shape[0], inputs.sample_rows
         pieces = self.compiled.pieces_for(n) if self.compiled is not None else None
-        if self.attention_backend == "cpu" and rows.numel() < n:
-            keep = LogitRows(rows, inputs.attn.for_rows(rows),
-                             self.compiled.pieces_for(rows.numel()) if self.compiled is not None else None)
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, pieces=pieces,
-                              logit_rows=keep)
+        if self.keep_sampled_rows and pieces is None and rows.numel() < n:
+            keep = LogitRows(rows, inputs.attn.for_rows(rows))
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, logit_rows=keep)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, pieces=pieces)[rows]
+
+    def _rows_keep_their_bits(self) -> bool:
+        """Whether the last layer may run for the sampled rows only and give each the bits of the full step:
+        the ``cpu`` attention kernel on a cache it takes (else the torch reference runs, whose decode and
+        prefill paths round differently), the C RMSNorm, and fp32 matmuls on oneDNN with the few-row panels
+        (``DecoderLayer.rows_independent``). Compiled steps keep the full step too (``_forward``): compiled
+        and eager pieces round differently."""
+        model = self.model
+        if self.attention_backend != "cpu" or not getattr(model, "is_last", False) or not self.kv_caches:
+            return False
+        return (cpu_attention.supports(self.kv_caches[-1]) and cpu_ops.load() is not None
+                and model.layers[-1].rows_independent())
 
     def sample_requests(self, logits: torch.Tensor, reqs: list) -> dict:
         """logits: [S, V] of ``reqs`` (anything with request_id, sampling_params, all_token_ids,

@@ -102,22 +102,64 @@ def test_a_step_that_samples_nothing_writes_every_kv_byte(tiny_llama):
     assert torch.equal(*buffers) and buffers[0].abs().sum() > 0
 
 
+def _runner_forwards(model, config, monkeypatch, block_size: int = BLOCK, backend: str = "cpu", **kwargs):
+    """One 20-token prompt through a ModelRunner: -> (the runner, the logit_rows each model call got, its output)."""
+    runner = ModelRunner(model, config.kv_layout(), 8, block_size, attention_backend=backend, **kwargs)
+    seen, forward = [], type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, *a, **kw: seen.append(kw.get("logit_rows"))
+                        or forward(self, *a, **kw))
+    blocks = list(range(-(-20 // block_size)))
+    out = runner.execute(_Scheduled([_Item(_Req("a", list(range(1, 21)), blocks), 20)]))
+    assert list(out) == ["a"]
+    return runner, seen, out["a"]
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_the_runner_keeps_only_the_sampled_rows_on_the_cpu_backend(tiny_llama, backend, monkeypatch):
     if backend == "cpu" and cpu_attention.load() is None:
         pytest.skip("the cpu attention kernel does not build here")
     model, config = load_model(tiny_llama)
-    runner = ModelRunner(model, config.kv_layout(), 8, BLOCK, attention_backend=backend)
-    seen = []
-    forward = type(model).forward
-    monkeypatch.setattr(type(model), "forward", lambda self, *a, **kw: seen.append(kw.get("logit_rows"))
-                        or forward(self, *a, **kw))
-    step = _Scheduled([_Item(_Req("a", list(range(1, 21))), 20)])
-    out = runner.execute(step)
-    assert list(out) == ["a"]
-    assert (seen[0] is not None) == (backend == "cpu")
+    runner, seen, _ = _runner_forwards(model, config, monkeypatch, backend=backend)
+    assert runner.keep_sampled_rows == (seen[0] is not None) == (backend == "cpu")
     if backend == "cpu":
         assert seen[0].rows.tolist() == [19] and seen[0].attn.seq_lens.tolist() == [20]
+
+
+# Where a kept row would round differently from the full step, the runner runs the full step (a review's
+# reproductions: logprobs differed in 16-17 of 24 requests at --block-size 4, head size 12, PDSERVE_CPU_LINEAR=torch)
+@needs_kernel
+@pytest.mark.parametrize("case", ["block size 4", "head size 12", "bfloat16", "F.linear", "no few-row panels"])
+def test_the_runner_runs_the_full_step_where_a_row_would_round_differently(case, tmp_path, monkeypatch):
+    from pdserve.engine.models import layers
+    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.kernels import cpu_linear
+
+    if case == "F.linear":
+        monkeypatch.setattr(layers, "_ONEDNN", False)            # what PDSERVE_CPU_LINEAR=torch sets at import
+    if case == "no few-row panels":                             # a CPU where no K block matches oneDNN's bits
+        monkeypatch.setattr(cpu_linear, "prepare", lambda *a, **k: None)
+    model_dir = make_tiny_model(tmp_path / "m", arch="llama", seed=0, hidden_size=48 if case == "head size 12" else 64)
+    model, config = load_model(model_dir, "bfloat16" if case == "bfloat16" else "auto")
+    runner, seen, _ = _runner_forwards(model, config, monkeypatch, block_size=4 if case == "block size 4" else BLOCK)
+    assert not runner.keep_sampled_rows and seen == [None]
+
+
+@needs_kernel
+def test_a_compiled_step_runs_every_row_and_an_eager_one_keeps_the_sampled_rows(tiny_llama, monkeypatch):
+    from pdserve.engine.compile import CompiledLayers
+
+    model, config = load_model(tiny_llama)
+    monkeypatch.setattr(CompiledLayers, "pieces_for", lambda self, n: "compiled" if n >= 16 else None)
+    monkeypatch.setattr("pdserve.engine.compile.compile_layers", lambda m: CompiledLayers.__new__(CompiledLayers))
+    calls = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, *a, **kw: calls.append(kw) or
+                        forward(self, *a, **{**kw, "pieces": None}))
+    runner = ModelRunner(model, config.kv_layout(), 8, BLOCK, attention_backend="cpu", torch_compile=True)
+    assert runner.keep_sampled_rows
+    runner.execute(_Scheduled([_Item(_Req("a", list(range(1, 21)), [0, 1]), 20)]))       # 20 rows: compiled
+    runner.execute(_Scheduled([_Item(_Req("b", list(range(1, 9)), [2]), 8)]))            # 8 rows: eager
+    assert [(kw.get("pieces"), kw.get("logit_rows") is not None) for kw in calls] == [("compiled", False), (None, True)]
 
 
 def test_logit_rows_need_the_last_layer(tiny_llama):
@@ -136,11 +178,11 @@ def test_logit_rows_need_the_last_layer(tiny_llama):
 class _Req:
     """What the input batch and the sampler read of a request."""
 
-    def __init__(self, request_id: str, prompt: list[int]):
+    def __init__(self, request_id: str, prompt: list[int], block_ids: list[int]):
         from pdserve.engine.sampling_params import SamplingParams
 
         self.request_id, self.all_token_ids, self.num_tokens = request_id, prompt, len(prompt)
-        self.num_computed_tokens, self.block_ids = 0, [3, 1]
+        self.num_computed_tokens, self.block_ids = 0, block_ids
         self.sampling_params, self.banned_token_ids, self.sampler_draws = SamplingParams(temperature=0.0), [], 0
 
 

@@ -8,6 +8,8 @@ Who calls what:
       -> model.load_weights(WeightSource, tp_rank)
     model(input_ids, positions, kv_caches, attn_meta, pieces=None) -> hidden [T, D]   # ModelRunner, per step
     model.compute_logits(hidden[sample_rows])        -> logits [N, V] float32
+    model(..., logit_rows=LogitRows(rows, attn_meta.for_rows(rows))) -> hidden [N, D]  # the CPU runner:
+                                                     # the last layer's attention and MLP for ``rows`` only
 
 Files:
     registry.py  architecture name (config.json ``architectures[0]``) -> model class

@@ -162,6 +162,13 @@ class Linear(nn.Module):
         copies = self._copies()
         return None if copies is None else cpu_linear.linear(x, copies[4], bias)
 
+    def rows_independent(self) -> bool:
+        """Whether each row's result has the same bits at any row count: fp32 on oneDNN with the few-row kernel's
+        panels (1-32 rows; ``cpu_linear.prepare`` checked their bits against oneDNN's). Not so for F.linear
+        (MKL, ``PDSERVE_CPU_LINEAR=torch``), half precision, or a weight with no matching panels."""
+        copies = self._copies() if _ONEDNN and self.collective is None else None
+        return copies is not None and copies[4] is not None
+
     def _onednn_weight(self) -> torch.Tensor | None:
         """The weight reordered for oneDNN (``_copies``), or None."""
         copies = self._copies()

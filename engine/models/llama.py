@@ -14,9 +14,12 @@ or, where only the sampled rows' hidden states are wanted (``logit_rows``, the s
 The last layer then runs its norm and q/k/v projection for every row (their K/V go into the cache), but
 attention, o_proj and the MLP only for ``rows``: a prompt's other rows feed no logits, and no later layer
 reads them. A 2048-token prefill step of a 4-layer model skips ~a quarter of its attention and MLP work.
-Each kept row's result has the bits it has in the full step where no result depends on the other rows
-(the ``cpu`` attention backend, whose rows do not depend on how a prompt is chunked, and the few-row
-matmuls, with oneDNN's bits): tests/test_logit_rows.py compares them.
+Each kept row's result has the bits it has in the full step only where no result depends on the other
+rows: the ``cpu`` attention kernel (its rows do not depend on how a prompt is chunked) on a cache it takes,
+the C RMSNorm, fp32 matmuls on oneDNN with the few-row kernel's panels, run eagerly
+(``DecoderLayer.rows_independent``; the runner checks the rest and keeps the full step elsewhere: the torch
+reference attention, F.linear and half precision round a row differently by the batch's size):
+tests/test_logit_rows.py compares them.
 
 Tokens of the whole batch are flattened (no padding); ``attn_meta`` (``pdserve.kernels``) says
 which rows belong to which sequence and where their K/V go in the paged cache. ``kv_caches``
@@ -80,7 +83,6 @@ class LogitRows(NamedTuple):
     """The rows whose hidden states feed logits, and the attention metadata that makes each its own query."""
     rows: torch.Tensor                # [S] int64, host: flat rows of the step, ascending
     attn: AttentionMetadata           # ``attn_meta.for_rows(rows)``
-    pieces: LayerPieces | None = None   # for the last layer's after_attention on S rows (None: eager)
 
 
 class Attention(nn.Module):
@@ -135,16 +137,20 @@ class DecoderLayer(nn.Module):
         q, k, v = pieces.before_attention(self, h, cos, sin)
         return pieces.after_attention(self, h, self.attn.attend(q, k, v, kv_cache, attn_meta))
 
-    def forward_rows(self, h: torch.Tensor, cos, sin, kv_cache, attn_meta, keep: LogitRows,
-                     pieces: LayerPieces | None = None) -> torch.Tensor:
-        # h: [T, D] -> [S, D]: every row's K/V into the cache, attention and the MLP for ``keep.rows`` only
-        q, k, v = (pieces or EAGER_PIECES).before_attention(self, h, cos, sin)
+    def forward_rows(self, h: torch.Tensor, cos, sin, kv_cache, attn_meta, keep: LogitRows) -> torch.Tensor:
+        # h: [T, D] -> [S, D]: every row's K/V into the cache, attention and the MLP for ``keep.rows`` only (eager)
+        q, k, v = self.before_attention(h, cos, sin)
         write_to_cache(k, v, kv_cache, attn_meta.slot_mapping, attn_meta.backend)
         r = keep.rows
         if not r.numel():                                # a step that samples nothing: no row goes on
             return h[:0]
         out = self.attn.attend(q[r], k[r], v[r], kv_cache, keep.attn)   # writes those rows' K/V again: same bytes
-        return (keep.pieces or EAGER_PIECES).after_attention(self, h[r], out)
+        return self.after_attention(h[r], out)
+
+    def rows_independent(self) -> bool:
+        """Whether this layer's matmuls after attention give a row the same bits at any row count (fp32 on
+        oneDNN with the few-row panels), so ``forward_rows`` may run them for some rows only."""
+        return all(lin.rows_independent() for lin in (self.attn.o_proj, self.mlp.gate_up, self.mlp.down))
 
     def before_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # h: [T, D] -> q: [T, H, Dh], k, v: [T, Hkv, Dh]
@@ -200,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
         last = self.num_layers - 1 if logit_rows is not None else -1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if i == last:
-                h = layer.forward_rows(h, cos, sin, kv_cache, attn_meta, logit_rows, pieces)   # [S, D]
+                h = layer.forward_rows(h, cos, sin, kv_cache, attn_meta, logit_rows)   # [S, D], eager
             else:
                 h = layer(h, cos, sin, kv_cache, attn_meta, pieces)
         return self.norm(h) if self.is_last else h                                   # [T or S, D]
