@@ -335,3 +335,22 @@ def test_a_weight_of_another_dtype_goes_to_f_linear_and_its_error():
     for call in (half, lambda x: linear(x, half.weight)):
         with pytest.raises(RuntimeError, match="dtype"):
             call(x)
+
+
+@pytest.mark.parametrize("k,n", [(256, 256), (128, 256), (576, 576), (1536, 576)])
+def test_plus_gives_the_bits_of_the_residual_added_after(k, n, monkeypatch):
+    """``Linear.plus`` fuses the residual add into oneDNN's call above the few-row kernel's rows: the bits of
+    ``residual + linear(x)`` at every row count, and the fused op does run (a plain add in its place fails)."""
+    mod, g = _module(k, n, seed=n), torch.Generator().manual_seed(k)
+    x, h = torch.randn(2048, k, generator=g), torch.randn(2048, n, generator=g)
+    fused = []
+    binary = torch.ops.mkldnn._linear_pointwise.binary
+    monkeypatch.setattr(torch.ops.mkldnn._linear_pointwise, "binary",
+                        lambda *a: fused.append(a[0].shape[0]) or binary(*a), raising=False)
+    with torch.inference_mode():
+        for m in (1, 2, 32, 33, 64, 100, 2047, 2048):
+            assert torch.equal(mod.plus(x[:m], h[:m]), h[:m] + mod(x[:m])), m
+    assert fused == [33, 64, 100, 2047, 2048]
+    with torch.inference_mode():                           # with a bias (qwen2's o_proj has none; others may)
+        biased = _module(k, n, seed=1, bias=True)
+        assert torch.equal(biased.plus(x[:100], h[:100]), h[:100] + biased(x[:100]))

@@ -152,6 +152,18 @@ class Linear(nn.Module):
         y = self.collective(y)
         return y if self.bias is None else y + self.bias
 
+    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T (+ b): the bits of ``residual + self(x)``. A prompt's rows on oneDNN (no bias, no
+        collective) take the add as the matmul's post-op, one pass over the output fewer (a 2048-token step of
+        the tiny model: 6 adds, ~1 ms); tests/test_cpu_linear.py compares the bits at 2..2048 rows."""
+        if (self.bias is None and self.collective is None and x.dim() == 2 and x.shape[0] > cpu_linear.MAX_ROWS
+                and onednn_takes(x, self.weight) and residual.dtype == torch.float32
+                and residual.shape == (x.shape[0], self.weight.shape[0]) and residual.is_contiguous()):
+            reordered = self._onednn_weight()
+            if reordered is not None:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, reordered, None, "add")
+        return residual + self(x)
+
     def _few_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x W^T (+ bias) through the few-row kernel (``kernels/cpu_linear.py``), or None where it does not run:
         not fp32 on the CPU, compiled, oneDNN off, more than MAX_ROWS rows, or no panels (``_copies``); the
@@ -272,13 +284,21 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] -> gate_up: [T, 2I] -> [T, I] -> [T, D]
+        return self.down(self._act(x))
+
+    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + forward(x), the add fused into ``down`` where it can be (``Linear.plus``)."""
+        return self.down.plus(self._act(x), residual)
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D] -> gate_up: [T, 2I] -> silu(gate) * up: [T, I]
         gate_up = self.gate_up(x)
         if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and not torch.compiler.is_compiling():
             y = cpu_ops.silu_and_mul(gate_up)                        # one C pass (kernels/cpu_ops.c)
             if y is not None:
-                return self.down(y)
+                return y
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return F.silu(gate) * up
 
     def load(self, src, prefix: str, tp_rank: int = 0) -> None:
         self.gate_up.load(src, (f"{prefix}.gate_proj", f"{prefix}.up_proj"), tp_rank)

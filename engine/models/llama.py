@@ -158,8 +158,8 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         # h: [T, D], attn_out: [T, H, Dh] -> [T, D]
-        h = h + self.attn.o_proj(attn_out.flatten(1))
-        return h + self.mlp(self.post_attn_norm(h))
+        h = self.attn.o_proj.plus(attn_out.flatten(1), h)
+        return self.mlp.plus(self.post_attn_norm(h), h)
 
     def load(self, src, tp_rank: int) -> None:
         prefix = f"model.layers.{self.layer}"
