@@ -194,3 +194,38 @@ class _Item:
 class _Scheduled:
     def __init__(self, scheduled):
         self.scheduled, self.preempted, self.rejected = scheduled, [], []
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_split_projection_gives_the_fused_bits_and_follows_the_weight(tiny_models, arch):
+    from pdserve.engine.models.split_qkv import SplitQKV
+
+    model, config = load_model(tiny_models[arch])
+    attn = model.layers[-1].attn
+    q_size = attn.num_heads * attn.head_dim
+    split = SplitQKV.of(attn.qkv, q_size)
+    assert split is not None and SplitQKV.of(attn.qkv, q_size) is split           # checked once, then cached
+    x = torch.randn(70, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        whole = attn.qkv(x)
+        assert torch.equal(split.q(x[5:9]), whole[5:9, :q_size]) and torch.equal(split.kv(x), whole[:, q_size:])
+        with torch.no_grad():
+            attn.qkv.weight.mul_(2.0)                    # a new weight: its copies change, so does the split
+        attn.qkv.forget_reordered()
+        again = SplitQKV.of(attn.qkv, q_size)
+        assert again is not split and torch.equal(again.kv(x), attn.qkv(x)[:, q_size:])
+
+
+@needs_kernel
+def test_where_the_parts_would_round_differently_the_fused_projection_runs(tiny_llama, monkeypatch):
+    from pdserve.engine.models.split_qkv import SplitQKV
+
+    model, config = load_model(tiny_llama)
+    full_hidden, full_kv = _run(model, config, "cpu", keep=False)
+    monkeypatch.setattr(SplitQKV, "matches", lambda self, fused: False)
+    calls = []
+    project = type(model.layers[-1].attn).project
+    monkeypatch.setattr(type(model.layers[-1].attn), "project", lambda self, *a: calls.append(1) or project(self, *a))
+    kept_hidden, kept_kv = _run(model, config, "cpu", keep=True)
+    assert len(calls) == 2 * model.num_layers              # the context step's layers, then the step's, the last fused
+    assert torch.equal(kept_hidden, full_hidden) and torch.equal(kept_kv, full_kv)

@@ -222,7 +222,7 @@ class Linear(nn.Module):
 
     def __getstate__(self):
         state = super().__getstate__()      # copy.deepcopy and pickle: oneDNN's copy has no storage to copy
-        return {**state, "_reordered": None}
+        return {**state, "_reordered": None, "_split_qkv": None}
 
     def load(self, src, names: str | Sequence[str], tp_rank: int = 0) -> None:
         """Fill from checkpoint modules ``names`` (one per fused part, HF prefixes)."""

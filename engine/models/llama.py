@@ -11,9 +11,10 @@ or, where only the sampled rows' hidden states are wanted (``logit_rows``, the s
     hidden = model(input_ids, positions, kv_caches, attn_meta, logit_rows=LogitRows(rows, attn_meta.for_rows(rows)))
     logits = model.compute_logits(hidden)                        # hidden: [N, D]
 
-The last layer then runs its norm and q/k/v projection for every row (their K/V go into the cache), but
-attention, o_proj and the MLP only for ``rows``: a prompt's other rows feed no logits, and no later layer
-reads them. A 2048-token prefill step of a 4-layer model skips ~a quarter of its attention and MLP work.
+The last layer then runs its norm and K/V projection for every row (their K/V go into the cache), but the
+query (``SplitQKV``), attention, o_proj and the MLP only for ``rows``: a prompt's other rows feed no logits,
+and no later layer reads them. A 2048-token prefill step of a 4-layer model skips ~a quarter of its
+attention and MLP work.
 Each kept row's result has the bits it has in the full step only where no result depends on the other
 rows: the ``cpu`` attention kernel (its rows do not depend on how a prompt is chunked) on a cache it takes,
 the C RMSNorm, fp32 matmuls on oneDNN with the few-row kernel's panels, run eagerly
@@ -46,6 +47,7 @@ from torch import nn
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
+from pdserve.engine.models.split_qkv import SplitQKV
 from pdserve.kernels import AttentionMetadata, paged_attention, write_to_cache
 
 
@@ -109,6 +111,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
+    def project_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor):
+        # x: [T, D] -> q: [S, H, Dh] of ``rows`` only, k, v: [T, Hkv, Dh] (the bits of ``project``'s rows)
+        split = SplitQKV.of(self.qkv, self.num_heads * self.head_dim)
+        if split is None:
+            q, k, v = self.project(x, cos, sin)
+            return q[rows], k, v
+        k, v = split.kv(x).view(-1, 2 * self.num_kv_heads, self.head_dim).split(self.num_kv_heads, dim=1)
+        q = split.q(x[rows]).view(-1, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos[rows], sin[rows]), apply_rotary(k, cos, sin), v
+
     def attend(self, q, k, v, kv_cache: dict[str, torch.Tensor], attn_meta: AttentionMetadata) -> torch.Tensor:
         # -> [T, H, Dh]; writes k, v into the paged cache
         return paged_attention(q, k, v, kv_cache, attn_meta, self.scale, self.sliding_window)
@@ -138,13 +152,14 @@ class DecoderLayer(nn.Module):
         return pieces.after_attention(self, h, self.attn.attend(q, k, v, kv_cache, attn_meta))
 
     def forward_rows(self, h: torch.Tensor, cos, sin, kv_cache, attn_meta, keep: LogitRows) -> torch.Tensor:
-        # h: [T, D] -> [S, D]: every row's K/V into the cache, attention and the MLP for ``keep.rows`` only (eager)
-        q, k, v = self.before_attention(h, cos, sin)
-        write_to_cache(k, v, kv_cache, attn_meta.slot_mapping, attn_meta.backend)
+        # h: [T, D] -> [S, D]: every row's K/V into the cache, the query, attention and the MLP for ``keep.rows``
+        # only (eager)
         r = keep.rows
+        q, k, v = self.attn.project_rows(self.input_norm(h), cos, sin, r)     # q: [S, H, Dh]; k, v: [T, Hkv, Dh]
+        write_to_cache(k, v, kv_cache, attn_meta.slot_mapping, attn_meta.backend)
         if not r.numel():                                # a step that samples nothing: no row goes on
             return h[:0]
-        out = self.attn.attend(q[r], k[r], v[r], kv_cache, keep.attn)   # writes those rows' K/V again: same bytes
+        out = self.attn.attend(q, k[r], v[r], kv_cache, keep.attn)   # writes those rows' K/V again: same bytes
         return self.after_attention(h[r], out)
 
     def rows_independent(self) -> bool:
