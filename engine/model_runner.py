@@ -90,8 +90,11 @@ class ModelRunner:
         model = self.model
         if self.attention_backend != "cpu" or not getattr(model, "is_last", False) or not self.kv_caches:
             return False
-        return (cpu_attention.supports(self.kv_caches[-1]) and cpu_ops.load() is not None
+        keep = (cpu_attention.supports(self.kv_caches[-1]) and cpu_ops.load() is not None
                 and model.layers[-1].rows_independent())
+        if keep:
+            model.layers[-1].attn.split_qkv()         # its Q/KV parts, checked and copied now, not in a request
+        return keep
 
     def sample_requests(self, logits: torch.Tensor, reqs: list) -> dict:
         """logits: [S, V] of ``reqs`` (anything with request_id, sampling_params, all_token_ids,

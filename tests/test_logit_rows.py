@@ -229,3 +229,29 @@ def test_where_the_parts_would_round_differently_the_fused_projection_runs(tiny_
     kept_hidden, kept_kv = _run(model, config, "cpu", keep=True)
     assert len(calls) == 2 * model.num_layers              # the context step's layers, then the step's, the last fused
     assert torch.equal(kept_hidden, full_hidden) and torch.equal(kept_kv, full_kv)
+
+
+def test_the_split_follows_a_replaced_bias_and_keeps_nothing_old(tiny_models, monkeypatch):
+    """A review's reproductions: a qkv bias replaced (not written in place) left the parts on the old one; a
+    weight moved to bfloat16 kept the fp32 split (its weight, oneDNN's copies and panels) alive."""
+    from pdserve.engine.models.split_qkv import SplitQKV
+
+    model, config = load_model(tiny_models["qwen2"])                     # qwen2's q/k/v have a bias
+    attn = model.layers[-1].attn
+    q_size = attn.num_heads * attn.head_dim
+    first = attn.split_qkv()
+    assert first is not None
+    attn.qkv.bias = torch.nn.Parameter(attn.qkv.bias.detach() + 1.0, requires_grad=False)
+    x = torch.randn(40, config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        second = attn.split_qkv()
+        assert second is not first and torch.equal(second.kv(x), attn.qkv(x)[:, q_size:])
+        assert torch.equal(second.q(x[:1]), attn.qkv(x)[:1, :q_size])
+    attn.qkv.forget_reordered()
+    assert attn.qkv._split_qkv is None
+    attn.split_qkv()
+    model.to(torch.bfloat16)
+    assert attn.split_qkv() is None and attn.qkv._split_qkv is None
+    monkeypatch.setattr(type(attn.qkv), "rows_independent", lambda self: False)   # q/k/v itself without panels
+    model.to(torch.float32)
+    assert SplitQKV.of(attn.qkv, q_size) is None

@@ -136,6 +136,7 @@ class Linear(nn.Module):
         self._reordered = None          # (weight, alias of its data, key, oneDNN's copy, the few-row panels or
                                         # None): _onednn_weight
         self._generation = 0            # forget_reordered's count: a copy begun before the last forget is stale
+        self._split_qkv = None          # (copies, q size, bias key, SplitQKV or None): split_qkv.SplitQKV.of
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out] (after an all-gather: [T, out * tp])
@@ -215,6 +216,7 @@ class Linear(nn.Module):
         old generation, which no later call accepts."""
         self._generation += 1
         self._reordered = None
+        self._split_qkv = None          # split_qkv.SplitQKV's parts: views of the weight as it was
 
     def _apply(self, fn, recurse=True):
         self.forget_reordered()             # .to(), .half(), .cuda(): the copy is of the weight before it

@@ -113,7 +113,7 @@ class Attention(nn.Module):
 
     def project_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor):
         # x: [T, D] -> q: [S, H, Dh] of ``rows`` only, k, v: [T, Hkv, Dh] (the bits of ``project``'s rows)
-        split = SplitQKV.of(self.qkv, self.num_heads * self.head_dim)
+        split = self.split_qkv()
         if split is None:
             q, k, v = self.project(x, cos, sin)
             return q[rows], k, v
@@ -122,6 +122,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos[rows], sin[rows]), apply_rotary(k, cos, sin), v
+
+    def split_qkv(self) -> SplitQKV | None:
+        return SplitQKV.of(self.qkv, self.num_heads * self.head_dim)
 
     def attend(self, q, k, v, kv_cache: dict[str, torch.Tensor], attn_meta: AttentionMetadata) -> torch.Tensor:
         # -> [T, H, Dh]; writes k, v into the paged cache

@@ -11,7 +11,9 @@ The parts are ``Linear``s over views of the fused weight (and bias), so they tak
 the few-row kernel); each output is the same sum whichever columns share the call on the oneDNN builds
 measured, but that is oneDNN's choice, not a contract -- so ``of`` checks it on this machine once per weight
 (random inputs at 1..100 rows against the fused call, bit for bit) and keeps the fused call where any bit
-differs. Rebuilt when the fused layer's weight copies are (``Linear._copies``: a new or reloaded weight).
+differs. Rebuilt when the fused layer's weight copies are (``Linear._copies``: a new or reloaded weight) or its
+bias changes; dropped by ``Linear.forget_reordered``. ``ModelRunner`` builds the last layer's at start-up (the
+parts' oneDNN copies and panels: about twice that layer's q/k/v weight), so no request pays for it.
 """
 
 from __future__ import annotations
@@ -32,28 +34,34 @@ class SplitQKV:
 
     @staticmethod
     def of(fused: Linear, q_size: int) -> SplitQKV | None:
-        """The checked split of ``fused`` (cached on it until its weight copies change), or None."""
-        copies = fused._copies()
-        if copies is None or fused.collective is not None:
+        """The checked split of ``fused`` (cached on it until its weight copies or its bias change), or None:
+        also where ``fused`` itself gives a row other bits at another row count (``rows_independent``)."""
+        if not fused.rows_independent():
+            fused._split_qkv = None                   # nothing old kept alive (a weight moved to another dtype)
             return None
-        cached = getattr(fused, "_split_qkv", None)
-        if cached is None or cached[0] is not copies or cached[1] != q_size:
+        key = (fused._copies(), q_size, _bias_key(fused.bias))
+        cached = fused._split_qkv
+        if cached is None or cached[0] is not key[0] or cached[1:3] != key[1:]:
             split = SplitQKV(fused, q_size)
-            cached = (copies, q_size, split if split.matches(fused) else None)
-            fused._split_qkv = cached
-        return cached[2]
+            cached = fused._split_qkv = (*key, split if split.matches(fused) else None)
+        return cached[3]
 
     @torch.inference_mode()
     def matches(self, fused: Linear) -> bool:
-        """Whether both parts give the fused call's bits at PROBE_ROWS rows of random input."""
+        """Whether both parts, at each of PROBE_ROWS rows, give the bits the fused call gives those rows inside
+        a call of max(PROBE_ROWS) rows (the kept rows' Q against the full step's)."""
         g = torch.Generator().manual_seed(0)
         x = torch.randn(max(PROBE_ROWS), fused.in_size, generator=g, dtype=fused.weight.dtype)
-        for m in PROBE_ROWS:
-            whole = fused(x[:m])
-            if not (torch.equal(self.q(x[:m]), whole[:, :self.q_size])
-                    and torch.equal(self.kv(x[:m]), whole[:, self.q_size:])):
-                return False
-        return True
+        whole = fused(x)
+        return all(torch.equal(self.q(x[:m]), whole[:m, :self.q_size])
+                   and torch.equal(self.kv(x[:m]), whole[:m, self.q_size:]) for m in PROBE_ROWS)
+
+
+def _bias_key(bias: torch.Tensor | None) -> tuple:
+    """A replaced or re-pointed bias makes a new split (the parts hold views of the one they were made from)."""
+    if bias is None:
+        return ()
+    return (id(bias), bias.data_ptr(), -1 if bias.is_inference() else bias._version)
 
 
 def _part(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
