@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvstore.auth import new_token
 from pdserve.kvstore.client import DaemonClient
 
 BATCH = 4                  # requests an engine thread takes at once
@@ -52,6 +53,7 @@ class StressConfig:
     chunk_tokens: int = 32
     block_size: int = 8
     seed: int = 0
+    token: str = field(default="", repr=False)   # the cluster token the daemon was started with ("" : none)
 
 
 @dataclass
@@ -112,7 +114,8 @@ def reference(model: str, prompts: list[list[int]], max_tokens: int) -> list[lis
 def _engine(cfg: StressConfig, role: str, store) -> LLMEngine:
     ec = EngineConfig(model=cfg.model, cache=CacheConfig(block_size=cfg.block_size, kv_cache_memory_bytes=KV_BYTES),
                       scheduler=SchedulerConfig(max_num_batched_tokens=256),
-                      kv_transfer=KVTransferConfig(role=role, kv_store="embedded", kv_chunk_tokens=cfg.chunk_tokens))
+                      kv_transfer=KVTransferConfig(role=role, kv_store="embedded", kv_chunk_tokens=cfg.chunk_tokens,
+                                                   kv_auth_token=cfg.token))   # seals keyed with it
     return LLMEngine(ec, store=store)
 
 
@@ -254,7 +257,7 @@ def run_stress(cfg: StressConfig, progress: bool = False) -> StressReport:
 
 
 def _client(cfg: StressConfig, shm_bytes: int) -> DaemonClient:
-    return DaemonClient(cfg.daemon_url, shm_bytes=shm_bytes, timeout_s=cfg.client_timeout_s)
+    return DaemonClient(cfg.daemon_url, token=cfg.token, shm_bytes=shm_bytes, timeout_s=cfg.client_timeout_s)
 
 
 def _join_prefill_then_decode(threads, num_prefill: int, stress: _Stress, progress: bool) -> None:
@@ -293,14 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    token = new_token()                  # auth and keyed seals on, as `pdserve serve` runs them
     daemon = subprocess.Popen([sys.executable, "-m", "pdserve.kvstore", "--port", "0", "--log-level", "WARNING"],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PDSERVE_KV_AUTH_TOKEN": token})
     try:
         line = daemon.stdout.readline()
         if not line.startswith("READY "):
             raise SystemExit(f"daemon did not start: {line!r}")
         cfg = StressConfig(model=args.model, daemon_url=line.split()[1], daemon_pid=daemon.pid,
-                           requests=args.requests, stop_daemon=args.stop_daemon, seed=args.seed)
+                           requests=args.requests, stop_daemon=args.stop_daemon, seed=args.seed, token=token)
         report = run_stress(cfg, progress=True)
     finally:
         daemon.terminate()

@@ -7,8 +7,9 @@ Called by ``StoreConnector`` (engine thread):
     for req_id, loaded in loader.finished().items(): ...   # loaded <= n tokens; 0 after a failure
 
 The loader thread reads each chunk's layer objects and, before a single block is written, checks
-each object's seal (``kvstore.seal``: written for this key, checksum intact, shape as expected) and,
-when the prefill node sent one, the chunk's digest from ``kv_transfer_params.chunk_digests``. Then it
+each object's seal (``kvstore.seal``: a MAC with the cluster's seal key over the key it was written for
+and every byte, shape as expected) -- always, whoever asked for the load -- and, when the prefill node
+sent one, the chunk's digest from ``kv_transfer_params.chunk_digests``. Then it
 scatters the token range ``[start, start + n)`` into the blocks the scheduler allocated. A missing,
 malformed or mismatching object stops the load at the chunk before it: those tokens are recomputed,
 never read wrong. An object whose seal fails is deleted from the store (it would fail every reader).
@@ -47,8 +48,9 @@ class LoadJob:
 
 
 class ChunkLoader:
-    def __init__(self, store, kv_caches: list[dict], first_layer: int, expect_shape, health):
+    def __init__(self, store, kv_caches: list[dict], first_layer: int, expect_shape, health, seal_key: bytes):
         self.store = store
+        self.seal_key = seal_key             # the cluster's seal key: an object it did not seal is a miss
         self.health = health                 # TierHealth shared with the publisher: down -> no store I/O
         self.kv_caches = kv_caches
         io = ChunkIO.of(kv_caches)
@@ -59,7 +61,7 @@ class ChunkLoader:
         self._done: dict[str, int] = {}
         self._lock = threading.Lock()
         self.failures = 0                    # loads stopped early: store error, miss or bad object
-        self.integrity_failures = 0          # objects whose seal failed (deleted from the store)
+        self.integrity_failures = 0          # objects whose seal (MAC) failed (deleted from the store)
         self.digest_mismatches = 0           # chunks that differ from what the prefill node published
         self._thread = threading.Thread(target=self._loop, name="kv-loader", daemon=True)
         self._thread.start()
@@ -144,13 +146,13 @@ class ChunkLoader:
 
     def _verified(self, keys: list[str], objs, length: int, expect: str) -> list[torch.Tensor] | None:
         """Typed views of the chunk's layer objects, or None (logged, counted) if any is not right."""
-        views, sums = [], []
+        views, macs = [], []
         for key, obj in zip(keys, objs):
             if obj is None:
                 logger.warning("chunk object %s is missing; recomputing from here", key)
                 return None
             try:
-                view, checksum = unseal(key, obj)
+                view, mac = unseal(key, obj, self.seal_key)
             except SealError as exc:
                 self.integrity_failures += 1
                 logger.warning("%s; deleted from the store, recomputing from here", exc)
@@ -161,11 +163,11 @@ class ChunkLoader:
                                tuple(view.shape), self._shape(length))
                 return None
             views.append(view)
-            sums.append(checksum)
-        if expect and chunk_digest(sums) != expect:
+            macs.append(mac)
+        if expect and chunk_digest(macs) != expect:
             self.digest_mismatches += 1
             logger.warning("chunk %s differs from what the prefill node published (digest %s, want %s); "
-                           "recomputing from here", keys[0].rsplit(":", 1)[0], chunk_digest(sums), expect)
+                           "recomputing from here", keys[0].rsplit(":", 1)[0], chunk_digest(macs), expect)
             return None
         return views
 

@@ -103,7 +103,7 @@ class KVTransferConfig:
     kv_redis: str | None = None             # embedded store's L2
     kv_disk_dir: str | None = None          # embedded store's L3
     kv_writethrough_queue_bytes: int = 256 << 20   # embedded store's write-through queue bound
-    kv_auth_token: str = ""
+    kv_auth_token: str = field(default="", repr=False)   # the cluster token (kvstore/auth.py); never printed
     kv_shm_bytes: int = 64 << 20            # shared-memory data plane to a local daemon (0: zmq frames)
 
     def __post_init__(self) -> None:
@@ -116,6 +116,35 @@ class KVTransferConfig:
             raise ConfigError(f"--kv-chunk-tokens must be >= 1, got {self.kv_chunk_tokens}")
         if self.kv_writethrough_queue_bytes < 1:
             raise ConfigError(f"--kv-writethrough-queue-bytes must be >= 1, got {self.kv_writethrough_queue_bytes}")
+        self._check_key()
+
+    def _check_key(self) -> None:
+        """A store other processes can reach (a daemon, Redis, a directory) needs the cluster token: every
+        object is sealed with it and an object that does not verify is a miss."""
+        from pdserve.kvstore.auth import TOKEN_HELP, ClusterKey
+
+        if self.kv_auth_token:
+            try:
+                ClusterKey(self.kv_auth_token)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        elif self.shared_store:
+            raise ConfigError(f"a KV store other processes can reach ({self.shared_store}) needs the cluster's "
+                              f"key: {TOKEN_HELP}")
+
+    @property
+    def shared_store(self) -> str | None:
+        """The flag that makes the store reachable by other processes, or None (none, or memory only)."""
+        if self.store_url is not None and self.store_url.startswith("tcp://"):
+            return f"--kv-store {self.store_url}"
+        return "--kv-redis" if self.kv_redis else "--kv-disk-dir" if self.kv_disk_dir else None
+
+    def cluster_key(self):
+        """The ``ClusterKey`` that seals this node's KV objects: the cluster token's; for a store no other
+        process reaches, this process's own random key (shared by every engine in it, known to no one else)."""
+        from pdserve.kvstore.auth import ClusterKey, process_key
+
+        return ClusterKey(self.kv_auth_token) if self.kv_auth_token else process_key()
 
     @property
     def store_url(self) -> str | None:

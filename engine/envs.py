@@ -10,6 +10,8 @@
 | PDSERVE_ENGINE_CORE_PROCESS | 0: `pdserve node` runs its engine core in the HTTP process (the tests set it) | 1 |
 | PDSERVE_CPU_LINEAR    | fp32 CPU matmuls: onednn, or torch (F.linear: MKL) | onednn where torch has it |
 | PDSERVE_CPU_ISA       | the C kernels' widest build: avx512vl (where the CPU has it), or avx2 (same bits) | avx512vl |
+| PDSERVE_KV_AUTH_TOKEN | the cluster's secret: KV store auth and seals (kvstore/auth.py); `pdserve serve` sets it for its children | "" |
+| PDSERVE_API_KEY       | default of `--api-key` (node, proxy); how `pdserve serve --api-key` reaches its proxy | "" |
 | PDSERVE_HOST_MEMORY   | tuned: freed memory stays mapped, KV cache on huge pages; default: the platform's (engine/host_memory.py) | tuned |
 """
 
@@ -63,4 +65,6 @@ PDSERVE_COMPILE = _bool("PDSERVE_COMPILE", False)        # default of ExecutionC
 PDSERVE_CPU_ISA = _choice("PDSERVE_CPU_ISA", "avx512vl", ("avx512vl", "avx2"))   # kernels/cpu_build.isa_order
 PDSERVE_HOST_MEMORY = _choice("PDSERVE_HOST_MEMORY", "tuned", ("tuned", "default"))   # engine/host_memory.py
 PDSERVE_CPU_LINEAR = _choice("PDSERVE_CPU_LINEAR", "onednn", ("onednn", "torch"))   # engine/models/layers.py
+PDSERVE_KV_AUTH_TOKEN = os.environ.get("PDSERVE_KV_AUTH_TOKEN", "")   # kvstore/auth.resolve_token; never logged
+PDSERVE_API_KEY = os.environ.get("PDSERVE_API_KEY", "")                 # default of --api-key; never logged
 PDSERVE_FAULTS = os.environ.get("PDSERVE_FAULTS", "")     # parsed and checked by engine/parallel/faults.py

@@ -11,9 +11,10 @@ Who calls what (all on the engine thread; the I/O runs on the publisher/loader t
     request aborted            connector.forget(req)  (queued chunks are still put; no result is kept)
     response                   connector.transfer_params(req), connector.accounting(req)
 
-Integrity: every object is sealed by the publisher (``kvstore.seal``: key hash + checksum) and
-checked by the loader before it is scattered; ``transfer_params`` carries the digest of each chunk
-the prefill node published, which the decode node's loader compares with what it read.
+Integrity: every object is sealed by the publisher (``kvstore.seal``: a keyed MAC with the cluster's seal
+key) and checked by the loader before it is scattered, on every node that loads; ``transfer_params``
+carries the digest of each chunk the prefill node published, which the decode node's loader compares with
+what it read.
 
 The store behind it is any ``pdserve.kvstore.KVStore``: the embedded tiered store or a daemon
 client. A store that fails costs hits (logged once, counted), never a request.
@@ -57,7 +58,7 @@ class _Transfer:
 
 class StoreConnector:
     def __init__(self, store, model_config, layout, kv_caches: list[dict], block_size: int,
-                 chunk_tokens: int, role: str, kv_io=None):
+                 chunk_tokens: int, role: str, seal_key: bytes, kv_io=None):
         if chunk_tokens % block_size:
             raise ValueError(f"--kv-chunk-tokens {chunk_tokens} must be a multiple of --block-size {block_size}")
         self.store, self.block_size, self.chunk_tokens, self.role = store, block_size, chunk_tokens, role
@@ -69,11 +70,11 @@ class StoreConnector:
         self.health = TierHealth("kv-store", base_s=2.0, max_s=30.0)
         durable = role == "prefill" and hasattr(store, "flush")   # embedded store: the reader is elsewhere
         if kv_io is None:
-            self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health, durable)
-            self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health)
+            self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health, seal_key, durable)
+            self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health, seal_key)
         else:   # tp x pp: the cache lives in the worker ranks (pdserve.engine.parallel.kv)
-            self.publisher = kv_io.publisher(store, self.health, durable)
-            self.loader = kv_io.loader(store, shape, self.health)
+            self.publisher = kv_io.publisher(store, self.health, seal_key, durable)
+            self.loader = kv_io.loader(store, shape, self.health, seal_key)
         self._reqs: dict[str, _Transfer] = {}
 
     # -- requests -----------------------------------------------------------------------------

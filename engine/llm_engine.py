@@ -34,7 +34,7 @@ from pdserve.engine.output_assembler import OutputAssembler
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, check_stop
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.store_factory import build_node_store
+from pdserve.engine.store_factory import build_node_store, object_bytes
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.kernels import resolve_backend
 
@@ -109,15 +109,15 @@ class LLMEngine:
 
     def _build_connector(self, store):
         self._owns_store = store is None
-        store = store if store is not None else build_node_store(self.config.kv_transfer)
+        kv = self.config.kv_transfer
+        store = store if store is not None else build_node_store(kv, object_bytes(self.layout, kv.kv_chunk_tokens))
         if store is None:
             return None, None
         from pdserve.engine.kv_connector import StoreConnector
 
         return store, StoreConnector(store, self.model_config, self.layout, self.runner.kv_caches,
-                                     self.config.cache.block_size, self.config.kv_transfer.kv_chunk_tokens,
-                                     self.config.kv_transfer.role,
-                                     kv_io=getattr(self.runner, "kv_io", None))
+                                     self.config.cache.block_size, kv.kv_chunk_tokens, kv.role,
+                                     kv.cluster_key().seal_key, kv_io=getattr(self.runner, "kv_io", None))
 
     @property
     def max_model_len(self) -> int:

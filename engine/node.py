@@ -24,6 +24,7 @@ from pathlib import Path
 from pdserve.engine import envs
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
 from pdserve.engine.server.listen import add_fd_flag, inherited_socket, served_address
+from pdserve.kvstore.auth import add_token_arguments, token_from_args
 from pdserve.engine.config import (CacheConfig, EngineConfig, ExecutionConfig, KVTransferConfig, ParallelConfig,
                                    SchedulerConfig)
 
@@ -38,7 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8100)
     add_fd_flag(p)
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=envs.PDSERVE_API_KEY or None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: PDSERVE_API_KEY)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
@@ -86,7 +88,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-writethrough-queue-bytes", type=int, default=256 << 20,
                    help="embedded store: bytes queued for Redis/disk before writes are dropped "
                         "(an empty queue takes any one batch)")
-    p.add_argument("--kv-auth-token", default="", help="token of the store daemon")
+    add_token_arguments(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--rank-timeout", type=float, default=60.0,
@@ -129,7 +131,7 @@ def config_from_args(args) -> EngineConfig:
                                 master_addr=args.master_addr, master_port=args.master_port),
         kv_transfer=KVTransferConfig(role=args.role, kv_store=args.kv_store, kv_chunk_tokens=args.kv_chunk_tokens,
                                      kv_cpu_bytes=args.kv_cpu_bytes, kv_redis=args.kv_redis,
-                                     kv_disk_dir=args.kv_disk_dir, kv_auth_token=args.kv_auth_token,
+                                     kv_disk_dir=args.kv_disk_dir, kv_auth_token=token_from_args(args, "pdserve node"),
                                      kv_writethrough_queue_bytes=args.kv_writethrough_queue_bytes),
         engine_core_process=args.engine_core_process,
     )

@@ -4,8 +4,11 @@ Who calls it: ``RedisTier`` and ``DiskTier`` subclass it and provide four byte-l
 methods (``_write``, ``_read``, ``_exists``, ``_remove``). This class encodes on put,
 decodes and validates on get, and turns a corrupt object into a miss: logged, counted
 (``checksum_failures``; ``key_mismatch`` when an intact object was written for another key),
-deleted. The store key (without any backend prefix) is written into every object's header. Backend errors (connection refused, disk full) are
-counted in ``errors`` and raised, so ``TieredStore`` can mark the tier down.
+deleted. The store key (without any backend prefix) is written into every object's header. Backend errors
+(connection refused, disk full) are counted in ``errors`` and raised, so ``TieredStore`` can mark the tier down.
+Reads are bounded: a backend reads at most ``codec.max_blob_bytes(max_object_bytes)`` bytes of one object
+(a longer value is cut there and fails its checks), and ``codec.decode`` checks the header's sizes before it
+allocates: whoever else writes to Redis or the directory cannot make this process allocate more.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ log = logging.getLogger(__name__)
 class BlobTier(KVStore):
     name = "blob"
 
-    def __init__(self, codec_name: str = "none") -> None:
+    def __init__(self, codec_name: str = "none", max_object_bytes: int = codec.DEFAULT_MAX_OBJECT_BYTES) -> None:
         if codec_name not in codec.CODECS:
             raise ValueError(f"unknown codec {codec_name!r}; choose one of {sorted(codec.CODECS)} (--kv-codec)")
-        self.codec_name = codec_name
+        if max_object_bytes <= 0:
+            raise ValueError(f"--kv-max-object-bytes must be > 0, got {max_object_bytes}")
+        self.codec_name, self.max_object_bytes = codec_name, max_object_bytes
+        self.max_blob_bytes = codec.max_blob_bytes(max_object_bytes)     # what one object read may return
         self._stats = TierStats()
 
     @abc.abstractmethod
@@ -44,7 +50,10 @@ class BlobTier(KVStore):
     def _remove(self, keys: list[str]) -> None: ...
 
     def put(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        blobs = [(check_key(k), codec.encode(t, self.codec_name, k)) for k, t in items]
+        fits = [(k, t) for k, t in items if t.numel() * t.element_size() <= self.max_object_bytes]
+        if len(fits) < len(items):          # no reader would take it back (decode's bound): not stored, counted
+            self._stats.add(rejected=len(items) - len(fits))
+        blobs = [(check_key(k), codec.encode(t, self.codec_name, k)) for k, t in fits]
         self._guarded(self._write, blobs)
         self._stats.add(bytes_in=sum(len(b) for _, b in blobs))
 
@@ -71,7 +80,7 @@ class BlobTier(KVStore):
 
     def _decode(self, key: str, blob: bytes | memoryview, corrupt: list[str]) -> torch.Tensor | None:
         try:
-            return codec.decode(blob, key)
+            return codec.decode(blob, key, self.max_object_bytes)
         except codec.CorruptObject as exc:
             log.warning("%s tier: object %s is corrupt (%s); counted as a miss and deleted", self.name, key, exc)
             if isinstance(exc, codec.KeyMismatch):

@@ -4,7 +4,8 @@ Who calls it: the ``pdserve`` CLI calls ``register(subparsers)`` and later
 ``args.func(args)``; ``main(argv)`` runs the same thing standalone
 (``python -m pdserve.kvstore`` or ``python -m pdserve.kvstore.daemon``).
 On start it prints one line ``READY tcp://host:port`` to stdout (tests and ``pdserve
-serve`` wait for it); SIGINT/SIGTERM stop it cleanly.
+serve`` wait for it); SIGINT/SIGTERM stop it cleanly. The cluster token comes from
+``--kv-auth-token-file``, ``PDSERVE_KV_AUTH_TOKEN`` or ``--kv-auth-token`` (``auth.resolve_token``).
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import threading
 
 import torch
 
+from pdserve.kvstore.auth import add_token_arguments, token_from_args
 from pdserve.kvstore.config import KVStoreConfig, build_store
 from pdserve.kvstore.daemon import DaemonLimits, KVDaemon
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = KVStoreConfig()
-    p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs --auth-token)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (beyond loopback needs the cluster token or --allow-unauthenticated)")
     p.add_argument("--port", type=int, default=5557, help="0 picks a free port")
     p.add_argument("--kv-cpu-bytes", type=int, default=d.cpu_bytes, help="L1 memory budget")
     p.add_argument("--kv-redis", default=None, help="redis://host:port/db or redis+cluster://host:port")
@@ -34,12 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-codec", choices=["none", "lz4"], default=d.codec, help="codec for Redis and disk")
     p.add_argument("--kv-writethrough-queue-bytes", type=int, default=d.queue_bytes,
                    help="bytes queued for Redis/disk; an empty queue takes any batch, a full one drops (counted)")
-    p.add_argument("--kv-max-object-bytes", type=int, default=DaemonLimits.max_object_bytes)
+    p.add_argument("--kv-max-object-bytes", type=int, default=DaemonLimits.max_object_bytes,
+                   help="the largest object put, or read back from Redis or disk")
     p.add_argument("--kv-max-shm-bytes", type=int, default=DaemonLimits.max_shm_bytes,
                    help="largest shared-memory segment one client may attach")
     p.add_argument("--kv-max-shm-clients", type=int, default=DaemonLimits.max_shm_clients,
                    help="attached segments; past it a new client uses zmq frames (live clients keep theirs)")
-    p.add_argument("--auth-token", default="", help="required by every request when set")
+    p.add_argument("--kv-max-shm-total-bytes", type=int, default=None,
+                   help="all clients' shared-memory segments together (default: half of /dev/shm's free space)")
+    add_token_arguments(p)
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="listen beyond loopback without a token (anyone who reaches it reads and writes the KV)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -53,16 +61,23 @@ def register(subparsers) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
     return KVStoreConfig(cpu_bytes=args.kv_cpu_bytes, redis_url=args.kv_redis, redis_prefix=args.kv_redis_prefix,
                          redis_ttl_s=args.kv_redis_ttl, disk_dir=args.kv_disk_dir, disk_bytes=args.kv_disk_bytes,
-                         codec=args.kv_codec, queue_bytes=args.kv_writethrough_queue_bytes)
+                         codec=args.kv_codec, queue_bytes=args.kv_writethrough_queue_bytes,
+                         max_object_bytes=args.kv_max_object_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     limits = DaemonLimits(max_object_bytes=args.kv_max_object_bytes, max_shm_bytes=args.kv_max_shm_bytes,
-                          max_shm_clients=args.kv_max_shm_clients)
+                          max_shm_clients=args.kv_max_shm_clients, max_shm_total_bytes=args.kv_max_shm_total_bytes)
+    token = token_from_args(args, "pdserve kvstore")
     store = build_store(config_from_args(args))
-    daemon = KVDaemon(store, args.host, args.port, args.auth_token, limits)
+    try:
+        daemon = KVDaemon(store, args.host, args.port, token, limits, args.allow_unauthenticated)
+    except ValueError as exc:
+        store.close()
+        print(f"pdserve kvstore: {exc}", file=sys.stderr, flush=True)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

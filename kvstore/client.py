@@ -20,8 +20,11 @@ Who owns what (issue 9):
   * When the daemon has no segment of ours (restarted, or reclaimed it) the request is
     retried once after a fresh ``Attach``. A refused ``Attach`` (limit reached, no room in
     /dev/shm) means zmq frames, and another try after ``SHM_RETRY_S``.
-Every payload carries an xxh3 digest of key + bytes (see protocol.py); a get whose bytes
-do not match is a miss, logged and counted under ``stats()["client"]``. Objects larger
+Every request carries the cluster token's wire token (``auth.ClusterKey``; the token itself never
+leaves this process). Every payload carries an xxh3 digest of key + bytes (see protocol.py): an
+accident check, not a seal -- the keyed MAC inside each object (``seal.py``) is what a loader trusts. A
+get whose bytes do not match, or whose frame does not hold the bytes its meta names, is a miss, logged
+and counted under ``stats()["client"]``. Objects larger
 than the segment travel as zmq frames; batches are split to the daemon's limits.
 """
 
@@ -39,6 +42,7 @@ import torch
 import zmq
 
 from pdserve.kvstore import protocol as P
+from pdserve.kvstore.auth import ClusterKey
 from pdserve.kvstore.base import KVStore, StatsDict
 from pdserve.kvstore.codec import tensor_bytes
 from pdserve.kvstore.keys import check_key
@@ -64,7 +68,9 @@ class DaemonClient(KVStore):
 
     def __init__(self, url: str, token: str = "", shm_bytes: int = 0, timeout_s: float = 30.0,
                  max_batch: int = 1024) -> None:
-        self.url, self.token, self.timeout_ms, self.max_batch = url, token, int(timeout_s * 1000), max_batch
+        """``token``: the cluster token (``kvstore.auth``), "" for a daemon without one."""
+        self.url, self.timeout_ms, self.max_batch = url, int(timeout_s * 1000), max_batch
+        self._wire_token = ClusterKey(token).wire_token if token else ""
         self._sock = shared_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, secrets.token_bytes(16))
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -181,8 +187,14 @@ class DaemonClient(KVStore):
     def _payload(self, meta: P.ObjMeta, frames, seg: ShmSegment | None) -> torch.Tensor | None:
         """Our own copy of one object; None (a counted miss) when its digest is wrong."""
         if meta.offset == P.FRAME:
+            frame = next(frames)
+            if len(frame) != meta.nbytes or P.nbytes_of(meta) != meta.nbytes:
+                self._counters["checksum_failures"] += 1
+                log.warning("KV daemon at %s: object %r has a %d-byte frame for %d bytes of %s%s; treated as a "
+                            "miss", self.url, meta.key[:80], len(frame), meta.nbytes, meta.dtype, meta.shape[:8])
+                return None
             raw = torch.empty(meta.nbytes, dtype=torch.uint8)
-            raw.numpy()[:] = np.frombuffer(next(frames).buffer, dtype=np.uint8)
+            raw.numpy()[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
         else:
             raw = seg.read(meta.offset, meta.nbytes)
         self._count(meta.offset != P.FRAME, meta.offset == P.FRAME)
@@ -228,7 +240,7 @@ class DaemonClient(KVStore):
 
     def _call(self, req, frames=()) -> tuple[P.Reply, list]:
         """One request, one reply (matched by id; late replies are discarded)."""
-        req.id, req.token = next(self._ids), self.token
+        req.id, req.token = next(self._ids), self._wire_token
         self._sock.send_multipart([P.ENCODER.encode(req), *frames], copy=False)
         while True:
             if not self._sock.poll(self.timeout_ms):

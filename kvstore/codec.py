@@ -17,10 +17,16 @@ tensors and never serialises. Never pickle: the format is this header and the by
     100     8     xxh3_64 of bytes 0..99 and the payload
     108           payload
 
-``decode(blob, key)`` raises ``CorruptObject`` for a bad magic/version/codec/dtype, a truncated
-payload, a checksum mismatch or a size mismatch, and its subclass ``KeyMismatch`` when the
+``decode(blob, key, max_bytes)`` raises ``CorruptObject`` for a bad magic/version/codec/dtype, a
+truncated payload, a checksum mismatch or a size mismatch, and its subclass ``KeyMismatch`` when the
 object is intact but was written for another key (a value copied or misplaced between keys);
 tiers turn either into a counted miss and delete the object.
+
+Bounded before anything is allocated: the header's raw length must equal its dtype and shape, be at
+most ``max_bytes`` (the tier's ``--kv-max-object-bytes``) and, for lz4, at most what the payload can
+expand to (lz4 expands at most ``LZ4_MAX_RATIO`` x): a small value in Redis or on disk that claims a
+huge shape is refused, never inflated. The checksum is an accident check, not a seal: anyone can
+compute it; what makes a stored object trustworthy is the keyed MAC inside it (``seal.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,15 @@ _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 _HEADER = struct.Struct("<4sHBBB3x8QQQQQ")
 HEADER_BYTES = _HEADER.size
 MAX_DIMS = 8
+LZ4_MAX_RATIO = 255                    # an lz4 block never decompresses to more than ~255x its size
+DEFAULT_MAX_OBJECT_BYTES = 64 << 20    # --kv-max-object-bytes: one (chunk, layer) object; 256 tokens of a
+                                       # 70B model's layer are 1 MiB
+
+
+def max_blob_bytes(max_bytes: int) -> int:
+    """The largest encoded object (header + payload) an object of ``max_bytes`` raw bytes can make (lz4's
+    worst case adds 1/255 + 16 bytes): what a tier reads at most for one object."""
+    return HEADER_BYTES + max_bytes + max_bytes // 255 + 16
 
 
 class CorruptObject(ValueError):
@@ -70,8 +85,9 @@ def encode(tensor: torch.Tensor, codec: str, key: str) -> bytes:
     return b"".join((header, payload))
 
 
-def decode(blob: bytes | memoryview, key: str) -> torch.Tensor:
-    """The tensor stored in ``blob`` under ``key`` (a fresh, writable tensor), or raise CorruptObject."""
+def decode(blob: bytes | memoryview, key: str, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> torch.Tensor:
+    """The tensor stored in ``blob`` under ``key`` (a fresh, writable tensor of at most ``max_bytes``), or raise
+    CorruptObject -- before allocating anything when the header's sizes are wrong or too large."""
     view = memoryview(blob)
     if len(view) < HEADER_BYTES:
         raise CorruptObject(f"object of {len(view)} bytes is shorter than the {HEADER_BYTES}-byte header")
@@ -84,16 +100,27 @@ def decode(blob: bytes | memoryview, key: str) -> torch.Tensor:
     payload = view[HEADER_BYTES:]
     if len(payload) != payload_len:
         raise CorruptObject(f"payload is {len(payload)} bytes, header says {payload_len} (truncated?)")
+    dtype, dims = _DTYPES[dcode], tuple(shape[:ndim])
+    itemsize = dtype.itemsize
+    _check_sizes(raw_len, itemsize * _numel(dims), payload_len, codec, max_bytes)
     if _checksum(view[:HEADER_BYTES - 8], payload) != checksum:
         raise CorruptObject("payload checksum mismatch")
     if stored_key_hash != key_hash(key):
         raise KeyMismatch(f"object was written for another key (key hash {stored_key_hash:#018x}), "
                           f"read as {key!r} (key hash {key_hash(key):#018x})")
-    dtype, dims = _DTYPES[dcode], tuple(shape[:ndim])
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if raw_len != itemsize * _numel(dims):
-        raise CorruptObject(f"raw length {raw_len} does not match shape {dims} of {dtype}")
     return _to_tensor(payload, codec, raw_len, itemsize).view(dtype).reshape(dims)
+
+
+def _check_sizes(raw_len: int, shape_bytes: int, payload_len: int, codec: int, max_bytes: int) -> None:
+    """The header's sizes agree with each other and stay in bounds (nothing allocated yet)."""
+    if raw_len != shape_bytes:
+        raise CorruptObject(f"raw length {raw_len} does not match its shape's {shape_bytes} bytes")
+    if raw_len > max_bytes:
+        raise CorruptObject(f"object of {raw_len} bytes; the limit is {max_bytes} (--kv-max-object-bytes)")
+    if codec == CODECS["none"] and payload_len != raw_len:
+        raise CorruptObject(f"uncompressed payload of {payload_len} bytes for {raw_len} raw bytes")
+    if codec == CODECS["lz4"] and raw_len > LZ4_MAX_RATIO * payload_len + 64:
+        raise CorruptObject(f"lz4 payload of {payload_len} bytes cannot expand to {raw_len} bytes")
 
 
 def _checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.kvstore.codec import CODECS
+from pdserve.kvstore.codec import CODECS, DEFAULT_MAX_OBJECT_BYTES
 from pdserve.kvstore.disk import DiskTier
 from pdserve.kvstore.memory import MemoryTier
 from pdserve.kvstore.redis_tier import RedisTier
@@ -17,7 +17,7 @@ from pdserve.kvstore.tiered import TieredStore
 
 
 _BYTE_FLAGS = {"cpu_bytes": "--kv-cpu-bytes", "disk_bytes": "--kv-disk-bytes",
-               "queue_bytes": "--kv-writethrough-queue-bytes"}
+               "queue_bytes": "--kv-writethrough-queue-bytes", "max_object_bytes": "--kv-max-object-bytes"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class KVStoreConfig:
     disk_bytes: int = 64 << 30               # --kv-disk-bytes (L3 budget)
     codec: str = "none"                      # --kv-codec, for Redis and disk ("none" | "lz4")
     queue_bytes: int = 256 << 20             # --kv-writethrough-queue-bytes (write-through queue bound)
+    max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES   # --kv-max-object-bytes: the largest object read or written
     backoff_base_s: float = 0.5              # first retry delay of a tier marked down
     backoff_max_s: float = 30.0
 
@@ -44,8 +45,9 @@ class KVStoreConfig:
 def build_store(config: KVStoreConfig) -> TieredStore:
     lower = []
     if config.redis_url:
-        lower.append(RedisTier(config.redis_url, config.redis_prefix, config.redis_ttl_s, config.codec))
+        lower.append(RedisTier(config.redis_url, config.redis_prefix, config.redis_ttl_s, config.codec,
+                               max_object_bytes=config.max_object_bytes))
     if config.disk_dir:
-        lower.append(DiskTier(config.disk_dir, config.disk_bytes, config.codec))
+        lower.append(DiskTier(config.disk_dir, config.disk_bytes, config.codec, config.max_object_bytes))
     return TieredStore(MemoryTier(config.cpu_bytes), lower, config.queue_bytes,
                        config.backoff_base_s, config.backoff_max_s)

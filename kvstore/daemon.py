@@ -4,7 +4,10 @@ Who calls it: ``cli.run`` builds the store and a ``KVDaemon`` and calls ``serve`
 clients are ``DaemonClient``s (see protocol.py for the wire format). One thread serves
 requests in arrival order; the store's write-through thread feeds Redis/disk behind it.
 Every message gets exactly one reply: a malformed, oversized or unauthorised message
-gets ``ok=False`` with the reason, and the daemon keeps serving. A Put whose digest
+gets ``ok=False`` with the reason, and the daemon keeps serving. With a cluster token
+(``auth.py``) every operation -- Put, Get, Contains, Lookup, Delete, Stats, Attach, even
+Ping -- needs its wire token first; without one the daemon serves anyone who reaches it,
+so it warns loudly, and refuses to listen beyond loopback unless ``allow_unauthenticated``. A Put whose digest
 does not match its bytes stores nothing. Shared-memory segments (shm.py) are created
 by this daemon on Attach and looked up by (client identity, generation); segments of
 dead client processes are reclaimed on Attach at the limit and every
@@ -27,7 +30,9 @@ import torch
 import zmq
 
 from pdserve.kvstore import protocol as P
+from pdserve.kvstore.auth import TOKEN_HELP, ClusterKey
 from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
 from pdserve.kvstore.shm import NoSegment, SegmentTable, ShmSegment, align
 from pdserve.kvstore.zmq_context import shared_context
 
@@ -37,25 +42,27 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DaemonLimits:
     max_batch: int = 4096                 # objects (or keys) per request
-    max_object_bytes: int = 256 << 20     # one payload frame / object
+    max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES   # one payload frame / object
     max_header_bytes: int = 8 << 20
     max_shm_bytes: int = 4 << 30          # one client's segment
     max_shm_clients: int = 64             # attached segments (a live client's is never evicted)
-    shm_reclaim_s: float = 5.0            # how often segments of dead clients are looked for
+    max_shm_total_bytes: int | None = None   # all segments together (None: half of /dev/shm's free space)
+    shm_reclaim_s: float = 5.0            # how often segments of dead or unmapping clients are looked for
 
 
 class KVDaemon:
     def __init__(self, store: KVStore, host: str = "127.0.0.1", port: int = 5557, token: str = "",
-                 limits: DaemonLimits = DaemonLimits()) -> None:
-        if not token and not _is_loopback(host):
-            raise ValueError(f"binding {host} (not loopback) requires --auth-token")
-        self.store, self.token, self.limits = store, token, limits
+                 limits: DaemonLimits = DaemonLimits(), allow_unauthenticated: bool = False) -> None:
+        """``token``: the cluster token (``kvstore.auth``); "" serves anyone who can connect."""
+        _check_exposure(token, host, allow_unauthenticated)
+        self.store, self.limits = store, limits
+        self._wire_token = ClusterKey(token).wire_token.encode() if token else b""
         self._sock = shared_context().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_object_bytes + limits.max_header_bytes)
         self._sock.bind(f"tcp://{host}:{port}" if port else f"tcp://{host}:*")
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._segments = SegmentTable(limits.max_shm_clients, limits.max_shm_bytes)
+        self._segments = SegmentTable(limits.max_shm_clients, limits.max_shm_bytes, limits.max_shm_total_bytes)
         self._counters = {"requests": 0, "errors": 0, "checksum_failures": 0}
         self._handlers = {P.Put: self._put, P.Get: self._get, P.Contains: self._contains,
                           P.Lookup: self._lookup, P.Delete: self._delete, P.Stats: self._stats,
@@ -107,9 +114,9 @@ class KVDaemon:
             raise
 
     def _admit(self, req) -> None:
+        if self._wire_token and not hmac.compare_digest(req.token.encode(), self._wire_token):
+            raise PermissionError("bad or missing auth token (--kv-auth-token-file / PDSERVE_KV_AUTH_TOKEN)")
         _check_version(req)
-        if self.token and not hmac.compare_digest(req.token.encode(), self.token.encode()):
-            raise PermissionError("bad or missing auth token (--auth-token)")
 
     def _check_batch(self, n: int) -> None:
         if n > self.limits.max_batch:
@@ -212,6 +219,16 @@ def _check_version(req) -> None:
             return
     if req.v != P.PROTOCOL_VERSION:
         raise ValueError(f"protocol version {req.v}; this daemon speaks {P.PROTOCOL_VERSION}")
+
+
+def _check_exposure(token: str, host: str, allow_unauthenticated: bool) -> None:
+    if token:
+        return
+    if not _is_loopback(host) and not allow_unauthenticated:
+        raise ValueError(f"binding {host} (not loopback) without a token would let anyone who reaches it read and "
+                         f"write the cluster's KV: {TOKEN_HELP} (or pass --allow-unauthenticated)")
+    log.warning("KV store daemon WITHOUT an auth token on %s: every local user (and anyone who reaches %s) can "
+                "read, write, delete and attach shared memory; %s", host, host, TOKEN_HELP)
 
 
 def _is_loopback(host: str) -> bool:

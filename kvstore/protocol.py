@@ -19,7 +19,9 @@ verifies it on its own copy (daemon: Put refused; client: that object is a miss)
 
 Order of a session: [Attach] -> any of Put/Get/Contains/Lookup/Delete/Stats/Ping ->
 [Detach]. Every request carries ``v`` (PROTOCOL_VERSION), ``id`` (echoed in the reply)
-and ``token`` (checked when the daemon has one); unknown fields are refused.
+and ``token``: the cluster token's wire token (``auth.ClusterKey.wire_token``, never the token
+itself), checked -- in constant time, before anything else -- when the daemon has a token; a request
+without it gets ``ok=False`` and nothing else. Unknown fields are refused.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import xxhash
 
 MAX_DIMS = 8        # what every tier can store (kvstore.codec.MAX_DIMS)
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3             # 3: the token is the cluster token's wire token (kvstore/auth.py)
 FRAME = -1          # ObjMeta.offset: payload is the next zmq frame
 DEFERRED = -2       # ObjMeta.offset in a Get reply: did not fit in shm this time, ask again
 NO_SEGMENT = "no-segment"   # Reply.code: no segment of the request's generation; Attach again
@@ -148,17 +150,24 @@ def check_digest(meta: ObjMeta, payload) -> bool:
     return digest_of(meta.key, payload) == meta.digest
 
 
-def check_meta(meta: ObjMeta, max_object_bytes: int) -> None:
-    """Reject a meta whose size disagrees with its dtype/shape or exceeds the limit."""
-    dtype = dtype_of(meta.dtype)
-    if len(meta.shape) > MAX_DIMS:
-        raise ValueError(f"object {meta.key!r} has {len(meta.shape)} dimensions; the store keeps at most {MAX_DIMS}")
+def nbytes_of(meta: ObjMeta) -> int:
+    """The bytes ``meta``'s dtype and shape take (-1 for an unknown dtype, too many or negative dims)."""
+    if meta.dtype not in _DTYPE_NAMES or len(meta.shape) > MAX_DIMS or any(d < 0 for d in meta.shape):
+        return -1
     numel = 1
     for d in meta.shape:
-        if d < 0:
-            raise ValueError(f"negative dimension in shape {meta.shape}")
         numel *= d
-    if meta.nbytes != numel * torch.empty((), dtype=dtype).element_size():
+    return numel * _DTYPE_NAMES[meta.dtype].itemsize
+
+
+def check_meta(meta: ObjMeta, max_object_bytes: int) -> None:
+    """Reject a meta whose size disagrees with its dtype/shape or exceeds the limit."""
+    dtype_of(meta.dtype)
+    if len(meta.shape) > MAX_DIMS:
+        raise ValueError(f"object {meta.key!r} has {len(meta.shape)} dimensions; the store keeps at most {MAX_DIMS}")
+    if any(d < 0 for d in meta.shape):
+        raise ValueError(f"negative dimension in shape {meta.shape}")
+    if meta.nbytes != nbytes_of(meta):
         raise ValueError(f"object {meta.key!r}: {meta.nbytes} bytes does not match {meta.dtype}{meta.shape}")
     if meta.nbytes > max_object_bytes:
         raise ValueError(f"object {meta.key!r} has {meta.nbytes} bytes; limit is {max_object_bytes} "

@@ -1,8 +1,9 @@
 """L2: Redis (or Redis Cluster) holding serialised objects under a key prefix.
 
 Who calls it: ``TieredStore`` (write-through worker and read misses), the bench, tests.
-All I/O is batched: one pipeline of SETs per put, one MGET per get, one pipeline of
-EXISTS per contains. redis-py's connection pool is shared by the threads that call in.
+All I/O is batched: one pipeline of SETs per put, one pipeline of GETRANGEs per get (each reads
+at most ``max_blob_bytes``: a huge value someone else wrote is cut short and fails its checks, never
+read whole), one pipeline of EXISTS per contains. redis-py's connection pool is shared by the threads that call in.
 ``redis+cluster://host:port`` uses redis-py's cluster client (the scale-out path).
 Connection errors propagate (counted in ``errors``); ``TieredStore`` marks the tier down.
 Redis is shared by many writers, so ``objects``/``bytes`` are not tracked here (Redis's
@@ -15,6 +16,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from pdserve.kvstore.blob import BlobTier
+from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
 
 CLUSTER_SCHEME = "redis+cluster://"
 
@@ -23,8 +25,9 @@ class RedisTier(BlobTier):
     name = "redis"
 
     def __init__(self, url: str, prefix: str = "pdkv:", ttl_s: int | None = None,
-                 codec_name: str = "none", timeout_s: float = 1.0) -> None:
-        super().__init__(codec_name)
+                 codec_name: str = "none", timeout_s: float = 1.0,
+                 max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> None:
+        super().__init__(codec_name, max_object_bytes)
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"Redis TTL must be > 0 seconds, got {ttl_s} (--kv-redis-ttl)")
         self.url, self.prefix, self.ttl_s = url, prefix, ttl_s
@@ -44,8 +47,10 @@ class RedisTier(BlobTier):
     def _read(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
             return []
-        names = [self.prefix + k for k in keys]
-        return self._client.mget_nonatomic(names) if self._cluster else self._client.mget(names)
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getrange(self.prefix + key, 0, self.max_blob_bytes)   # one byte past the limit: cut, refused
+        return [blob or None for blob in pipe.execute()]                 # a missing key reads as b""
 
     def _exists(self, keys: list[str]) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)

@@ -11,6 +11,14 @@ aligned offsets chosen by the writer of each message (client for Put, daemon for
 Who calls it: the daemon (``SegmentTable``: create, look up by client and generation,
 drop, reclaim segments whose owner process is gone) and ``DaemonClient``
 (``ShmSegment.open``, ``write``/``read``, ``close``).
+
+Who may hold a segment (the kernel decides, not a claim in a message): only an authenticated client can
+Attach (the daemon checks its token first), and a segment lives only while the process it was made for
+maps it -- checked in that process's /proc/<pid>/maps by the segment's inode, after ``MAP_GRACE_S``. A
+client that names another process (pid 1, say) gets a segment nobody maps, reclaimed within a few
+seconds; the file is 0600 and the daemon's, so no other user can map it. All segments together stay
+under ``max_total_bytes`` (default: half of /dev/shm's free space when the daemon starts): a new segment
+past it is refused with a clear error (the client uses zmq frames) while live clients keep theirs.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import mmap
 import os
 import re
 import secrets
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +36,7 @@ import torch
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^pdserve-kv-[0-9a-f]{8,64}$")
 ALIGN = 64
+MAP_GRACE_S = 10.0      # a new segment's owner has this long to map it before the maps check applies
 
 
 class NoSegment(LookupError):
@@ -36,8 +46,9 @@ class NoSegment(LookupError):
 class ShmSegment:
     """One mapped segment; ``gen`` is the daemon's generation number for it."""
 
-    def __init__(self, path: Path, size: int, gen: int, mm: mmap.mmap) -> None:
+    def __init__(self, path: Path, size: int, gen: int, mm: mmap.mmap, inode: tuple[int, int] = (0, 0)) -> None:
         self.path, self.size, self.gen, self._mm = path, size, gen, mm
+        self.inode = inode                    # (st_dev, st_ino): how /proc/<pid>/maps names it
         self.buf = np.frombuffer(mm, dtype=np.uint8)
 
     @classmethod
@@ -47,7 +58,8 @@ class ShmSegment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
-            return cls(path, size, gen, mmap.mmap(fd, size))
+            st = os.fstat(fd)
+            return cls(path, size, gen, mmap.mmap(fd, size), (st.st_dev, st.st_ino))
         except OSError as exc:
             path.unlink(missing_ok=True)
             raise OSError(exc.errno, f"cannot reserve a {size}-byte shm segment in {SHM_DIR}: {exc.strerror} "
@@ -116,15 +128,32 @@ def process_start_time(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
+def maps_inode(pid: int, inode: tuple[int, int]) -> bool:
+    """Whether process ``pid`` maps the file ``inode`` = (st_dev, st_ino) (False if we may not look)."""
+    dev = f"{os.major(inode[0]):02x}:{os.minor(inode[0]):02x}"
+    want = f" {dev} {inode[1]} "
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(want in line for line in f)
+    except OSError:
+        return False
+
+
+def shm_free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
 class SegmentTable:
-    """The daemon's segments by client identity, with owner pid and start time.
+    """The daemon's segments by client identity, with owner pid, start time and creation time.
 
-    ``attach`` reclaims segments of dead owners when at ``max_clients`` and refuses a new
-    client when every owner is alive: a live client's segment is never evicted."""
+    ``attach`` reclaims segments of dead owners when at ``max_clients`` (or ``max_total_bytes``) and
+    refuses a new client when every owner is alive: a live client's segment is never evicted."""
 
-    def __init__(self, max_clients: int, max_bytes: int) -> None:
+    def __init__(self, max_clients: int, max_bytes: int, max_total_bytes: int | None = None) -> None:
         self.max_clients, self.max_bytes = max_clients, max_bytes
-        self._segs: dict[bytes, tuple[ShmSegment, int, int]] = {}    # ident -> (seg, pid, start)
+        self.max_total_bytes = shm_free_bytes() // 2 if max_total_bytes is None else max_total_bytes
+        self._segs: dict[bytes, tuple[ShmSegment, int, int, float]] = {}   # ident -> (seg, pid, start, made)
         self._next_gen = secrets.randbits(48) + 1    # random start: a restarted daemon reuses none
         self.reclaimed = self.refused = 0
 
@@ -142,10 +171,20 @@ class SegmentTable:
             self.refused += 1
             raise ValueError(f"{len(self._segs)} shm clients attached, all alive; limit is {self.max_clients} "
                              "(--kv-max-shm-clients); use zmq frames")
+        if self.total_bytes + size > self.max_total_bytes:
+            self.reclaim_dead()
+        if self.total_bytes + size > self.max_total_bytes:
+            self.refused += 1
+            raise ValueError(f"{len(self._segs)} shm segments hold {self.total_bytes} bytes; another {size} would "
+                             f"pass the limit of {self.max_total_bytes} (--kv-max-shm-total-bytes); use zmq frames")
         seg = ShmSegment.create(size, self._next_gen)
         self._next_gen += 1
-        self._segs[ident] = (seg, pid, start)
+        self._segs[ident] = (seg, pid, start, time.monotonic())
         return seg
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry[0].size for entry in self._segs.values())
 
     def get(self, ident: bytes, gen: int) -> ShmSegment:
         seg = self._segs.get(ident, (None,))[0]
@@ -161,8 +200,10 @@ class SegmentTable:
             entry[0].close()
 
     def reclaim_dead(self) -> int:
-        """Drop the segments whose owner process is gone; how many."""
-        dead = [i for i, (_, pid, start) in self._segs.items() if process_start_time(pid) != start]
+        """Drop the segments whose owner process is gone or, past its grace time, does not map it; how many."""
+        now = time.monotonic()
+        dead = [i for i, (seg, pid, start, made) in self._segs.items() if process_start_time(pid) != start
+                or (now - made > MAP_GRACE_S and not maps_inode(pid, seg.inode))]
         for ident in dead:
             self.drop(ident)
         self.reclaimed += len(dead)

@@ -4,7 +4,7 @@ Called by ``StoreConnector.after_step`` on the engine thread after every model s
 
     step N computes tokens [0, 256)   -> chunk 0 complete: gather its layers (a memcpy), queue the put
     step N+1 computes [256, 300)      -> chunk 1 (partial, the prompt's end): gather, queue the put
-    the publisher thread seals each layer object (key hash + checksum, ``kvstore.seal``) and puts the
+    the publisher thread seals each layer object (a keyed MAC, ``kvstore.seal``) and puts the
     chunk to the store while the engine keeps computing
     ``finished()`` -> {request: PublishResult} for requests closed since the last call whose every
     queued chunk the store answered (acknowledged or failed)
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PublishResult:
     chunks: int = 0                                        # leading chunks the store acknowledged
-    digests: dict[int, str] = field(default_factory=dict)  # chunk index -> seal digest of its layers
+    digests: dict[int, str] = field(default_factory=dict)  # chunk index -> digest of its layers' MACs
     failed: bool = False                                   # a chunk after ``chunks`` was not stored
 
 
@@ -54,8 +54,10 @@ class _Pending:
 
 
 class ChunkPublisher:
-    def __init__(self, store, kv_caches: list[dict], first_layer: int, health, durable: bool = False):
+    def __init__(self, store, kv_caches: list[dict], first_layer: int, health, seal_key: bytes,
+                 durable: bool = False):
         self.store = store
+        self.seal_key = seal_key            # the cluster's seal key (kvstore.auth.ClusterKey.seal_key)
         self.durable = durable              # wait for the lower tiers (embedded store over Redis) before acking
         self.health = health                # TierHealth shared with the loader: down -> skip puts
         self.kv_caches = kv_caches          # this rank's layers; object keys use global layer ids
@@ -133,13 +135,13 @@ class ChunkPublisher:
             self.skipped += 1
             return None
         try:
-            sealed = [seal(object_key(chunk_key, first_layer + i), t) for i, t in enumerate(layers)]
+            sealed = [seal(object_key(chunk_key, first_layer + i), t, self.seal_key) for i, t in enumerate(layers)]
             self.store.adopt([(object_key(chunk_key, first_layer + i), obj) for i, (obj, _) in enumerate(sealed)])
             if self.durable and not self.store.flush():
                 raise RuntimeError("the store's write-through did not reach every tier (flush reported a loss)")
             self.health.ok()
             self.published += 1
-            return chunk_digest([checksum for _, checksum in sealed])
+            return chunk_digest([mac for _, mac in sealed])
         except Exception as exc:   # the store is down: the decode node will recompute (logged once)
             self.health.failed(exc)
             self.failures += 1

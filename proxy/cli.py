@@ -14,6 +14,7 @@ import gc
 import logging
 import sys
 
+from pdserve.engine import envs
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
 from pdserve.engine.server.listen import add_fd_flag, inherited_socket, served_address
 from pdserve.proxy.config import POLICIES, ProxyConfig
@@ -30,7 +31,8 @@ def register(subparsers) -> None:
     add_fd_flag(p)
     p.add_argument("--model", required=True, help="tokenizer directory: the model directory the nodes load")
     p.add_argument("--served-model-name", default=None, help="default: the nodes' model name")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=envs.PDSERVE_API_KEY or None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: PDSERVE_API_KEY)")
     p.add_argument("--prefill-policy", default="prefix_aware", choices=POLICIES)
     p.add_argument("--decode-policy", default="least_loaded", choices=POLICIES)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health probes")

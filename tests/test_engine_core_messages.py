@@ -52,7 +52,8 @@ def test_core_messages_round_trip():
 def test_start_message_carries_the_whole_config():
     config = EngineConfig(model="/models/x", seed=3, engine_core_process=True,
                           scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
-                          kv_transfer=KVTransferConfig(role="decode", kv_store="tcp://127.0.0.1:5557"))
+                          kv_transfer=KVTransferConfig(role="decode", kv_store="tcp://127.0.0.1:5557",
+                                                       kv_auth_token="t" * 16))   # the token travels too
     stream = io.BytesIO()
     m.write_start(stream, m.StartCore(config, "ipc://@a", "ipc://@b"))
     stream.seek(0)

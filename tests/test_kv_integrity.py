@@ -24,10 +24,12 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.memory import MemoryTier
+from pdserve.kvstore.auth import process_key
 from pdserve.kvstore.seal import SEAL_BYTES, SealError, chunk_digest, seal, unseal
 from pdserve.kvstore.tiered import TieredStore
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+KEY = process_key().seal_key          # what engines in this process seal with (an embedded store, no token)
 
 
 def _engine(model_dir, role, store, chunk=32):
@@ -57,29 +59,29 @@ def reference(tiny_llama):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_seal_round_trip_is_a_bit_identical_view(dtype):
     t = torch.randn(2, 5, 3, 4).to(dtype)
-    obj, checksum = seal("k:0", t)
+    obj, checksum = seal("k:0", t, KEY)
     assert obj.dtype == torch.uint8 and obj.numel() == SEAL_BYTES + t.numel() * t.element_size()
-    view, got = unseal("k:0", obj)
+    view, got = unseal("k:0", obj, KEY)
     assert got == checksum and view.dtype == dtype and view.shape == t.shape
     assert torch.equal(view.view(torch.uint8), t.view(torch.uint8))
 
 
 def test_seal_names_its_key_and_covers_every_byte():
-    obj, _ = seal("a:0", torch.randn(2, 4, 2, 8))
+    obj, _ = seal("a:0", torch.randn(2, 4, 2, 8), KEY)
     with pytest.raises(SealError, match="another key"):
-        unseal("b:0", obj)                                   # a valid object, answered for another key
+        unseal("b:0", obj, KEY)                                   # a valid object, answered for another key
     for pos in (0, 10, 60, SEAL_BYTES, obj.numel() - 1):
         bad = obj.clone()
         bad[pos] ^= 0x40
         with pytest.raises(SealError):
-            unseal("a:0", bad)
+            unseal("a:0", bad, KEY)
     with pytest.raises(SealError, match="not a sealed object"):
-        unseal("a:0", torch.randn(2, 4))
+        unseal("a:0", torch.randn(2, 4), KEY)
 
 
 def test_chunk_digest_depends_on_order_and_content():
-    assert chunk_digest([1, 2]) != chunk_digest([2, 1]) != chunk_digest([1, 3])
-    assert chunk_digest([1, 2]) == chunk_digest([1, 2])
+    assert chunk_digest([b"1", b"2"]) != chunk_digest([b"2", b"1"]) != chunk_digest([b"1", b"3"])
+    assert chunk_digest([b"1", b"2"]) == chunk_digest([b"1", b"2"])
 
 
 # -- the loader refuses what the seal or the digest says is not this chunk --------------------
@@ -111,8 +113,8 @@ def test_valid_object_that_is_not_what_prefill_published_is_refused(tiny_llama, 
     params = _prefill(tiny_llama, store, prompt)
     assert len(params["chunk_digests"]) == 3 and all(params["chunk_digests"])
     key = object_key(params["chunk_keys"][0], 0)
-    view, _ = unseal(key, store.get([key])[0])
-    store.put([(key, seal(key, view + 1.0)[0])])                      # correctly sealed, different KV
+    view, _ = unseal(key, store.get([key])[0], KEY)
+    store.put([(key, seal(key, view + 1.0, KEY)[0])])                 # correctly sealed, different KV
     decode = _engine(tiny_llama, "decode", store)
     tokens, out = _run(decode, "d", prompt, SamplingParams(max_tokens=8, **GREEDY), params)
     assert tokens == hf_greedy(reference, prompt, 8)

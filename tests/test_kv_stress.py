@@ -13,6 +13,7 @@ that timed out was later stored with the next request's bytes.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -25,10 +26,13 @@ from pdserve.proxy.cluster import terminate
 N = 140
 
 
+TOKEN = "kv-stress-cluster-token-0123456789"      # auth and keyed seals on, as `pdserve serve` runs them
+
+
 @pytest.fixture()
 def daemon_proc():
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.kvstore", "--port", "0", "--log-level", "ERROR"],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PDSERVE_KV_AUTH_TOKEN": TOKEN})
     line = proc.stdout.readline()
     assert line.startswith("READY "), line
     yield proc, line.split()[1]
@@ -39,7 +43,7 @@ def daemon_proc():
 def test_many_engines_one_daemon_every_answer_equals_colocated(tiny_llama, daemon_proc, pauses):
     proc, url = daemon_proc
     report = run_stress(StressConfig(model=str(tiny_llama), daemon_url=url, daemon_pid=proc.pid,
-                                     requests=N, stop_daemon=pauses))
+                                     requests=N, stop_daemon=pauses, token=TOKEN))
     print(report)
     assert report.mismatches == 0, report.mismatch_ids
     assert report.integrity_failures == 0 and report.digest_mismatches == 0

@@ -50,6 +50,7 @@ def test_no_store_path_unpickles(monkeypatch, tmp_path):
 
     from pdserve.kvstore.disk import DiskTier
     from pdserve.kvstore.memory import MemoryTier
+    from pdserve.kvstore.auth import process_key
     from pdserve.kvstore.seal import seal, unseal
     from pdserve.kvstore.tiered import TieredStore
 
@@ -62,13 +63,13 @@ def test_no_store_path_unpickles(monkeypatch, tmp_path):
     t = _sample(torch.bfloat16, (2, 3, 4))
     for name in ("none", "lz4"):
         assert torch.equal(codec.decode(codec.encode(t, name, KEY), KEY).view(torch.uint8), t.view(torch.uint8))
-    obj, _ = seal(KEY, t)
+    obj, _ = seal(KEY, t, process_key().seal_key)
     store = TieredStore(MemoryTier(1), [DiskTier(tmp_path, 1 << 20)])            # L1 too small: disk serves
     try:
         store.put([(KEY, obj)])
         assert store.flush()
         got = store.get([KEY])[0]
-        assert torch.equal(unseal(KEY, got)[0].view(torch.uint8), t.view(torch.uint8))
+        assert torch.equal(unseal(KEY, got, process_key().seal_key)[0].view(torch.uint8), t.view(torch.uint8))
     finally:
         store.close()
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvstore_fixtures import *  # noqa: F401,F403 - fixtures
-from kvstore_fixtures import unique_prefix
+from kvstore_fixtures import TOKEN, unique_prefix
 from pdserve.kvstore.client import DaemonClient
 from pdserve.kvstore.disk import DiskTier
 from pdserve.kvstore.keys import object_key
@@ -86,7 +86,7 @@ def harness(request, tmp_path):
         h = _redis_harness(redis_server, raw) if kind == "redis" else _tiered_harness(redis_server, raw, tmp_path)
     else:
         url = request.getfixturevalue("daemon").url
-        client = DaemonClient(url, shm_bytes=(8 << 20) if kind == "daemon_shm" else 0, timeout_s=20)
+        client = DaemonClient(url, token=TOKEN, shm_bytes=(8 << 20) if kind == "daemon_shm" else 0, timeout_s=20)
         h = Harness(client, no_corrupt_reason="the daemon serves a TieredStore; its byte tiers run under 'tiered'")
     yield h
     h.store.close()

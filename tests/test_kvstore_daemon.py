@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore_fixtures import *  # noqa: F401,F403 - fixtures
-from kvstore_fixtures import DaemonProcess
+from kvstore_fixtures import TOKEN, DaemonProcess
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.cli import register
 from pdserve.kvstore.client import DaemonClient, DaemonError
@@ -94,7 +94,7 @@ def test_malformed_requests_are_answered_with_the_reason(raw_socket, case):
 
 def test_a_version_1_client_is_told_the_protocol_version(raw_socket):
     reply = _exchange(raw_socket, [msgspec.msgpack.encode(OLD_CLIENT)])
-    assert not reply.ok and "protocol version 1; this daemon speaks 2" in reply.error
+    assert not reply.ok and f"protocol version 1; this daemon speaks {P.PROTOCOL_VERSION}" in reply.error
     assert _ping_ok(raw_socket)
 
 
@@ -110,29 +110,29 @@ def test_protocol_messages_round_trip():
 
 
 def test_non_loopback_bind_requires_a_token():
-    with pytest.raises(ValueError, match="--auth-token"):
+    with pytest.raises(ValueError, match="--allow-unauthenticated"):
         KVDaemon(MemoryTier(1 << 20), host="0.0.0.0", port=0)
 
 
 def test_auth_token_is_checked(daemon_with_token):
-    with DaemonClient(daemon_with_token.url, token="s3cret", timeout_s=20) as good:
+    with DaemonClient(daemon_with_token.url, token=TOKEN, timeout_s=20) as good:
         good.put([("a:0", torch.ones(3))])
         assert torch.equal(good.get(["a:0"])[0], torch.ones(3))
-    with DaemonClient(daemon_with_token.url, token="wrong", timeout_s=20) as bad:
+    with DaemonClient(daemon_with_token.url, token="wrong-but-long-enough", timeout_s=20) as bad:
         with pytest.raises(DaemonError, match="auth token"):
             bad.get(["a:0"])
 
 
 @pytest.fixture
 def daemon_with_token():
-    proc = DaemonProcess("--auth-token", "s3cret", "--kv-cpu-bytes", str(1 << 20), "--log-level", "WARNING")
+    proc = DaemonProcess("--auth-token", TOKEN, "--kv-cpu-bytes", str(1 << 20), "--log-level", "WARNING")   # a flag
     yield proc
     proc.stop()
 
 
 def test_shm_client_falls_back_to_frames_for_objects_larger_than_its_segment(daemon):
     big, small = torch.arange(100_000, dtype=torch.float32), torch.ones(10)   # 400 KB vs 64 KiB segment
-    with DaemonClient(daemon.url, shm_bytes=64 << 10, timeout_s=20) as client:
+    with DaemonClient(daemon.url, token=TOKEN, shm_bytes=64 << 10, timeout_s=20) as client:
         client.put([("shm-big:0", big), ("shm-small:0", small)])
         got = client.get(["shm-big:0", "shm-small:0", "shm-none:0"])
         assert torch.equal(got[0], big) and torch.equal(got[1], small) and got[2] is None
@@ -147,5 +147,5 @@ def test_cli_registers_the_kvstore_subcommand():
     args = parser.parse_args(["kvstore", "--port", "6000", "--kv-redis", "redis://127.0.0.1:6379/0",
                               "--kv-disk-dir", "/tmp/x", "--kv-cpu-bytes", "1024", "--auth-token", "t",
                               "--kv-max-shm-clients", "3"])
-    assert (args.port, args.kv_cpu_bytes, args.auth_token) == (6000, 1024, "t") and callable(args.func)
+    assert (args.port, args.kv_cpu_bytes, args.kv_auth_token) == (6000, 1024, "t") and callable(args.func)
     assert args.kv_max_shm_clients == 3

@@ -128,7 +128,8 @@ def small_shm_daemon():
         pytest.skip("needs `unshare -rm` (user namespaces) to give a daemon a small private /dev/shm")
     script = 'mount -t tmpfs -o size=1m pdserve-test /dev/shm && exec "$@"'
     proc = subprocess.Popen(["unshare", "-rm", "sh", "-c", script, "sh", sys.executable, "-m", "pdserve.kvstore",
-                             "--port", "0", "--kv-cpu-bytes", str(1 << 20), "--log-level", "ERROR"],
+                             "--port", "0", "--kv-cpu-bytes", str(1 << 20), "--log-level", "ERROR",
+                             "--kv-max-shm-total-bytes", str(64 << 20)],   # past the tmpfs: fallocate refuses
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:

@@ -15,6 +15,7 @@ from kvstore_fixtures import *  # noqa: F401,F403 - fixtures
 from kvstore_fixtures import RedisServer, unique_prefix, wait_for
 from pdserve.kvstore import codec
 from pdserve.kvstore.config import KVStoreConfig, build_store
+from pdserve.kvstore import disk as disk_module
 from pdserve.kvstore.disk import DiskTier
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.memory import MemoryTier
@@ -104,13 +105,13 @@ def test_failed_disk_write_leaves_no_temp_file(tmp_path, monkeypatch):
     budget, so a full disk stayed full."""
     tier = DiskTier(tmp_path, 1 << 20)
     _put(tier, "ok")
-    real_write = Path.write_bytes
+    real_write = disk_module.write_new_file
 
-    def half_then_enospc(path: Path, data: bytes) -> int:
+    def half_then_enospc(path: Path, data: bytes) -> None:
         real_write(path, data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(Path, "write_bytes", half_then_enospc)
+    monkeypatch.setattr(disk_module, "write_new_file", half_then_enospc)
     with pytest.raises(OSError) as info:
         _put(tier, "full")
     assert info.value.errno == errno.ENOSPC

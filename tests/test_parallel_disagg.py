@@ -18,6 +18,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, P
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.keys import object_key
+from pdserve.kvstore.auth import process_key
 from pdserve.kvstore.seal import unseal
 from pdserve.kvstore.memory import MemoryTier
 from pdserve.kvstore.tiered import TieredStore
@@ -44,7 +45,7 @@ def _prefill(engine, prompt):
 def _objects(store, params, num_layers):
     """The stored KV of every (chunk, layer), unsealed (the seal is checked on the way)."""
     keys = [object_key(c, layer) for c in params["chunk_keys"] for layer in range(num_layers)]
-    return [unseal(k, obj)[0] for k, obj in zip(keys, store.get(keys))]
+    return [unseal(k, obj, process_key().seal_key)[0] for k, obj in zip(keys, store.get(keys))]
 
 
 @pytest.fixture(scope="module")

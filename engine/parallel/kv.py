@@ -81,11 +81,11 @@ class KVRelay:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()                             # one op in flight
 
-    def publisher(self, store, health, durable: bool = False) -> ChunkPublisher:
-        return RankPublisher(store, self, health, durable)
+    def publisher(self, store, health, seal_key: bytes, durable: bool = False) -> ChunkPublisher:
+        return RankPublisher(store, self, health, seal_key, durable)
 
-    def loader(self, store, shape, health) -> ChunkLoader:
-        return RankLoader(store, self, shape, health)
+    def loader(self, store, shape, health, seal_key: bytes) -> ChunkLoader:
+        return RankLoader(store, self, shape, health, seal_key)
 
     def gather(self, slots: torch.Tensor) -> list[torch.Tensor]:
         """-> one [C, n, Hkv, D] tensor per global layer."""
@@ -127,8 +127,8 @@ class KVRelay:
 class RankPublisher(ChunkPublisher):
     """``ChunkPublisher`` whose gather runs on the ranks (sealing, queueing and acks are the parent's)."""
 
-    def __init__(self, store, relay: KVRelay, health, durable: bool):
-        super().__init__(store, [], 0, health, durable)
+    def __init__(self, store, relay: KVRelay, health, seal_key: bytes, durable: bool):
+        super().__init__(store, [], 0, health, seal_key, durable)
         self.relay = relay
 
     def publish(self, request_id: str, index: int, chunk_key: str, slots: torch.Tensor) -> None:
@@ -138,8 +138,8 @@ class RankPublisher(ChunkPublisher):
 class RankLoader(ChunkLoader):
     """``ChunkLoader`` whose scatter runs on the ranks (lookup, checks, threading and failure rules are the parent's)."""
 
-    def __init__(self, store, relay: KVRelay, shape, health):
-        super().__init__(store, [None] * relay.num_layers, 0, shape, health)   # lookup counts every layer
+    def __init__(self, store, relay: KVRelay, shape, health, seal_key: bytes):
+        super().__init__(store, [None] * relay.num_layers, 0, shape, health, seal_key)   # lookup counts every layer
         self.relay = relay
 
     def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int, fence=None) -> None:
