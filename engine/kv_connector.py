@@ -111,6 +111,9 @@ class StoreConnector:
         for rid, loaded in done.items():
             t = self._reqs.get(rid)
             if t is not None and t.accounting is not None:
+                if loaded < t.accounting.need_to_load:      # a chunk failed its seal (or vanished): ours to publish
+                    good = _chunks_covered(t.lens, t.accounting.local_hit_tokens + loaded)
+                    t.stored = t.published = min(t.stored, good)
                 t.accounting = t.accounting.with_loaded(loaded)
         return done
 
