@@ -174,6 +174,22 @@ def shared_tmp():
     shutil.rmtree(path)
 
 
+def _plant(shared_tmp: Path, built: dict, plant, monkeypatch) -> Path:
+    """The attack set up by ``plant`` as the cache root ``shared_tmp/cache``: -> the constructor's marker."""
+    root, marker = shared_tmp / "cache", shared_tmp / "constructor-ran"
+    (shared_tmp / "planted.so").write_bytes(built["planted"])
+    (shared_tmp / "planted.so").chmod(0o644)
+    plant(root, shared_tmp / "planted.so", built["name"])
+    monkeypatch.setattr(envs, "PDSERVE_CACHE_DIR", root)
+    monkeypatch.setenv("PD_PLANTED_MARKER", str(marker))
+    cpu_ops.load.cache_clear()
+    return marker
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user (nobody) needs root")
+
+
+@needs_root
 @pytest.mark.parametrize("plant, why", [
     (_world_writable_kernels, "kernels is writable by its group and others (mode 1777"),
     (_world_writable_root, "cache is writable by its group and others (mode 0777"),
@@ -187,17 +203,27 @@ def test_a_library_another_user_could_plant_is_never_loaded(built, shared_tmp, m
     """As uid nobody, a cpu_ops-<hash>.so planted in a cache folder it can write ran its constructor as root
     (issue 35): any file of the right name was loaded. No compiler here (CC names none), so the refused cache
     leaves the torch path -- and one line that says why."""
-    root, marker = shared_tmp / "cache", shared_tmp / "constructor-ran"
-    (shared_tmp / "planted.so").write_bytes(built["planted"])
-    (shared_tmp / "planted.so").chmod(0o644)
-    plant(root, shared_tmp / "planted.so", built["name"])
-    monkeypatch.setattr(envs, "PDSERVE_CACHE_DIR", root)
-    monkeypatch.setenv("PD_PLANTED_MARKER", str(marker))
+    marker = _plant(shared_tmp, built, plant, monkeypatch)
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    cpu_ops.load.cache_clear()
     try:
         lib = cpu_ops.load()
     finally:
         cpu_ops.load.cache_clear()
     assert not marker.exists() and lib is None
     assert sum(why in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
+@needs_root
+def test_a_refused_cache_is_not_written_and_the_kernels_are_built_privately(built, shared_tmp, monkeypatch, caplog):
+    """With a compiler, a cache that fails its checks costs a build in a private temporary folder, not the
+    kernels: nothing is read from it (the planted constructor does not run) and nothing is written to it."""
+    marker = _plant(shared_tmp, built, _world_writable_kernels, monkeypatch)
+    monkeypatch.setenv("CC", "gcc")
+    try:
+        lib = cpu_ops.load()
+    finally:
+        cpu_ops.load.cache_clear()
+    assert not marker.exists()
+    assert lib is not None and all(hasattr(lib, s) for s in OPS_SYMBOLS)
+    assert os.listdir(shared_tmp / "cache" / "kernels") == [built["name"]]           # the planted file alone
+    assert "built in a private temporary folder" in caplog.text
