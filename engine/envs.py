@@ -2,7 +2,7 @@
 
 | variable              | meaning                                          | default                    |
 | --------------------- | ------------------------------------------------ | -------------------------- |
-| PDSERVE_CACHE_DIR     | where downloaded models are converted and kept   | ~/.cache/pdserve           |
+| PDSERVE_CACHE_DIR     | converted models; the C kernels' private cache (kernels/cpu_cache.py) | ~/.cache/pdserve |
 | PDSERVE_NUM_THREADS   | torch intra-op threads per process               | 1                          |
 | PDSERVE_LOG_LEVEL     | logging level of pdserve's loggers               | INFO                       |
 | PDSERVE_FAULTS        | tests only: faults in tp/pp ranks, engine core   | "" (``parallel/faults.py``)|

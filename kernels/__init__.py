@@ -7,8 +7,8 @@ fallback) or to the Triton kernels (``triton_attention.py``,
 ``triton_cache.py``), as ``AttentionMetadata.backend`` says. The input batch
 (``pdserve.engine.input_batch``) builds the metadata once per step (``metadata.py``). The KV store's
 publisher and loader move chunks with ``transfer.py`` (torch) / ``triton_transfer.py`` (CUDA).
-``cpu_build.py`` compiles the C sources; ``cpu_ops.py`` (``cpu_ops.c``) holds the model's rotary
-embedding, RMSNorm and SiLU-and-mul on CPU float32, called by ``engine.models.rope`` and
+``cpu_build.py`` compiles the C sources (cached by ``cpu_cache.py``, private to the user); ``cpu_ops.py``
+(``cpu_ops.c``) holds the model's rotary embedding, RMSNorm and SiLU-and-mul on CPU float32, called by ``engine.models.rope`` and
 ``engine.models.layers``, and the float32 K/V write the C attention path starts with; ``cpu_linear.py``
 (``cpu_linear.c``, AVX-512 or AVX2) the few-row fp32 matmuls of decode steps, with oneDNN's bits, called by
 ``engine.models.layers.Linear``. Each Triton

@@ -11,9 +11,9 @@ differently still publish identical KV bytes. ctypes drops the GIL for the call,
 no state between calls: engines on several threads call it at once. With ``torch.get_num_threads()`` > 1
 the call shares its (row tile, KV head) items among that many OpenMP threads; the bits stay the same.
 
-Built at ``PDSERVE_CACHE_DIR/kernels/cpu_attention-<hash>.so`` (the hash covers the source, the flags and
-the compiler's name and version) with ``cc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp``, plus
-``-mavx512f -mavx512vl`` on CPUs that have them: each lane's arithmetic is the AVX2 build's 8-float
+Built at ``PDSERVE_CACHE_DIR/kernels/cpu_attention-<hash>.so`` (the hash covers the source, its headers and the
+flags; the cache is private to the user, ``cpu_cache.py``) with ``cc -O3 -mavx2 -mfma -mf16c -ffp-contract=off
+-fopenmp``, plus ``-mavx512f -mavx512vl`` on CPUs that have them: each lane's arithmetic is the AVX2 build's 8-float
 arithmetic, so the same bits (tests/test_cpu_attention.py compares the two builds bit for bit), but 32
 vector registers instead of 16 -- no spills (an AVX-512 EPYC: prompt steps 10-20% and decode steps ~23%
 faster, ``bench/cpu_attention.py``) -- and two lanes in each 16-float register, each K/V load shared by
@@ -22,8 +22,8 @@ step's 1.39 -> 1.34). The AVX2 build shares each K/V load between two lanes of a
 diagonal (the same per-lane arithmetic: tests build the source with ``-DPD_ONE_LANE_AT_A_TIME`` and compare):
 a Zen 3 EPYC's 512-token prompt layer, 4 prompts, 17.1 -> 15.3 ms.
 ``cpu_build.py`` compiles and caches each build. ``load()`` returns None — and the dispatcher keeps the
-plain-torch backend — when the CPU lacks AVX2/FMA/F16C, there is no compiler, or the build fails; the
-reason is logged once.
+plain-torch backend — when the CPU lacks AVX2/FMA/F16C, or no usable build is cached and there is no compiler or
+the build fails; the reason is logged in one line.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 ISAS = {"avx512vl": (["-mavx512f", "-mavx512vl"], CPU_FLAGS + ("avx512f", "avx512vl")),   # best first; same bits
         "avx2": ([], CPU_FLAGS)}
+SYMBOLS = ("pd_paged_attention",)            # every symbol _bind binds: load checks them all
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ERRORS = {1: "shape (head size and block size must be multiples of 8, query heads a multiple of KV heads)",
            2: "out of memory"}
@@ -66,7 +67,7 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library (``isa``: a key of ISAS; None: the best build this CPU runs and this compiler
     builds, capped by ``PDSERVE_CPU_ISA``, avx2 if the other fails), or None (with the reasons logged) where none
     can be built here."""
-    lib, _, reasons = load_best(SOURCE, "pd_paged_attention", ISAS, isa, "cpu attention kernel", prefetch_flags())
+    lib, _, reasons = load_best(SOURCE, SYMBOLS, ISAS, isa, "cpu attention kernel", prefetch_flags())
     if lib is None:
         log.warning("cpu attention kernel unavailable (%s); using the plain-torch backend", "; ".join(reasons))
     return None if lib is None else _bind(lib)

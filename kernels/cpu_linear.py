@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 ISAS = {"avx512vl": (["-mavx512f", "-mavx512vl"], cpu_build.CPU_FLAGS + ("avx512f", "avx512vl")),  # best first
         "avx2": ([], cpu_build.CPU_FLAGS)}                                                            # same bits
+SYMBOLS = ("pd_skinny_linear", "pd_skinny_width")   # every symbol _load binds: load_best checks them all
 MAX_ROWS = 32                          # above this oneDNN is as fast (bench/cpu_linear.py --layers)
 K_BLOCKS = (512, 1024, 256, 2048)      # oneDNN's fp32 K blocks seen: 512 for K <= 1024, 1024 above
 CHECK_ROWS = (2, 3, 8, 17, MAX_ROWS)   # row counts prepare compares at (1 row: the 2-row call's first row)
@@ -62,7 +63,7 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
 
 @functools.cache
 def _load(isa: str | None) -> ctypes.CDLL | None:      # load() and load(None): one cache entry, one log
-    lib, name, reasons = cpu_build.load_best(SOURCE, "pd_skinny_linear", ISAS, isa, "few-row linear kernel")
+    lib, name, reasons = cpu_build.load_best(SOURCE, SYMBOLS, ISAS, isa, "few-row linear kernel")
     if lib is None:
         log.info("few-row linear kernel unavailable (%s); decode-step matmuls stay on oneDNN", "; ".join(reasons))
         return None

@@ -6,9 +6,9 @@
     done = write_kv(k, v, cache, slot_mapping)   # kernels/cpu_attention.py: the step's K/V into the cache
 
 Each returns a new contiguous tensor (``write_kv``: True), or None (False) where its path does not apply
-(not float32 on CPU, a layout it does not take, or no library: no AVX2/FMA/F16C or no compiler, logged
-once by ``load``); the caller then runs its torch expression. The callers skip it inside ``torch.compile``
-(the graph keeps torch's ops).
+(not float32 on CPU, a layout it does not take, or no library: no AVX2/FMA/F16C, or neither a cached build nor
+a compiler, logged once by ``load``); the caller then runs its torch expression. The callers skip it inside
+``torch.compile`` (the graph keeps torch's ops).
 
 Bits: ``rotary`` gives the torch expression's bits (same operations, same order; a NaN is NaN, its sign
 not matched). ``rms_norm`` differs from torch only in its sum of squares (in double, rounded once: at
@@ -33,12 +33,17 @@ from pdserve.kernels import cpu_build
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ops.c")
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_ARGS = {"pd_rotary": [_p, _i64, _p, _p, _p, _i64, _i32, _i32],         # every symbol: load checks them all
+         "pd_rms_norm": [_p, _i64, _p, _p, _i64, _i32, _f32],
+         "pd_silu_and_mul": [_p, _i64, _p, _i64, _i32],
+         "pd_write_kv": [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64]}
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None (reason logged once) where it cannot be built or loaded here."""
-    lib, _, reasons = cpu_build.load_best(SOURCE, "pd_silu_and_mul", {"avx2": ((), cpu_build.CPU_FLAGS)}, None,
+    lib, _, reasons = cpu_build.load_best(SOURCE, list(_ARGS), {"avx2": ((), cpu_build.CPU_FLAGS)}, None,
                                           "cpu ops kernels")
     if lib is None:
         log.warning("cpu ops kernels unavailable (%s); rotary, RMSNorm and SiLU use torch", "; ".join(reasons))
@@ -46,13 +51,9 @@ def load() -> ctypes.CDLL | None:
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    for name, args in (("pd_rotary", [p, i64, p, p, p, i64, i32, i32]),
-                       ("pd_rms_norm", [p, i64, p, p, i64, i32, f32]),
-                       ("pd_silu_and_mul", [p, i64, p, i64, i32]),
-                       ("pd_write_kv", [p, i64, p, i64, p, i64, p, p, i64, i64])):
+    for name, args in _ARGS.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, i32
+        fn.argtypes, fn.restype = args, _i32
     return lib
 
 

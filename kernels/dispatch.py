@@ -31,8 +31,8 @@ def resolve_backend(requested: str | None, device: str) -> str:
         raise ValueError("--attention-backend triton on CPU runs only under TRITON_INTERPRET=1 (tests); "
                          "use --attention-backend torch")
     if name == "cpu" and (device != "cpu" or cpu_attention.load() is None):
-        raise ValueError(f"--attention-backend cpu needs a CPU device with AVX2/FMA/F16C and a C compiler "
-                         f"(device {device}; see the log for why the kernel did not build); use torch")
+        raise ValueError(f"--attention-backend cpu needs a CPU device with AVX2/FMA/F16C and a cached build or a C "
+                         f"compiler (device {device}; see the log for why the kernel did not load); use torch")
     return name
 
 

@@ -161,3 +161,16 @@ def fresh_avx2_load(fresh_load, monkeypatch):
 
     monkeypatch.setattr(envs, "PDSERVE_CPU_ISA", "avx2")
     return fresh_load
+
+
+@pytest.fixture
+def fresh_ops_load(monkeypatch, tmp_path):
+    """fresh_load for the cpu ops kernels (the quickest of the three to build: tests of the cache's rules, which
+    every kernel shares through cpu_build.build): cpu_ops.load() forgets its library and builds under tmp_path."""
+    from pdserve.engine import envs
+    from pdserve.kernels import cpu_ops
+
+    monkeypatch.setattr(envs, "PDSERVE_CACHE_DIR", tmp_path)
+    cpu_ops.load.cache_clear()
+    yield tmp_path
+    cpu_ops.load.cache_clear()

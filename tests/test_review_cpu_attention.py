@@ -29,19 +29,18 @@ def test_a_build_that_leaves_an_unloadable_library_does_not_poison_the_cache(fre
     assert cpu_attention.load() is not None, list((fresh_avx2_load / "kernels").iterdir())
 
 
-def test_the_cached_kernel_is_readable_by_other_users(fresh_avx2_load):
-    """Built under umask 022 the library should be world-readable like any other cache file (the models
-    next to it are). mkstemp creates the output 0600 and the linker keeps that (-rwx--x--x): in a cache
-    dir shared by users (built by one, served by another) dlopen says "Permission denied" and the other
-    user silently runs the torch backend -- whose bits differ, so two nodes publish different KV bytes."""
-    old = os.umask(0o022)
+def test_the_cached_kernel_is_private_to_its_user(fresh_avx2_load):
+    """A cached library is loaded as code, so the cache is not shared between users (issue 35): even under umask
+    000 its folders are made 0700 and the library 0700 -- no other user reads, replaces or plants one. (It was
+    made readable by all, in folders the umask left open, for a cache "shared by users".)"""
+    old = os.umask(0)
     try:
         assert cpu_attention.load() is not None
     finally:
         os.umask(old)
     [built] = (fresh_avx2_load / "kernels").glob("cpu_attention-*.so")
-    mode = stat.S_IMODE(built.stat().st_mode)
-    assert mode & 0o044 == 0o044, oct(mode)
+    modes = [stat.S_IMODE(p.stat().st_mode) for p in (built, built.parent)]
+    assert modes == [0o700, 0o700], [oct(m) for m in modes]
 
 
 def test_int64_host_mirrors_are_not_misread():
