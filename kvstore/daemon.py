@@ -33,7 +33,7 @@ from pdserve.kvstore import protocol as P
 from pdserve.kvstore.auth import TOKEN_HELP, ClusterKey
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
-from pdserve.kvstore.shm import NoSegment, SegmentTable, ShmSegment, align
+from pdserve.kvstore.shm import MAP_GRACE_S, NoSegment, SegmentTable, ShmSegment, align
 from pdserve.kvstore.zmq_context import shared_context
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class DaemonLimits:
     max_shm_clients: int = 64             # attached segments (a live client's is never evicted)
     max_shm_total_bytes: int | None = None   # all segments together (None: half of /dev/shm's free space)
     shm_reclaim_s: float = 5.0            # how often segments of dead or unmapping clients are looked for
+    shm_map_grace_s: float = MAP_GRACE_S  # a new segment's process has this long to map it
 
 
 class KVDaemon:
@@ -62,7 +63,8 @@ class KVDaemon:
         self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_object_bytes + limits.max_header_bytes)
         self._sock.bind(f"tcp://{host}:{port}" if port else f"tcp://{host}:*")
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._segments = SegmentTable(limits.max_shm_clients, limits.max_shm_bytes, limits.max_shm_total_bytes)
+        self._segments = SegmentTable(limits.max_shm_clients, limits.max_shm_bytes, limits.max_shm_total_bytes,
+                                      limits.shm_map_grace_s)
         self._counters = {"requests": 0, "errors": 0, "checksum_failures": 0}
         self._handlers = {P.Put: self._put, P.Get: self._get, P.Contains: self._contains,
                           P.Lookup: self._lookup, P.Delete: self._delete, P.Stats: self._stats,

@@ -14,7 +14,7 @@ drop, reclaim segments whose owner process is gone) and ``DaemonClient``
 
 Who may hold a segment (the kernel decides, not a claim in a message): only an authenticated client can
 Attach (the daemon checks its token first), and a segment lives only while the process it was made for
-maps it -- checked in that process's /proc/<pid>/maps by the segment's inode, after ``MAP_GRACE_S``. A
+maps it -- checked in that process's /proc/<pid>/maps by the segment's inode, after ``map_grace_s``. A
 client that names another process (pid 1, say) gets a segment nobody maps, reclaimed within a few
 seconds; the file is 0600 and the daemon's, so no other user can map it. All segments together stay
 under ``max_total_bytes`` (default: half of /dev/shm's free space when the daemon starts): a new segment
@@ -36,7 +36,7 @@ import torch
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^pdserve-kv-[0-9a-f]{8,64}$")
 ALIGN = 64
-MAP_GRACE_S = 10.0      # a new segment's owner has this long to map it before the maps check applies
+MAP_GRACE_S = 10.0      # default: a new segment's owner has this long to map it before the maps check applies
 
 
 class NoSegment(LookupError):
@@ -150,8 +150,9 @@ class SegmentTable:
     ``attach`` reclaims segments of dead owners when at ``max_clients`` (or ``max_total_bytes``) and
     refuses a new client when every owner is alive: a live client's segment is never evicted."""
 
-    def __init__(self, max_clients: int, max_bytes: int, max_total_bytes: int | None = None) -> None:
-        self.max_clients, self.max_bytes = max_clients, max_bytes
+    def __init__(self, max_clients: int, max_bytes: int, max_total_bytes: int | None = None,
+                 map_grace_s: float = MAP_GRACE_S) -> None:
+        self.max_clients, self.max_bytes, self.map_grace_s = max_clients, max_bytes, map_grace_s
         self.max_total_bytes = shm_free_bytes() // 2 if max_total_bytes is None else max_total_bytes
         self._segs: dict[bytes, tuple[ShmSegment, int, int, float]] = {}   # ident -> (seg, pid, start, made)
         self._next_gen = secrets.randbits(48) + 1    # random start: a restarted daemon reuses none
@@ -203,7 +204,7 @@ class SegmentTable:
         """Drop the segments whose owner process is gone or, past its grace time, does not map it; how many."""
         now = time.monotonic()
         dead = [i for i, (seg, pid, start, made) in self._segs.items() if process_start_time(pid) != start
-                or (now - made > MAP_GRACE_S and not maps_inode(pid, seg.inode))]
+                or (now - made > self.map_grace_s and not maps_inode(pid, seg.inode))]
         for ident in dead:
             self.drop(ident)
         self.reclaimed += len(dead)

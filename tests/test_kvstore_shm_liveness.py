@@ -181,3 +181,50 @@ def test_close_is_idempotent_safe_from_another_thread_and_detaches(daemon_with):
         client.get(["c-0:0"])
     with DaemonClient(daemon.endpoint, timeout_s=20) as observer:
         assert observer.stats()["daemon"]["shm_clients"] == 0
+
+
+def _squat(endpoint: str, pid: int, n: int) -> list:
+    """``n`` throw-away zmq identities each Attach a segment in the name of ``pid`` (issue 35, finding 4)."""
+    import zmq
+
+    from pdserve.kvstore import protocol as P
+    from pdserve.kvstore.zmq_context import shared_context
+
+    replies = []
+    for i in range(n):
+        sock = shared_context().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send(P.ENCODER.encode(P.Attach(pid=pid, size=SEG, id=i + 1)))
+        assert sock.poll(20_000), "the daemon did not answer an Attach"
+        replies.append(P.REPLY_DECODER.decode(sock.recv()))
+        sock.close()
+    return replies
+
+
+def test_a_segment_claimed_for_a_process_that_never_maps_it_is_reclaimed(daemon_with, attachers):
+    """Before: Attach(pid=<any live process>) pinned a fallocated segment in /dev/shm for that process's life
+    (pid 1: for good). Now a segment lives only while the named process maps it; a real client's stays."""
+    daemon = daemon_with(DaemonLimits(shm_reclaim_s=0.2, shm_map_grace_s=0.5))
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        attachers(daemon.endpoint, 1)                              # a real client: it maps its segment
+        assert all(r.ok for r in _squat(daemon.endpoint, bystander.pid, 5))
+        with DaemonClient(daemon.endpoint, timeout_s=20) as observer:
+            wait_for(lambda: observer.stats()["daemon"]["shm_clients"] == 1, what="squatted segments reclaimed")
+            assert observer.stats()["daemon"]["shm_reclaimed"] == 5
+    finally:
+        terminate(bystander)
+
+
+def test_all_segments_together_stay_under_the_total_cap(daemon_with, attachers):
+    """A cap on every segment's bytes, not only per client: past it a new segment is refused (frames), live
+    clients keep theirs."""
+    daemon = daemon_with(DaemonLimits(max_shm_total_bytes=2 * SEG))
+    attachers(daemon.endpoint, 2)
+    refused = _squat(daemon.endpoint, os.getpid(), 1)[0]
+    assert not refused.ok and "--kv-max-shm-total-bytes" in refused.error
+    with DaemonClient(daemon.endpoint, shm_bytes=SEG, timeout_s=20) as late:
+        _round_trip(late, "late-0:0")                              # served over zmq frames
+        stats = late.stats()
+        assert stats["client"]["shm_refused"] == 1 and stats["daemon"]["shm_clients"] == 2
