@@ -9,6 +9,7 @@ decode node then starts without its ranks).
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 from pathlib import Path
@@ -20,7 +21,7 @@ from serve_process import banner_url, serve
 
 def test_serve_passes_flags_to_every_node_and_per_role(tiny_llama):
     flags = ("--dtype", "float32", "--block-size", "8", "--max-model-len", "512", "--decode-tensor-parallel-size", "2",
-             "--prefill-args", "--max-model-len 384")
+             "--prefill-args", "--max-model-len 384", "--api-key", "proxy-key")
     with serve(tiny_llama, *flags) as (proc, output):
         url = banner_url(output)
         urls = {role: re.search(rf"{role}\s+(http://\S+)", output).group(1) for role in ("prefill", "decode")}
@@ -33,8 +34,37 @@ def test_serve_passes_flags_to_every_node_and_per_role(tiny_llama):
         assert "worker ranks" not in prefill_log
         for log in (decode_log, prefill_log):
             assert re.search(r"engine ready: .* dtype=torch\.float32 blocks=\d+ x 8 tokens", log), log[-2000:]
-        r = httpx.post(f"{url}/v1/completions", timeout=60,
-                       json={"prompt": "hello there", "max_tokens": 4, "temperature": 0})
+        body = {"prompt": "hello there", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", timeout=60, json=body).status_code == 401   # --api-key
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json=body, headers={"Authorization": "Bearer proxy-key"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        _check_the_token_stays_secret(logs, output)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+
+
+def _check_the_token_stays_secret(logs: Path, banner: str) -> None:
+    """The cluster's KV token reaches the daemon and the nodes in their environment only: on no command line
+    (every local user reads those), in no log, not in the proxy."""
+    assert re.search(r"store\s+tcp://\S+ \(authenticated, key id [0-9a-f]{8}\)", banner), banner
+    children = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == str(logs):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                environ = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
+                children[pid] = (cmdline, environ)
+        except OSError:
+            continue
+    tokens = {env.get("PDSERVE_KV_AUTH_TOKEN") for _, env in children.values()} - {None}
+    assert len(tokens) == 1, tokens                                  # one key, shared by the daemon and nodes
+    token = tokens.pop()
+    assert len(token) >= 32
+    for cmdline, env in children.values():
+        assert token not in cmdline
+        if " proxy " in cmdline:
+            assert "PDSERVE_KV_AUTH_TOKEN" not in env
+    assert any(" kvstore " in c and "PDSERVE_KV_AUTH_TOKEN" in e for c, e in children.values())
+    for log in logs.glob("*.log"):
+        assert token not in log.read_text(errors="replace"), log
+    assert token not in banner
