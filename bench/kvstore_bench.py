@@ -1,7 +1,10 @@
-"""KV store benchmark: put/get GB/s per tier and for the daemon (TCP vs shared memory).
+"""KV store benchmark: put/get GB/s per tier and for the daemon (TCP vs shared memory), and the seal's MAC.
 
 Fixed seed; every figure is also printed as a ratio to its baseline measured in the
 same run (memcpy for in-process and daemon paths, raw redis-py for the Redis tier).
+The daemon runs as ``pdserve serve`` runs it: with a cluster token, every request authenticated.
+The seal table puts the keyed MAC (BLAKE3, ``kvstore/seal.py``) beside xxh3 (the old, public
+checksum), keyed BLAKE2b (the standard library's) and memcpy, and times ``seal``/``unseal`` whole.
 Prints the hardware and the lz4 (+ byte shuffle) compression ratios; ``--json`` writes
 the numbers. Run: ``python -m pdserve.bench.kvstore_bench [--redis-url ...]`` (the lead
 wires it as ``pdserve bench kvstore``).
@@ -10,6 +13,7 @@ wires it as ``pdserve bench kvstore``).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -18,15 +22,19 @@ import sys
 import tempfile
 import time
 
+import blake3
 import lz4.block
 import redis
 import torch
+import xxhash
 
 from pdserve.kvstore import codec
+from pdserve.kvstore.auth import ClusterKey, new_token
 from pdserve.kvstore.client import DaemonClient
 from pdserve.kvstore.disk import DiskTier
 from pdserve.kvstore.memory import MemoryTier
 from pdserve.kvstore.redis_tier import RedisTier
+from pdserve.kvstore.seal import seal, unseal
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "8MiB": 8 << 20}
 
@@ -83,9 +91,10 @@ def raw_redis(url: str, items) -> tuple[float, float]:
     return put_gbps, get_gbps
 
 
-def start_daemon(cpu_bytes: int) -> tuple[subprocess.Popen, str]:
+def start_daemon(cpu_bytes: int, token: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.kvstore", "--port", "0", "--kv-cpu-bytes", str(cpu_bytes),
-                             "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
+                             "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PDSERVE_KV_AUTH_TOKEN": token})
     line = proc.stdout.readline()
     if not line.startswith("READY "):
         proc.kill()
@@ -108,8 +117,9 @@ def lz4_ratios(seed: int = 0) -> dict[str, dict[str, float]]:
 def run(args) -> dict:
     torch.manual_seed(0)
     results: dict = {"hardware": hardware(), "total_bytes": args.total_mib << 20, "rows": []}
-    daemon, url = start_daemon(4 * (args.total_mib << 20))
-    tcp, shm = DaemonClient(url), DaemonClient(url, shm_bytes=(args.total_mib << 20) + (16 << 20))
+    token = new_token()
+    daemon, url = start_daemon(4 * (args.total_mib << 20), token)
+    tcp, shm = DaemonClient(url, token=token), DaemonClient(url, token=token, shm_bytes=(args.total_mib << 20) + (16 << 20))
     tmp = tempfile.TemporaryDirectory()
     try:
         for label, size in SIZES.items():
@@ -130,7 +140,27 @@ def run(args) -> dict:
         daemon.terminate(), daemon.wait()
         tmp.cleanup()
     results["lz4_ratio"] = lz4_ratios()
+    results["seal"] = seal_rows(args.total_mib << 20)
     return results
+
+
+def seal_rows(total: int) -> list[dict]:
+    """GB/s of each integrity function over the same objects, and of seal/unseal (its MAC + one copy)."""
+    key, rows = ClusterKey.random().seal_key, []
+    for label, size in SIZES.items():
+        items = objects(size, total)
+        raws = [codec.tensor_bytes(t) for _, t in items]
+        sealed = [seal(k, t, key)[0] for k, t in items]
+        fns = {"memcpy": lambda: [d.copy_(t) for d, (_, t) in zip(dst, items)],
+               "xxh3_64 (public)": lambda: [xxhash.xxh3_64_intdigest(r) for r in raws],
+               "blake2b keyed": lambda: [hashlib.blake2b(r, key=key).digest() for r in raws],
+               "blake3 keyed": lambda: [blake3.blake3(r, key=key).digest() for r in raws],
+               "seal()": lambda: [seal(k, t, key) for k, t in items],
+               "unseal()": lambda: [unseal(k, o, key) for (k, _), o in zip(items, sealed)]}
+        dst = [torch.empty_like(t) for _, t in items]
+        gbps = {name: best_gbps(fn, _bytes(items)) for name, fn in fns.items()}
+        rows += [{"size": label, "fn": name, "gbps": g, "ratio": g / gbps["memcpy"]} for name, g in gbps.items()]
+    return rows
 
 
 def print_results(r: dict) -> None:
@@ -142,6 +172,10 @@ def print_results(r: dict) -> None:
               f"{row['put_ratio']:7.2f} {row['get_ratio']:7.2f}")
     for dtype, ratio in r["lz4_ratio"].items():
         print(f"lz4 ratio {dtype:<9} plain {ratio['plain']:.3f}  byte-shuffled {ratio['shuffled']:.3f}")
+    print(f"\nseal: GB/s over the same objects, one thread; ratio vs memcpy")
+    print(f"{'size':>6} {'function':<20} {'GB/s':>7} {'x memcpy':>9}")
+    for row in r["seal"]:
+        print(f"{row['size']:>6} {row['fn']:<20} {row['gbps']:7.2f} {row['ratio']:9.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
