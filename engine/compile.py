@@ -98,7 +98,7 @@ def use_cache_dir() -> str:
     inductor_config.compile_threads = 1   # no pool of compile workers: the node keeps one thread per process
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or current == os.path.abspath(default_cache_dir()):   # unset, or torch's own default
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(envs.PDSERVE_CACHE_DIR / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _private_inductor_dir()
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     try:                                  # inductor's own failure names neither the variable nor the way out
         os.makedirs(cache_dir, exist_ok=True)
@@ -108,6 +108,19 @@ def use_cache_dir() -> str:
                           "PDSERVE_CACHE_DIR (or TORCHINDUCTOR_CACHE_DIR) to a writable directory, or run "
                           "eagerly with --enforce-eager / PDSERVE_COMPILE=0") from exc
     return cache_dir
+
+
+def _private_inductor_dir() -> str:
+    """PDSERVE_CACHE_DIR/inductor where only this user can write it (inductor loads what it finds there as
+    code: the same rule as the C kernels' cache, kernels/cpu_cache.py), else a private folder for this process."""
+    from pdserve.kernels import cpu_cache
+
+    fd = cpu_cache.open_subdir("inductor", "torch.compile cache", "this process compiles into a private "
+                               "temporary folder")
+    if fd is None:
+        return tempfile.mkdtemp(prefix="pdserve-inductor-")
+    os.close(fd)
+    return str(envs.PDSERVE_CACHE_DIR / "inductor")
 
 
 def _graphs_compiled() -> int:

@@ -46,16 +46,23 @@ class Untrusted(OSError):
 def open_cache() -> int | None:
     """The descriptor of PDSERVE_CACHE_DIR/kernels, made 0700 where missing, every folder checked; None (with
     one warning for each distinct reason) where it is not to be used."""
+    return open_subdir("kernels", "C kernel cache", "the kernels are built in a private temporary folder for this "
+                       "process (each start builds them again until the cache is fixed)")
+
+
+def open_subdir(name: str, what: str, instead: str) -> int | None:
+    """The descriptor of PDSERVE_CACHE_DIR/``name`` (a folder whose files are loaded as code: the C kernels',
+    inductor's), made 0700 where missing, it and PDSERVE_CACHE_DIR checked; None, with one warning naming
+    ``what`` and what happens ``instead``, where another user could have written it."""
     root = envs.PDSERVE_CACHE_DIR
     try:
         root_fd = _open_dir(str(root), None, root, follow=True)
         try:
-            return _open_dir("kernels", root_fd, root / "kernels")
+            return _open_dir(name, root_fd, root / name)
         finally:
             os.close(root_fd)
     except OSError as e:
-        warn_once(f"C kernel cache {root / 'kernels'} not used: {e}; the kernels are built in a private temporary "
-                  f"folder for this process (each start builds them again until the cache is fixed)")
+        warn_once(f"{what} {root / name} not used: {e}; {instead}")
         return None
 
 
