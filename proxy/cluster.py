@@ -59,6 +59,7 @@ class ClusterSpec:
     decode_flags: tuple[str, ...] = ()        # then to decode nodes only
     store_flags: tuple[str, ...] = ()         # passed to the store daemon (e.g. --kv-cpu-bytes 8388608)
     proxy_flags: tuple[str, ...] = ()
+    expose_kv_accounting: bool = True         # the proxy's --[no-]expose-kv-accounting: a local cluster shows it
     num_threads: int = 1
     startup_timeout_s: float = 300.0
 
@@ -171,7 +172,8 @@ class LocalCluster:
     def _start_proxy(self, sock) -> None:
         child = self._spawn("proxy", ["proxy", "--model", self.model_dir, "--host", "127.0.0.1",
                                       "--prefill", *self.prefill_urls, "--decode", *self.decode_urls,
-                                      *self.spec.proxy_flags], sock)
+                                      "--expose-kv-accounting" if self.spec.expose_kv_accounting
+                                      else "--no-expose-kv-accounting", *self.spec.proxy_flags], sock)
         _wait_healthy(child, self.spec.startup_timeout_s)
 
     def supervise(self, now: float | None = None) -> list[str]:

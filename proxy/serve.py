@@ -30,6 +30,9 @@ def register(subparsers) -> None:
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--kv-redis", default=None, help="redis://HOST:PORT/DB as the store's second tier")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--expose-kv-accounting", action=argparse.BooleanOptionalAction, default=True,
+                   help="the proxy's answers carry usage.kv_transfer (each node's prefix-cache and store hits); "
+                        "default on here, off for a stand-alone `pdserve proxy`")
     for flag, kind, text in NODE_FLAGS:
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"every node: {text}")
@@ -97,7 +100,8 @@ def run(args) -> int:
     flags = ("--served-model-name", args.model.rstrip("/").split("/")[-1]) + node_flags(args)
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, proxy_port=args.port, kv_redis=args.kv_redis,
                        node_flags=flags, prefill_flags=role_flags(args, "prefill"),
-                       decode_flags=role_flags(args, "decode"), num_threads=args.num_threads)
+                       decode_flags=role_flags(args, "decode"), num_threads=args.num_threads,
+                       expose_kv_accounting=args.expose_kv_accounting)
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):      # Ctrl-C, or a supervisor stopping us
         signal.signal(sig, lambda *_: stop.update(now=True))
