@@ -6,9 +6,12 @@ store, so a hit in the second engine can only come from the store, a hit in the 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from hf_reference import random_prompt
+from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
@@ -81,3 +84,25 @@ def test_no_salt_behaves_as_before_and_is_its_own_tenant(engines):
     assert plain_again.num_cached_tokens == LENGTH // BLOCK * BLOCK
     _, from_store = _run(second, "n3", prompt, None)
     assert from_store.kv_accounting["store_hit_tokens"] == LENGTH
+
+
+@pytest.mark.parametrize("core_process", [False, True])
+def test_async_engine_passes_the_salt_to_the_engine(tiny_llama, core_process):
+    """The path the node's handlers take (``AsyncEngine.submit``), in-process and through the engine core."""
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), cache=CacheConfig(block_size=BLOCK),
+                                      engine_core_process=core_process))
+    prompt = random_prompt(512, LENGTH, seed=13)
+
+    async def cached(rid: str, salt: str | None) -> int:
+        final = None
+        async for out in engine.generate(prompt, PARAMS, rid, cache_salt=salt):
+            final = out
+        return final.num_cached_tokens
+
+    async def scenario() -> list[int]:
+        return [await cached(rid, salt) for rid, salt in (("a1", "alice"), ("b1", "bob"), ("a2", "alice"))]
+
+    try:
+        assert asyncio.run(scenario()) == [0, 0, LENGTH // BLOCK * BLOCK]
+    finally:
+        engine.shutdown()
