@@ -81,16 +81,17 @@ class AsyncEngine:
         self.max_model_len = self.engine.max_model_len
 
     async def generate(self, prompt_token_ids: list[int], params, request_id: str,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Deltas of one request; raises ``PromptTooLongError`` / ``TransferMismatchError`` up front, and the
         engine's ``add_request`` errors (a prompt token id not in the vocabulary: ValueError) as the first item."""
-        out_q = self.submit(prompt_token_ids, params, request_id, kv_transfer_params)
+        out_q = self.submit(prompt_token_ids, params, request_id, kv_transfer_params, cache_salt)
         async with aclosing(self.stream(request_id, out_q)) as deltas:   # closed with us, not when collected:
             async for item in deltas:                                     # a late abort would hit a reused id
                 yield item
 
     def submit(self, prompt_token_ids: list[int], params, request_id: str,
-               kv_transfer_params: dict | None = None) -> asyncio.Queue:
+               kv_transfer_params: dict | None = None, cache_salt: str | None = None) -> asyncio.Queue:
         """Send the request to the engine now (no await: a burst's adds do not wait behind the event loop's
         other work) and return the queue its deltas arrive on; ``stream`` reads it. Raises as ``generate``."""
         self.engine.check_prompt(len(prompt_token_ids), params.max_tokens)
@@ -98,7 +99,7 @@ class AsyncEngine:
         if self._fatal:
             raise EngineDeadError(self._fatal)
         out_q: asyncio.Queue = asyncio.Queue()
-        self._send(("add", request_id, list(prompt_token_ids), params, kv_transfer_params,
+        self._send(("add", request_id, list(prompt_token_ids), params, kv_transfer_params, cache_salt,
                     asyncio.get_running_loop(), out_q))
         return out_q
 
@@ -191,10 +192,10 @@ class AsyncEngine:
             self.engine.abort_request(command[1])
             self._streams.pop(command[1], None)
 
-    def _add(self, request_id, prompt_ids, params, transfer, loop, out_q) -> None:
+    def _add(self, request_id, prompt_ids, params, transfer, cache_salt, loop, out_q) -> None:
         self._streams[request_id] = (loop, out_q)
         try:
-            self.engine.add_request(request_id, prompt_ids, params, transfer)
+            self.engine.add_request(request_id, prompt_ids, params, transfer, cache_salt)
         except Exception as exc:
             self._deliver(request_id, exc, final=True)
 

@@ -15,6 +15,8 @@ A freed block without a hash goes to the head (it holds nothing worth keeping); 
 with a hash goes to the tail and stays findable by its hash until it reaches the head and is
 handed out again: that is the eviction, logged at DEBUG. A request's blocks are freed last
 block first, so the tail of a prompt is evicted before its head. Only full blocks are hashed.
+A request's ``cache_salt`` roots its chain (``hashing.salt_root``): requests with different salts
+(or one with a salt and one without) never find each other's blocks.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class BlockManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                                     num_tokens=max_blocks * self.block_size)
+                                     num_tokens=max_blocks * self.block_size, parent=request.block_hash_parent)
         blocks = []
         for h in hashes[:max_blocks]:
             block = self._cached.get(h)
@@ -144,7 +146,7 @@ class BlockManager:
         if full <= done:
             return
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                                     num_tokens=full * self.block_size)
+                                     num_tokens=full * self.block_size, parent=request.block_hash_parent)
         for i in range(done, full):
             block, h = request.block_ids[i], hashes[i]
             if h not in self._cached and self._hash[block] is None:

@@ -11,7 +11,7 @@
 | PDSERVE_CPU_LINEAR    | fp32 CPU matmuls: onednn, or torch (F.linear: MKL) | onednn where torch has it |
 | PDSERVE_CPU_ISA       | the C kernels' widest build: avx512vl (where the CPU has it), or avx2 (same bits) | avx512vl |
 | PDSERVE_KV_AUTH_TOKEN | the cluster's secret: KV store auth and seals (kvstore/auth.py); `pdserve serve` sets it for its children | "" |
-| PDSERVE_API_KEY       | default of `--api-key` (node, proxy); how `pdserve serve --api-key` reaches its proxy | "" |
+| PDSERVE_API_KEY       | default of `--api-key` (node, proxy; several keys separated by whitespace); how `pdserve serve --api-key` reaches its proxy | "" |
 | PDSERVE_HOST_MEMORY   | tuned: freed memory stays mapped, KV cache on huge pages; default: the platform's (engine/host_memory.py) | tuned |
 """
 

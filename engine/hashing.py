@@ -8,11 +8,20 @@ block i covers every token before it through the chain::
 
 Only full blocks are hashed. The bytes are fixed (little-endian, 8 bytes per token), so a
 hash is identical in every process and on every machine; Python's ``hash()`` is never used.
-``parent`` lets a caller salt the chain (e.g. with a model fingerprint hash).
+``parent`` lets a caller salt the chain: a request's ``cache_salt`` (vLLM's field) becomes the parent
+of its block 0 through ``salt_root``, so two salts never share a block::
+
+    h_0 = xxh64(seed=HASH_SEED, le_u64(salt_root(salt)) + le_int64(tokens[0 : bs]))
+    salt_root(salt) = first 8 bytes (little-endian) of sha256(SALT_TAG + utf8(salt))  (surrogatepass)
+    salt_root(None) = None: the unsalted chain above, unchanged
+
+The root comes from sha256, not xxh64: a client chooses its salt, and must not be able to pick one whose
+root equals a block hash of another chain.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Sequence
 
@@ -20,6 +29,17 @@ import xxhash
 
 HASH_SEED = 0x70647365_72766531   # b"pdserve1"; changing it invalidates every stored hash
 ROOT_PARENT = 0                   # the parent of block 0 when the caller gives none
+SALT_TAG = b"pdserve-cache-salt\x00"   # domain of salt_root: no other sha256 input here starts with it
+
+
+def salt_root(cache_salt: str | None) -> int | None:
+    """The parent of block 0 for requests with ``cache_salt``; None (the unsalted chain) without one."""
+    if cache_salt is None:
+        return None
+    if not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string when given")
+    digest = hashlib.sha256(SALT_TAG + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:

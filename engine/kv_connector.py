@@ -86,7 +86,8 @@ class StoreConnector:
     def add(self, req, params: KVTransferParams | None) -> None:
         if params is not None and params.do_remote_prefill:
             self.check(params)
-        keys = chunk_keys(req.prompt_token_ids, self.chunk_tokens, self.fingerprint, include_partial=True)
+        keys = chunk_keys(req.prompt_token_ids, self.chunk_tokens, self.fingerprint, include_partial=True,
+                          cache_salt=req.cache_salt)
         n = req.num_prompt_tokens
         lens = [min(self.chunk_tokens, n - i * self.chunk_tokens) for i in range(len(keys))]
         self._reqs[req.request_id] = _Transfer(keys, lens, publish=self.role != "decode", remote=params)

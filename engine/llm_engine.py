@@ -2,7 +2,7 @@
 
 Used by ``LLM`` (offline) and by ``AsyncEngine`` (the HTTP node, from its engine thread):
 
-    engine.add_request(id, prompt_token_ids, params[, kv_transfer_params])
+    engine.add_request(id, prompt_token_ids, params[, kv_transfer_params][, cache_salt=...])
     while engine.has_unfinished():
         for delta in engine.step(): ...   # schedule -> run model + sample -> publish KV -> update -> text
     engine.abort_request(id)              # at any point; frees the request's blocks
@@ -132,7 +132,7 @@ class LLMEngine:
                        None if self.connector is None else self.connector.check)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params,
-                    kv_transfer_params: dict | None = None) -> None:
+                    kv_transfer_params: dict | None = None, cache_salt: str | None = None) -> None:
         self.check_prompt(len(prompt_token_ids), params.max_tokens)
         self.check_token_ids(prompt_token_ids)
         if self.outputs.is_live(request_id) or request_id in self.scheduler.loading:
@@ -146,7 +146,7 @@ class LLMEngine:
                       eos_token_id=None if params.ignore_eos else self._eos(0),
                       extra_eos_token_ids=() if params.ignore_eos else tuple(self.model_config.eos_token_ids[1:]),
                       arrival_time=time.monotonic(), output_token_ids=[] if first is None else [first],
-                      sampler_draws=transfer.sampler_draws if first is not None else 0)
+                      sampler_draws=transfer.sampler_draws if first is not None else 0, cache_salt=cache_salt)
         if self.connector is not None:
             self.connector.add(req, transfer)           # raises on a prefill/decode mismatch
         self.outputs.track(req, transfer)

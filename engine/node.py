@@ -39,8 +39,9 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8100)
     add_fd_flag(p)
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=envs.PDSERVE_API_KEY or None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: PDSERVE_API_KEY)")
+    p.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes, any KEY given (default: PDSERVE_API_KEY, "
+                        "keys separated by whitespace)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
@@ -200,7 +201,7 @@ def run_node(args) -> int:
 
         engine = AsyncEngine(config)
         gc.freeze()                           # start-up objects (65k KV blocks...): never scanned again, not at exit either
-        server = _server(build_app(engine, api_key=args.api_key, limits=limits_from_args(args),
+        server = _server(build_app(engine, api_key=tuple(args.api_key or envs.PDSERVE_API_KEY.split()), limits=limits_from_args(args),
                                    max_inflight=args.max_inflight_requests), args)
         logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name,
                     *served_address(sock, args.host, args.port))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.engine.hashing import salt_root
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class Request:
     eos_token_id: int | None
     arrival_time: float
     extra_eos_token_ids: tuple[int, ...] = ()   # more ids that end generation like eos (generation_config)
+    cache_salt: str | None = None       # tenant isolation: only requests with the same salt share KV (vLLM's field)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -63,10 +65,12 @@ class Request:
     stop_reason: int | str | None = None  # stop token id, stop string, or an error message when aborted
     sampler_draws: int = 0              # draws its seeded generator made on another node (the prefill node)
     _all_token_ids: list[int] = field(init=False, repr=False)
+    block_hash_parent: int | None = field(init=False, repr=False)   # parent of block 0's hash: the salt's root
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r} has an empty prompt; send at least one token")
+        self.block_hash_parent = salt_root(self.cache_salt)
         self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
 
     @property

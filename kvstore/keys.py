@@ -9,7 +9,10 @@ every machine, so they are built from sha256 only -- never Python's ``hash()``.
     key_1 = H(key_0, tokens[C:2C])
     key_2 = H(key_1, tokens[2C:])        only with include_partial=True
 
-``root = H("pdserve-kv-root", fingerprint)``; tokens are hashed as little-endian int64,
+``root = H("pdserve-kv-root", fingerprint)``, and for a request with a ``cache_salt`` (tenant
+isolation, vLLM's field) ``root = H("pdserve-kv-salt", H("pdserve-kv-root", fingerprint), salt)``:
+two salts never name the same chunk, and no salt gives the keys of before. Every node and the
+proxy pass the request's salt, so they agree on its keys. Tokens are hashed as little-endian int64,
 so the chunk length is part of what is hashed (a partial chunk never collides with a
 full one). Keys are 32 hex characters (128 bits of sha256).
 One stored object holds one layer of one chunk: ``object_key(chunk_key, layer)``.
@@ -23,6 +26,7 @@ import struct
 
 KEY_FORMAT_VERSION = 2
 _ROOT_TAG = b"pdserve-kv-root"
+_SALT_TAG = b"pdserve-kv-salt"
 _KEY_HEX_CHARS = 32
 _VALID_KEY = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
 
@@ -42,12 +46,13 @@ def model_fingerprint(
 
 
 def chunk_keys(
-    token_ids: list[int], chunk_tokens: int, fingerprint: str, include_partial: bool = False
+    token_ids: list[int], chunk_tokens: int, fingerprint: str, include_partial: bool = False,
+    cache_salt: str | None = None,
 ) -> list[str]:
     """Keys of the prompt's chunks, in order (the last partial chunk only if asked)."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens} (--kv-chunk-tokens)")
-    parent = hashlib.sha256(_ROOT_TAG + fingerprint.encode()).digest()
+    parent = _root(fingerprint, cache_salt)
     keys: list[str] = []
     for start in range(0, len(token_ids), chunk_tokens):
         chunk = token_ids[start:start + chunk_tokens]
@@ -56,6 +61,17 @@ def chunk_keys(
         parent = hashlib.sha256(parent + _token_bytes(chunk)).digest()
         keys.append(parent.hex()[:_KEY_HEX_CHARS])
     return keys
+
+
+def _root(fingerprint: str, cache_salt: str | None) -> bytes:
+    """The parent of chunk 0: the fingerprint's root, salted when a salt is given (32 bytes either way,
+    so the salt's bytes start at a fixed offset and no two (root, salt) pairs hash the same input)."""
+    root = hashlib.sha256(_ROOT_TAG + fingerprint.encode()).digest()
+    if cache_salt is None:
+        return root
+    if not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string when given")
+    return hashlib.sha256(_SALT_TAG + root + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def object_key(chunk_key: str, layer: int) -> str:

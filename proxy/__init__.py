@@ -17,6 +17,8 @@ P->D protocol, per client request (``orchestrate``):
           <── JSON or SSE (one token per event, usage, [DONE]) passed through unchanged;
               the decode node emits the first token itself.
     A non-streaming request with max_tokens == 1 is answered from (1).
+    Both calls carry the request's ``cache_salt`` (the client's, or with ``--cache-salt-from-api-key`` its
+    tenant's, ``tenants``); ``usage.kv_transfer`` leaves only with ``--expose-kv-accounting`` (``accounting``).
 
 Modules: ``config`` (ProxyConfig), ``nodes`` + ``router`` (node pools, in-flight leases),
 ``policies`` (round_robin, least_loaded, prefix_aware), ``health`` (periodic /health probes on their
@@ -26,6 +28,7 @@ connection pools, failure kinds),
 ``upstream`` (one node call and how it failed: unreachable, 5xx, busy 429/503, an error streamed
 before the first token, or the client's fault), ``orchestrate`` (the two phases, retries on another
 node before the first byte, SSE relay that ends a broken stream with an error event), ``metrics``,
+``tenants`` (per-API-key cache salts), ``accounting`` (``usage.kv_transfer`` out of answers),
 ``app`` (FastAPI, with ``engine.server.direct``: the two POST routes served in front of FastAPI for
 bodies it would accept, as the node does), ``cli``. What the proxy adds to a request's latency: ``bench/proxy_overhead.py``.
 """

@@ -5,7 +5,8 @@ Routes: POST /v1/completions and /v1/chat/completions (the body parsed into the 
 models, ``inputs.admit_request``, then ``Orchestrator.handle``), GET /v1/models, /health (200 only while
 >= 1 prefill and >= 1 decode node are healthy), /metrics, /openapi.json. Every request first passes the
 proxy's own pure-ASGI front, outermost first: ``BearerAuth`` with ``--api-key`` (every path but /health and
-/metrics), then ``BodyLimits`` (``--max-request-bytes``, JSON nesting) -- the node's own middleware --, then
+/metrics; with ``--cache-salt-from-api-key`` the key a request presented picks its tenant's ``cache_salt``,
+``tenants``), then ``BodyLimits`` (``--max-request-bytes``, JSON nesting) -- the node's own middleware --, then
 ``DirectRoutes``, which serves the two POST routes itself when FastAPI would accept the body (``direct``).
 The front sits outside FastAPI's middleware stack (``FrontedApp``): a generation request never passes
 Starlette's and FastAPI's layers on its way in or its answer's way out. The lifespan owns the pool of
@@ -25,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
-from pdserve.engine.server.auth import BearerAuth
+from pdserve.engine.server.auth import API_KEY_INDEX, BearerAuth
 from pdserve.engine.server.direct import DirectRoutes, FrontedApp
 from pdserve.engine.server.errors import APIError, error_response, install_error_handlers
 from pdserve.engine.server.limits import BodyLimits
@@ -37,6 +38,7 @@ from pdserve.proxy.inputs import CHAT, COMPLETIONS, Gate, Routing, admit_request
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.orchestrate import Orchestrator
 from pdserve.proxy.router import NodePool
+from pdserve.proxy.tenants import TenantSalts, load_secret
 
 
 class ClientGone(Exception):
@@ -53,7 +55,10 @@ class ProxyState:
         self.client = ConnectionPool(config.max_node_connections, config.connect_timeout_s, config.request_timeout_s)
         self.health = HealthChecker([self.prefill, self.decode], config.health_interval_s, config.probe_timeout_s)
         self.orchestrator = Orchestrator(self.client, self.prefill, self.decode, self.metrics,
-                                         config.max_attempts, lambda: self.health.model_name)
+                                         config.max_attempts, lambda: self.health.model_name,
+                                         config.expose_kv_accounting)
+        self.tenants = TenantSalts(config.api_keys, load_secret(config.cache_salt_secret_file)) \
+            if config.cache_salt_from_api_key else None
         self.gate = Gate.build(tokenizer, Routing(config.prefix_chunk_tokens, f"proxy:{Path(config.model).name}"),
                                config.limits, lambda: self.health.max_model_len, _model_vocab_size(config.model))
 
@@ -83,7 +88,7 @@ def build_app(config: ProxyConfig, tokenizer) -> FastAPI:
 
     def front(inner: ASGIApp) -> ASGIApp:
         outer = BodyLimits(DirectRoutes(inner, _direct_routes(state), lambda: app.exception_handlers), config.limits)
-        return BearerAuth(outer, config.api_key) if config.api_key else outer
+        return BearerAuth(outer, config.api_keys) if config.api_keys else outer
 
     app = FrontedApp(front, title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.proxy = state
@@ -134,7 +139,7 @@ async def _serve(state: ProxyState, request: Request, endpoint: str, parsed, bod
 
     try:
         _check_model(state, parsed.model)
-        req = await admit_request(endpoint, body, parsed, state.gate)
+        req = await admit_request(endpoint, body, parsed, state.gate, cache_salt=_cache_salt(state, request, parsed))
     except APIError:
         on_end("client_error")
         raise
@@ -143,6 +148,13 @@ async def _serve(state: ProxyState, request: Request, endpoint: str, parsed, bod
     except ClientGone:
         on_end("aborted")
         return error_response(499, "client closed the request")
+
+
+def _cache_salt(state: ProxyState, request: Request, parsed) -> str | None:
+    """The salt the nodes get: the tenant's (mixed with the client's) or, without tenants, the client's."""
+    if state.tenants is None:
+        return parsed.cache_salt
+    return state.tenants.salt(request.scope.get(API_KEY_INDEX), parsed.cache_salt)
 
 
 def _check_model(state: ProxyState, model: Any) -> None:

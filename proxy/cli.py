@@ -1,7 +1,8 @@
 """``pdserve proxy``: the public OpenAI endpoint in front of prefill and decode nodes.
 
     pdserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
-                  --model DIR --port 8000 [--api-key KEY] [--prefill-policy prefix_aware]
+                  --model DIR --port 8000 [--api-key KEY [KEY ...] [--cache-salt-from-api-key]]
+                  [--[no-]expose-kv-accounting] [--prefill-policy prefix_aware]
 
 ``register(subparsers)`` is called by ``pdserve.engine.cli``; ``python -m pdserve.proxy.cli ...``
 runs it stand-alone through ``main(argv)``.
@@ -18,6 +19,7 @@ from pdserve.engine import envs
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
 from pdserve.engine.server.listen import add_fd_flag, inherited_socket, served_address
 from pdserve.proxy.config import POLICIES, ProxyConfig
+from pdserve.proxy.tenants import load_secret
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +33,16 @@ def register(subparsers) -> None:
     add_fd_flag(p)
     p.add_argument("--model", required=True, help="tokenizer directory: the model directory the nodes load")
     p.add_argument("--served-model-name", default=None, help="default: the nodes' model name")
-    p.add_argument("--api-key", default=envs.PDSERVE_API_KEY or None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: PDSERVE_API_KEY)")
+    p.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes, KEY any of those given (default: "
+                        "PDSERVE_API_KEY, keys separated by whitespace)")
+    p.add_argument("--cache-salt-from-api-key", action="store_true",
+                   help="each API key is a tenant: a salt derived from its key (mixed with the request's "
+                        "cache_salt) keeps its prefix cache and store KV apart from every other tenant's")
+    p.add_argument("--cache-salt-secret-file", default=None, metavar="PATH",
+                   help="the key of the tenant salts' HMAC (>= 16 bytes); default: random per start")
+    p.add_argument("--expose-kv-accounting", action=argparse.BooleanOptionalAction, default=False,
+                   help="include the nodes' usage.kv_transfer (prefix-cache and store hits, loads) in answers")
     p.add_argument("--prefill-policy", default="prefix_aware", choices=POLICIES)
     p.add_argument("--decode-policy", default="least_loaded", choices=POLICIES)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health probes")
@@ -49,7 +59,9 @@ def config_from_args(args) -> ProxyConfig:
     return ProxyConfig(
         prefill_urls=tuple(u.rstrip("/") for u in args.prefill), decode_urls=tuple(u.rstrip("/") for u in args.decode),
         model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-        api_key=args.api_key, prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        api_keys=tuple(args.api_key or envs.PDSERVE_API_KEY.split()), cache_salt_from_api_key=args.cache_salt_from_api_key,
+        cache_salt_secret_file=args.cache_salt_secret_file, expose_kv_accounting=args.expose_kv_accounting,
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
         max_attempts=args.max_attempts, prefix_chunk_tokens=args.prefix_chunk_tokens,
         max_node_connections=args.max_node_connections, limits=limits_from_args(args))
@@ -64,6 +76,7 @@ def run_proxy(args) -> int:
 
     try:
         config = config_from_args(args)
+        load_secret(config.cache_salt_secret_file)          # a bad file fails here, before the model loads
     except ValueError as exc:
         raise SystemExit(f"pdserve proxy: {exc}") from None
     sock = inherited_socket(args.fd)

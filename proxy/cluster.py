@@ -56,7 +56,7 @@ class ClusterSpec:
     colocated: bool = False                   # one --role both node behind the proxy instead of P/D
     proxy_port: int = 0                       # 0: a free port
     proxy_host: str = "127.0.0.1"             # the proxy's address; everything else binds 127.0.0.1
-    api_key: str | None = field(default=None, repr=False)   # the proxy's --api-key (in its environment)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)   # the proxy's --api-key (in its environment)
     kv_redis: str | None = None               # the daemon's L2 (or, with store="embedded", the shared tier)
     store: str = "daemon"                     # "daemon": one `pdserve kvstore`; "embedded": each node
                                               # embeds a store whose shared tier is --kv-redis
@@ -65,6 +65,7 @@ class ClusterSpec:
     decode_flags: tuple[str, ...] = ()        # then to decode nodes only
     store_flags: tuple[str, ...] = ()         # passed to the store daemon (e.g. --kv-cpu-bytes 8388608)
     proxy_flags: tuple[str, ...] = ()
+    expose_kv_accounting: bool = True         # the proxy's --[no-]expose-kv-accounting: a local cluster shows it
     num_threads: int = 1
     startup_timeout_s: float = 300.0
     kv_auth_token: str = field(default="", repr=False)   # "" : PDSERVE_KV_AUTH_TOKEN, else a new one
@@ -182,7 +183,8 @@ class LocalCluster:
     def _start_proxy(self, sock) -> None:
         child = self._spawn("proxy", ["proxy", "--model", self.model_dir, "--host", self.spec.proxy_host,
                                       "--prefill", *self.prefill_urls, "--decode", *self.decode_urls,
-                                      *self.spec.proxy_flags], sock)
+                                      "--expose-kv-accounting" if self.spec.expose_kv_accounting
+                                      else "--no-expose-kv-accounting", *self.spec.proxy_flags], sock)
         _wait_healthy(child, self.spec.startup_timeout_s)
 
     def supervise(self, now: float | None = None) -> list[str]:
@@ -234,8 +236,8 @@ class LocalCluster:
         env.pop("PDSERVE_API_KEY", None)
         if secret:
             env["PDSERVE_KV_AUTH_TOKEN"] = self.kv_auth_token
-        if args[0] == "proxy" and self.spec.api_key:
-            env["PDSERVE_API_KEY"] = self.spec.api_key
+        if args[0] == "proxy" and self.spec.api_keys:
+            env["PDSERVE_API_KEY"] = " ".join(self.spec.api_keys)
         fds = () if sock is None else (sock.fileno(),)
         try:
             with open(log, "ab" if append else "wb") as out:

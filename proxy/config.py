@@ -17,7 +17,10 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None         # None: ask the nodes' /v1/models
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()               # --api-key K1 K2 ...: any of them is accepted; none: no auth
+    cache_salt_from_api_key: bool = False        # each key a tenant: its own cache_salt (proxy.tenants)
+    cache_salt_secret_file: str | None = None    # the tenant salts' HMAC key; None: random per process
+    expose_kv_accounting: bool = False           # usage.kv_transfer in answers (pdserve serve: on)
     prefill_policy: str = "prefix_aware"
     decode_policy: str = "least_loaded"
     health_interval_s: float = 1.0
@@ -42,6 +45,7 @@ class ProxyConfig:
         _positive("--max-node-connections", self.max_node_connections)
         for flag, urls in (("--prefill", self.prefill_urls), ("--decode", self.decode_urls)):
             _check_urls(flag, urls)
+        _check_tenancy(self)
 
     @property
     def probe_timeout_s(self) -> float:
@@ -52,6 +56,15 @@ class ProxyConfig:
 def _positive(flag: str, value: float) -> None:
     if value <= 0:
         raise ValueError(f"{flag} must be > 0, got {value}")
+
+
+def _check_tenancy(config: ProxyConfig) -> None:
+    if not all(config.api_keys):
+        raise ValueError("--api-key got an empty key; every key must be non-empty")
+    if config.cache_salt_from_api_key and not config.api_keys:
+        raise ValueError("--cache-salt-from-api-key needs --api-key KEY [KEY ...] (one key per tenant)")
+    if config.cache_salt_secret_file is not None and not config.cache_salt_from_api_key:
+        raise ValueError("--cache-salt-secret-file is only used with --cache-salt-from-api-key")
 
 
 def _check_urls(flag: str, urls: tuple[str, ...]) -> None:

@@ -3,11 +3,15 @@
 Called by ``app`` for every /v1/completions and /v1/chat/completions request, once FastAPI has parsed
 the body into the nodes' own pydantic model (so a bad body gets the node's 400 word for word):
 
-    req = await admit_request(endpoint, body, parsed, gate)    # APIError(4xx) on bad input
+    req = await admit_request(endpoint, body, parsed, gate, cache_salt=salt)   # APIError(4xx) if bad
     prefill_body(req, model, i)  ->  client body + prompt i's token ids, max_tokens=1, stream=false,
                                      n=1, min_tokens=min(client's, 1), do_remote_decode
     decode_body(req, model, kv)  ->  client body + prompt_token_ids + what prefill returned (a list of
                                      both, one per prompt, when the client sent several prompts)
+
+``cache_salt`` is the salt both nodes get (the client's, or the tenant's from ``tenants``, which replaces
+the client's in the bodies); the routing keys mix it too, so prefix-aware routing never sends a tenant
+after another tenant's prefix.
 
 ``admit_request`` runs the nodes' checks in the nodes' order: ``checks.check_request`` (unsupported
 fields, vocabulary, choices, SamplingParams ranges), the character limit of each prompt, tokenizing
@@ -62,6 +66,7 @@ class ProxyRequest:
     stream: bool
     max_tokens: int | None         # as the client asked; None: the node decides
     min_tokens: int = 0            # as the client asked
+    cache_salt: str | None = None  # what the nodes get as ``cache_salt`` (None: the body has none)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -109,11 +114,14 @@ async def parse_request(endpoint: str, raw: bytes, tokenizer, routing: Routing,
     except ValidationError as exc:
         message, param = describe_validation_errors(exc.errors())
         raise bad_request(message, param) from None
-    return await admit_request(endpoint, body, parsed, gate or Gate.build(tokenizer, routing))
+    return await admit_request(endpoint, body, parsed, gate or Gate.build(tokenizer, routing),
+                               cache_salt=parsed.cache_salt)
 
 
-async def admit_request(endpoint: str, body: dict[str, Any], parsed, gate: Gate) -> ProxyRequest:
-    """``body``: the client's JSON object; ``parsed``: it as a CompletionRequest / ChatCompletionRequest."""
+async def admit_request(endpoint: str, body: dict[str, Any], parsed, gate: Gate, *,
+                        cache_salt: str | None) -> ProxyRequest:
+    """``body``: the client's JSON object; ``parsed``: it as a CompletionRequest / ChatCompletionRequest;
+    ``cache_salt``: the salt the nodes get (the client's ``parsed.cache_salt``, or the tenant's)."""
     _check_client_fields(body)
     check_request(parsed, gate.vocab_size)
     prompts = await _tokenize(parsed, gate)
@@ -123,13 +131,16 @@ async def admit_request(endpoint: str, body: dict[str, Any], parsed, gate: Gate)
     if (limit := gate.max_model_len()) is not None:
         for ids in prompts:
             resolve_max_tokens(limit, parsed.requested_max_tokens, len(ids))
-    routed = [Prompt(ids, chunk_keys(ids, gate.routing.chunk_tokens, gate.routing.salt)) for ids in prompts]
-    return ProxyRequest(endpoint, body, routed, parsed.stream, parsed.requested_max_tokens, parsed.min_tokens)
+    routing = gate.routing
+    routed = [Prompt(ids, chunk_keys(ids, routing.chunk_tokens, routing.salt, cache_salt=cache_salt))
+              for ids in prompts]
+    return ProxyRequest(endpoint, body, routed, parsed.stream, parsed.requested_max_tokens, parsed.min_tokens,
+                        cache_salt)
 
 
 def prefill_body(req: ProxyRequest, model_name: str | None, index: int = 0) -> dict[str, Any]:
     """The prefill call for prompt ``index``: the client's sampling parameters, one token."""
-    body = _with_model(req.body, model_name)
+    body = _node_body(req, model_name)
     body.pop("stream_options", None)
     body.update(max_tokens=1, stream=False, prompt_token_ids=req.prompts[index].ids,
                 min_tokens=min(req.min_tokens, 1),
@@ -143,7 +154,7 @@ def prefill_body(req: ProxyRequest, model_name: str | None, index: int = 0) -> d
 
 def decode_body(req: ProxyRequest, model_name: str | None, kv_transfer_params: list[Any]) -> dict[str, Any]:
     """The decode call: the client's body, its prompts' token ids and what each prompt's prefill returned."""
-    body = _with_model(req.body, model_name)
+    body = _node_body(req, model_name)
     if len(req.prompts) == 1:
         body.update(prompt_token_ids=req.prompt_ids, kv_transfer_params=kv_transfer_params[0])
     else:
@@ -151,10 +162,13 @@ def decode_body(req: ProxyRequest, model_name: str | None, kv_transfer_params: l
     return body
 
 
-def _with_model(body: dict[str, Any], model_name: str | None) -> dict[str, Any]:
-    out = dict(body)
+def _node_body(req: ProxyRequest, model_name: str | None) -> dict[str, Any]:
+    """A copy of the client's body with the nodes' model name and the request's ``cache_salt``."""
+    out = dict(req.body)
     if model_name is not None:
         out["model"] = model_name
+    if req.cache_salt is not None:
+        out["cache_salt"] = req.cache_salt
     return out
 
 

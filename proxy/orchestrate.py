@@ -14,6 +14,9 @@ Called by ``app`` once the request is parsed (``inputs.parse_request``):
    by one -- is passed through as is. The decode node emits each prompt's first token itself
    (with the logprobs the prefill node computed), so no token is dropped or generated twice.
 
+Unless ``expose_kv_accounting`` (``--expose-kv-accounting``), ``usage.kv_transfer`` is taken out of every
+answer on its way to the client (``accounting``); everything else passes unchanged.
+
 Each phase tries up to ``max_attempts`` nodes while nothing has reached the client: a node that
 is unreachable, answers 5xx, or streams a server error before its first token is skipped (and, if
 unreachable, taken out of rotation); one that answers 429 or 503 is busy: skipped too, and its
@@ -35,6 +38,7 @@ import anyio
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine.server.errors import error_body, error_response
+from pdserve.proxy.accounting import drop_kv_accounting, event_without_kv_accounting, json_without_kv_accounting
 from pdserve.proxy.http1 import ConnectionBroken, ConnectionPool, HTTPError
 from pdserve.proxy.inputs import ProxyRequest, decode_body, prefill_body
 from pdserve.proxy.metrics import ProxyMetrics
@@ -50,9 +54,10 @@ OnEnd = Callable[[str], None]          # called once with the request's outcome 
 
 class Orchestrator:
     def __init__(self, client: ConnectionPool, prefill: NodePool, decode: NodePool, metrics: ProxyMetrics,
-                 max_attempts: int, model_name: Callable[[], str | None]):
+                 max_attempts: int, model_name: Callable[[], str | None], expose_kv_accounting: bool = True):
         self._client, self._prefill, self._decode = client, prefill, decode
         self._metrics, self._max_attempts, self._model_name = metrics, max_attempts, model_name
+        self._expose = expose_kv_accounting
 
     async def handle(self, req: ProxyRequest, on_end: OnEnd) -> Response:
         try:
@@ -75,15 +80,19 @@ class Orchestrator:
         prefilled = await self.prefill(req)
         if req.prefill_only:
             prefilled[0].pop("kv_transfer_params", None)
+            if not self._expose:
+                drop_kv_accounting(prefilled[0])
             on_end("ok")
             return JSONResponse(prefilled[0])
         kv = [p.get("kv_transfer_params") for p in prefilled]
         if not req.stream:
             content = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_json(node, req, kv))
             on_end("ok")
+            if not self._expose:
+                content = json_without_kv_accounting(content)
             return Response(content, media_type="application/json")      # the node's JSON, as it sent it
         stream = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_stream(node, req, kv))
-        return RelayResponse(stream, on_end)
+        return RelayResponse(stream, on_end, None if self._expose else event_without_kv_accounting)
 
     async def prefill(self, req: ProxyRequest) -> list[dict[str, Any]]:
         """One prefill answer per prompt, in prompt order."""
@@ -157,10 +166,11 @@ async def _all_or_cancel(calls: list[Awaitable[T]]) -> list[T]:
 
 class RelayResponse(StreamingResponse):
     """Streams a decode node's SSE events to the client; whatever way it ends (done, broken,
-    client gone, even before the first event), the node's stream is closed and ``on_end`` runs once."""
+    client gone, even before the first event), the node's stream is closed and ``on_end`` runs once.
+    ``redact``, if given, rewrites each event on its way (``accounting``)."""
 
-    def __init__(self, stream: NodeStream, on_end: OnEnd):
-        self._stream, self._on_end, self.outcome = stream, on_end, "aborted"
+    def __init__(self, stream: NodeStream, on_end: OnEnd, redact: Callable[[bytes], bytes] | None = None):
+        self._stream, self._on_end, self.outcome, self._redact = stream, on_end, "aborted", redact
         self._events = self._relay()
         super().__init__(self._events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -179,7 +189,7 @@ class RelayResponse(StreamingResponse):
         try:
             async for batch in self._stream.batches():       # events that arrived together leave together
                 saw_done = saw_done or any(event.startswith(DONE) for event in batch)
-                yield b"".join(batch)
+                yield b"".join(batch if self._redact is None else map(self._redact, batch))
             if not saw_done:
                 raise ConnectionBroken("the stream ended without data: [DONE]")
             self.outcome = "ok"

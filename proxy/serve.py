@@ -34,13 +34,18 @@ def register(subparsers) -> None:
                    help="the proxy's port (0: any free one; the others are picked free)")
     p.add_argument("--host", default="127.0.0.1",
                    help="the proxy's address (the public one); the store and the nodes stay on 127.0.0.1")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' at the proxy (default: PDSERVE_API_KEY)")
+    p.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' at the proxy, any KEY given (default: PDSERVE_API_KEY)")
+    p.add_argument("--cache-salt-from-api-key", action="store_true",
+                   help="the proxy keeps each API key's prefix cache and store KV apart (a tenant per key)")
     add_token_arguments(p)
     p.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--kv-redis", default=None, help="redis://HOST:PORT/DB as the store's second tier")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--expose-kv-accounting", action=argparse.BooleanOptionalAction, default=True,
+                   help="the proxy's answers carry usage.kv_transfer (each node's prefix-cache and store hits); "
+                        "default on here, off for a stand-alone `pdserve proxy`")
     for flag, kind, text in NODE_FLAGS:
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"every node: {text}")
@@ -110,7 +115,9 @@ def run(args) -> int:
                        kv_redis=args.kv_redis, node_flags=flags, prefill_flags=role_flags(args, "prefill"),
                        decode_flags=role_flags(args, "decode"), num_threads=args.num_threads,
                        kv_auth_token=token_from_args(args, "pdserve serve"),
-                       api_key=args.api_key or envs.PDSERVE_API_KEY)
+                       api_keys=tuple(args.api_key or envs.PDSERVE_API_KEY.split()),
+                       proxy_flags=("--cache-salt-from-api-key",) if args.cache_salt_from_api_key else (),
+                       expose_kv_accounting=args.expose_kv_accounting)
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):      # Ctrl-C, or a supervisor stopping us
         signal.signal(sig, lambda *_: stop.update(now=True))
@@ -137,7 +144,7 @@ def _announce(cluster: LocalCluster, model_name: str) -> None:
     key = ClusterKey(cluster.kv_auth_token)
     print(f"  store   {cluster.store_url} (authenticated, key id {key.key_id})\n"
           f"  prefill {' '.join(cluster.prefill_urls)}\n  decode  {' '.join(cluster.decode_urls)}\n"
-          f"  api key {'required' if cluster.spec.api_key else 'none (--api-key)'}\n  logs    {cluster.log_dir}\n",
+          f"  api key {'required' if cluster.spec.api_keys else 'none (--api-key)'}\n  logs    {cluster.log_dir}\n",
           flush=True)
     print(f"curl -s {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' -d "
           f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "

@@ -27,6 +27,7 @@ def test_client_messages_round_trip():
     transfer = KVTransferParams(do_remote_prefill=True, chunk_keys=["a"], chunk_digests=["0f"], first_token_id=5,
                                 first_token_top_logprobs=[(5, -0.5)], sampler_draws=1, accounting={"total_tokens": 9})
     for msg in (m.AddRequest("r1", 1, [1, 2, 3], params, transfer), m.AddRequest("r2", 2, [4], SamplingParams()),
+                m.AddRequest("r3", 3, [4], SamplingParams(), cache_salt="tenant-é"),
                 m.AbortRequests(["r1", "r2"]), m.StopRequests(["r1"], ["\n\n"]), m.Shutdown("bye")):
         assert m.decode_client_message(m.encode(msg)) == msg
 

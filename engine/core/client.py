@@ -99,7 +99,7 @@ class EngineCoreClient:
         check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params,
-                    kv_transfer_params: dict | None = None) -> None:
+                    kv_transfer_params: dict | None = None, cache_salt: str | None = None) -> None:
         if self._fatal is not None:
             raise EngineDeadError(self._fatal)
         self.check_token_ids(prompt_token_ids)
@@ -108,7 +108,8 @@ class EngineCoreClient:
         stop = self._outputs.first_token_stop(ids, params, transfer)
         with self._lock:
             seq = next(self._next_seq)
-            payload = m.encode(m.AddRequest(request_id, seq, ids, params, transfer, stop))   # fails registering nothing
+            add = m.AddRequest(request_id, seq, ids, params, transfer, stop, cache_salt)
+            payload = m.encode(add)                           # fails registering nothing
             self._outputs.add(request_id, seq, ids, params)
             if not self._closed:
                 self._to_core.send(payload)

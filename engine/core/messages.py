@@ -37,7 +37,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 
-VERSION = 4
+VERSION = 5
 STATS_INTERVAL_S = 0.1            # stats ride along with outputs at most this often (and whenever idle)
 HEARTBEAT_S = 0.5                 # the core says it is alive this often, whatever its loop is doing
 _LENGTH = struct.Struct(">I")
@@ -57,6 +57,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams
     kv_transfer_params: KVTransferParams | None = None
     first_token_stop: str | None = None   # the prefill node's token completes this stop string: end it at add
+    cache_salt: str | None = None         # the request's prefix-cache / store-key salt (``Request.cache_salt``)
     version: int = VERSION
 
 

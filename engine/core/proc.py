@@ -147,7 +147,7 @@ class CoreLoop:
                 continue
             transfer = None if msg.kv_transfer_params is None else msg.kv_transfer_params.to_json_obj()
             try:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, transfer)
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, transfer, msg.cache_salt)
             except Exception as exc:  # noqa: BLE001 - the request's failure, reported to its caller
                 rejected.append(m.Rejected(msg.request_id, msg.seq, type(exc).__name__, str(exc),
                                            isinstance(exc, ValueError)))

@@ -37,7 +37,7 @@ from pdserve.engine.server.metrics import ServerMetrics
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
-def build_app(engine, *, api_key: str | None = None, limits: RequestLimits = RequestLimits(),
+def build_app(engine, *, api_key: str | tuple[str, ...] | None = None, limits: RequestLimits = RequestLimits(),
               max_inflight: int = 1024) -> FastAPI:
     """``/openapi.json`` describes every route with its bounded request schema (``protocol``); the
     fuzz test reads it. The front, outermost first: the API key, ``BodyLimits``, ``InflightLimit``
@@ -46,7 +46,7 @@ def build_app(engine, *, api_key: str | None = None, limits: RequestLimits = Req
     def front(stack: ASGIApp) -> ASGIApp:
         direct = DirectRoutes(stack, _direct_routes(), lambda: app.exception_handlers)
         outer = BodyLimits(InflightLimit(direct, max_inflight=max_inflight), limits=limits)
-        return BearerAuth(outer, api_key=api_key) if api_key else outer
+        return BearerAuth(outer, api_key) if api_key else outer
 
     app = FrontedApp(front, title="pdserve node", docs_url=None, redoc_url=None)
     app.state.node = make_node_state(engine, ServerMetrics(engine, engine.model_name), limits)

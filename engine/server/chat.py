@@ -37,7 +37,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     max_tokens = resolve_max_tokens(state, body.requested_max_tokens, len(prompt_ids))
     params = body.to_sampling_params(max_tokens, body.engine_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    calls = make_calls(request_id, [prompt_ids], [params], body.n, body.kv_transfer_params)
+    calls = make_calls(request_id, [prompt_ids], [params], body.n, body.kv_transfer_params, body.cache_salt)
     return await respond(request, state, body, calls, arrival,
                          lambda gen: _stream(state, body, request_id, model, calls, gen),
                          lambda choices: _response(state, request_id, model, calls, choices, body.n))

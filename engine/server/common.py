@@ -104,18 +104,20 @@ def resolve_max_tokens(state: NodeState, requested: int | None, num_prompt_token
 
 
 def make_calls(request_id: str, prompts: list[list[int]], params: list[SamplingParams],
-               n: int, kv_transfer_params: dict | list[dict | None] | None = None) -> list[EngineCall]:
+               n: int, kv_transfer_params: dict | list[dict | None] | None = None,
+               cache_salt: str | None = None) -> list[EngineCall]:
     """prompts x n engine requests; choice index = prompt index * n + sample index (like vLLM).
     With a seed, sample i uses seed + i so that the n choices differ but stay reproducible.
     ``kv_transfer_params`` (one dict, or a list with one per prompt) goes to sample 0 of its prompt;
-    the other samples compute their own KV."""
+    the other samples compute their own KV. ``cache_salt`` goes to every call."""
     transfers = _per_prompt(kv_transfer_params, len(prompts))
     calls = []
     for p, (ids, base) in enumerate(zip(prompts, params)):
         for i in range(n):
             index = p * n + i
             sp = base if base.seed is None or i == 0 else replace(base, seed=base.seed + i)
-            calls.append(EngineCall(f"{request_id}-{index}", index, ids, sp, transfers[p] if i == 0 else None))
+            calls.append(EngineCall(f"{request_id}-{index}", index, ids, sp, transfers[p] if i == 0 else None,
+                                    cache_salt))
     return calls
 
 

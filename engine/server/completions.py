@@ -32,7 +32,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     params = [body.to_sampling_params(resolve_max_tokens(state, body.max_tokens, len(ids)), body.logprobs)
               for ids in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    calls = make_calls(request_id, prompts, params, body.n, body.kv_transfer_params)
+    calls = make_calls(request_id, prompts, params, body.n, body.kv_transfer_params, body.cache_salt)
     return await respond(request, state, body, calls, arrival,
                          lambda gen: _stream(state, body, request_id, model, calls, gen),
                          lambda choices: _response(state, request_id, model, calls, choices, body.n))

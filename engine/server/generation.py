@@ -42,6 +42,7 @@ class EngineCall:
     prompt_ids: list[int]
     params: SamplingParams
     kv_transfer_params: dict | None = None   # P/D hand-off for this engine request
+    cache_salt: str | None = None            # the body's ``cache_salt``: shares KV only with the same salt
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Generation:
         for call in self._calls:
             try:
                 self._submitted[call.request_id] = self._engine.submit(
-                    call.prompt_ids, call.params, call.request_id, call.kv_transfer_params)
+                    call.prompt_ids, call.params, call.request_id, call.kv_transfer_params, call.cache_salt)
             except Exception as exc:  # noqa: BLE001 - delivered by _pump, as generate() would have raised it
                 self._submitted[call.request_id] = exc
 

@@ -34,6 +34,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256        # parts of one message's content
 MAX_NAME_CHARS = 256           # model names, roles, part types
+MAX_CACHE_SALT_CHARS = 256     # cache_salt: non-empty when given (vLLM), at most this long
 
 
 def _bounded(container, limit: int):
@@ -76,6 +77,7 @@ Prompt = Annotated[Union[Annotated[str, Tag("str")], Annotated[TokenIds, Tag("li
 PromptIds = Annotated[Union[Annotated[TokenIds, Tag("list[int]")], Annotated[TokenIdLists, Tag("list[list[int]]")]],
                       Discriminator(_ids_kind)]
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
+CacheSalt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 LogitBias = _bounded(dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")],
                           Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]], MAX_LOGIT_BIAS)
 
@@ -107,6 +109,7 @@ class _SamplingFields(BaseModel):
     min_tokens: Count = 0
     stop_token_ids: _bounded(list[TokenId], MAX_STOP_TOKEN_IDS) | None = None
     include_stop_str_in_output: bool = False
+    cache_salt: CacheSalt | None = None     # only requests with the same salt share prefix-cache blocks / store KV
     # pdserve P/D extensions (set by the proxy): token ids to use instead of re-tokenizing (one prompt,
     # or one list per prompt), and the KV hand-off (see pdserve.engine.kv_transfer; a list: one per prompt)
     prompt_token_ids: PromptIds | None = None

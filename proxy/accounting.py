@@ -1,0 +1,46 @@
+"""What the proxy keeps out of public answers: the nodes' ``usage.kv_transfer`` unless ``--expose-kv-accounting``.
+
+Called by ``orchestrate`` on every answer it returns when the flag is off (``pdserve proxy``'s default;
+``pdserve serve`` turns it on): the prefill-only answer (a dict), the decode node's JSON answer (bytes) and
+each SSE event of its stream (bytes). ``usage.kv_transfer`` holds each node's figures for the request --
+``local_hit_tokens``, ``store_hit_tokens``, ``need_to_load``, ``loaded_tokens``, ``recomputed_tokens`` --
+which tell what the prefix cache and the KV store already held. ``usage.prompt_tokens_details.cached_tokens``
+(an OpenAI field) stays. Bytes without ``"kv_transfer"`` in them pass unchanged, not parsed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_MARK = b'"kv_transfer"'
+_DATA = b"data:"
+
+
+def drop_kv_accounting(payload: Any) -> bool:
+    """Remove ``usage.kv_transfer`` from a parsed answer or chunk, in place; True if there was one."""
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    return isinstance(usage, dict) and usage.pop("kv_transfer", None) is not None
+
+
+def json_without_kv_accounting(content: bytes) -> bytes:
+    """A node's JSON answer without ``usage.kv_transfer`` (encoded as the node's JSONResponse does)."""
+    if _MARK not in content:
+        return content
+    payload = json.loads(content)
+    if not drop_kv_accounting(payload):
+        return content
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def event_without_kv_accounting(event: bytes) -> bytes:
+    """One SSE event (``data: {...}\\n\\n``) without ``usage.kv_transfer`` (encoded as the node's ``sse``)."""
+    if _MARK not in event or not event.startswith(_DATA):
+        return event
+    try:
+        payload = json.loads(event[len(_DATA):])
+    except ValueError:
+        return event
+    if not drop_kv_accounting(payload):
+        return event
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
