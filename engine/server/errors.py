@@ -43,8 +43,16 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
+    """The body; ``message`` and ``param`` as UTF-8-safe text (a lone surrogate of a client's field name,
+    quoted back, becomes its ``\\udXXX`` escape: the answer to a bad string must not fail to encode)."""
+    return {"error": {"message": _encodable(message), "type": _TYPES.get(status, "server_error"),
+                      "param": _encodable(param), "code": code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
