@@ -144,7 +144,8 @@ def _data_lines(response: httpx.Response) -> list[bytes]:
 @pytest.mark.parametrize("path, body", [
     (CMPL, {**BASE, "prompt": "caf\u00e9 \ud83d\ude00 \u2028", "user": "\u00e9\u2028", "stream": True,
             "stream_options": {"include_usage": True}}),
-    (CHAT, _chat(messages=[{"role": "user", "name": "b\u00f6b", "content": [{"type": "text", "text": "\ud83d\ude00\x85"}]}],
+    (CHAT, _chat(messages=[{"role": "user", "name": "b\u00f6b",
+                            "content": [{"type": "text", "text": "\ud83d\ude00\x85"}]}],
                  stream=True, logprobs=True, top_logprobs=2)),
 ], ids=["completions", "chat"])
 def test_sse_data_lines_are_ascii(node, base, path, body):

@@ -21,11 +21,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StringConstraints,
-                      Tag, model_validator)
+                      Tag)
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server.errors import bad_request
-from pdserve.engine.server.text import check_json, check_keys, check_text
+from pdserve.engine.server.text import check_json, check_text
 
 INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -2**63, 2**63 - 1
 MAX_N = 16                     # choices per prompt; seed + (n - 1) <= 2^63 + 14 < 2^64: the generator's range
@@ -90,14 +90,9 @@ LogitBias = _bounded(dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10
 
 class _Body(BaseModel):
     """Every request object: fields it does not name are kept (the proxy forwards them; a message's go to the
-    chat template) but must be plain JSON (``JSONValue``), and every field name Unicode text."""
+    chat template) but must be plain JSON (``JSONValue``); pydantic refuses a name that is not Unicode text."""
     model_config = ConfigDict(extra="allow")
     __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def names_are_text(cls, data: Any) -> Any:
-        return check_keys(data)
 
 
 class StreamOptions(_Body):

@@ -1,10 +1,11 @@
 """Strings and free-form JSON a request may carry: Unicode text only, finite numbers only.
 
-Used by ``protocol``, whose request models are the node's and the proxy's alike: every string field is a
-``Text`` (``text_field`` adds it to a bounded string type), every free-form value -- ``kv_transfer_params``,
+Used by ``protocol``, whose request models are the node's and the proxy's alike: every string field's type
+runs ``check_text`` first (``Text``, ``Name``, ``StopString``, logit_bias keys), every free-form value -- ``kv_transfer_params``,
 a message's ``name`` / ``tool_calls``, ``user``, any unknown field, all of which the proxy forwards to a node --
-is checked by ``check_json`` (recursing into lists and dicts, keys included), and every field name by
-``check_keys``. A failure is a pydantic error on that field, so the client gets a 400 naming it (``errors``).
+is checked by ``check_json`` (recursing into lists and dicts, keys included); a field name that is not
+Unicode text pydantic refuses itself (``errors`` words its message with ``text_problem``). A failure is a
+pydantic error on that field, so the client gets a 400 naming it.
 
 Why: JSON can spell a lone UTF-16 surrogate (``"\\ud800"``, or a raw ``ED A0 80`` that ``json.loads`` decodes
 with ``surrogatepass``), and Python keeps it in a ``str``; but no UTF-8 encoder takes it -- not the tokenizer
@@ -43,16 +44,6 @@ def check_text(value: Any) -> Any:
     if isinstance(value, str) and (problem := text_problem(value)) is not None:
         raise _error(problem)
     return value
-
-
-def check_keys(data: Any) -> Any:
-    """A model's before-validator: every field name of the object is Unicode text (pydantic's own message
-    for an unknown one is 'unable to parse raw data')."""
-    if isinstance(data, dict):
-        for key in data:
-            if isinstance(key, str) and (problem := text_problem(key)) is not None:
-                raise _error(f"field name {_escaped(key)} {problem}")
-    return data
 
 
 def check_json(value: Any) -> Any:
