@@ -65,7 +65,8 @@ async def post_json(client: ConnectionPool, node: Node, path: str,
 
 
 def encode_json(body: dict[str, Any]) -> bytes:
-    """A request body as httpx's ``json=`` wrote it: compact, UTF-8, no NaN."""
+    """A request body as httpx's ``json=`` wrote it: compact, UTF-8, no NaN. Never fails on a client's body
+    that the request models passed (their strings are Unicode text, free-form numbers finite: ``text``)."""
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 

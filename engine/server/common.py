@@ -186,7 +186,9 @@ def created() -> int:
 
 
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One ``data:`` event, all ASCII: a raw U+2028, U+0085 or \\x1c in the text would split the line in some
+    clients' line readers (JavaScript's and Python's ``str.splitlines`` among them)."""
+    return f"data: {json.dumps(payload)}\n\n"
 
 
 def sse_response(events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]] | None = None) -> StreamingResponse:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.sampling_params import SamplingParamsError
+from pdserve.engine.server.text import text_problem
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,16 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
+    """The body; ``message`` and ``param`` as UTF-8-safe text (a lone surrogate of a client's field name,
+    quoted back, becomes its ``\\udXXX`` escape: the answer to a bad string must not fail to encode)."""
+    return {"error": {"message": _encodable(message), "type": _TYPES.get(status, "server_error"),
+                      "param": _encodable(param), "code": code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -99,10 +108,19 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
     parts = []
     for loc, e in errors[:_MAX_ERRORS]:
         got = f" (got {_short(e['input'])})" if "input" in e and e.get("type") != "missing" else ""
-        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}{got}")
+        parts.append(f"{'.'.join(loc) or 'body'}: {_message(e)}{got}")
     if len(errors) > _MAX_ERRORS:
         parts.append(f"and {len(errors) - _MAX_ERRORS} more")
     return "; ".join(parts), ".".join(errors[0][0]) or None if errors else None
+
+
+def _message(error: dict[str, Any]) -> str:
+    """pydantic's message; for a field name that is not Unicode text (the only string pydantic itself finds
+    so: every string field checks its value first, ``text``), what is wrong with it."""
+    value = error.get("input")
+    if error.get("type") == "string_unicode" and isinstance(value, str) and (problem := text_problem(value)):
+        return f"the field name {_short(value)} {problem}"
+    return error.get("msg", "invalid")
 
 
 def _most_specific(errors: list[dict[str, Any]]) -> list[tuple[tuple[str, ...], dict[str, Any]]]:

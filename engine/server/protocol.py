@@ -8,8 +8,11 @@ turns the shared sampling fields into a ``SamplingParams`` (which checks the ran
 Every field is bounded where it enters: integers to the width the engine uses (token ids and counts
 to int32, ``seed`` to int64 so that ``seed + choice index`` still fits the generator), floats finite,
 strings, lists and dicts to the lengths below; JSON nesting is bounded before parsing (``limits``).
-Unknown fields are ignored, like OpenAI and vLLM do; known-but-unsupported ones that would change the
-output (``echo``, penalties other than repetition, ``logit_bias``) are rejected, not ignored.
+Every string is Unicode text and every free-form value plain JSON (``text``: a lone surrogate is a 400
+naming the field, not a 500 from the tokenizer or the proxy's encoder).
+Unknown fields are ignored, like OpenAI and vLLM do (kept, and checked as plain JSON: the proxy forwards
+them); known-but-unsupported ones that would change the output (``echo``, penalties other than
+repetition, ``logit_bias``) are rejected, not ignored.
 Responses are plain dicts built next to their handlers: their shape is the OpenAI one.
 """
 
@@ -17,10 +20,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StringConstraints, Tag
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StringConstraints,
+                      Tag)
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server.errors import bad_request
+from pdserve.engine.server.text import check_json, check_text
 
 INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -2**63, 2**63 - 1
 MAX_N = 16                     # choices per prompt; seed + (n - 1) <= 2^63 + 14 < 2^64: the generator's range
@@ -53,7 +58,10 @@ Count = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]       # token counts 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]              # against the vocabulary: checks.py
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Float = Annotated[float, Field(allow_inf_nan=False)]             # JSON's NaN / Infinity / 1e999 refused
-Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
+Text = Annotated[str, BeforeValidator(check_text)]                # Unicode text: no lone surrogate (``text``)
+Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS), BeforeValidator(check_text)]
+JSONValue = Annotated[Any, AfterValidator(check_json)]           # free-form: strings Text, numbers finite
+JSONObject = Annotated[dict[str, Any], AfterValidator(check_json)]
 TokenIds = _bounded(list[TokenId], MAX_TOKEN_IDS)
 TokenIdLists = _bounded(list[TokenIds], MAX_PROMPTS)
 
@@ -71,24 +79,30 @@ def _ids_kind(value: Any) -> str:
     return "list[list[int]]" if isinstance(value, list) and value and isinstance(value[0], list) else "list[int]"
 
 
-Prompt = Annotated[Union[Annotated[str, Tag("str")], Annotated[TokenIds, Tag("list[int]")],
-                         Annotated[_bounded(list[str], MAX_PROMPTS), Tag("list[str]")],
+Prompt = Annotated[Union[Annotated[Text, Tag("str")], Annotated[TokenIds, Tag("list[int]")],
+                         Annotated[_bounded(list[Text], MAX_PROMPTS), Tag("list[str]")],
                          Annotated[TokenIdLists, Tag("list[list[int]]")]], Discriminator(_prompt_kind)]
 PromptIds = Annotated[Union[Annotated[TokenIds, Tag("list[int]")], Annotated[TokenIdLists, Tag("list[list[int]]")]],
                       Discriminator(_ids_kind)]
-StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
-CacheSalt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
-LogitBias = _bounded(dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")],
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS), BeforeValidator(check_text)]
+CacheSalt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CACHE_SALT_CHARS), BeforeValidator(check_text)]
+LogitBias = _bounded(dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$"), BeforeValidator(check_text)],
                           Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]], MAX_LOGIT_BIAS)
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """Every request object: fields it does not name are kept (the proxy forwards them; a message's go to the
+    chat template) but must be plain JSON (``JSONValue``); pydantic refuses a name that is not Unicode text."""
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat; defaults follow the OpenAI API."""
-    model_config = ConfigDict(extra="ignore")
+class _SamplingFields(_Body):
+    """Fields shared by completions and chat; defaults follow the OpenAI API. Unknown fields are ignored."""
 
     model: Name | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -113,7 +127,7 @@ class _SamplingFields(BaseModel):
     # pdserve P/D extensions (set by the proxy): token ids to use instead of re-tokenizing (one prompt,
     # or one list per prompt), and the KV hand-off (see pdserve.engine.kv_transfer; a list: one per prompt)
     prompt_token_ids: PromptIds | None = None
-    kv_transfer_params: dict[str, Any] | _bounded(list[dict[str, Any] | None], MAX_PROMPTS) | None = None
+    kv_transfer_params: JSONObject | _bounded(list[JSONObject | None], MAX_PROMPTS) | None = None
 
     def unsupported(self) -> str | None:
         """A message naming a field we would otherwise silently ignore, or None."""
@@ -164,19 +178,16 @@ class CompletionRequest(_SamplingFields):
         return len(prompt_list(self.prompt))
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Body):
     """One part of a message's content; only ``text`` parts are supported (others are refused by name)."""
-    model_config = ConfigDict(extra="allow")
-
     type: Name
-    text: str | None = None
+    text: Text | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")   # name, tool_call_id ... go to the template as is
-
+class ChatMessage(_Body):
+    """Extra fields (name, tool_call_id ...) go to the template as is."""
     role: Name
-    content: str | _bounded(list[ContentPart], MAX_CONTENT_PARTS) | None = None
+    content: Text | _bounded(list[ContentPart], MAX_CONTENT_PARTS) | None = None
 
 
 Messages = Annotated[_bounded(list[ChatMessage], MAX_MESSAGES), Field(min_length=1)]
@@ -207,16 +218,16 @@ class ChatCompletionRequest(_SamplingFields):
         return 1
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """vLLM's /tokenize: either ``prompt`` or chat ``messages``."""
     model: Name | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model: Name | None = None
     tokens: TokenIds
 
