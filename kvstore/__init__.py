@@ -4,7 +4,8 @@ Who calls it: the engine's KV connector (prefill: ``put``; decode: ``lookup`` th
 ``borrow``/``get``), the proxy (``chunk_keys`` for prefix routing), ``pdserve kvstore``
 (the daemon) and the bench. Start with ``base.KVStore`` (the one interface).
 
-    keys.py        chunk keys (chained sha256 salted with the model fingerprint), object keys
+    auth.py        the cluster token: the daemon's wire token and the seal key derived from it (BLAKE3)
+    keys.py        chunk keys (chained sha256 salted with the model fingerprint and cache_salt), object keys
     codec.py       header + raw bytes (+ lz4 over byte-shuffled data), checksum; never pickle
     base.py        KVStore interface, TierStats counters
     memory.py      L1: CPU tensors, byte budget, LRU, pinning
@@ -19,7 +20,7 @@ Who calls it: the engine's KV connector (prefill: ``put``; decode: ``lookup`` th
     daemon.py      KVDaemon (zmq ROUTER);  client.py  DaemonClient (same interface)
     cli.py         ``pdserve kvstore`` flags;  metrics.py  Prometheus export
     accounting.py  per-request hit/load/recompute accounting (need_to_load never < 0)
-    seal.py        sealed objects: key hash + checksum checked end to end (publisher -> loader)
+    seal.py        sealed objects: a keyed MAC checked end to end (publisher -> every loader)
     stats_cache.py store stats refreshed off the event loop (the node's /metrics)
     zmq_context.py the process's one zmq context (a context per object can hang the garbage collector)
 """

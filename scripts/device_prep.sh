@@ -2,12 +2,13 @@
 # Prepares .device/ for a GPU call (run here, before the device tool's `run`, from the repository root):
 #     bash scripts/device_prep.sh            then, on the device:  bash .device/setup.sh && source /tmp/pdserve-env.sh
 # It copies the shared set-up script and cp312 wheels (../shared/device, ../shared/device-wheels) and adds the
-# cp312 wheels of dependencies the shared folder lacks (EXTRA below: httptools, the proxy's HTTP parser, and
+# cp312 wheels of dependencies the shared folder lacks (EXTRA below: blake3, the store's keyed seals; httptools, the
+# proxy's HTTP parser, and
 # aiohttp's stack for the bench client and tests), downloaded from the package index without their
 # dependencies. .device/ is git-ignored: name it in the run's `carry`.
 set -euo pipefail
 SHARED=${SHARED:-../shared}
-EXTRA="httptools aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs idna typing_extensions"
+EXTRA="blake3 httptools aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs idna typing_extensions"
 rm -rf .device && mkdir -p .device
 cp "$SHARED/device/setup.sh" .device/
 cp -r "$SHARED/device-wheels" .device/
