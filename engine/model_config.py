@@ -115,7 +115,7 @@ def _parse(path: Path, cfg: dict, gen: dict, dtype: str, device: str) -> ModelCo
     checkpoint_dtype = _DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")))
     return ModelConfig(
         model_dir=str(path), architecture=arch, hidden_size=hidden, num_layers=num_layers,
-        num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        num_heads=heads, num_kv_heads=_kv_heads(path, cfg, heads),
         head_dim=_head_dim(path, cfg, hidden, heads), intermediate_size=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=_parse_rope(path, cfg), max_position_embeddings=int(cfg["max_position_embeddings"]),
@@ -142,6 +142,15 @@ def _architecture(path: Path, cfg: dict) -> str:
         raise ModelConfigError(f"{path}/config.json has no 'architectures' entry")
     check_supported(archs[0])
     return archs[0]
+
+
+def _kv_heads(path: Path, cfg: dict, heads: int) -> int:
+    """KV heads; each serves the same number of query heads (GQA), or attention could not group them."""
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    if kv < 1 or heads < 1 or heads % kv:
+        raise ModelConfigError(f"{path}/config.json: num_attention_heads {heads} is not a multiple of "
+                               f"num_key_value_heads {kv}; every KV head must serve the same number of query heads")
+    return kv
 
 
 def _head_dim(path: Path, cfg: dict, hidden: int, heads: int) -> int:

@@ -246,3 +246,16 @@ def test_unsupported_rope_type_is_named(tmp_path):
         "long_factor": [2.0] * 64, "factor": 2.0}).save_pretrained(tmp_path)
     with pytest.raises(ModelConfigError, match="'longrope'.*default, linear, dynamic, llama3, yarn"):
         ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 3), (6, 4), (8, 0)])
+def test_heads_that_do_not_group_are_refused_at_load(tmp_path, heads, kv_heads):
+    """Before: 4 query heads over 3 KV heads loaded, then every request aborted in the attention kernel."""
+    transformers.LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=96, num_attention_heads=heads,
+                             num_key_value_heads=kv_heads, head_dim=16, intermediate_size=64,
+                             num_hidden_layers=1, vocab_size=64).save_pretrained(tmp_path)
+    if kv_heads == 0:           # 0 means "as many as the query heads" in HF configs: 8 / 8 loads
+        assert ModelConfig.from_dir(tmp_path).num_kv_heads == heads
+        return
+    with pytest.raises(ModelConfigError, match=f"num_attention_heads {heads} .*num_key_value_heads {kv_heads}"):
+        ModelConfig.from_dir(tmp_path)
