@@ -5,8 +5,8 @@
 
 The projections of the tiny 4-layer Llama (hidden 256) and of SmolLM2-135M (hidden 576, MLP 1536), each
 at each row count; the two paths alternate call by call and each keeps its median, so a shared box's
-noise hits both alike. Prints microseconds and F.linear / linear (> 1: the dispatch is faster). Rows
-below ``ONEDNN_MIN_ROWS`` go to F.linear in both columns: their ratio is ~1 by construction.
+noise hits both alike. Prints microseconds and F.linear / linear (> 1: the dispatch is faster). One row runs
+on oneDNN as a two-row call (``layers._onednn``: the bits it has in any batch).
 
 ``--layers``: a whole forward's projections, as a decode step runs them: SmolLM2-135M's 30 layers (qkv, o,
 gate_up, down; 424 MB of fp32 weights, so they stream from DRAM as in serving) at each row count, four
@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.models.layers import ONEDNN_MIN_ROWS, Linear, linear
+from pdserve.engine.models.layers import Linear, linear
 
 SHAPES = {"tiny qkv": (256, 512), "tiny o": (256, 256), "tiny gate_up": (256, 256), "tiny down": (128, 256),
           "smol qkv": (576, 960), "smol o": (576, 576), "smol gate_up": (576, 3072), "smol down": (1536, 576)}
@@ -82,8 +82,6 @@ def measure_layers(rows: list[int], repeats: int, num_layers: int = 30) -> list[
         for mods in layers:
             for mod in mods:
                 x = xs[mod.in_size]
-                if m < ONEDNN_MIN_ROWS and mod._few_rows(x, None) is None:
-                    continue                                   # one row on F.linear: MKL's bits, not oneDNN's
                 want = linear(torch.cat([x, x]), mod.weight)[:m]          # oneDNN's bits, for one row too
                 if not torch.equal(ways["Linear"](mod, x), want):
                     raise AssertionError(f"Linear changed the bits at {m} rows ({tuple(mod.weight.shape)})")
@@ -129,7 +127,7 @@ def main() -> None:
         return
     results = measure(args.rows, args.samples)
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
-          f"oneDNN from {ONEDNN_MIN_ROWS} rows\n")
+          "oneDNN at every row count (one row as two)\n")
     print("| shape | k x n | rows | F.linear us | linear us | speedup | GFLOP/s |\n|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['shape']} | {r['k']}x{r['n']} | {r['rows']} | {r['f_linear_us']:.1f} | {r['linear_us']:.1f} "

@@ -14,7 +14,7 @@ in order). The block size is oneDNN's choice, so ``prepare`` finds it: for each 
 kernel with oneDNN on the layer's own weight at several row counts and keeps the first that gives oneDNN's
 bits at every one; where none does (another oneDNN, another CPU), it returns None and the layer stays on
 oneDNN. So a row's bits are the same whichever path ran it and however many rows shared the step -- one row
-included, which oneDNN itself does not take (``layers.ONEDNN_MIN_ROWS``). The two builds give the same bits
+included (where this kernel does not run, ``layers`` runs one row as a two-row oneDNN call for the same bits). The two builds give the same bits
 (the vectors run across outputs, not along the sum); ``PDSERVE_CPU_ISA=avx2`` makes an AVX-512 CPU run the
 AVX2 build. Where the CPU lacks AVX2 or the build fails, ``load`` returns None (logged once) and nothing changes.
 

@@ -163,11 +163,23 @@ def test_fp32_batches_of_enough_rows_take_onednn():
     assert torch.equal(linear(x, w), onednn)
 
 
-@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.bfloat16, 64), (torch.float16, 64)])
-def test_small_batches_and_half_dtypes_are_f_linear_bit_for_bit(dtype, rows):
+@pytest.mark.parametrize("dtype,rows", [(torch.bfloat16, 64), (torch.float16, 64), (torch.bfloat16, 1)])
+def test_half_dtypes_are_f_linear_bit_for_bit(dtype, rows):
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(96, 64, generator=g).to(dtype), torch.randn(rows, 64, generator=g).to(dtype)
     assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (256, 512), (576, 1536), (1536, 576), (576, 49152)])
+def test_one_row_has_the_bits_it_has_in_any_batch(k, n):
+    """Issue 36: one row went to F.linear (MKL), two or more to oneDNN, so without the few-row kernel a request's
+    logprobs depended on how many others shared its decode step. One row is now the first of a two-row call."""
+    g = torch.Generator().manual_seed(k * n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(40, k, generator=g)
+    for m in (2, 3, 8, 33, 40):
+        batch = linear(x[:m].contiguous(), w)
+        for i in (0, m // 2, m - 1):
+            assert torch.equal(linear(x[i:i + 1].contiguous(), w), batch[i:i + 1]), (m, i)
 
 
 def test_pdserve_cpu_linear_torch_switches_it_off():

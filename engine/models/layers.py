@@ -27,13 +27,15 @@ from pdserve.engine import envs
 from pdserve.kernels import cpu_linear, cpu_ops
 
 
-# fp32 matmuls on CPU go to oneDNN from 2 rows: it uses the CPU's widest vectors, where MKL runs its AVX2
-# code on non-Intel CPUs (an AVX-512 EPYC: 2.2x faster at 256-2048 rows, 1.2-1.9x at 32; bench/cpu_linear.py).
-# A row's bits are then the same for any row count >= 2 (MKL's change up to 3 rows), so how a prompt is
-# chunked does not change its KV -- which the store's digest check relies on. One row stays on F.linear
-# (oneDNN's 1-row path rounds differently anyway, and is slower). 2-row calls are 6-28% slower on oneDNN
-# (SmolLM2's layers; 3 rows already win): a 2-request decode step pays that so that the bits stay put.
-ONEDNN_MIN_ROWS = 2
+# fp32 matmuls on CPU go to oneDNN: it uses the CPU's widest vectors, where MKL runs its AVX2 code on non-Intel
+# CPUs (an AVX-512 EPYC: 2.2x faster at 256-2048 rows, 1.2-1.9x at 32; bench/cpu_linear.py). A row's bits are
+# then the same for any row count >= 2 (MKL's change up to 3 rows), so how a prompt is chunked, or how many
+# requests share a decode step, does not change them -- which the store's digest check and a request's logprobs
+# rely on. oneDNN's 1-row path rounds differently, so one row runs as a two-row call whose first row is kept
+# (``_onednn``): the bits of that row in any bigger call (where the few-row kernel runs, it gives them itself).
+# 2-row calls are 6-28% slower on oneDNN (SmolLM2's layers; 3 rows already win): a small decode step pays that
+# so that the bits stay put.
+ONEDNN_MIN_ROWS = 1
 _ONEDNN = envs.PDSERVE_CPU_LINEAR == "onednn" and torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise")
 # ``Linear`` hands oneDNN its weight reordered once into oneDNN's blocked layout, where an unreordered weight is
@@ -49,8 +51,7 @@ _REORDER_ROWS = 256
 def matmul_path(dtype: torch.dtype, device: str, compiled: bool = False) -> str:
     """What ``linear`` runs for activations of ``dtype`` on ``device`` (the engine's start-up log); ``compiled``:
     the layers run torch.compile'd for big steps, where inductor picks the GEMM."""
-    eager = f"onednn (>= {ONEDNN_MIN_ROWS} rows)" if _ONEDNN and dtype == torch.float32 and device == "cpu" \
-        else "F.linear"
+    eager = "onednn (one row as two)" if _ONEDNN and dtype == torch.float32 and device == "cpu" else "F.linear"
     if eager.startswith("onednn") and cpu_linear.load() is not None:
         eager = f"few-row kernel (1-{cpu_linear.MAX_ROWS} rows, oneDNN's bits), else onednn"
     return f"inductor in compiled steps, else {eager}" if compiled else eager
@@ -67,11 +68,19 @@ def onednn_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b), x: [T, in]; oneDNN for fp32 CPU batches of >= ONEDNN_MIN_ROWS rows, else F.linear.
+    """x W^T (+ b), x: [T, in]; oneDNN for fp32 CPU batches, else F.linear.
     (``Linear`` decides the same way but hands oneDNN its reordered weight.)"""
     if onednn_takes(x, weight):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _onednn(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's x W^T (+ b); one row as the first row of a two-row call (oneDNN's one-row path rounds
+    differently from its many-row path; the two-row call gives the row the bits it has in any batch)."""
+    if x.shape[0] == 1:
+        return torch.ops.mkldnn._linear_pointwise(torch.cat([x, x]), weight, bias, "none", [], "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def reorder_linears(model: nn.Module) -> tuple[int, int, int]:
@@ -144,8 +153,7 @@ class Linear(nn.Module):
         y = self._few_rows(x, bias)
         if y is None and onednn_takes(x, self.weight):
             reordered = self._onednn_weight()
-            weight = self.weight if reordered is None else reordered
-            y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            y = _onednn(x, self.weight if reordered is None else reordered, bias)
         elif y is None:
             y = F.linear(x, self.weight, bias)
         if self.collective is None:
