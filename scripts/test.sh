@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: make sure redis-server exists and answers on 127.0.0.1:6379 (installing it
 # with apt-get when missing), install pdserve with its test extras into ./.venv (torch: the CPU wheel),
-# run the suite, and print every skipped test with its reason (-rs).
+# run the suite, and print every skipped test with its reason (-rs). With no arguments (the whole suite, as
+# CI runs it) it then checks the wheel: built, installed into a fresh venv, serving (scripts/wheel_check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v redis-server >/dev/null 2>&1; then
@@ -16,3 +17,6 @@ pip install -q --disable-pip-version-check "torch==2.13.0"
 pip install -q --disable-pip-version-check -e ".[test,bench]"
 export OMP_NUM_THREADS=1 PDSERVE_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 pytest -q -rs "$@"   # not `python -m pytest`: that puts the repo root (kernels/ ...) on sys.path
+if [ $# -eq 0 ]; then
+  bash scripts/wheel_check.sh
+fi
