@@ -172,3 +172,65 @@ def _generate(engine, prompt: list[int], params, request_id: str) -> list[int]:
         return tokens
 
     return asyncio.run(asyncio.wait_for(run(), 120))
+
+
+def test_the_api_end_takes_only_the_connection_that_proved_the_token():
+    """``ApiChannel`` with real sockets: an intruder connected first sends garbage, a wrong Hello and a forged
+    Fatal on both sockets; then the core's end connects. Only the core's messages come out (an undecodable one
+    of its own is dropped); only it is answered."""
+    import zmq
+
+    from pdserve.engine.core import channel
+
+    ch, ctx = channel.ApiChannel(), zmq.Context()
+    sock_dir = ch.dir
+    try:
+        assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o700
+        start = ch.start_message(None)
+        intruder = {name: ctx.socket(zmq.DEALER) for name in ("down", "up")}
+        frames = GARBAGE + [m.encode(m.Hello(b"\0" * channel.TOKEN_BYTES)), m.encode(m.Fatal("intruder"))]
+        for name, sock in intruder.items():
+            sock.connect(getattr(start, f"{name}_address"))
+            for frame in frames:
+                sock.send(frame)
+        wait_until(lambda: ch.poll_start(50) is None and ch.drops.count == 2 * len(frames), 30, "intruder dropped")
+        down, up = channel.connect(ctx, start)                 # the core's end: Hello(token) on each
+        for frame in (b"\x01garbage", m.encode(m.Heartbeat())):
+            up.send(frame)
+        intruder["up"].send(m.encode(m.Fatal("intruder")))
+        got = []
+        wait_until(lambda: got.append(ch.poll_start(50)) or (ch.ready and m.Heartbeat() in got), 30, "the core's")
+        assert [msg for msg in got if msg is not None] == [m.Heartbeat()]
+        assert not os.path.exists(sock_dir)                    # both Hellos came: no one can connect any more
+        ch.send(b"for the core")
+        assert down.poll(5000) and down.recv() == b"for the core"
+        assert intruder["down"].poll(200) == 0 and intruder["up"].poll(0) == 0
+    finally:
+        ch.close()
+        ctx.destroy(linger=0)
+
+
+def test_the_socket_directory_is_under_a_runtime_dir_only_when_ours_and_short(tmp_path, monkeypatch):
+    from pdserve.engine import private_dir
+
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+
+    def parent() -> Path:
+        made = private_dir.make("pdserve-core-", socket_names=("down", "up"))
+        assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+        private_dir.remove(made)
+        assert not os.path.exists(made)
+        return Path(made).parent
+
+    assert parent() == runtime
+    os.chmod(runtime, 0o777)                      # others may write it: not used
+    assert parent() == Path(tempfile.gettempdir())
+    os.chmod(runtime, 0o700)
+    os.chown(runtime, 65534, 65534)               # someone else's
+    assert parent() == Path(tempfile.gettempdir())
+    deep = tmp_path / ("x" * 100)                 # a socket path under it would pass sun_path's 107 bytes
+    deep.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(deep))
+    assert parent() == Path(tempfile.gettempdir())

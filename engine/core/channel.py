@@ -5,14 +5,15 @@ core can use.
     ch = ApiChannel()        0700 dir, binds ROUTER "down" and "up" in it; ch.start_message(config) -> StartCore
                              (stdin, with a fresh secrets token) ------>  down, up = connect(ctx, start)
                              ch.poll_start() takes Hello(token) <------  Hello on each: DEALER "down", DEALER "up"
-    ch.seal()                after Ready: the socket files and the dir are removed; no one can connect again
+                             and once both came, removes the socket files and the dir: no one can connect again
     ch.send(data)            any thread, under the client's lock: to the "down" peer that proved the token
     ch.receive(timeout_ms)   the receiver thread: a CoreMessage from the "up" peer that proved it, else None
     ch.close()               sockets closed, the dir removed if still there (a failed start, a dead core)
 
 Who can reach the sockets: the directory is the node's own (``private_dir``), mode 0700, so the kernel lets
 only its user and root connect, or even see the names inside it; it exists from before the core starts until
-the core is ready (seconds), then it is gone, the established connections stay. A ROUTER takes any number
+both of the core's connections proved the token (the core's imports: a second or two, before any model is
+loaded), then it is gone; the established connections stay. A ROUTER takes any number
 of connections, so whoever connects while it exists (the node's own user: who could as well ptrace it) is
 merely ignored: before a Hello with the token (compared in constant time) nothing it sends is read as a
 message, and frames from any connection but the one that proved the token are dropped; the API process sends
@@ -88,13 +89,17 @@ class ApiChannel:
         return self._core_down is not None and self._core_up is not None
 
     def poll_start(self, timeout_ms: int):
-        """While starting: take Hellos on both sockets; -> the core's first message (Ready or Fatal), or None."""
-        if self._core_down is None and self._down.poll(0):
+        """While starting: take Hellos on both sockets (then ``seal``); -> the core's first message (Ready or
+        Fatal), or None."""
+        while self._core_down is None and self._down.poll(0):
             self._core_down = self._hello(self._down.recv_multipart()) or None
-        return self.receive(timeout_ms)
+        msg = self.receive(timeout_ms)
+        if self.ready and self.dir is not None:
+            self.seal()
+        return msg
 
     def seal(self) -> None:
-        """The core is connected: remove the socket files and the dir (open connections stay, new ones fail)."""
+        """Remove the socket files and the dir (open connections stay, new ones fail). Idempotent."""
         private_dir.remove(self.dir)
         self.dir = None
 

@@ -61,7 +61,7 @@ class EngineCoreClient:
         self._stopping = self._closed = False
         self._lock = threading.Lock()                          # the send socket, _closed and _outputs
         self._next_seq = itertools.count(1)
-        self._channel = ApiChannel()                           # bound in a 0700 dir before the core exists
+        self._channel = ApiChannel()          # bound in a 0700 dir before the core exists, removed once it connected
         try:
             self.proc = _spawn()
         except BaseException:
@@ -74,7 +74,6 @@ class EngineCoreClient:
             self._stop_process(graceful=False)
             self._channel.close()
             raise
-        self._channel.seal()                                   # connected: the socket files and their dir go
         self.pid, self.max_model_len, self._store, self._stats = ready.pid, ready.max_model_len, ready.store, \
             ready.stats
         self._outputs = OutputProcessor(self.tokenizer, wait_for_core=ready.store is not None)
