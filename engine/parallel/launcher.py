@@ -1,7 +1,8 @@
 """Start one machine's worker ranks: import torch once, then fork one process per rank.
 
     python -m pdserve.engine.parallel.launcher --master-addr A --master-port P --ranks 0,1 \
-        --heartbeat-fd H --lifeline-fd L            (started by ParallelExecutor; H and L inherited)
+        --heartbeat-fd H --lifeline-fd L [--store-file F]   (started by ParallelExecutor; H and L inherited;
+                                                    F: the ranks meet at the driver's FileStore, --nnodes 1)
     pdserve node ... --nnodes 2 --node-rank 1     (another machine: runs ``launch`` with its ranks)
 
 Started by ``ParallelExecutor`` on the driver's machine (with the driver's heartbeat), or by
@@ -49,16 +50,18 @@ _PR_SET_PDEATHSIG = 1
 
 
 def launch(master_addr: str, master_port: int, ranks: list[int], heartbeat_fd: int = -1, lifeline_fd: int = -1,
-           node_rank: int = 0, world_size: int = 0, connect_timeout: float = 300.0) -> int:
+           node_rank: int = 0, world_size: int = 0, connect_timeout: float = 300.0, store_file: str = "") -> int:
     """Fork ``ranks``, wait for them; -> 0, or the first failure's exit code (128 + signal if killed).
 
     Without ``heartbeat_fd`` (another machine) a local heartbeat for ``world_size`` ranks is created
-    and mirrored to the driver until every rank exited. With ``lifeline_fd``, its EOF kills the ranks."""
+    and mirrored to the driver until every rank exited. With ``lifeline_fd``, its EOF kills the ranks. With
+    ``store_file`` the ranks meet at that FileStore (the driver's machine), else at master_addr:master_port."""
     torch.set_num_threads(1)
     own = heartbeat_fd < 0
     fd = Heartbeat.create(world_size) if own else heartbeat_fd
     heartbeat = Heartbeat(fd)
-    children = Children({_fork(rank, master_addr, master_port, fd, connect_timeout): rank for rank in ranks})
+    children = Children({_fork(rank, master_addr, master_port, fd, connect_timeout, store_file): rank
+                         for rank in ranks})
     shm.close(fd)                                           # the ranks inherited it; the mapping stays
     if lifeline_fd >= 0:
         threading.Thread(target=_watch_lifeline, args=(lifeline_fd, children), name="pdserve-lifeline",
@@ -115,7 +118,8 @@ def _start_mirror(heartbeat, node_rank: int, ranks: list[int], addr: str, port: 
     return sender
 
 
-def _fork(rank: int, master_addr: str, master_port: int, heartbeat_fd: int, connect_timeout: float) -> int:
+def _fork(rank: int, master_addr: str, master_port: int, heartbeat_fd: int, connect_timeout: float,
+          store_file: str) -> int:
     parent = os.getpid()
     pid = os.fork()
     if pid:
@@ -127,7 +131,7 @@ def _fork(rank: int, master_addr: str, master_port: int, heartbeat_fd: int, conn
             signal.signal(sig, signal.SIG_IGN)
         logging.basicConfig(level=envs.PDSERVE_LOG_LEVEL, force=True,
                             format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-        code = worker.run_rank(master_addr, master_port, rank, heartbeat_fd, connect_timeout)
+        code = worker.run_rank(master_addr, master_port, rank, heartbeat_fd, connect_timeout, store_file)
     except BaseException:                                   # noqa: BLE001 - report, then leave without cleanup
         logging.getLogger("pdserve.worker").exception("rank %d failed", rank)
     finally:
@@ -153,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-fd", type=int, required=True, help="the driver's heartbeat (an inherited memfd)")
     p.add_argument("--lifeline-fd", type=int, required=True, help="read end of the driver's lifeline pipe")
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the driver's store")
+    p.add_argument("--store-file", default="", help="the driver's FileStore (in its 0700 dir), in place of the TCPStore")
     args = p.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):             # see the module docstring
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=envs.PDSERVE_LOG_LEVEL, format="%(asctime)s launcher %(levelname)s %(name)s: %(message)s")
     return launch(args.master_addr, args.master_port, [int(r) for r in args.ranks.split(",")], args.heartbeat_fd,
-                  args.lifeline_fd, connect_timeout=args.connect_timeout)
+                  args.lifeline_fd, connect_timeout=args.connect_timeout, store_file=args.store_file)
 
 
 if __name__ == "__main__":
