@@ -4,7 +4,9 @@
 
 One turn of the loop:
 
-    1. receive   every AddRequest / AbortRequests / Shutdown that arrived (block up to IDLE_POLL_S when idle)
+    0. connect   (once) DEALERs to the API process's "down" and "up" sockets, a Hello with StartCore's token first
+    1. receive   every AddRequest / AbortRequests / Shutdown that arrived (block up to IDLE_POLL_S when idle);
+                 a frame that does not decode is dropped and counted, never fatal
     2. apply     add_request (a refusal becomes a ``Rejected``), abort_request, stop_request (a stop string
                  the API process found, also in the prefill node's first token of an add: the final output
                  follows in this turn's CoreOutputs)
