@@ -16,7 +16,8 @@ not their parent, so it cannot ``waitpid`` them), and exits once every rank did.
 Who stops whom, so nothing outlives the node and no reaped pid is ever signalled:
 
     driver ──lifeline pipe──> launcher      EOF (the driver closed it, or died in any way): the
-                                            launcher SIGKILLs its unreaped ranks, reaps them, exits
+                                            launcher SIGKILLs its unreaped ranks, reaps them, removes
+                                            the driver's FileStore directory (--store-file), exits
     launcher ──PR_SET_PDEATHSIG──> ranks    a rank dies with its launcher, even a SIGKILLed one
     SIGINT / SIGTERM                        ignored by the launcher and the ranks, which run in their
                                             own session: Ctrl-C and a service manager's SIGTERM reach
@@ -43,6 +44,7 @@ from pdserve.engine.parallel import shm
 from pdserve.engine.parallel import worker
 from pdserve.engine.parallel.broadcast import QueueHandle
 from pdserve.engine.parallel.mirror import MirrorSender
+from pdserve.engine.parallel.rendezvous import remove_file_store
 from pdserve.engine.parallel.watchdog import Heartbeat
 
 logger = logging.getLogger(__name__)
@@ -64,7 +66,7 @@ def launch(master_addr: str, master_port: int, ranks: list[int], heartbeat_fd: i
                          for rank in ranks})
     shm.close(fd)                                           # the ranks inherited it; the mapping stays
     if lifeline_fd >= 0:
-        threading.Thread(target=_watch_lifeline, args=(lifeline_fd, children), name="pdserve-lifeline",
+        threading.Thread(target=_watch_lifeline, args=(lifeline_fd, children, store_file), name="pdserve-lifeline",
                          daemon=True).start()
     mirror = _start_mirror(heartbeat, node_rank, ranks, master_addr, master_port, children) if own else None
     code = children.reap(heartbeat)
@@ -101,11 +103,13 @@ class Children:
         return worst
 
 
-def _watch_lifeline(fd: int, children: Children) -> None:
-    """The driver holds the pipe's other end: EOF means it closed it (stop now) or died."""
+def _watch_lifeline(fd: int, children: Children, store_file: str) -> None:
+    """The driver holds the pipe's other end: EOF means it closed it (stop now) or died. Either way it is done
+    with its FileStore: removed here too, so a SIGKILLed driver leaves no directory behind."""
     while os.read(fd, 1):
         pass
     logger.info("the driver closed the lifeline or exited; killing its ranks")
+    remove_file_store(store_file)                           # first: this process exits once the ranks are reaped
     children.kill_all()
 
 
