@@ -11,16 +11,17 @@ core can use.
     ch.close()               sockets closed, the dir removed if still there (a failed start, a dead core)
 
 Who can reach the sockets: the directory is the node's own (``private_dir``), mode 0700, so the kernel lets
-only its user and root connect, or even see the names inside it; it exists from before the core starts until
+only its user and root connect, or even see the names inside it. It exists from before the core starts until
 both of the core's connections proved the token (the core's imports: a second or two, before any model is
-loaded), then it is gone; the established connections stay. A ROUTER takes any number
-of connections, so whoever connects while it exists (the node's own user: who could as well ptrace it) is
-merely ignored: before a Hello with the token (compared in constant time) nothing it sends is read as a
-message, and frames from any connection but the one that proved the token are dropped; the API process sends
-only to the core's "down" connection. An intruder that connects first can neither take the core's place (the
-core's connection is its own, not a slot it could hold) nor learn anything (Ready, outputs go to the core's
-peer only); it can send frames that are dropped and counted. The core's DEALERs connect to exactly the
-sockets the API process bound before it started the core, so all the core reads comes from the API process.
+loaded), then it is gone; established connections stay. A ROUTER takes any number of connections, so one
+made while the directory exists (by the node's own user, who could as well ptrace the node) is merely
+ignored: nothing it sends is read as a message until a Hello with the token (compared in constant time), and
+frames from any connection but the one that proved the token are dropped; the API process sends only to the
+core's "down" connection. An intruder that connects first can neither take the core's place (each connection
+is served apart: there is no single peer slot to hold) nor learn anything (Ready and outputs go to the
+core's connection only); it can send frames that are dropped and counted, until the node stops. The core's
+DEALERs connect to the sockets the API process bound before it started the core: all the core reads comes
+from the API process.
 
 A frame that does not decode (garbage, a foreign message, another version) is dropped on either side and
 counted, logged at most every DROP_LOG_S (``Drops``): never fatal. Two sockets, not one, because zmq sockets

@@ -10,8 +10,8 @@
     client.shutdown()                                         # Shutdown, wait, kill what did not exit
 
 The two sockets are ``channel.ApiChannel``'s (bound in a 0700 dir before the core starts, answered only
-when the core proved StartCore's token, removed once it has). One receiver thread reads the core's messages; between messages (every POLL_S) it checks the process
-with ``waitpid``, so a killed core is reported within POLL_S, and the time since the core's last message:
+when the core proved StartCore's token, removed once it has). One receiver thread reads the core's
+messages; between messages (every POLL_S) it checks the process with ``waitpid``, so a killed core is reported within POLL_S, and the time since the core's last message:
 the core sends one at least every HEARTBEAT_S (from a thread of its own, also during a long step), so
 silence past ``--rank-timeout`` means a stopped or wedged process: the client SIGKILLs it and reports
 it like an exit. The core's pid is ``client.pid``.
