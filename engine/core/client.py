@@ -11,10 +11,10 @@
 
 The two sockets are ``channel.ApiChannel``'s (bound in a 0700 dir before the core starts, answered only
 when the core proved StartCore's token, removed once it has). One receiver thread reads the core's
-messages; between messages (every POLL_S) it checks the process with ``waitpid``, so a killed core is reported within POLL_S, and the time since the core's last message:
-the core sends one at least every HEARTBEAT_S (from a thread of its own, also during a long step), so
-silence past ``--rank-timeout`` means a stopped or wedged process: the client SIGKILLs it and reports
-it like an exit. The core's pid is ``client.pid``.
+messages; between messages (every POLL_S) it checks the process with ``waitpid``, so a killed core is
+reported within POLL_S, and the time since the core's last message: the core sends one at least every
+HEARTBEAT_S (from a thread of its own, also during a long step), so silence past ``--rank-timeout``
+means a stopped or wedged process: the client SIGKILLs it and reports it like an exit. The core's pid is ``client.pid``.
 
 Each add gets its own ``seq`` (``messages``); an output is delivered only while its request id still maps
 to that seq, so the last outputs of an aborted request never reach a new request that reuses its id.

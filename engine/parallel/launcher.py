@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-fd", type=int, required=True, help="the driver's heartbeat (an inherited memfd)")
     p.add_argument("--lifeline-fd", type=int, required=True, help="read end of the driver's lifeline pipe")
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the driver's store")
-    p.add_argument("--store-file", default="", help="the driver's FileStore (in its 0700 dir), in place of the TCPStore")
+    p.add_argument("--store-file", default="",
+                   help="the driver's FileStore (in its 0700 dir), in place of the TCPStore")
     args = p.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):             # see the module docstring
         signal.signal(sig, signal.SIG_IGN)
