@@ -56,9 +56,11 @@ def test_start_message_carries_the_whole_config():
                           kv_transfer=KVTransferConfig(role="decode", kv_store="tcp://127.0.0.1:5557",
                                                        kv_auth_token="t" * 16))   # the token travels too
     stream = io.BytesIO()
-    m.write_start(stream, m.StartCore(config, "ipc://@a", "ipc://@b"))
+    start = m.StartCore(config, "ipc:///run/x/down", "ipc:///run/x/up", b"\x07" * 32)
+    m.write_start(stream, start)
     stream.seek(0)
-    assert m.read_start(stream) == m.StartCore(config, "ipc://@a", "ipc://@b")
+    assert m.read_start(stream) == start
+    assert "\\x07" not in repr(start) and "token=<hidden>" in repr(start)      # the token is never logged
     with pytest.raises(EOFError):
         m.read_start(io.BytesIO(b""))
 

@@ -151,19 +151,21 @@ torch.set_num_threads(1)
 from pdserve.engine.config import EngineConfig, ParallelConfig
 from pdserve.engine.llm_engine import LLMEngine
 engine = LLMEngine(EngineConfig(model=sys.argv[1], parallel=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)))
-print(" ".join(map(str, engine.runner.pids())), flush=True)
+print(" ".join(map(str, engine.runner.pids())), engine.runner._store_file, flush=True)
 signal.pause()                     # hold the ranks until the test SIGKILLs this driver
 """
 
 
 def test_a_killed_driver_leaves_no_rank_behind(tiny_llama):
+    """Nor the directory of the ranks' FileStore: the launcher removes it when the driver's lifeline ends."""
     import subprocess
     import sys
 
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tiny_llama)], stdout=subprocess.PIPE, text=True)
     try:
-        pids = [int(p) for p in driver.stdout.readline().split()]
-        assert len(pids) == 5                                    # 4 ranks + their launcher
+        *pids, store_file = driver.stdout.readline().split()
+        pids = [int(p) for p in pids]
+        assert len(pids) == 5 and os.path.exists(store_file)    # 4 ranks + their launcher
     finally:
         driver.kill()
         driver.wait()
@@ -171,3 +173,4 @@ def test_a_killed_driver_leaves_no_rank_behind(tiny_llama):
     while any(not _gone(pid) for pid in pids):                  # ranks see the writer gone, the launcher follows
         assert time.monotonic() < deadline, [(pid, _proc_state(pid)) for pid in pids]
         time.sleep(0.05)
+    assert not os.path.exists(os.path.dirname(store_file))

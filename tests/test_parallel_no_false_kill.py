@@ -15,6 +15,7 @@ tests send KV scatters larger than the broadcast ring (16 slots x 256 KiB) while
 
 from __future__ import annotations
 
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -109,9 +110,10 @@ def test_a_rank_kv_copy_error_is_an_answer_not_a_death(engine):
     assert engine.runner.failure is None
 
 
-def test_the_rendezvous_store_and_gloo_listen_on_loopback_only(engine):
+def test_the_rendezvous_store_is_private_and_gloo_listens_on_loopback_only(engine):
     ex = engine.runner
-    assert listen_addresses(ex.store.port) == ["127.0.0.1"]
+    store_dir = Path(ex._store_file).parent               # --nnodes 1: a FileStore, no TCP listener of its own
+    assert isinstance(ex.store, torch.distributed.FileStore) and stat.S_IMODE(store_dir.stat().st_mode) == 0o700
     gloo = listening_ports(ex.rank_pids())
     assert gloo and all(listen_addresses(port) == ["127.0.0.1"] for port in gloo)
     for pid in ex.rank_pids():                   # and not because the hostname happens to resolve to 127.0.0.1

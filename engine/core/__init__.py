@@ -19,6 +19,20 @@ aborts, and hands each step's outputs to ``AsyncEngine``'s per-request queues. E
 the core decides eos, stop token ids and length; a stop string found in the API process ends the request
 there and a ``StopRequests`` ends it in the core (blocks freed).
 
+The link is private (``channel.py``). The API process binds two zmq ROUTER sockets ("down": requests to
+the core, "up": its outputs) in a directory it makes for the node, mode 0700 (under $XDG_RUNTIME_DIR when
+that is ours, else the temp dir), before it starts the core; so the kernel lets only the node's user and
+root connect, list or even name-resolve them; nothing is in the abstract namespace any more, where anyone
+could connect. A fresh ``secrets`` token reaches the core on stdin inside ``StartCore`` (never on a
+command line or in a log); the core's first frame on each of its two DEALER connections is ``Hello``
+with it. The API process reads messages only from the two connections that proved it and sends only to
+the core's: a second connection (of the node's own user, the only one the kernel admits) is ignored even if
+it came first: it can neither read outputs nor inject, nor take the core's place (a ROUTER serves every
+connection apart, it has no single peer slot to steal). Once both Hellos came (the core's imports; before
+the model loads) the socket files and the directory are removed: no one can connect again; a failed start
+or a dead core removes them too (``close``). A frame that does not decode, on either side, is dropped and
+counted (logged at most every 10 s): never fatal.
+
 Lifetime: the core runs in its own session and ignores SIGINT / SIGTERM (the API process drains, then
 sends ``Shutdown``); it dies with the API process (``PR_SET_PDEATHSIG`` and EOF on its stdin, the
 lifeline). A core that exits is seen by the client at once (it waits on the pid): every stream fails,

@@ -9,11 +9,12 @@
     client.stats()                                            # the core's last report (/metrics)
     client.shutdown()                                         # Shutdown, wait, kill what did not exit
 
-One receiver thread reads the core's messages; between messages (every POLL_S) it checks the process
-with ``waitpid``, so a killed core is reported within POLL_S, and the time since the core's last message:
-the core sends one at least every HEARTBEAT_S (from a thread of its own, also during a long step), so
-silence past ``--rank-timeout`` means a stopped or wedged process: the client SIGKILLs it and reports
-it like an exit. The core's pid is ``client.pid``.
+The two sockets are ``channel.ApiChannel``'s (bound in a 0700 dir before the core starts, answered only
+when the core proved StartCore's token, removed once it has). One receiver thread reads the core's
+messages; between messages (every POLL_S) it checks the process with ``waitpid``, so a killed core is
+reported within POLL_S, and the time since the core's last message: the core sends one at least every
+HEARTBEAT_S (from a thread of its own, also during a long step), so silence past ``--rank-timeout``
+means a stopped or wedged process: the client SIGKILLs it and reports it like an exit. The core's pid is ``client.pid``.
 
 Each add gets its own ``seq`` (``messages``); an output is delivered only while its request id still maps
 to that seq, so the last outputs of an aborted request never reach a new request that reuses its id.
@@ -31,22 +32,20 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
-
-import zmq
 
 from pdserve.engine.async_engine import EngineDeadError, EngineStats
 from pdserve.engine.core import messages as m
+from pdserve.engine.core.channel import ApiChannel
 from pdserve.engine.core.output_processor import OutputProcessor
 from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
 from pdserve.engine.llm_engine import check_prompt_fits, check_prompt_ids
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.kvstore.zmq_context import shared_context
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.05                      # the receiver checks the core's pid this often while no message comes
+_POLL_MS = int(POLL_S * 1000)
 
 
 class EngineCoreError(RuntimeError):
@@ -63,16 +62,18 @@ class EngineCoreClient:
         self._stopping = self._closed = False
         self._lock = threading.Lock()                          # the send socket, _closed and _outputs
         self._next_seq = itertools.count(1)
-        tag = f"pdserve-core-{os.getpid()}-{uuid.uuid4().hex}"
-        inbound, outbound = f"ipc://@{tag}-in", f"ipc://@{tag}-out"     # abstract namespace: no file to leak
-        self._to_core, self._from_core = self._connect(zmq.PUSH, inbound), self._connect(zmq.PULL, outbound)
-        self.proc = _spawn()
+        self._channel = ApiChannel()          # bound in a 0700 dir before the core exists, removed once it connected
         try:
-            m.write_start(self.proc.stdin, m.StartCore(config, inbound, outbound))
+            self.proc = _spawn()
+        except BaseException:
+            self._channel.close()
+            raise
+        try:
+            m.write_start(self.proc.stdin, self._channel.start_message(config))     # the token: stdin only
             ready = self._wait_ready(start_timeout)
         except BaseException:                                  # a failed start, or a signal (NodeStopped)
             self._stop_process(graceful=False)
-            self._close_sockets()
+            self._channel.close()
             raise
         self.pid, self.max_model_len, self._store, self._stats = ready.pid, ready.max_model_len, ready.store, \
             ready.stats
@@ -112,7 +113,7 @@ class EngineCoreClient:
             payload = m.encode(add)                           # fails registering nothing
             self._outputs.add(request_id, seq, ids, params)
             if not self._closed:
-                self._to_core.send(payload)
+                self._channel.send(payload)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -134,11 +135,7 @@ class EngineCoreClient:
         self._receiver.join(timeout=5.0)
         with self._lock:
             self._closed = True
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        for sock in (self._to_core, self._from_core):
-            sock.close(linger=0)
+        self._channel.close()
 
     # -- the receiver thread ------------------------------------------------------------------
 
@@ -147,8 +144,9 @@ class EngineCoreClient:
         heard = time.monotonic()
         try:
             while not self._stopping and self._fatal is None:
-                if self._from_core.poll(int(POLL_S * 1000)):
-                    self._handle(m.decode_core_message(self._from_core.recv()))
+                msg = self._channel.receive(_POLL_MS)          # None: nothing came, or a frame was dropped
+                if msg is not None:
+                    self._handle(msg)
                     heard = time.monotonic()
                     continue
                 code = self.proc.poll()
@@ -219,33 +217,25 @@ class EngineCoreClient:
 
     # -- the process ----------------------------------------------------------------------------
 
-    def _connect(self, kind: int, address: str) -> zmq.Socket:
-        sock = shared_context().socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)                    # a connecting PUSH queues, never blocks
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 10)            # the core binds a moment after it starts
-        sock.connect(address)
-        return sock
-
     def _post(self, message) -> None:
         with self._lock:
             self._send_locked(message)
 
     def _send_locked(self, message) -> None:
         if not self._closed:
-            self._to_core.send(m.encode(message))
+            self._channel.send(m.encode(message))
 
     def _wait_ready(self, timeout: float) -> m.Ready:
-        deadline = time.monotonic() + timeout
+        """Ready from the core, once both its connections proved the token (``channel.ApiChannel``)."""
+        deadline, ready = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
-            if self._from_core.poll(int(POLL_S * 1000)):
-                msg = m.decode_core_message(self._from_core.recv())
-                if isinstance(msg, m.Ready):
-                    return msg
-                if isinstance(msg, m.Fatal):
-                    raise EngineCoreError(msg.message)
-            elif self.proc.poll() is not None:
+            msg = self._channel.poll_start(_POLL_MS)
+            ready = msg if isinstance(msg, m.Ready) else ready
+            if ready is not None and self._channel.ready:
+                return ready
+            if isinstance(msg, m.Fatal):
+                raise EngineCoreError(msg.message)
+            if msg is None and self.proc.poll() is not None:
                 raise EngineCoreError(f"the engine-core process {_describe(self.proc.returncode)} while starting; "
                                       "see its log above")
         raise EngineCoreError(f"the engine core did not start within {timeout:.0f}s")

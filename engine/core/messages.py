@@ -2,9 +2,11 @@
 
     API ──stdin──> core            StartCore (4-byte big-endian length + msgpack), once; stdin then stays open
                                    as the core's lifeline (EOF: the API process is gone)
-    API ──zmq PUSH──> core PULL    AddRequest | AbortRequests | StopRequests | Shutdown, sent as they come; the
+    core ──Hello──> API            first on each of the core's two sockets: the token StartCore carried; the API
+                                   process takes nothing from, and sends nothing to, a connection without it
+    API ──"down" ROUTER──> DEALER  AddRequest | AbortRequests | StopRequests | Shutdown, sent as they come; the
                                    core applies all that arrived as one batch before each step
-    core ──zmq PUSH──> API PULL    Ready once, then one CoreOutputs per step (deltas of every request that
+    core DEALER ──"up" ROUTER──>   Ready once, then one CoreOutputs per step (deltas of every request that
                                    moved: token ids, no text; requests refused at add, stats at most every
                                    STATS_INTERVAL_S),
                                    a Heartbeat every HEARTBEAT_S from a thread of its own (also while a long
@@ -20,8 +22,10 @@ one that ends a request the core still runs becomes a ``StopRequests``: the core
 stopped (its blocks freed) and sends its final output, tokens-free, with the KV accounting / transfer
 params a stop found in the core would have carried.
 
-The core binds both ipc sockets (abstract namespace, no file) and the API process connects: a connecting
-PUSH queues what it sends before the core is up and never blocks on a dead peer.
+The API process binds both ipc sockets, in a 0700 directory of its own, and the core connects
+(``channel.py``: who may connect, the token, what is dropped). A frame that does not decode, on either side,
+is dropped, logged and counted, never fatal (``decode_client_message`` / ``decode_core_message`` raise
+``ValueError``; the channel catches it).
 """
 
 from __future__ import annotations
@@ -45,8 +49,18 @@ _LENGTH = struct.Struct(">I")
 
 class StartCore(msgspec.Struct, frozen=True):
     config: EngineConfig
-    input_address: str             # ipc://@... the core binds (PULL): AddRequest | AbortRequests | Shutdown
-    output_address: str            # ipc://@... the core binds (PUSH): Ready | CoreOutputs | Fatal
+    down_address: str              # ipc://<0700 dir>/down, bound by the API process: the core's inbox
+    up_address: str                # ipc://<0700 dir>/up, bound by the API process: the core's outbox
+    token: bytes                   # the core's Hello on both sockets carries it (never logged: see __repr__)
+    version: int = VERSION
+
+    def __repr__(self) -> str:
+        return f"StartCore(down_address={self.down_address!r}, up_address={self.up_address!r}, token=<hidden>)"
+
+
+class Hello(msgspec.Struct, frozen=True, tag=True):
+    """The core's first frame on each socket: it proves the sender is the process StartCore went to."""
+    token: bytes
     version: int = VERSION
 
 
@@ -150,6 +164,7 @@ _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _core_decoder = msgspec.msgpack.Decoder(CoreMessage)
 _start_decoder = msgspec.msgpack.Decoder(StartCore)
+_hello_decoder = msgspec.msgpack.Decoder(Hello)
 
 
 def encode(message) -> bytes:
@@ -162,6 +177,10 @@ def decode_client_message(data: bytes) -> ClientMessage:
 
 def decode_core_message(data: bytes) -> CoreMessage:
     return _check(_core_decoder.decode(data))
+
+
+def decode_hello(data: bytes) -> Hello:
+    return _check(_hello_decoder.decode(data))
 
 
 def write_start(stream, start: StartCore) -> None:

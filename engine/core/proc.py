@@ -4,7 +4,9 @@
 
 One turn of the loop:
 
-    1. receive   every AddRequest / AbortRequests / Shutdown that arrived (block up to IDLE_POLL_S when idle)
+    0. connect   (once) DEALERs to the API process's "down" and "up" sockets, a Hello with StartCore's token first
+    1. receive   every AddRequest / AbortRequests / Shutdown that arrived (block up to IDLE_POLL_S when idle);
+                 a frame that does not decode is dropped and counted, never fatal
     2. apply     add_request (a refusal becomes a ``Rejected``), abort_request, stop_request (a stop string
                  the API process found, also in the prefill node's first token of an add: the final output
                  follows in this turn's CoreOutputs)
@@ -35,6 +37,7 @@ import time
 import zmq
 
 from pdserve.engine import envs
+from pdserve.engine.core import channel
 from pdserve.engine.core import messages as m
 from pdserve.engine.parallel import faults
 
@@ -44,7 +47,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 class Outbox:
-    """The PUSH socket to the API process, shared by the loop and the heartbeat thread (zmq sockets are
+    """The "up" socket to the API process, shared by the loop and the heartbeat thread (zmq sockets are
     not thread-safe: one lock)."""
 
     def __init__(self, sock: zmq.Socket):
@@ -86,6 +89,7 @@ class CoreLoop:
         self._stats_at = 0.0
         self._seqs: dict[str, int] = {}        # live request id -> the seq of the add that started it
         self._stopped: dict[str, int] = {}     # id -> seq of an add a StopRequests ended, its final not sent yet
+        self.drops = channel.Drops("engine core", logger)   # frames from the API process that did not decode
 
     def run(self) -> int:
         """-> the exit code: 0 after Shutdown, 1 after a Fatal."""
@@ -123,9 +127,12 @@ class CoreLoop:
         messages = []
         while True:
             try:
-                messages.append(m.decode_client_message(self.inbox.recv(zmq.NOBLOCK)))
+                frames = self.inbox.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return messages
+            msg = channel.decode_from_api(frames, self.drops)     # None: dropped, never fatal
+            if msg is not None:
+                messages.append(msg)
 
     def _apply(self, messages: list) -> tuple[list[m.Rejected], bool]:
         rejected = []
@@ -182,17 +189,13 @@ class CoreLoop:
 
 
 def serve(start: m.StartCore) -> int:
-    """Bind the sockets, build the engine, say Ready, loop until Shutdown or a fatal error."""
+    """Connect to the API process (Hello first), build the engine, say Ready, loop until Shutdown or a fatal error."""
     from pdserve.engine.llm_engine import LLMEngine
 
     ctx = zmq.Context()
-    inbox, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for sock, address in ((inbox, start.input_address), (push, start.output_address)):
-        sock.setsockopt(zmq.LINGER, 2000)                      # a last Fatal still reaches the API process
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.bind(address)
-    outbox = Outbox(push)
+    faults.before_core_connect()
+    inbox, up = channel.connect(ctx, start)
+    outbox = Outbox(up)
     engine = loop = heartbeat = None
     try:
         engine = LLMEngine(start.config, detokenize=False)       # the API process detokenizes

@@ -3,8 +3,9 @@
 Used by ``LLMEngine`` instead of ``ModelRunner`` when ``--tensor-parallel-size`` x
 ``--pipeline-parallel-size`` > 1 (or with ``--debug-sync``). Map, in the order a step meets it:
 
-    executor    driver side: starts the ranks (gloo, TCP rendezvous), sends steps, collects tokens
-    rendezvous  the loopback-bound rendezvous store and the launcher process (fds, lifeline)
+    executor    driver side: starts the ranks (gloo, the rendezvous store), sends steps, collects tokens
+    rendezvous  the rendezvous store (a FileStore in a 0700 dir; a TCPStore with --nnodes > 1) and the
+                launcher process (fds, lifeline)
     channels    the driver's queues to and from the ranks
     broadcast   THE message queue: where the scheduler output is broadcast to the workers
     shm         anonymous shared memory (memfd) handed down by fd: nothing in /dev/shm to leak

@@ -8,8 +8,9 @@
     executor.kv_io                                     # StoreConnector's publisher/loader (parallel/kv.py)
     executor.shutdown()                                # ranks exit in order; kills what did not
 
-Start-up: the driver hosts the rendezvous ``TCPStore``, listening on --master-addr:--master-port
-only (``rendezvous_store``; port 0 picks a free one), publishes the ``WorkerSpec`` there (queue
+Start-up: the driver hosts the rendezvous store: with --nnodes 1 a ``FileStore`` in a 0700 directory
+of its own (``file_store``: no other local user can read or write it), else a ``TCPStore`` listening
+on --master-addr:--master-port only (``rendezvous_store``); it publishes the ``WorkerSpec`` there (queue
 handles), and starts its machine's ranks with one ``python -m pdserve.engine.parallel.launcher``
 (its own session; it forks one process per rank) that inherits the shared-memory rings and the
 heartbeat as fds and the read end of a lifeline pipe. An exception or a signal during start-up
@@ -48,7 +49,7 @@ from pdserve.engine.parallel.broadcast import MessageQueue, QueueError
 from pdserve.engine.parallel.channels import Channels
 from pdserve.engine.parallel.kv import KVRelay
 from pdserve.engine.parallel.mirror import FAILED_KEY, MirrorReceiver
-from pdserve.engine.parallel.rendezvous import rendezvous_store, spawn_launcher
+from pdserve.engine.parallel.rendezvous import file_store, remove_file_store, rendezvous_store, spawn_launcher
 from pdserve.engine.parallel.stage import stage_layers
 from pdserve.engine.parallel.watchdog import Heartbeat, RankInfo, Watchdog
 from pdserve.engine.parallel.worker import READY_KEY, SPEC_KEY
@@ -79,7 +80,10 @@ class ParallelExecutor:
         self._lock, self._send_lock = threading.Lock(), threading.Lock()
         self._stopping = False
         self._mirror = None
-        self.store = rendezvous_store(par.master_addr, par.master_port, start_timeout)
+        if par.nnodes == 1:                                     # removed once the launcher is gone (_kill_all)
+            self.store, self._store_file = file_store(start_timeout)
+        else:
+            self.store, self._store_file = rendezvous_store(par.master_addr, par.master_port, start_timeout), ""
         local = list(range(par.ranks_per_node))                 # node 0's ranks; node n has the n-th slice
         self.ch = Channels.create(par.world_size, local, (par.pipeline_parallel_size - 1) * par.tensor_parallel_size,
                                   par.master_addr)
@@ -92,8 +96,12 @@ class ParallelExecutor:
         self.ranks = [RankInfo(r, r % par.tensor_parallel_size, r // par.tensor_parallel_size, r in local)
                       for r in range(par.world_size)]
         try:
-            self.launcher, self._lifeline = spawn_launcher(par.master_addr, self.store.port, local, hb_fd,
-                                                           self.ch.fds(), par.debug_sync, par.nnodes == 1)
+            self.launcher, self._lifeline = spawn_launcher(par.master_addr, 0 if self._store_file else self.store.port,
+                                                           local, hb_fd, self.ch.fds(), par.debug_sync, par.nnodes == 1,
+                                                           self._store_file)
+        except BaseException:
+            remove_file_store(self._store_file)
+            raise
         finally:
             self.ch.release()                                   # the launcher holds them now (or nobody)
             os.close(hb_fd)
@@ -256,6 +264,7 @@ class ParallelExecutor:
             logger.error("the rank launcher (pid %d) did not exit; killing it", self.launcher.pid)
             self.launcher.kill()
             self.launcher.wait()
+        remove_file_store(self._store_file)                     # no rank is left to read it
         if self._mirror is not None:
             self._mirror.stop.set()
 

@@ -13,6 +13,8 @@ the driver:
     slow_start=SECONDS  every rank sleeps this long before it loads its layers (a long model load).
     slow_step=SECONDS   the engine-core process (``--engine-core-process``) sleeps this long before every
                         step: a step longer than --rank-timeout that is not a hang.
+    slow_core_connect=SECONDS   the engine-core process sleeps this long before it connects to the API
+                        process's sockets: a test's own connection comes first (``engine/core/channel.py``).
 
 Stopped and killed processes and oversized KV scatters need no hook: the tests signal pids and call
 ``KVRelay.scatter`` themselves.
@@ -34,6 +36,7 @@ class Faults:
     slow_layers: str = ""
     slow_start: float = 0.0
     slow_step: float = 0.0
+    slow_core_connect: float = 0.0
 
 
 def parse(spec: str) -> Faults:
@@ -43,14 +46,14 @@ def parse(spec: str) -> Faults:
         key, _, value = item.partition("=")
         if key == "slow_layers" and value:
             fields[key] = value
-        elif key in ("slow_start", "slow_step"):
+        elif key in ("slow_start", "slow_step", "slow_core_connect"):
             try:
                 fields[key] = float(value)
             except ValueError:
                 raise ValueError(f"PDSERVE_FAULTS: {key}={value!r} is not a number of seconds") from None
         else:
             raise ValueError(f"PDSERVE_FAULTS: unknown fault {item!r}; known: slow_layers=PATH, slow_start=SECONDS, "
-                             "slow_step=SECONDS")
+                             "slow_step=SECONDS, slow_core_connect=SECONDS")
     return Faults(**fields)
 
 
@@ -65,6 +68,11 @@ def before_load() -> None:
 def before_core_step() -> None:
     if FAULTS.slow_step:
         time.sleep(FAULTS.slow_step)
+
+
+def before_core_connect() -> None:
+    if FAULTS.slow_core_connect:
+        time.sleep(FAULTS.slow_core_connect)
 
 
 def install(model, rank: int, heartbeat) -> None:

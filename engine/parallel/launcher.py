@@ -1,7 +1,8 @@
 """Start one machine's worker ranks: import torch once, then fork one process per rank.
 
     python -m pdserve.engine.parallel.launcher --master-addr A --master-port P --ranks 0,1 \
-        --heartbeat-fd H --lifeline-fd L            (started by ParallelExecutor; H and L inherited)
+        --heartbeat-fd H --lifeline-fd L [--store-file F]   (started by ParallelExecutor; H and L inherited;
+                                                    F: the ranks meet at the driver's FileStore, --nnodes 1)
     pdserve node ... --nnodes 2 --node-rank 1     (another machine: runs ``launch`` with its ranks)
 
 Started by ``ParallelExecutor`` on the driver's machine (with the driver's heartbeat), or by
@@ -15,7 +16,8 @@ not their parent, so it cannot ``waitpid`` them), and exits once every rank did.
 Who stops whom, so nothing outlives the node and no reaped pid is ever signalled:
 
     driver ──lifeline pipe──> launcher      EOF (the driver closed it, or died in any way): the
-                                            launcher SIGKILLs its unreaped ranks, reaps them, exits
+                                            launcher SIGKILLs its unreaped ranks, reaps them, removes
+                                            the driver's FileStore directory (--store-file), exits
     launcher ──PR_SET_PDEATHSIG──> ranks    a rank dies with its launcher, even a SIGKILLed one
     SIGINT / SIGTERM                        ignored by the launcher and the ranks, which run in their
                                             own session: Ctrl-C and a service manager's SIGTERM reach
@@ -42,6 +44,7 @@ from pdserve.engine.parallel import shm
 from pdserve.engine.parallel import worker
 from pdserve.engine.parallel.broadcast import QueueHandle
 from pdserve.engine.parallel.mirror import MirrorSender
+from pdserve.engine.parallel.rendezvous import remove_file_store
 from pdserve.engine.parallel.watchdog import Heartbeat
 
 logger = logging.getLogger(__name__)
@@ -49,19 +52,21 @@ _PR_SET_PDEATHSIG = 1
 
 
 def launch(master_addr: str, master_port: int, ranks: list[int], heartbeat_fd: int = -1, lifeline_fd: int = -1,
-           node_rank: int = 0, world_size: int = 0, connect_timeout: float = 300.0) -> int:
+           node_rank: int = 0, world_size: int = 0, connect_timeout: float = 300.0, store_file: str = "") -> int:
     """Fork ``ranks``, wait for them; -> 0, or the first failure's exit code (128 + signal if killed).
 
     Without ``heartbeat_fd`` (another machine) a local heartbeat for ``world_size`` ranks is created
-    and mirrored to the driver until every rank exited. With ``lifeline_fd``, its EOF kills the ranks."""
+    and mirrored to the driver until every rank exited. With ``lifeline_fd``, its EOF kills the ranks. With
+    ``store_file`` the ranks meet at that FileStore (the driver's machine), else at master_addr:master_port."""
     torch.set_num_threads(1)
     own = heartbeat_fd < 0
     fd = Heartbeat.create(world_size) if own else heartbeat_fd
     heartbeat = Heartbeat(fd)
-    children = Children({_fork(rank, master_addr, master_port, fd, connect_timeout): rank for rank in ranks})
+    children = Children({_fork(rank, master_addr, master_port, fd, connect_timeout, store_file): rank
+                         for rank in ranks})
     shm.close(fd)                                           # the ranks inherited it; the mapping stays
     if lifeline_fd >= 0:
-        threading.Thread(target=_watch_lifeline, args=(lifeline_fd, children), name="pdserve-lifeline",
+        threading.Thread(target=_watch_lifeline, args=(lifeline_fd, children, store_file), name="pdserve-lifeline",
                          daemon=True).start()
     mirror = _start_mirror(heartbeat, node_rank, ranks, master_addr, master_port, children) if own else None
     code = children.reap(heartbeat)
@@ -98,11 +103,13 @@ class Children:
         return worst
 
 
-def _watch_lifeline(fd: int, children: Children) -> None:
-    """The driver holds the pipe's other end: EOF means it closed it (stop now) or died."""
+def _watch_lifeline(fd: int, children: Children, store_file: str) -> None:
+    """The driver holds the pipe's other end: EOF means it closed it (stop now) or died. Either way it is done
+    with its FileStore: removed here too, so a SIGKILLed driver leaves no directory behind."""
     while os.read(fd, 1):
         pass
     logger.info("the driver closed the lifeline or exited; killing its ranks")
+    remove_file_store(store_file)                           # first: this process exits once the ranks are reaped
     children.kill_all()
 
 
@@ -115,7 +122,8 @@ def _start_mirror(heartbeat, node_rank: int, ranks: list[int], addr: str, port: 
     return sender
 
 
-def _fork(rank: int, master_addr: str, master_port: int, heartbeat_fd: int, connect_timeout: float) -> int:
+def _fork(rank: int, master_addr: str, master_port: int, heartbeat_fd: int, connect_timeout: float,
+          store_file: str) -> int:
     parent = os.getpid()
     pid = os.fork()
     if pid:
@@ -127,7 +135,7 @@ def _fork(rank: int, master_addr: str, master_port: int, heartbeat_fd: int, conn
             signal.signal(sig, signal.SIG_IGN)
         logging.basicConfig(level=envs.PDSERVE_LOG_LEVEL, force=True,
                             format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-        code = worker.run_rank(master_addr, master_port, rank, heartbeat_fd, connect_timeout)
+        code = worker.run_rank(master_addr, master_port, rank, heartbeat_fd, connect_timeout, store_file)
     except BaseException:                                   # noqa: BLE001 - report, then leave without cleanup
         logging.getLogger("pdserve.worker").exception("rank %d failed", rank)
     finally:
@@ -153,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-fd", type=int, required=True, help="the driver's heartbeat (an inherited memfd)")
     p.add_argument("--lifeline-fd", type=int, required=True, help="read end of the driver's lifeline pipe")
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the driver's store")
+    p.add_argument("--store-file", default="",
+                   help="the driver's FileStore (in its 0700 dir), in place of the TCPStore")
     args = p.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):             # see the module docstring
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=envs.PDSERVE_LOG_LEVEL, format="%(asctime)s launcher %(levelname)s %(name)s: %(message)s")
     return launch(args.master_addr, args.master_port, [int(r) for r in args.ranks.split(",")], args.heartbeat_fd,
-                  args.lifeline_fd, connect_timeout=args.connect_timeout)
+                  args.lifeline_fd, connect_timeout=args.connect_timeout, store_file=args.store_file)
 
 
 if __name__ == "__main__":

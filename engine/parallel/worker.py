@@ -3,7 +3,8 @@
 Called in a process forked for the rank by ``launcher.py`` (started by ``ParallelExecutor``).
 Start-up, in order:
 
-    TCPStore client -> WorkerSpec (JSON, "pdserve/spec")  -> heartbeat "starting"
+    store client (FileStore in the node's 0700 dir; TCPStore with --nnodes > 1) -> WorkerSpec (JSON,
+    "pdserve/spec") -> heartbeat "starting"
     torch.distributed gloo over the same store; one TP group per pipeline stage
     load this rank's layers and heads (safetensors slices); allocate its KV cache shard
     store.add("pdserve/ready", 1)
@@ -54,12 +55,17 @@ def collective_timeout(rank_timeout: float) -> timedelta:
     return max(COLLECTIVE_TIMEOUT, timedelta(seconds=100 * rank_timeout))
 
 
-def connect_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
+def connect_store(addr: str, port: int, timeout_s: float, store_file: str = "") -> dist.Store:
+    """The driver's rendezvous: the FileStore at ``store_file`` (every rank on its machine), else its TCPStore."""
+    if store_file:
+        store = dist.FileStore(store_file, -1)
+        store.set_timeout(timedelta(seconds=timeout_s))
+        return store
     return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 class Worker:
-    def __init__(self, store: dist.TCPStore, rank: int, heartbeat_fd: int):
+    def __init__(self, store: dist.Store, rank: int, heartbeat_fd: int):
         self.spec = msgspec.json.decode(store.get(SPEC_KEY), type=m.WorkerSpec)
         spec = self.spec
         self.coords = Coords(rank, rank % spec.tp, rank // spec.tp, spec.tp, spec.pp)
@@ -143,11 +149,11 @@ class Worker:
 
 
 def run_rank(master_addr: str, master_port: int, rank: int, heartbeat_fd: int,
-             connect_timeout: float = 300.0) -> int:
+             connect_timeout: float = 300.0, store_file: str = "") -> int:
     """A rank's whole life (called in the process forked for it by ``launcher.py``); -> exit code."""
     torch.set_num_threads(1)
     host_memory.tune()
-    store = connect_store(master_addr, master_port, connect_timeout)
+    store = connect_store(master_addr, master_port, connect_timeout, store_file)
     worker = Worker(store, rank, heartbeat_fd)
     try:
         return worker.run()
