@@ -119,3 +119,17 @@ def _launcher_args(pid: int) -> list[str]:
         if "pdserve.engine.parallel.launcher" in args:
             return args
     return []
+
+
+def test_the_launcher_gives_its_ranks_the_hard_open_file_limit():
+    """gloo keeps every connection a local user opens to a rank's loopback port; at the soft limit (1024 is
+    common) its accept failed and the rank aborted. The launcher lifts the soft limit to the hard one first."""
+    import subprocess
+    import sys
+
+    code = ("import resource; soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE);"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(512, hard), hard));"
+            "from pdserve.engine.parallel.launcher import raise_open_file_limit; raise_open_file_limit();"
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.stdout.strip() == "True", out.stderr[-2000:]

@@ -30,6 +30,7 @@ import argparse
 import ctypes
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -167,8 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):             # see the module docstring
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=envs.PDSERVE_LOG_LEVEL, format="%(asctime)s launcher %(levelname)s %(name)s: %(message)s")
+    raise_open_file_limit()
     return launch(args.master_addr, args.master_port, [int(r) for r in args.ranks.split(",")], args.heartbeat_fd,
                   args.lifeline_fd, connect_timeout=args.connect_timeout, store_file=args.store_file)
+
+
+def raise_open_file_limit() -> None:
+    """The ranks (forked from here) get the hard limit of open files as their soft limit: gloo keeps every
+    connection another local user opens to a rank's loopback port, and at the soft limit its accept fails and the
+    rank aborts (1024, a common default, took ~1,000 connections). This raises the bar; it does not close it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 if __name__ == "__main__":
