@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -51,9 +52,10 @@ class ProxyState:
         self.prefill = NodePool("prefill", config.prefill_urls, config.prefill_policy, self.metrics)
         self.decode = NodePool("decode", config.decode_urls, config.decode_policy, self.metrics)
         self.client = ConnectionPool(config.max_node_connections, config.connect_timeout_s, config.request_timeout_s)
-        self.health = HealthChecker([self.prefill, self.decode], config.health_interval_s, config.probe_timeout_s)
-        self.orchestrator = Orchestrator(self.client, self.prefill, self.decode, self.metrics,
-                                         config.max_attempts, lambda: self.health.model_name)
+        self.orchestrator = Orchestrator(self.client, self.prefill, self.decode, self.metrics, config.max_attempts,
+                                         lambda: self.health.model_name, math.ceil(config.health_interval_s))
+        self.health = HealthChecker([self.prefill, self.decode], config.health_interval_s, config.probe_timeout_s,
+                                    on_down=self.orchestrator.abort_calls)
         self.gate = Gate.build(tokenizer, Routing(config.prefix_chunk_tokens, f"proxy:{Path(config.model).name}"),
                                config.limits, lambda: self.health.max_model_len, _model_vocab_size(config.model))
 

@@ -1,0 +1,137 @@
+"""No request outlives its node's health (issue 35): calls in flight on a node the probes take out of rotation
+fail at once -- retried on another node while nothing reached the client, 503 + Retry-After with none left, an
+error event on a stream under way -- instead of waiting for --request-timeout; the node is used again once it
+answers its probes. Scripted fake nodes hold their answers (``Reply(hold=...)``) and "freeze" by holding their
+/health answer (``health_status = None``, what a SIGSTOPped process does); an in-process proxy probes every
+0.2 s. Before the fix each held request below waited for the test's client timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from fake_node import FakeNode, Reply, stream_of
+from polling import wait_until
+from test_proxy_under_load import fakes, proxy, tokenizer  # noqa: F401 -- fixtures
+
+CMPL = "/v1/completions"
+BODY = {"prompt": "Once upon a time", "max_tokens": 4}
+CLIENT_TIMEOUT_S = 30          # far beyond a few 0.2 s probe rounds; the old code waited for the node's answer
+
+
+class Ask(threading.Thread):
+    """One request to the proxy from a thread: ``.result`` is (status, headers, SSE data lines or JSON)."""
+
+    def __init__(self, url: str, stream: bool):
+        super().__init__(daemon=True)
+        self.url, self.stream, self.result, self.error = url, stream, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + CMPL, json={**BODY, "stream": self.stream},
+                              timeout=CLIENT_TIMEOUT_S) as r:
+                r.read()
+                data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")] if \
+                    r.status_code == 200 and self.stream else r.json()
+                self.result = (r.status_code, r.headers, data)
+        except Exception as exc:         # noqa: BLE001 -- reported by answer()
+            self.error = exc
+
+    def answer(self):
+        self.join(CLIENT_TIMEOUT_S + 30)
+        assert self.error is None, f"the request failed on the client side: {self.error!r}"
+        assert self.result is not None, "no answer"
+        return self.result
+
+
+def metric(url: str, name: str) -> float:
+    lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+
+
+def healthy_decode(url: str) -> list[str]:
+    return httpx.get(url + "/health", timeout=10).json()["decode_healthy"]
+
+
+def unfreeze_and_check_used_again(url: str, node: FakeNode, others: int) -> None:
+    """``node`` answers its probes again: back in rotation, and round robin gives it a request that succeeds."""
+    node.health_status = 200
+    wait_until(lambda: node.url in healthy_decode(url), 30, f"{node.url} back in rotation")
+    before = len(node.posts(CMPL))
+    for _ in range(others + 1):
+        r = httpx.post(url + CMPL, json=BODY, timeout=CLIENT_TIMEOUT_S)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hi", r.text
+    assert len(node.posts(CMPL)) == before + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_held_on_a_node_taken_out_is_retried_on_another(fakes, proxy, stream):
+    """The decode node holds the request (a stream: before its first byte), then stops answering its probes:
+    the proxy hangs up on it and the other decode node answers. Then the first is used again."""
+    prefill, d1, d2 = fakes(3)
+    first, second = sorted((d1, d2), key=lambda n: n.url)      # round robin tries them in URL order
+    held = first.script(CMPL, Reply(hold=True))
+    url = proxy([prefill], [d1, d2], decode_policy="round_robin")
+    ask = Ask(url, stream)
+    wait_until(lambda: len(first.posts(CMPL)) == 1, 30, "the request held on the first decode node")
+    first.health_status = None                                  # frozen
+    status, _, data = ask.answer()
+    assert status == 200
+    text = "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1]) if stream else data["choices"][0]["text"]
+    assert text == "Hi" and (data[-1] == "[DONE]" if stream else True)
+    assert len(second.posts(CMPL)) == 1
+    wait_until(held.gone.is_set, 30, "the proxy hung up on the frozen node (a node aborts such a request)")
+    assert metric(url, "pdserve_proxy_aborted_calls_total") == 1
+    unfreeze_and_check_used_again(url, first, others=1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_with_no_other_node_the_held_call_gets_503_with_retry_after(fakes, proxy, stream):
+    prefill, decode = fakes(2)
+    held = decode.script(CMPL, Reply(hold=True))
+    url = proxy([prefill], [decode])
+    ask = Ask(url, stream)
+    wait_until(lambda: len(decode.posts(CMPL)) == 1, 30, "the request held on the decode node")
+    decode.health_status = None
+    status, headers, data = ask.answer()
+    assert status == 503 and headers["retry-after"] == "1", (status, data)
+    assert decode.url in data["error"]["message"] and "taken out of rotation" in data["error"]["message"]
+    wait_until(held.gone.is_set, 30, "the proxy hung up on the frozen node")
+    r = httpx.post(url + CMPL, json=BODY, timeout=CLIENT_TIMEOUT_S)          # the proxy keeps answering
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    unfreeze_and_check_used_again(url, decode, others=0)
+
+
+def test_a_stream_under_way_ends_with_an_error_event(fakes, proxy):
+    """The first token reached the client, then the node froze: one error event naming the node, [DONE]."""
+    prefill, decode = fakes(2)
+    held = decode.script(CMPL, Reply(events=stream_of([" one", " two"]), hold_after=1))
+    url = proxy([prefill], [decode])
+    with httpx.stream("POST", url + CMPL, json={**BODY, "stream": True}, timeout=CLIENT_TIMEOUT_S) as r:
+        events = (line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(next(events))["choices"][0]["text"] == " one"
+        decode.health_status = None
+        tail = list(events)
+    assert len(tail) == 2 and tail[1] == "[DONE]", tail
+    error = json.loads(tail[0])["error"]
+    assert decode.url in error["message"] and "taken out of rotation" in error["message"], error
+    wait_until(held.gone.is_set, 30, "the proxy hung up on the frozen node")
+    wait_until(lambda: metric(url, "pdserve_proxy_node_in_flight") == 0, 30, "no lease left")
+    unfreeze_and_check_used_again(url, decode, others=0)
+
+
+def test_a_node_answering_503_to_its_probe_also_has_its_calls_failed(fakes, proxy):
+    """Not only silence: a node that says it is unhealthy has its held calls retried elsewhere."""
+    prefill, d1, d2 = fakes(3)
+    first, second = sorted((d1, d2), key=lambda n: n.url)
+    first.script(CMPL, Reply(hold=True))
+    url = proxy([prefill], [d1, d2], decode_policy="round_robin")
+    ask = Ask(url, stream=False)
+    wait_until(lambda: len(first.posts(CMPL)) == 1, 30, "the request held on the first decode node")
+    first.health_status = 503
+    assert ask.answer()[0] == 200 and len(second.posts(CMPL)) == 1
