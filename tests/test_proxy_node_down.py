@@ -8,13 +8,19 @@ answers its probes. Scripted fake nodes hold their answers (``Reply(hold=...)``)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import time
 
 import httpx
 import pytest
 
+from conftest import free_port
 from fake_node import FakeNode, Reply, stream_of
+from pdserve.proxy.health import HealthChecker
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.router import NodePool
 from polling import wait_until
 from test_proxy_under_load import fakes, proxy, tokenizer  # noqa: F401 -- fixtures
 
@@ -135,3 +141,28 @@ def test_a_node_answering_503_to_its_probe_also_has_its_calls_failed(fakes, prox
     wait_until(lambda: len(first.posts(CMPL)) == 1, 30, "the request held on the first decode node")
     first.health_status = 503
     assert ask.answer()[0] == 200 and len(second.posts(CMPL)) == 1
+
+
+def test_a_probe_fails_calls_unless_the_connection_was_refused(fakes):
+    """``on_down`` for a node that answered 503 and one that did not answer in time; not for one that refused the
+    connection -- nothing listens there: gone (its connections were reset with it) or draining (its calls go on)."""
+    unhealthy, frozen = fakes(2)
+    unhealthy.health_status, frozen.health_status = 503, None
+    refused = f"http://127.0.0.1:{free_port()}"
+    pool = NodePool("decode", (unhealthy.url, frozen.url, refused), "round_robin", ProxyMetrics())
+    downs: list[tuple[str, float, str]] = []
+
+    async def probe_once() -> float:
+        checker = HealthChecker([pool], interval_s=1.0, timeout_s=0.5,
+                                on_down=lambda node, since, why: downs.append((node.url, since, why)))
+        sent = time.monotonic()
+        await checker.probe_all()
+        await checker.stop()
+        return sent
+
+    sent = asyncio.run(probe_once())
+    assert pool.healthy == []
+    assert sorted(url for url, _, _ in downs) == sorted([unhealthy.url, frozen.url])
+    assert all(since >= sent for _, since, _ in downs)
+    whys = {url: why for url, _, why in downs}
+    assert "503" in whys[unhealthy.url] and "ReadTimeout" in whys[frozen.url]
