@@ -9,7 +9,8 @@ proxy's own pure-ASGI front, outermost first: ``BearerAuth`` with ``--api-key`` 
 ``DirectRoutes``, which serves the two POST routes itself when FastAPI would accept the body (``direct``).
 The front sits outside FastAPI's middleware stack (``FrontedApp``): a generation request never passes
 Starlette's and FastAPI's layers on its way in or its answer's way out. The lifespan owns the pool of
-node connections (``http1.ConnectionPool``, ``--max-node-connections``) and the prober, which has its own.
+node connections (``http1.ConnectionPool``, ``--max-node-connections``) and the prober, which has its own;
+a node the prober takes out of rotation goes to ``Orchestrator.abort_calls`` (its calls in flight fail).
 """
 
 from __future__ import annotations

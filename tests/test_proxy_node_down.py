@@ -60,14 +60,14 @@ def metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
 
 
-def healthy_decode(url: str) -> list[str]:
-    return httpx.get(url + "/health", timeout=10).json()["decode_healthy"]
+def healthy(url: str, role: str = "decode") -> list[str]:
+    return httpx.get(url + "/health", timeout=10).json()[f"{role}_healthy"]
 
 
-def unfreeze_and_check_used_again(url: str, node: FakeNode, others: int) -> None:
+def unfreeze_and_check_used_again(url: str, node: FakeNode, others: int, role: str = "decode") -> None:
     """``node`` answers its probes again: back in rotation, and round robin gives it a request that succeeds."""
     node.health_status = 200
-    wait_until(lambda: node.url in healthy_decode(url), 30, f"{node.url} back in rotation")
+    wait_until(lambda: node.url in healthy(url, role), 30, f"{node.url} back in rotation")
     before = len(node.posts(CMPL))
     for _ in range(others + 1):
         r = httpx.post(url + CMPL, json=BODY, timeout=CLIENT_TIMEOUT_S)
@@ -75,16 +75,17 @@ def unfreeze_and_check_used_again(url: str, node: FakeNode, others: int) -> None
     assert len(node.posts(CMPL)) == before + 1
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_call_held_on_a_node_taken_out_is_retried_on_another(fakes, proxy, stream):
-    """The decode node holds the request (a stream: before its first byte), then stops answering its probes:
-    the proxy hangs up on it and the other decode node answers. Then the first is used again."""
-    prefill, d1, d2 = fakes(3)
-    first, second = sorted((d1, d2), key=lambda n: n.url)      # round robin tries them in URL order
+@pytest.mark.parametrize("role,stream", [("decode", False), ("decode", True), ("prefill", False)])
+def test_a_call_held_on_a_node_taken_out_is_retried_on_another(fakes, proxy, role, stream):
+    """A node holds the request (a decode stream: before its first byte), then stops answering its probes: the
+    proxy hangs up on it and the other node of its role answers. Then the first is used again."""
+    other_role, a, b = fakes(3)
+    first, second = sorted((a, b), key=lambda n: n.url)        # round robin tries them in URL order
     held = first.script(CMPL, Reply(hold=True))
-    url = proxy([prefill], [d1, d2], decode_policy="round_robin")
+    url = proxy([other_role], [a, b], decode_policy="round_robin") if role == "decode" else \
+        proxy([a, b], [other_role], prefill_policy="round_robin")
     ask = Ask(url, stream)
-    wait_until(lambda: len(first.posts(CMPL)) == 1, 30, "the request held on the first decode node")
+    wait_until(lambda: len(first.posts(CMPL)) == 1, 30, f"the request held on the first {role} node")
     first.health_status = None                                  # frozen
     status, _, data = ask.answer()
     assert status == 200
@@ -93,7 +94,7 @@ def test_a_call_held_on_a_node_taken_out_is_retried_on_another(fakes, proxy, str
     assert len(second.posts(CMPL)) == 1
     wait_until(held.gone.is_set, 30, "the proxy hung up on the frozen node (a node aborts such a request)")
     assert metric(url, "pdserve_proxy_aborted_calls_total") == 1
-    unfreeze_and_check_used_again(url, first, others=1)
+    unfreeze_and_check_used_again(url, first, others=1, role=role)
 
 
 @pytest.mark.parametrize("stream", [False, True])
