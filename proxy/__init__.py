@@ -22,13 +22,13 @@ P->D protocol, per client request (``orchestrate``):
 
 Modules: ``config`` (ProxyConfig), ``nodes`` + ``router`` (node pools, in-flight leases),
 ``policies`` (round_robin, least_loaded, prefix_aware), ``health`` (periodic /health probes on their
-own connections), ``inputs`` (the nodes' validation and limits, tokenization, downstream bodies),
+own connections; a node they take out has its silent calls in flight failed), ``inputs`` (the nodes' validation and limits, tokenization, downstream bodies),
 ``http1`` (the HTTP/1.1 client of node calls: asyncio protocols and httptools' parser, kept-alive
 connection pools, failure kinds),
 ``upstream`` (one node call and how it failed: unreachable, 5xx, busy 429/503, an error streamed
-before the first token, or the client's fault), ``orchestrate`` (the two phases, retries on another
-node before the first byte, SSE relay that ends a broken stream with an error event), ``metrics``,
-``tenants`` (per-API-key cache salts), ``accounting`` (``usage.kv_transfer`` out of answers),
+before the first token, the node taken out of rotation, or the client's fault), ``orchestrate`` (the two
+phases, retries on another node before the first byte, SSE relay that ends a broken stream with an error
+event), ``metrics``, ``tenants`` (per-API-key cache salts), ``accounting`` (``usage.kv_transfer`` out of answers),
 ``app`` (FastAPI, with ``engine.server.direct``: the two POST routes served in front of FastAPI for
 bodies it would accept, as the node does), ``cli``. What the proxy adds to a request's latency: ``bench/proxy_overhead.py``.
 """

@@ -10,13 +10,15 @@ proxy's own pure-ASGI front, outermost first: ``BearerAuth`` with ``--api-key`` 
 ``DirectRoutes``, which serves the two POST routes itself when FastAPI would accept the body (``direct``).
 The front sits outside FastAPI's middleware stack (``FrontedApp``): a generation request never passes
 Starlette's and FastAPI's layers on its way in or its answer's way out. The lifespan owns the pool of
-node connections (``http1.ConnectionPool``, ``--max-node-connections``) and the prober, which has its own.
+node connections (``http1.ConnectionPool``, ``--max-node-connections``) and the prober, which has its own;
+a node the prober takes out of rotation goes to ``Orchestrator.abort_calls`` (its calls in flight fail).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -53,10 +55,11 @@ class ProxyState:
         self.prefill = NodePool("prefill", config.prefill_urls, config.prefill_policy, self.metrics)
         self.decode = NodePool("decode", config.decode_urls, config.decode_policy, self.metrics)
         self.client = ConnectionPool(config.max_node_connections, config.connect_timeout_s, config.request_timeout_s)
-        self.health = HealthChecker([self.prefill, self.decode], config.health_interval_s, config.probe_timeout_s)
-        self.orchestrator = Orchestrator(self.client, self.prefill, self.decode, self.metrics,
-                                         config.max_attempts, lambda: self.health.model_name,
+        self.orchestrator = Orchestrator(self.client, self.prefill, self.decode, self.metrics, config.max_attempts,
+                                         lambda: self.health.model_name, math.ceil(config.health_interval_s),
                                          config.expose_kv_accounting)
+        self.health = HealthChecker([self.prefill, self.decode], config.health_interval_s, config.probe_timeout_s,
+                                    on_down=self.orchestrator.abort_calls)
         self.tenants = TenantSalts(config.api_keys, load_secret(config.cache_salt_secret_file)) \
             if config.cache_salt_from_api_key else None
         self.gate = Gate.build(tokenizer, Routing(config.prefix_chunk_tokens, f"proxy:{Path(config.model).name}"),

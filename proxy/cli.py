@@ -51,6 +51,9 @@ def register(subparsers) -> None:
     p.add_argument("--prefix-chunk-tokens", type=int, default=256, help="chunk size of prefix-routing keys")
     p.add_argument("--max-node-connections", type=int, default=1024,
                    help="connections to the nodes the proxy keeps open at most (health probes have their own)")
+    p.add_argument("--timeout-keep-alive", type=float, default=75.0,
+                   help="seconds an idle client connection stays open; keep it above the clients' own idle limit "
+                        "(httpx 5 s, aiohttp 15 s, a load balancer's 60 s)")
     add_limit_flags(p)
     p.set_defaults(func=run_proxy)
 
@@ -64,7 +67,8 @@ def config_from_args(args) -> ProxyConfig:
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
         max_attempts=args.max_attempts, prefix_chunk_tokens=args.prefix_chunk_tokens,
-        max_node_connections=args.max_node_connections, limits=limits_from_args(args))
+        max_node_connections=args.max_node_connections, timeout_keep_alive_s=args.timeout_keep_alive,
+        limits=limits_from_args(args))
 
 
 def run_proxy(args) -> int:
@@ -89,8 +93,13 @@ def run_proxy(args) -> int:
     # access_log=False: at log level warning uvicorn logs no access line, but it built each one's arguments;
     # proxy_headers=False: nothing here reads the client's address, so X-Forwarded-For need not be parsed.
     # uvloop and httptools (dependencies) are uvicorn's "auto" choice where installed.
+    # timeout_keep_alive: a client reuses an idle connection up to its own limit (httpx: 5 s, uvicorn's default
+    # here too). One this side closes as a request goes out on it is reset, and the client's request fails with
+    # a ReadError (a busy loop runs the expired timer before it reads the request). Longer here: the client
+    # lets go first.
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           access_log=False, proxy_headers=False))
+                                           access_log=False, proxy_headers=False,
+                                           timeout_keep_alive=config.timeout_keep_alive_s))
     server.run(sockets=[sock] if sock is not None else None)
     return 0 if server.started else 3          # 3: uvicorn's start-up failure (the port taken...)
 

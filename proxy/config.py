@@ -29,6 +29,7 @@ class ProxyConfig:
     max_attempts: int = 3                        # per phase, each on another node
     prefix_chunk_tokens: int = 256               # chunk size of the routing keys (the store's default)
     max_node_connections: int = 1024             # the pool of node calls (health probes have their own)
+    timeout_keep_alive_s: float = 75.0           # an idle client connection is closed after this (see cli)
     limits: RequestLimits = field(default_factory=RequestLimits)   # body size, tokenization (as on the nodes)
 
     def __post_init__(self) -> None:
@@ -43,6 +44,7 @@ class ProxyConfig:
         _positive("--max-attempts", self.max_attempts)
         _positive("--prefix-chunk-tokens", self.prefix_chunk_tokens)
         _positive("--max-node-connections", self.max_node_connections)
+        _positive("--timeout-keep-alive", self.timeout_keep_alive_s)
         for flag, urls in (("--prefill", self.prefill_urls), ("--decode", self.decode_urls)):
             _check_urls(flag, urls)
         _check_tenancy(self)

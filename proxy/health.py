@@ -2,16 +2,20 @@
 
 Started and stopped by ``app``'s lifespan:
 
-    checker = HealthChecker(pools, interval_s, timeout_s)
+    checker = HealthChecker(pools, interval_s, timeout_s, on_down)
     await checker.probe_all()        # once before serving, so a ready cluster is ready at once
     checker.start() ... await checker.stop()
 
 Every ``interval_s`` each node of each pool gets ``GET /health``; 200 within ``timeout_s``
-puts it in rotation, anything else takes it out. Probes use their own small connection pool, never the
-request pool: with every pooled connection held by slow requests a probe would otherwise wait for
-the pool, time out, and take healthy nodes out of rotation. For the same reason a probe that times
-out waiting for a connection of its own pool (``PoolTimeout``: this proxy is short of connections)
-is no verdict on the node and changes nothing.
+puts it in rotation, anything else takes it out. A node that failed its probe in any way but a refused
+connection -- no answer in time, or a non-200 -- also gets ``on_down(node, since, why)`` (``since``: when the
+probe was sent, ``time.monotonic()``): ``orchestrate`` fails the calls in flight on it that have had no byte
+from it since then, so no request outlives its node's health. A refused connection does not: nothing listens
+there, because the node is gone (its connections were reset with it) or draining (its open calls go on).
+Probes use their own small connection pool, never the request pool: with every pooled connection held by
+slow requests a probe would otherwise wait for the pool, time out, and take healthy nodes out of rotation.
+For the same reason a probe that times out waiting for a connection of its own pool (``PoolTimeout``: this
+proxy is short of connections) is no verdict on the node and changes nothing.
 Each node's ``/v1/models`` is read once it is healthy: the first names the model the proxy reports
 (unless ``--served-model-name`` is given), and ``max_model_len`` is the smallest any node reports
 (the proxy refuses prompts that cannot fit it before tokenizing them, as a node would).
@@ -22,17 +26,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from typing import Callable
 
-from pdserve.proxy.http1 import ConnectionPool, HTTPError, PoolTimeout
+from pdserve.proxy.http1 import ConnectionPool, ConnectRefused, HTTPError, PoolTimeout
 from pdserve.proxy.nodes import Node
 from pdserve.proxy.router import NodePool
 
 logger = logging.getLogger(__name__)
+OnDown = Callable[[Node, float, str], None]      # (node, silent since: time.monotonic(), why)
 
 
 class HealthChecker:
-    def __init__(self, pools: list[NodePool], interval_s: float, timeout_s: float):
-        self._pools = pools
+    def __init__(self, pools: list[NodePool], interval_s: float, timeout_s: float,
+                 on_down: OnDown = lambda node, since, why: None):
+        self._pools, self._on_down = pools, on_down
         self._interval_s, self._timeout_s = interval_s, timeout_s
         num_nodes = sum(len(pool.nodes) for pool in pools)
         self._client = ConnectionPool(2 * num_nodes, connect_timeout_s=timeout_s, timeout_s=timeout_s)
@@ -65,6 +73,7 @@ class HealthChecker:
                 logger.exception("health probe round failed")
 
     async def _probe(self, pool: NodePool, node: Node) -> None:
+        sent, listening = time.monotonic(), True
         try:
             status = (await self._get(node.url, "/health"))[0]
             ok, why = status == 200, f"/health answered {status}"
@@ -73,7 +82,10 @@ class HealthChecker:
             return
         except HTTPError as exc:
             ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
+            listening = not isinstance(exc, ConnectRefused)
         pool.set_health(node, ok, why)
+        if not ok and listening:
+            self._on_down(node, sent, why)
         if ok and node.url not in self._max_model_lens:
             await self._read_model(node)
 

@@ -24,12 +24,20 @@ ending closes it. A stream's reader that falls behind pauses the socket (``_HIGH
 
 Time limits: ``connect_timeout_s`` for a new connection; ``timeout_s`` for a free connection, for a whole
 ``fetch`` (free connection, write, head, body), for a ``stream``'s head and for each of its reads. Failures
-are ``HTTPError``s: ``ConnectFailed`` (refused, unreachable, connect timeout), ``PoolTimeout`` (every
-connection busy), ``ReadTimeout`` (no progress: a stalled write is not told from a silent node, so
-``WriteTimeout`` is kept for callers but not raised), ``ConnectionBroken`` (the node closed or reset the
-connection, or did not answer HTTP/1.1). A connection is reused while the node keeps it open and for
-``keepalive_s`` after its last answer -- less than uvicorn's 5 s keep-alive, so the node never closes one as a
-request goes out on it.
+are ``HTTPError``s: ``ConnectFailed`` (unreachable, connect timeout; ``ConnectRefused``: refused),
+``PoolTimeout`` (every connection busy), ``ReadTimeout`` (no progress: a stalled write is not told from a
+silent node, so ``WriteTimeout`` is kept for callers but not raised), ``ConnectionBroken`` (the node closed or
+reset the connection, or did not answer HTTP/1.1), ``CallAborted`` (``abort_silent``: the caller gave up on a
+node that went silent). A connection is reused while the node keeps it open and for ``keepalive_s`` after its
+last answer -- less than uvicorn's 5 s keep-alive. A node stopped or busy past its keep-alive still closes
+one as a request goes out on it (uvloop runs the expired timer before it reads the request, and the unread
+request makes the close a reset): a kept-alive connection that breaks before any byte of its answer came is
+no verdict on the node, and the request goes out once more on a new connection.
+
+In flight: ``abort_silent(base_url, since, why)`` (``orchestrate``, when the health probes take a node out of
+rotation) fails every call to that node that has had no byte from it since ``since`` with ``CallAborted`` -- its
+reader gets the error at once, the connection is closed (the node sees the hang-up and aborts the request once it
+runs again) -- and closes the node's idle connections.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import asyncio
 import base64
 import collections
 import ssl
+import time
 from typing import AsyncIterator, Callable
 from urllib.parse import unquote, urlsplit
 
@@ -55,6 +64,10 @@ class ConnectFailed(HTTPError):
     pass
 
 
+class ConnectRefused(ConnectFailed):
+    """Nothing listens there: the node is gone, or draining (it stopped accepting, its open calls go on)."""
+
+
 class ConnectionBroken(HTTPError):
     pass
 
@@ -69,6 +82,10 @@ class WriteTimeout(HTTPError):
 
 class PoolTimeout(HTTPError):
     pass
+
+
+class CallAborted(HTTPError):
+    """``ConnectionPool.abort_silent`` gave up on the call: its node went silent and was taken out of rotation."""
 
 
 class _Origin:
@@ -113,6 +130,8 @@ class _Connection(asyncio.Protocol):
         self.pieces: collections.deque[bytes] = collections.deque()
         self.buffered, self.paused, self.waiter = 0, False, None
         self.in_use, self.head_only, self.begun, self.interim = False, head_only, False, False
+        self.received = False                         # any byte of this answer came in
+        self.active_at = time.monotonic()             # the request went out, or the latest byte came in
 
     # -- the caller's side
     def send(self, data: bytes, head_only: bool = False) -> None:
@@ -120,6 +139,11 @@ class _Connection(asyncio.Protocol):
         self._new_answer(head_only)
         self.in_use = True
         self.transport.write(data)
+
+    def abort(self, error: HTTPError) -> None:
+        """Fail the call now (its waiter wakes with ``error``) and close the connection."""
+        self._fail(error)
+        self.close()
 
     async def wait(self, timeout_s: float, what: str) -> None:
         """Until the parser or the connection has news (``_wake``), at most ``timeout_s``: else ReadTimeout."""
@@ -154,6 +178,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        self.received, self.active_at = True, time.monotonic()
         if not self.in_use or self.complete:         # bytes nobody asked for: the connection is not reusable
             self._fail(ConnectionBroken(f"{self.origin.where}: the node sent bytes outside an answer"))
             self.close()
@@ -312,29 +337,50 @@ class ConnectionPool:
         self._open.clear()
         self._idle.clear()
 
+    def abort_silent(self, base_url: str, since: float, why: str) -> int:
+        """Fail every call to ``base_url`` that has had no byte from it since ``since`` (``time.monotonic()``)
+        with ``CallAborted`` and close its connection; close the node's idle connections. -> calls failed."""
+        origin = self._origins.get(base_url)
+        if origin is None:
+            return 0
+        for conn in self._idle.pop(origin.key, []):
+            self._forget(conn)
+        silent = [c for c in self._open if c.origin is origin and c.in_use and not c.complete and c.active_at < since]
+        for conn in silent:
+            conn.abort(CallAborted(f"{origin.where}: {why}"))
+        return len(silent)
+
     async def _request(self, method: str, base_url: str, path: str, body: bytes | None, end: float) -> Response:
         """Take a slot and a connection, send the request, wait for the answer's head (until ``end``)."""
         origin = self._origin(base_url)
         await self._take_slot(end)
         try:
-            conn = self._idle_connection(origin) or await self._connect(origin)
+            request = origin.head(method, path, body) + (body or b"")
+            head_only = method.upper() == "HEAD"
+            if (conn := self._idle_connection(origin)) is not None:
+                try:
+                    return await self._exchange(conn, request, head_only, end)
+                except ConnectionBroken:
+                    if conn.received:             # the node began to answer: it did see the request
+                        raise
+            return await self._exchange(await self._connect(origin), request, head_only, end)
         except BaseException:
             self._slots.give()
             raise
-        response = Response(self, conn, 0, conn.headers)
+
+    async def _exchange(self, conn: _Connection, request: bytes, head_only: bool, end: float) -> Response:
+        """Send ``request`` on ``conn`` and wait for its answer's head; any failure closes the connection."""
         try:
-            head = origin.head(method, path, body)
-            conn.send(head + body if body is not None else head, head_only=method.upper() == "HEAD")
+            conn.send(request, head_only=head_only)
             loop = asyncio.get_running_loop()
             while not conn.head_done:
                 if conn.error is not None:
                     raise conn.error
                 await conn.wait(end - loop.time(), f"{self.timeout_s:g}s")
         except BaseException:
-            response._close()
+            self._forget(conn)
             raise
-        response.status, response.headers = conn.status, conn.headers
-        return response
+        return Response(self, conn, conn.status, conn.headers)
 
     def _origin(self, base_url: str) -> _Origin:
         origin = self._origins.get(base_url)
@@ -367,7 +413,8 @@ class ConnectionPool:
         except asyncio.TimeoutError:
             raise ConnectFailed(f"could not connect to {origin.where} within {self.connect_timeout_s:g}s") from None
         except OSError as exc:
-            raise ConnectFailed(f"could not connect to {origin.where}: {_describe(exc)}") from None
+            failed = ConnectRefused if isinstance(exc, ConnectionRefusedError) else ConnectFailed
+            raise failed(f"could not connect to {origin.where}: {_describe(exc)}") from None
         self._open.add(conn)
         return conn
 

@@ -1,6 +1,6 @@
 """The proxy's Prometheus metrics, in a registry of its own (served by ``app`` at /metrics).
 
-Updated by ``router`` (in-flight, health), ``orchestrate`` (retries, phase latency) and
+Updated by ``router`` (in-flight, health), ``orchestrate`` (retries, aborted calls, phase latency) and
 ``app`` (requests by outcome, end-to-end latency).
 """
 
@@ -22,6 +22,8 @@ class ProxyMetrics:
                                 ["endpoint", "outcome"], registry=r)
         self.retries = Counter("pdserve_proxy_retries", "node calls retried on another node, by role",
                                ["role"], registry=r)
+        self.aborted_calls = Counter("pdserve_proxy_aborted_calls", "node calls failed by the proxy because the "
+                                     "probes took their silent node out of rotation, by role", ["role"], registry=r)
         self.in_flight = Gauge("pdserve_proxy_node_in_flight", "requests open on each node",
                                ["role", "node"], registry=r)
         self.healthy = Gauge("pdserve_proxy_node_healthy", "1 when the node's last /health probe passed",

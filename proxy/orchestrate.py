@@ -21,9 +21,17 @@ Each phase tries up to ``max_attempts`` nodes while nothing has reached the clie
 is unreachable, answers 5xx, or streams a server error before its first token is skipped (and, if
 unreachable, taken out of rotation); one that answers 429 or 503 is busy: skipped too, and its
 answer (with ``Retry-After``) reaches the client only if the last node tried was busy as well; any
-other 4xx is the client's fault and returned unchanged. A stream that breaks later ends with an SSE error
-event and ``[DONE]``. Closing a stream (client gone, cancellation) closes the node's response,
-which makes the node abort the request and free its blocks.
+other 4xx is the client's fault and returned unchanged. A stream that breaks later -- the node's connection
+reset or closed before ``[DONE]``, or anything else that goes wrong while relaying -- ends with an SSE error
+event and ``[DONE]``, never with a cut connection. Closing a stream (client gone, cancellation) closes the
+node's response, which makes the node abort the request and free its blocks.
+
+No request outlives its node's health: when a probe takes a node out of rotation, ``health`` calls
+``abort_calls``, which fails the calls in flight on that node that have heard nothing from it since the probe
+went out (``ConnectionPool.abort_silent``). Such a call is tried on another healthy node of its role while
+nothing reached the client (a prefill call; a decode call before its stream's first byte); with none left the
+client gets 503 with ``Retry-After`` (as when no node was healthy to begin with); a stream under way ends with
+the error event above.
 """
 
 from __future__ import annotations
@@ -54,10 +62,19 @@ OnEnd = Callable[[str], None]          # called once with the request's outcome 
 
 class Orchestrator:
     def __init__(self, client: ConnectionPool, prefill: NodePool, decode: NodePool, metrics: ProxyMetrics,
-                 max_attempts: int, model_name: Callable[[], str | None], expose_kv_accounting: bool = True):
+                 max_attempts: int, model_name: Callable[[], str | None], retry_after_s: int = 1,
+                 expose_kv_accounting: bool = True):
         self._client, self._prefill, self._decode = client, prefill, decode
         self._metrics, self._max_attempts, self._model_name = metrics, max_attempts, model_name
+        self._retry_after = str(retry_after_s)      # a 503 for want of a healthy node: the next probe round
         self._expose = expose_kv_accounting
+
+    def abort_calls(self, node: Node, silent_since: float, why: str) -> None:
+        """``node`` was taken out of rotation: fail its calls that heard nothing from it since ``silent_since``."""
+        count = self._client.abort_silent(node.url, silent_since, f"{node.role} node taken out of rotation ({why})")
+        if count:
+            logger.warning("%s node %s out of rotation: failed %d call(s) waiting on it", node.role, node.url, count)
+            self._metrics.aborted_calls.labels(node.role).inc(count)
 
     async def handle(self, req: ProxyRequest, on_end: OnEnd) -> Response:
         try:
@@ -71,7 +88,7 @@ class Orchestrator:
             return Response(exc.content, status_code=exc.status, media_type="application/json", headers=headers)
         except NoHealthyNode as exc:
             on_end("no_node")
-            return error_response(503, str(exc))
+            return error_response(503, str(exc), headers={"Retry-After": self._retry_after})
         except NodeFailed as exc:
             on_end("upstream_error")
             return error_response(502, f"{exc} (after retries on other nodes)")
@@ -132,10 +149,10 @@ class Orchestrator:
         for attempt in range(self._max_attempts):
             try:
                 node = pool.choose(keys, exclude=tried)
-            except NoHealthyNode:
-                if last is not None:
+            except NoHealthyNode as exc:
+                if last is not None and not last.down:
                     raise last from None
-                raise
+                raise NoHealthyNode(f"{exc}; {last}" if last else str(exc)) from None
             tried.add(node.url)
             if attempt:
                 self._metrics.retries.labels(pool.role).inc()
@@ -193,8 +210,8 @@ class RelayResponse(StreamingResponse):
             if not saw_done:
                 raise ConnectionBroken("the stream ended without data: [DONE]")
             self.outcome = "ok"
-        except HTTPError as exc:
+        except Exception as exc:               # noqa: BLE001 -- whatever broke, the client gets an event, not a cut
             self.outcome = "stream_error"
             message = f"decode node {self._stream.node.url} failed mid-stream: {type(exc).__name__}: {exc}"
-            logger.warning("%s", message)
+            logger.warning("%s", message, exc_info=not isinstance(exc, HTTPError))
             yield b"data: " + json.dumps(error_body(502, message)).encode() + b"\n\n" + DONE

@@ -10,7 +10,8 @@ Called by ``orchestrate`` inside a ``NodePool.lease``:
 
 ``NodeFailed``: the node is unreachable, died, answered 5xx, or streamed a server error before its first
 token -- retriable elsewhere while no byte has gone to the client (``unreachable`` says whether to take
-it out of rotation; a pool or read timeout does not). ``NodeBusy`` (a ``NodeFailed``): the node answered
+it out of rotation; a pool or read timeout does not; ``down``: the probes took the node out of rotation
+while the call waited on it, ``http1.CallAborted``). ``NodeBusy`` (a ``NodeFailed``): the node answered
 429 or 503, i.e. it is full for now (its ``Retry-After`` is kept) -- tried elsewhere, and passed to the
 client as is only when every node was busy. ``NodeRejected``: any other 4xx -- the request itself is
 bad; passed to the client as is.
@@ -21,7 +22,8 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator, Callable
 
-from pdserve.proxy.http1 import ConnectionPool, HTTPError, PoolTimeout, ReadTimeout, Response, WriteTimeout
+from pdserve.proxy.http1 import (CallAborted, ConnectionPool, HTTPError, PoolTimeout, ReadTimeout, Response,
+                                 WriteTimeout)
 from pdserve.proxy.nodes import Node
 
 _KEEP_IN_ROTATION = (ReadTimeout, WriteTimeout, PoolTimeout)
@@ -29,9 +31,9 @@ _BUSY = (429, 503)
 
 
 class NodeFailed(Exception):
-    def __init__(self, node: Node, message: str, unreachable: bool):
+    def __init__(self, node: Node, message: str, unreachable: bool, down: bool = False):
         super().__init__(f"{node.role} node {node.url}: {message}")
-        self.node, self.unreachable = node, unreachable
+        self.node, self.unreachable, self.down = node, unreachable, down
 
 
 class NodeBusy(NodeFailed):
@@ -191,4 +193,5 @@ def _check_status(node: Node, response: Response, content: bytes) -> None:
 
 def _transport_failure(node: Node, exc: HTTPError) -> NodeFailed:
     unreachable = not isinstance(exc, _KEEP_IN_ROTATION)
-    return NodeFailed(node, f"{type(exc).__name__}: {exc or 'no detail'}", unreachable=unreachable)
+    return NodeFailed(node, f"{type(exc).__name__}: {exc or 'no detail'}", unreachable=unreachable,
+                      down=isinstance(exc, CallAborted))

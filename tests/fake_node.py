@@ -7,6 +7,7 @@
     mid = node.script("/v1/completions", Reply(events=stream_of([" a", " b"]), hold_after=1, die=True))
     # a stream: its first event, then held; released, the connection is cut as a killed process's would be
     mid.gone.wait()                          # set if the caller closed its connection while the reply was held
+    node.health_status = None                # /health answers nothing (a stopped process); 503: it answers 503
     node.calls, node.health_hits            # what the proxy sent, and how often it probed
     node.stop()
 
@@ -77,6 +78,7 @@ class FakeNode:
     def __init__(self, max_model_len: int = 128):
         self.calls: list[tuple[str, dict]] = []
         self.health_hits = 0
+        self.health_status: int | None = 200  # None: /health holds its answer until this changes or the caller leaves
         self.max_model_len = max_model_len
         self._scripts: dict[str, deque[Reply]] = defaultdict(deque)
         self._held: list[Reply] = []
@@ -100,9 +102,11 @@ class FakeNode:
         app = FastAPI()
 
         @app.get("/health")
-        async def health():
+        async def health(request: Request):
             self.health_hits += 1
-            return {"status": "ok"}
+            if self.health_status is None and not await self._unfrozen(request):
+                return Response(status_code=499)
+            return JSONResponse({"status": "ok"}, status_code=self.health_status)
 
         @app.get("/v1/models")
         async def models():
@@ -120,6 +124,18 @@ class FakeNode:
             return _response(reply, request.url.path, body, self._stream(reply, request))
 
         return app
+
+    async def _unfrozen(self, request: Request) -> bool:
+        """Wait until ``health_status`` is set again (-> True) or the caller hangs up (-> False)."""
+        hang_up = asyncio.ensure_future(_disconnected(request))
+        try:
+            while self.health_status is None:
+                if hang_up.done():
+                    return False
+                await asyncio.sleep(POLL_INTERVAL_S)
+            return True
+        finally:
+            hang_up.cancel()
 
     def _stream(self, reply: Reply, request: Request):
         """The SSE frames of a streamed ``reply``, held after ``hold_after`` of them (then cut if ``die``)."""
