@@ -12,6 +12,7 @@
 | PDSERVE_CPU_ISA       | the C kernels' widest build: avx512vl (where the CPU has it), or avx2 (same bits) | avx512vl |
 | PDSERVE_KV_AUTH_TOKEN | the cluster's secret: KV store auth and seals (kvstore/auth.py); `pdserve serve` sets it for its children | "" |
 | PDSERVE_API_KEY       | default of `--api-key` (node, proxy; several keys separated by whitespace); how `pdserve serve --api-key` reaches its proxy | "" |
+| PDSERVE_NODE_API_KEY  | default of the proxy's `--node-api-key` (what `pdserve serve` gives its nodes) | "" |
 | PDSERVE_HOST_MEMORY   | tuned: freed memory stays mapped, KV cache on huge pages; default: the platform's (engine/host_memory.py) | tuned |
 """
 
@@ -67,4 +68,5 @@ PDSERVE_HOST_MEMORY = _choice("PDSERVE_HOST_MEMORY", "tuned", ("tuned", "default
 PDSERVE_CPU_LINEAR = _choice("PDSERVE_CPU_LINEAR", "onednn", ("onednn", "torch"))   # engine/models/layers.py
 PDSERVE_KV_AUTH_TOKEN = os.environ.get("PDSERVE_KV_AUTH_TOKEN", "")   # kvstore/auth.resolve_token; never logged
 PDSERVE_API_KEY = os.environ.get("PDSERVE_API_KEY", "")                 # default of --api-key; never logged
+PDSERVE_NODE_API_KEY = os.environ.get("PDSERVE_NODE_API_KEY", "")       # the proxy's --node-api-key; never logged
 PDSERVE_FAULTS = os.environ.get("PDSERVE_FAULTS", "")     # parsed and checked by engine/parallel/faults.py

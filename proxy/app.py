@@ -54,12 +54,13 @@ class ProxyState:
         self.config, self.tokenizer, self.metrics = config, tokenizer, ProxyMetrics()
         self.prefill = NodePool("prefill", config.prefill_urls, config.prefill_policy, self.metrics)
         self.decode = NodePool("decode", config.decode_urls, config.decode_policy, self.metrics)
-        self.client = ConnectionPool(config.max_node_connections, config.connect_timeout_s, config.request_timeout_s)
+        self.client = ConnectionPool(config.max_node_connections, config.connect_timeout_s, config.request_timeout_s,
+                                     bearer=config.node_api_key)
         self.orchestrator = Orchestrator(self.client, self.prefill, self.decode, self.metrics, config.max_attempts,
                                          lambda: self.health.model_name, math.ceil(config.health_interval_s),
                                          config.expose_kv_accounting)
         self.health = HealthChecker([self.prefill, self.decode], config.health_interval_s, config.probe_timeout_s,
-                                    on_down=self.orchestrator.abort_calls)
+                                    on_down=self.orchestrator.abort_calls, node_api_key=config.node_api_key)
         self.tenants = TenantSalts(config.api_keys, load_secret(config.cache_salt_secret_file)) \
             if config.cache_salt_from_api_key else None
         self.gate = Gate.build(tokenizer, Routing(config.prefix_chunk_tokens, f"proxy:{Path(config.model).name}"),

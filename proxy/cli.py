@@ -36,6 +36,8 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes, KEY any of those given (default: "
                         "PDSERVE_API_KEY, keys separated by whitespace)")
+    p.add_argument("--node-api-key", default=None, metavar="KEY",
+                   help="the nodes' --api-key, sent to them on every call (default: PDSERVE_NODE_API_KEY)")
     p.add_argument("--cache-salt-from-api-key", action="store_true",
                    help="each API key is a tenant: a salt derived from its key (mixed with the request's "
                         "cache_salt) keeps its prefix cache and store KV apart from every other tenant's")
@@ -63,6 +65,7 @@ def config_from_args(args) -> ProxyConfig:
         prefill_urls=tuple(u.rstrip("/") for u in args.prefill), decode_urls=tuple(u.rstrip("/") for u in args.decode),
         model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_keys=tuple(args.api_key or envs.PDSERVE_API_KEY.split()), cache_salt_from_api_key=args.cache_salt_from_api_key,
+        node_api_key=args.node_api_key or envs.PDSERVE_NODE_API_KEY or None,
         cache_salt_secret_file=args.cache_salt_secret_file, expose_kv_accounting=args.expose_kv_accounting,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,

@@ -9,7 +9,9 @@ Used by ``pdserve serve`` (the one-command demo), the benchmark sweeps and the e
 Start order: store daemon -> nodes (all at once, then wait for each /health) -> proxy (waits for
 its /health: >= 1 healthy prefill and decode). The cluster's KV token (``kvstore.auth``: the spec's,
 else the environment's PDSERVE_KV_AUTH_TOKEN, else a new random one) reaches the daemon and the nodes
-in their environment, never on a command line or in a log; the proxy does not get it. Stop order is the reverse; every child is ended
+in their environment, never on a command line or in a log; the proxy does not get it. With
+``node_api_key`` (``pdserve serve``) the nodes also get a random ``--api-key`` that only the proxy holds
+(PDSERVE_API_KEY / PDSERVE_NODE_API_KEY in their environments): a local user cannot drive them directly. Stop order is the reverse; every child is ended
 by PID (SIGTERM, then SIGKILL after a grace period). Logs go to one file per child in ``log_dir``.
 Inside ``with``, a SIGTERM to this process (``timeout``, a supervisor, a script's clean-up trap) unwinds the
 block like Ctrl-C does (``SystemExit(143)`` from the main thread, ``SigtermUnwinds``), so ``__exit__`` ends the
@@ -57,6 +59,7 @@ class ClusterSpec:
     proxy_port: int = 0                       # 0: a free port
     proxy_host: str = "127.0.0.1"             # the proxy's address; everything else binds 127.0.0.1
     api_keys: tuple[str, ...] = field(default=(), repr=False)   # the proxy's --api-key (in its environment)
+    node_api_key: bool = False                # the nodes get a random --api-key only the proxy holds (pdserve serve)
     kv_redis: str | None = None               # the daemon's L2 (or, with store="embedded", the shared tier)
     store: str = "daemon"                     # "daemon": one `pdserve kvstore`; "embedded": each node
                                               # embeds a store whose shared tier is --kv-redis
@@ -100,6 +103,7 @@ class LocalCluster:
     store_url: str = ""
     _sigterm: "SigtermUnwinds | None" = field(default=None, repr=False)
     kv_auth_token: str = field(default="", repr=False)   # set by start(): the token the daemon and nodes hold
+    node_api_key: str = field(default="", repr=False)    # set by start() when the spec asks: the nodes' --api-key
 
     def __enter__(self) -> "LocalCluster":
         self._sigterm = SigtermUnwinds().install()
@@ -131,6 +135,7 @@ class LocalCluster:
     def start(self) -> None:
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-"))
         self.kv_auth_token = self.spec.kv_auth_token or envs.PDSERVE_KV_AUTH_TOKEN or new_token()
+        self.node_api_key = new_token() if self.spec.node_api_key else ""
         proxy_sock = _listen("proxy", self.spec.proxy_port, self.spec.proxy_host)   # first: a taken --port fails early
         try:
             self._start_store()
@@ -232,12 +237,15 @@ class LocalCluster:
                secret: bool = False) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.num_threads),
                    PDSERVE_NUM_THREADS=str(self.spec.num_threads), TOKENIZERS_PARALLELISM="false")
-        env.pop("PDSERVE_KV_AUTH_TOKEN", None)
-        env.pop("PDSERVE_API_KEY", None)
+        for name in ("PDSERVE_KV_AUTH_TOKEN", "PDSERVE_API_KEY", "PDSERVE_NODE_API_KEY"):
+            env.pop(name, None)
         if secret:
             env["PDSERVE_KV_AUTH_TOKEN"] = self.kv_auth_token
-        if args[0] == "proxy" and self.spec.api_keys:
-            env["PDSERVE_API_KEY"] = " ".join(self.spec.api_keys)
+        if args[0] == "node" and self.node_api_key:
+            env["PDSERVE_API_KEY"] = self.node_api_key
+        if args[0] == "proxy":
+            env.update({k: v for k, v in (("PDSERVE_API_KEY", " ".join(self.spec.api_keys)),
+                                           ("PDSERVE_NODE_API_KEY", self.node_api_key)) if v})
         fds = () if sock is None else (sock.fileno(),)
         try:
             with open(log, "ab" if append else "wb") as out:

@@ -18,6 +18,7 @@ class ProxyConfig:
     port: int = 8000
     served_model_name: str | None = None         # None: ask the nodes' /v1/models
     api_keys: tuple[str, ...] = ()               # --api-key K1 K2 ...: any of them is accepted; none: no auth
+    node_api_key: str | None = field(default=None, repr=False)   # sent to the nodes (their --api-key)
     cache_salt_from_api_key: bool = False        # each key a tenant: its own cache_salt (proxy.tenants)
     cache_salt_secret_file: str | None = None    # the tenant salts' HMAC key; None: random per process
     expose_kv_accounting: bool = False           # usage.kv_transfer in answers (pdserve serve: on)

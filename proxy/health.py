@@ -39,11 +39,12 @@ OnDown = Callable[[Node, float, str], None]      # (node, silent since: time.mon
 
 class HealthChecker:
     def __init__(self, pools: list[NodePool], interval_s: float, timeout_s: float,
-                 on_down: OnDown = lambda node, since, why: None):
+                 on_down: OnDown = lambda node, since, why: None, node_api_key: str | None = None):
         self._pools, self._on_down = pools, on_down
         self._interval_s, self._timeout_s = interval_s, timeout_s
         num_nodes = sum(len(pool.nodes) for pool in pools)
-        self._client = ConnectionPool(2 * num_nodes, connect_timeout_s=timeout_s, timeout_s=timeout_s)
+        self._client = ConnectionPool(2 * num_nodes, connect_timeout_s=timeout_s, timeout_s=timeout_s,
+                                      bearer=node_api_key)
         self._task: asyncio.Task | None = None
         self._max_model_lens: dict[str, int | None] = {}   # per node that was read (None: no figure)
         self.model_name: str | None = None

@@ -91,7 +91,7 @@ class CallAborted(HTTPError):
 class _Origin:
     """Where a base URL's requests go: host, port, TLS, the path prefix and the Host header."""
 
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, bearer: str | None = None):
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ConnectFailed(f"{base_url!r} is not an http:// or https:// URL")
@@ -106,6 +106,8 @@ class _Origin:
         if url.username is not None:
             user = f"{unquote(url.username)}:{unquote(url.password or '')}".encode()
             self.extra.append(b"Authorization: Basic " + base64.b64encode(user))
+        elif bearer:                                  # the nodes' --api-key (--node-api-key)
+            self.extra.append(b"Authorization: Bearer " + bearer.encode("latin-1"))
 
     def head(self, method: str, path: str, body: bytes | None) -> bytes:
         lines = [b"%s %s%s HTTP/1.1" % (method.encode(), self.prefix, path.encode()), b"Host: " + self.host_header,
@@ -311,8 +313,11 @@ class Response:
 class ConnectionPool:
     """At most ``max_connections`` connections in use over all origins; idle ones kept per origin."""
 
-    def __init__(self, max_connections: int, connect_timeout_s: float, timeout_s: float, keepalive_s: float = 4.0):
+    def __init__(self, max_connections: int, connect_timeout_s: float, timeout_s: float, keepalive_s: float = 4.0,
+                 bearer: str | None = None):
+        """``bearer``: an API key sent to every origin (``Authorization: Bearer``) whose URL names no user."""
         self.timeout_s, self.connect_timeout_s, self.keepalive_s = timeout_s, connect_timeout_s, keepalive_s
+        self._bearer = bearer
         self.max_connections = max_connections
         self._slots: _Slots | None = None
         self._origins: dict[str, _Origin] = {}
@@ -385,7 +390,7 @@ class ConnectionPool:
     def _origin(self, base_url: str) -> _Origin:
         origin = self._origins.get(base_url)
         if origin is None:
-            origin = self._origins[base_url] = _Origin(base_url)
+            origin = self._origins[base_url] = _Origin(base_url, self._bearer)
         return origin
 
     async def _take_slot(self, end: float) -> None:

