@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 
-def run_request(engine, rid, prompt, params, transfer=None):
+def run_request(engine, rid, prompt, params, transfer=None, cache_salt=None):
     """-> (every token id the request produced, its final ``RequestOutput``)."""
-    engine.add_request(rid, prompt, params, transfer)
+    if cache_salt is None:
+        engine.add_request(rid, prompt, params, transfer)
+    else:
+        engine.add_request(rid, prompt, params, transfer, cache_salt=cache_salt)
     tokens, final = [], None
     while engine.has_unfinished():
         for out in engine.step():

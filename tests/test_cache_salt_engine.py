@@ -10,6 +10,8 @@ import asyncio
 
 import pytest
 
+from engine_run import run_request
+
 from hf_reference import random_prompt
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig
@@ -40,13 +42,7 @@ def engines(tiny_llama, store):
 
 
 def _run(engine: LLMEngine, rid: str, prompt: list[int], salt: str | None):
-    engine.add_request(rid, prompt, PARAMS, cache_salt=salt)
-    tokens, final = [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            final = out if out.finished else final
-    return tokens, final
+    return run_request(engine, rid, prompt, PARAMS, cache_salt=salt)
 
 
 def _figures(final) -> tuple[int, int, int]:

@@ -204,11 +204,7 @@ def test_a_library_another_user_could_plant_is_never_loaded(built, shared_tmp, m
     (issue 35): any file of the right name was loaded. No compiler here (CC names none), so the refused cache
     leaves the torch path -- and one line that says why."""
     marker = _plant(shared_tmp, built, plant, monkeypatch)
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    try:
-        lib = cpu_ops.load()
-    finally:
-        cpu_ops.load.cache_clear()
+    lib = _load_with_cc(monkeypatch, "/nonexistent/cc")
     assert not marker.exists() and lib is None
     assert sum(why in r.getMessage() for r in caplog.records) == 1, caplog.text
 
@@ -218,12 +214,17 @@ def test_a_refused_cache_is_not_written_and_the_kernels_are_built_privately(buil
     """With a compiler, a cache that fails its checks costs a build in a private temporary folder, not the
     kernels: nothing is read from it (the planted constructor does not run) and nothing is written to it."""
     marker = _plant(shared_tmp, built, _world_writable_kernels, monkeypatch)
-    monkeypatch.setenv("CC", "gcc")
-    try:
-        lib = cpu_ops.load()
-    finally:
-        cpu_ops.load.cache_clear()
+    lib = _load_with_cc(monkeypatch, "gcc")
     assert not marker.exists()
     assert lib is not None and all(hasattr(lib, s) for s in OPS_SYMBOLS)
     assert os.listdir(shared_tmp / "cache" / "kernels") == [built["name"]]           # the planted file alone
     assert "built in a private temporary folder" in caplog.text
+
+
+def _load_with_cc(monkeypatch, cc: str):
+    """cpu_ops.load() with ``CC`` set to ``cc`` (forgotten again after)."""
+    monkeypatch.setenv("CC", cc)
+    try:
+        return cpu_ops.load()
+    finally:
+        cpu_ops.load.cache_clear()
