@@ -62,7 +62,8 @@ def open_subdir(name: str, what: str, instead: str) -> int | None:
         finally:
             os.close(root_fd)
     except OSError as e:
-        warn_once(f"{what} {root / name} not used: {e}; {instead}")
+        warn_once(f"{what} {root / name} not used: {e}; {instead} (PDSERVE_CACHE_DIR names the cache: a folder "
+                  f"only this user can write)")
         return None
 
 

@@ -3,11 +3,13 @@
 One secret per cluster (the operator's, or the one ``pdserve serve`` makes). Every process that holds it is
 trusted; nothing else is. Two keys are derived from it, so neither reveals the other or the secret:
 
-    cluster token ──BLAKE3 derive_key("pdserve kvstore wire auth v1")──> wire token: every daemon request
+    cluster token ──BLAKE3 derive_key("pdserve kvstore wire auth v1")──> wire key: daemon and client prove it
+                  │                                                       to each other and sign every request
+                  │                                                       (``session.py``); it never travels
                   └─BLAKE3 derive_key("pdserve kv seal v1")────────────> seal key: the keyed MAC of every
                                                                           stored object (``seal.py``)
 
-A daemon checks the wire token of every request; a node seals every object it publishes with the seal key and
+A daemon checks the signature of every request; a node seals every object it publishes with the seal key and
 checks the MAC of every object it loads. Redis, the disk tier and the daemon's memory never see the seal key,
 so an object anyone else wrote -- through Redis, a file, or a daemon without a token -- is a counted miss.
 
@@ -40,17 +42,18 @@ TOKEN_HELP = ("set PDSERVE_KV_AUTH_TOKEN or --kv-auth-token-file FILE to the clu
 
 
 class ClusterKey:
-    """The derived keys of one cluster token. ``wire_token``: what a daemon request carries; ``seal_key``:
-    32 bytes for ``seal.seal``/``unseal``; ``key_id``: 8 hex characters that name the key in logs."""
+    """The derived keys of one cluster token. ``wire_key``: 32 bytes that authenticate daemon and clients to each
+    other (``session.py``); ``seal_key``: 32 bytes for ``seal.seal``/``unseal``; ``key_id``: 8 hex characters
+    that name the key in logs."""
 
-    __slots__ = ("wire_token", "seal_key", "key_id")
+    __slots__ = ("wire_key", "seal_key", "key_id")
 
     def __init__(self, token: str) -> None:
         if len(token) < MIN_TOKEN_CHARS:
             raise ValueError(f"the KV auth token has {len(token)} characters; at least {MIN_TOKEN_CHARS} "
                              "are required (`pdserve serve` makes 64 random hex characters)")
         secret = token.encode()
-        self.wire_token = blake3.blake3(secret, derive_key_context=_WIRE_CONTEXT).hexdigest()
+        self.wire_key = blake3.blake3(secret, derive_key_context=_WIRE_CONTEXT).digest()
         self.seal_key = blake3.blake3(secret, derive_key_context=_SEAL_CONTEXT).digest()
         self.key_id = blake3.blake3(secret, derive_key_context=_ID_CONTEXT).hexdigest()[:8]
 

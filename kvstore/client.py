@@ -20,8 +20,9 @@ Who owns what (issue 9):
   * When the daemon has no segment of ours (restarted, or reclaimed it) the request is
     retried once after a fresh ``Attach``. A refused ``Attach`` (limit reached, no room in
     /dev/shm) means zmq frames, and another try after ``SHM_RETRY_S``.
-Every request carries the cluster token's wire token (``auth.ClusterKey``; the token itself never
-leaves this process). Every payload carries an xxh3 digest of key + bytes (see protocol.py): an
+With a cluster token, the client first makes whoever answers on the daemon's port prove it holds the
+wire key, then signs every request for that daemon process (``session.py``): nothing it sends can be
+reused by a process that takes the port while the daemon is down, and the token never leaves this process. Every payload carries an xxh3 digest of key + bytes (see protocol.py): an
 accident check, not a seal -- the keyed MAC inside each object (``seal.py``) is what a loader trusts. A
 get whose bytes do not match, or whose frame does not hold the bytes its meta names, is a miss, logged
 and counted under ``stats()["client"]``. Objects larger
@@ -30,6 +31,7 @@ than the segment travel as zmq frames; batches are split to the daemon's limits.
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import os
@@ -43,6 +45,7 @@ import zmq
 
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.auth import ClusterKey
+from pdserve.kvstore.session import daemon_proof, new_nonce, request_token
 from pdserve.kvstore.base import KVStore, StatsDict
 from pdserve.kvstore.codec import tensor_bytes
 from pdserve.kvstore.keys import check_key
@@ -52,7 +55,8 @@ from pdserve.kvstore.zmq_context import shared_context
 log = logging.getLogger(__name__)
 SHM_RETRY_S = 30.0      # after a refused Attach, use frames this long before asking again
 _COUNTERS = ("checksum_failures", "timeouts", "shm_attaches", "shm_refused", "shm_abandoned",
-             "shm_objects", "frame_objects")
+             "shm_objects", "frame_objects", "daemon_auth_failures")
+MAX_FRAME_BYTES = 1 << 30   # no reply frame larger (a frame is one object, or the header of a batch)
 
 
 class DaemonError(RuntimeError):
@@ -63,6 +67,10 @@ class _SegmentLost(DaemonError):
     """The daemon has no segment of our generation (restarted, or reclaimed it)."""
 
 
+class _NoSession(DaemonError):
+    """The daemon has no session for us (restarted, or forgot it): say Hello again."""
+
+
 class DaemonClient(KVStore):
     name = "daemon"
 
@@ -70,10 +78,13 @@ class DaemonClient(KVStore):
                  max_batch: int = 1024) -> None:
         """``token``: the cluster token (``kvstore.auth``), "" for a daemon without one."""
         self.url, self.timeout_ms, self.max_batch = url, int(timeout_s * 1000), max_batch
-        self._wire_token = ClusterKey(token).wire_token if token else ""
+        self._wire_key = ClusterKey(token).wire_key if token else None
+        self._daemon_nonce: bytes | None = None          # the daemon process this client's session is with
+        self._ident = secrets.token_bytes(16)
         self._sock = shared_context().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, secrets.token_bytes(16))
+        self._sock.setsockopt(zmq.IDENTITY, self._ident)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)   # a reply frame: one object, or one header
         self._sock.connect(url)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -239,8 +250,35 @@ class DaemonClient(KVStore):
         self._seg = None
 
     def _call(self, req, frames=()) -> tuple[P.Reply, list]:
+        """One signed request, one reply; says Hello first (and again, once, when the daemon lost the session)."""
+        try:
+            return self._signed(req, frames)
+        except _NoSession:
+            self._daemon_nonce = None
+            return self._signed(req, frames)
+
+    def _signed(self, req, frames) -> tuple[P.Reply, list]:
+        if self._wire_key is not None and self._daemon_nonce is None:
+            self._hello()
+        req.id = next(self._ids)
+        if self._wire_key is not None:
+            req.token = request_token(self._wire_key, self._daemon_nonce, self._ident, req.id)
+        return self._exchange(req, frames)
+
+    def _hello(self) -> None:
+        """Make whoever answers on the port prove it holds the wire key; nothing else is sent until it does."""
+        nonce = new_nonce()
+        req = P.Hello(nonce=nonce)
+        req.id = next(self._ids)
+        reply, _ = self._exchange(req, ())
+        if not reply.nonce or not hmac.compare_digest(reply.proof, daemon_proof(self._wire_key, nonce, reply.nonce)):
+            self._counters["daemon_auth_failures"] += 1
+            raise DaemonError(f"the process answering at {self.url} does not hold the cluster's key (a daemon with "
+                              "another token, none, or not the daemon at all); nothing was sent to it")
+        self._daemon_nonce = reply.nonce
+
+    def _exchange(self, req, frames) -> tuple[P.Reply, list]:
         """One request, one reply (matched by id; late replies are discarded)."""
-        req.id, req.token = next(self._ids), self._wire_token
         self._sock.send_multipart([P.ENCODER.encode(req), *frames], copy=False)
         while True:
             if not self._sock.poll(self.timeout_ms):
@@ -254,8 +292,8 @@ class DaemonClient(KVStore):
             if reply.id == req.id:
                 break
         if not reply.ok:
-            lost = reply.code == P.NO_SEGMENT
-            raise (_SegmentLost if lost else DaemonError)(f"KV daemon at {self.url}: {reply.error}")
+            kind = {P.NO_SEGMENT: _SegmentLost, P.NO_SESSION: _NoSession}.get(reply.code, DaemonError)
+            raise kind(f"KV daemon at {self.url}: {reply.error}")
         return reply, reply_frames[1:]
 
     def _request(self, req) -> tuple[P.Reply, list]:

@@ -6,8 +6,10 @@ requests in arrival order; the store's write-through thread feeds Redis/disk beh
 Every message gets exactly one reply: a malformed, oversized or unauthorised message
 gets ``ok=False`` with the reason, and the daemon keeps serving. With a cluster token
 (``auth.py``) every operation -- Put, Get, Contains, Lookup, Delete, Stats, Attach, even
-Ping -- needs its wire token first; without one the daemon serves anyone who reaches it,
-so it warns loudly, and refuses to listen beyond loopback unless ``allow_unauthenticated``. A Put whose digest
+Ping -- must be signed in a session the client opened with Hello (``session.py``); only the
+request's envelope (op, id, token) is decoded before that check. Without a token the daemon
+serves anyone who reaches it, so it warns loudly, and refuses to listen beyond loopback
+unless ``allow_unauthenticated``. A Put whose digest
 does not match its bytes stores nothing. Shared-memory segments (shm.py) are created
 by this daemon on Attach and looked up by (client identity, generation); segments of
 dead client processes are reclaimed on Attach at the limit and every
@@ -17,7 +19,6 @@ Standalone: ``python -m pdserve.kvstore.daemon --port 5557`` (same flags as the 
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import logging
 import threading
@@ -33,6 +34,7 @@ from pdserve.kvstore import protocol as P
 from pdserve.kvstore.auth import TOKEN_HELP, ClusterKey
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
+from pdserve.kvstore.session import Sessions, SessionError
 from pdserve.kvstore.shm import MAP_GRACE_S, NoSegment, SegmentTable, ShmSegment, align
 from pdserve.kvstore.zmq_context import shared_context
 
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 class DaemonLimits:
     max_batch: int = 4096                 # objects (or keys) per request
     max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES   # one payload frame / object
-    max_header_bytes: int = 8 << 20
+    max_header_bytes: int = 2 << 20       # a request's msgpack header: 4096 keys of 200 characters fit
     max_shm_bytes: int = 4 << 30          # one client's segment
     max_shm_clients: int = 64             # attached segments (a live client's is never evicted)
     max_shm_total_bytes: int | None = None   # all segments together (None: half of /dev/shm's free space)
@@ -57,7 +59,7 @@ class KVDaemon:
         """``token``: the cluster token (``kvstore.auth``); "" serves anyone who can connect."""
         _check_exposure(token, host, allow_unauthenticated)
         self.store, self.limits = store, limits
-        self._wire_token = ClusterKey(token).wire_token.encode() if token else b""
+        self._sessions = Sessions(ClusterKey(token).wire_key) if token else None
         self._sock = shared_context().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_object_bytes + limits.max_header_bytes)
@@ -69,7 +71,7 @@ class KVDaemon:
         self._handlers = {P.Put: self._put, P.Get: self._get, P.Contains: self._contains,
                           P.Lookup: self._lookup, P.Delete: self._delete, P.Stats: self._stats,
                           P.Ping: lambda req, ident, frames: (P.Reply(), []),
-                          P.Attach: self._attach, P.Detach: self._detach}
+                          P.Attach: self._attach, P.Detach: self._detach, P.Hello: self._hello}
 
     def serve(self, stop: threading.Event) -> None:
         """Answer requests until ``stop`` is set (checked every 100 ms)."""
@@ -94,31 +96,43 @@ class KVDaemon:
         self._counters["requests"] += 1
         req_id = 0
         try:
+            env = self._envelope(frames)
+            req_id = env.id
+            self._admit(ident, env)
             req = self._parse(frames)
-            req_id = req.id
-            self._admit(req)
             reply, payload = self._handlers[type(req)](req, ident, frames[1:])
         except Exception as exc:  # noqa: BLE001 - every bad message gets an error reply
             self._counters["errors"] += 1
             log.debug("KV daemon: bad request: %s: %s", type(exc).__name__, exc)
             reply, payload = P.Reply(ok=False, error=f"{type(exc).__name__}: {exc}"), []
-            reply.code = P.NO_SEGMENT if isinstance(exc, NoSegment) else ""
+            reply.code = P.NO_SEGMENT if isinstance(exc, NoSegment) else \
+                P.NO_SESSION if isinstance(exc, SessionError) and exc.no_session else ""
         reply.id = req_id
         return [P.ENCODER.encode(reply), *payload]
 
     def _parse(self, frames: list):
-        if not frames or len(frames[0]) > self.limits.max_header_bytes:
-            raise ValueError(f"header missing or over {self.limits.max_header_bytes} bytes")
         try:
             return P.REQUEST_DECODER.decode(frames[0].buffer)
         except msgspec.ValidationError:
             _check_version(frames[0].buffer)        # an old client: say so rather than "unknown field"
             raise
 
-    def _admit(self, req) -> None:
-        if self._wire_token and not hmac.compare_digest(req.token.encode(), self._wire_token):
-            raise PermissionError("bad or missing auth token (--kv-auth-token-file / PDSERVE_KV_AUTH_TOKEN)")
-        _check_version(req)
+    def _envelope(self, frames: list) -> P.Envelope:
+        """op, v, id and token of a request, the rest of its header skipped (nothing built for it)."""
+        if not frames or len(frames[0]) > self.limits.max_header_bytes:
+            raise ValueError(f"header missing or over {self.limits.max_header_bytes} bytes")
+        return P.ENVELOPE_DECODER.decode(frames[0].buffer)
+
+    def _admit(self, ident: bytes, env: P.Envelope) -> None:
+        """Raise unless the request speaks our version and, with a token, is signed in a live session."""
+        _check_version(env)
+        if self._sessions is not None and env.op != "hello":
+            self._sessions.admit(ident, env.id, env.token)
+
+    def _hello(self, req: P.Hello, ident: bytes, frames: list):
+        if self._sessions is None:
+            return P.Reply(), []                          # no token: nothing to prove
+        return P.Reply(nonce=self._sessions.nonce, proof=self._sessions.hello(ident, req.nonce)), []
 
     def _check_batch(self, n: int) -> None:
         if n > self.limits.max_batch:

@@ -41,6 +41,7 @@ COUNTERS = frozenset({
     "dropped", "lost",                                  # TieredStore write-through (objects)
     "requests", "shm_reclaimed", "shm_refused",          # KVDaemon
     "timeouts", "shm_attaches", "shm_abandoned", "shm_objects", "frame_objects",   # DaemonClient
+    "daemon_auth_failures",                             # DaemonClient: the peer could not prove the key
     "load_failures", "publish_failures", "load_integrity_failures", "load_digest_mismatches",
     "publish_skipped", "store_marked_down",             # KV connector
 })

@@ -17,11 +17,12 @@ Integrity: every payload carries ``ObjMeta.digest`` = xxh3_64(key utf-8 bytes, t
 payload bytes). The sender computes it (client on Put, daemon on Get); the receiver
 verifies it on its own copy (daemon: Put refused; client: that object is a miss).
 
-Order of a session: [Attach] -> any of Put/Get/Contains/Lookup/Delete/Stats/Ping ->
-[Detach]. Every request carries ``v`` (PROTOCOL_VERSION), ``id`` (echoed in the reply)
-and ``token``: the cluster token's wire token (``auth.ClusterKey.wire_token``, never the token
-itself), checked -- in constant time, before anything else -- when the daemon has a token; a request
-without it gets ``ok=False`` and nothing else. Unknown fields are refused.
+Order of a session: [Hello] -> [Attach] -> any of Put/Get/Contains/Lookup/Delete/Stats/Ping ->
+[Detach]. Every request carries ``v`` (PROTOCOL_VERSION), ``id`` (echoed in the reply) and
+``token``. With a cluster token the daemon first proves it holds the wire key in its Hello reply, and
+every other request's ``token`` is a MAC of the daemon's nonce, the client's identity and ``id``
+(``session.py``), checked before the rest of the request is even decoded; a request without a valid
+one gets ``ok=False`` (``code=NO_SESSION``: say Hello again) and nothing else. Unknown fields are refused.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import torch
 import xxhash
 
 MAX_DIMS = 8        # what every tier can store (kvstore.codec.MAX_DIMS)
-PROTOCOL_VERSION = 3             # 3: the token is the cluster token's wire token (kvstore/auth.py)
+PROTOCOL_VERSION = 4             # 4: Hello and signed requests (kvstore/session.py)
 FRAME = -1          # ObjMeta.offset: payload is the next zmq frame
 DEFERRED = -2       # ObjMeta.offset in a Get reply: did not fit in shm this time, ask again
 NO_SEGMENT = "no-segment"   # Reply.code: no segment of the request's generation; Attach again
+NO_SESSION = "no-session"   # Reply.code: no session for this client (daemon restarted, or forgot it); Hello again
 
 _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
@@ -104,7 +106,19 @@ class Detach(_Req, tag="detach"):
     pass
 
 
-Request = Union[Put, Get, Contains, Lookup, Delete, Stats, Ping, Attach, Detach]
+class Hello(_Req, tag="hello"):
+    nonce: bytes        # the client's challenge (16..64 bytes); the reply proves the daemon holds the wire key
+
+
+class Envelope(msgspec.Struct):
+    """What the daemon reads of a request before it is authenticated (the rest is skipped, not built)."""
+    op: str = ""
+    v: int = PROTOCOL_VERSION
+    id: int = 0
+    token: str = ""
+
+
+Request = Union[Put, Get, Contains, Lookup, Delete, Stats, Ping, Attach, Detach, Hello]
 
 
 class Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -117,9 +131,12 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
     count: int = 0
     stats: dict[str, dict[str, int]] = {}
     segment: SegmentInfo | None = None    # Attach reply
+    nonce: bytes = b""                    # Hello reply: the daemon process's nonce
+    proof: bytes = b""                    # Hello reply: MAC(wire key, the client's nonce, the daemon's)
 
 
 REQUEST_DECODER = msgspec.msgpack.Decoder(Request)
+ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
 REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
 ENCODER = msgspec.msgpack.Encoder()
 

@@ -27,6 +27,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import time
 from pathlib import Path
 
@@ -69,14 +70,21 @@ class ShmSegment:
 
     @classmethod
     def open(cls, path: str, size: int, gen: int) -> "ShmSegment":
-        """Client side: map the daemon's segment, check its size, unlink the name."""
+        """Client side: map the daemon's segment, check it, unlink the name. The path comes from whoever
+        answered on the daemon's port: it must be a pdserve segment in /dev/shm, opened without following a link,
+        a regular file of this user's (the daemon and its nodes run as one user) that no one else may open, of
+        the size named -- never a file the answer points at."""
         p = Path(path)
         if p.parent != SHM_DIR or not _NAME.match(p.name):
             raise ValueError(f"shm path {path!r} is not a pdserve segment under {SHM_DIR}")
-        fd = os.open(p, os.O_RDWR)
+        fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"shm segment {path} has {os.fstat(fd).st_size} bytes, daemon says {size}")
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_nlink != 1:
+                raise ValueError(f"shm segment {path} is not a private file of this user's (uid {st.st_uid}, mode "
+                                 f"{stat.S_IMODE(st.st_mode):04o}, {st.st_nlink} links)")
+            if st.st_size != size:
+                raise ValueError(f"shm segment {path} has {st.st_size} bytes, daemon says {size}")
             return cls(p, size, gen, mmap.mmap(fd, size))
         finally:
             os.close(fd)

@@ -220,7 +220,7 @@ def test_a_sigterm_while_a_child_is_spawned_leaves_it_recorded(tmp_path):
     spawned = []
 
     class SignalledMidSpawn(_NoChildren):
-        def _popen(self, args, log, append, sock):
+        def _popen(self, args, log, append, sock, secret=False):
             spawned.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.2)                                           # delivered before _spawn records it

@@ -108,12 +108,13 @@ def test_kv_forged_on_disk_is_a_counted_miss(tiny_llama, reference, tmp_path, re
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_kv_forged_through_a_daemon_without_a_token_is_a_counted_miss(tiny_llama, reference, recipe):
-    """Even a daemon anyone can write to cannot change an answer: the nodes hold the key, the daemon does not."""
+    """Even a daemon anyone can write to cannot change an answer: the nodes hold the seal key, the daemon does not
+    (their client has no token here: a client with one would refuse a daemon that cannot prove it)."""
     daemon = DaemonProcess("--kv-cpu-bytes", str(64 << 20), "--log-level", "ERROR")
     prompt = random_prompt(reference.config.vocab_size, 70, seed=23)
     try:
         with DaemonClient(daemon.url, timeout_s=20) as attacker, \
-                DaemonClient(daemon.url, token=TOKEN, timeout_s=20) as node_client:
+                DaemonClient(daemon.url, timeout_s=20) as node_client:
             probe = _engine(tiny_llama, "both", TieredStore(MemoryTier(1 << 20)))
             _plant(probe, prompt, lambda k, obj: attacker.put([(k, obj)]), RECIPES[recipe])
             probe.shutdown()

@@ -23,7 +23,8 @@ from pdserve.engine.config import ConfigError, KVTransferConfig
 from pdserve.kvstore import codec
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.auth import ClusterKey, read_token_file
-from pdserve.kvstore.client import DaemonClient
+from pdserve.kvstore.client import DaemonClient, DaemonError
+from pdserve.kvstore.session import daemon_proof, request_token
 from pdserve.kvstore.zmq_context import shared_context
 
 OPS = {"put": P.Put(objs=[P.ObjMeta("a:0", "uint8", [4], 4, digest=P.digest_of("a:0", b"abcd"))]),
@@ -54,39 +55,111 @@ def _send(url: str, req, frames=()) -> P.Reply:
 
 
 @pytest.mark.parametrize("op", list(OPS))
-@pytest.mark.parametrize("token", ["", "wrong", TOKEN])
-def test_every_operation_needs_the_wire_token(token_daemon, op, token):
+@pytest.mark.parametrize("token", ["", "wrong", TOKEN, ClusterKey(TOKEN).wire_key.hex()])
+def test_every_operation_needs_a_signed_session(token_daemon, op, token):
     """Before: `pdserve serve`'s daemon had no token; Lookup/Get were a membership and content oracle, Put a
-    forgery, Attach a way to pin /dev/shm. The raw cluster token is refused too: only its derived wire token
-    opens the daemon, so the secret itself never has to cross a socket."""
+    forgery, Attach a way to pin /dev/shm. Now nothing but a request signed in a Hello'd session is served: the
+    token itself, or the wire key sent as a token, opens nothing (neither ever has to cross a socket)."""
     req = OPS[op]
     req.token = token
     reply = _send(token_daemon.url, req, [b"abcd"] if op == "put" else [])
-    assert not reply.ok and "auth token" in reply.error and not reply.objs and not reply.stats
+    assert not reply.ok and reply.code == P.NO_SESSION and not reply.objs and not reply.stats
     with DaemonClient(token_daemon.url, token=TOKEN, timeout_s=20) as owner:
         assert owner.ping() and torch.equal(owner.get(["a:0"])[0], torch.arange(4, dtype=torch.uint8))
 
 
-def test_the_client_sends_the_derived_wire_token_not_the_secret():
+def test_a_signed_request_cannot_be_replayed_or_moved(token_daemon):
+    """A request a listener saw (or recorded on the network) is refused when sent again, from its own zmq
+    identity (a replay) or from another (the signature names the client); a wrong signature too."""
+    sock = _dealer(token_daemon.url, b"client-identity-1")
+    try:
+        hello = _roundtrip(sock, P.Hello(nonce=b"n" * 16, id=1))
+        key = ClusterKey(TOKEN).wire_key
+        assert hello.ok and hello.proof == daemon_proof(key, b"n" * 16, hello.nonce)
+        stats = P.Stats(id=2, token=request_token(key, hello.nonce, b"client-identity-1", 2))
+        assert _roundtrip(sock, stats).ok
+        again = _roundtrip(sock, stats)
+        assert not again.ok and "replay" in again.error
+        bad = _roundtrip(sock, P.Stats(id=3, token=request_token(key, hello.nonce, b"client-identity-1", 4)))
+        assert not bad.ok and "auth token" in bad.error
+    finally:
+        sock.close()
+    other = _dealer(token_daemon.url, b"client-identity-2")
+    try:
+        _roundtrip(other, P.Hello(nonce=b"m" * 16, id=1))
+        moved = _roundtrip(other, P.Stats(id=5, token=request_token(key, hello.nonce, b"client-identity-1", 5)))
+        assert not moved.ok and "auth token" in moved.error
+    finally:
+        other.close()
+
+
+def test_a_process_that_takes_the_port_gets_nothing_it_can_use(token_daemon):
+    """A review's attack: the daemon dies (crash, OOM kill, restart), uid nobody binds its port, and the nodes'
+    routine Stats calls handed it the wire token, which the restarted daemon accepted. Now the client asks the
+    listener to prove the key first (it cannot: nothing more is sent), and what it already sent names the old
+    daemon process: the restarted daemon refuses it."""
     router = shared_context().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    client = DaemonClient(f"tcp://127.0.0.1:{port}", token=TOKEN, timeout_s=0.5)
+    client = DaemonClient(f"tcp://127.0.0.1:{port}", token=TOKEN, timeout_s=2)
     try:
-        with pytest.raises(TimeoutError):
-            client.ping()
-        assert router.poll(1000)
-        req = P.REQUEST_DECODER.decode(router.recv_multipart()[1])
-        assert req.token == ClusterKey(TOKEN).wire_token and TOKEN not in req.token
-        assert ClusterKey(TOKEN).seal_key.hex() not in req.token
+        with pytest.raises(DaemonError, match="does not hold the cluster's key"):
+            _answer_hello_badly(router, client)
+        assert client._counters["daemon_auth_failures"] == 1
+        assert not router.poll(300), "the client sent more than its Hello"
     finally:
         client.close()
         router.close()
+    with DaemonClient(token_daemon.url, token=TOKEN, timeout_s=20) as real:   # a signed request, recorded ...
+        real.ping()
+        recorded = P.Ping(id=99, token=request_token(ClusterKey(TOKEN).wire_key, real._daemon_nonce, real._ident, 99))
+    restarted = DaemonProcess("--kv-cpu-bytes", str(1 << 20), "--log-level", "ERROR", token=TOKEN)
+    try:                                                                       # ... is worth nothing elsewhere
+        sock = _dealer(restarted.url, real._ident)
+        reply = _roundtrip(sock, recorded)
+        assert not reply.ok and reply.code == P.NO_SESSION
+        _roundtrip(sock, P.Hello(nonce=b"x" * 16, id=1))
+        assert not _roundtrip(sock, P.Ping(id=100, token=recorded.token)).ok
+        sock.close()
+    finally:
+        restarted.stop()
+
+
+def _answer_hello_badly(router, client: DaemonClient) -> None:
+    import threading
+
+    def impostor():
+        assert router.poll(10_000)
+        ident, head = router.recv_multipart()
+        req = P.REQUEST_DECODER.decode(head)
+        assert isinstance(req, P.Hello) and req.token == ""
+        router.send_multipart([ident, P.ENCODER.encode(P.Reply(id=req.id, nonce=b"z" * 16, proof=b"\0" * 32))])
+
+    thread = threading.Thread(target=impostor)
+    thread.start()
+    try:
+        client.ping()
+    finally:
+        thread.join()
+
+
+def _dealer(url: str, ident: bytes):
+    sock = shared_context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, ident)
+    sock.connect(url)
+    return sock
+
+
+def _roundtrip(sock, req) -> P.Reply:
+    sock.send(P.ENCODER.encode(req))
+    assert sock.poll(20_000), "no reply"
+    return P.REPLY_DECODER.decode(sock.recv())
 
 
 def test_keys_are_derived_apart_and_never_printed():
     key = ClusterKey(TOKEN)
-    assert len({key.wire_token, key.seal_key.hex(), TOKEN}) == 3 and len(key.seal_key) == 32
+    assert len({key.wire_key.hex(), key.seal_key.hex(), TOKEN}) == 3 and len(key.seal_key) == len(key.wire_key) == 32
     assert TOKEN not in repr(key) and key.seal_key.hex() not in repr(key)
     assert TOKEN not in repr(KVTransferConfig(kv_auth_token=TOKEN))
     with pytest.raises(ValueError, match="at least 16"):
@@ -197,3 +270,28 @@ def test_daemon_client_refuses_a_frame_that_does_not_hold_its_meta(token_daemon)
         meta = P.ObjMeta("x:0", "float32", [1 << 28], 4, digest=0)   # 1 GiB claimed, 4 bytes sent
         assert client._payload(meta, iter([zmq.Frame(b"abcd")]), None) is None
         assert client.stats()["client"]["checksum_failures"] == 1
+
+
+def test_an_unsigned_request_costs_the_daemon_little():
+    """A review's flood: the daemon decoded a whole header (up to 8 MiB: ~1.6M metas) before it checked the
+    token -- 12 token-less messages took its RSS from 248 to 1143 MiB and an authenticated ping 7.5 s. Now only
+    the envelope is decoded first (the rest skipped, nothing built), and a header is at most 2 MiB."""
+    import tracemalloc
+
+    from pdserve.kvstore.daemon import KVDaemon
+    from pdserve.kvstore.memory import MemoryTier
+
+    daemon = KVDaemon(MemoryTier(1 << 20), port=0, token=TOKEN)
+    n = (daemon.limits.max_header_bytes - 64) // 5
+    head = b"".join([b"\x84\xa2op\xa3put\xa1v\x04\xa2id\x01\xa4objs\xdd", n.to_bytes(4, "big"),
+                     b"\x94\xa0\xa0\x90\x00" * n])                   # {"op":"put","v":4,"id":1,"objs":[[...]...]}
+    assert len(head) <= daemon.limits.max_header_bytes
+    tracemalloc.start()
+    try:
+        reply = P.REPLY_DECODER.decode(daemon.handle(b"x", [zmq.Frame(head)])[0])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        daemon.close()
+    assert not reply.ok and reply.code == P.NO_SESSION
+    assert peak < 4 << 20, f"an unsigned {len(head) >> 20} MiB header made the daemon allocate {peak >> 20} MiB"

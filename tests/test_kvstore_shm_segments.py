@@ -10,6 +10,7 @@ and refuses an Attach that names a path.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import re
 import select
 import shutil
@@ -98,7 +99,7 @@ def test_attach_naming_a_client_made_path_is_refused(endpoint, sock_to):
     hostile = {"op": "attach", "v": P.PROTOCOL_VERSION, "id": 3, "token": "",
                "path": "/dev/shm/pdserve-kv-0123456789abcdef", "pid": os.getpid(), "size": 4096}
     reply = _ask(sock, msgspec.msgpack.encode(hostile))
-    assert (reply.ok, reply.id) == (False, 0) and "unknown field `path`" in reply.error
+    assert (reply.ok, reply.id) == (False, 3) and "unknown field `path`" in reply.error
     assert reply.segment is None and _ping_ok(sock)
 
 
@@ -113,6 +114,35 @@ def test_client_checks_the_segment_size_and_unlinks_the_name():
     finally:
         seg.unlink()
         seg.close()
+
+
+def test_client_maps_only_a_private_file_never_through_a_link(tmp_path):
+    """A review's attack: whoever answered Attach on the daemon's port named /dev/shm/pdserve-kv-<hex>, a symlink
+    to a file the node's user could write, and the node wrote its KV over that file. The client now opens the
+    name without following links and maps only a regular 0600 file of its own user, with one link."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"A" * 4096)
+    link = Path(f"/dev/shm/pdserve-kv-{os.urandom(8).hex()}")
+    os.symlink(victim, link)
+    try:
+        with pytest.raises(OSError):
+            ShmSegment.open(str(link), 4096, gen=1)
+    finally:
+        link.unlink(missing_ok=True)
+    for mode, hardlink in ((0o644, False), (0o600, True)):       # readable by others; a second name elsewhere
+        path = Path(f"/dev/shm/pdserve-kv-{os.urandom(8).hex()}")
+        extra = Path(f"/dev/shm/pdserve-test-{os.urandom(8).hex()}")
+        path.write_bytes(b"B" * 4096)
+        os.chmod(path, mode)
+        if hardlink:
+            os.link(path, extra)
+        try:
+            with pytest.raises(ValueError, match="not a private file"):
+                ShmSegment.open(str(path), 4096, gen=1)
+        finally:
+            path.unlink(missing_ok=True)
+            extra.unlink(missing_ok=True)
+    assert victim.read_bytes() == b"A" * 4096
 
 
 def _unshare_works() -> bool:

@@ -11,16 +11,19 @@ from pdserve.engine.compile import use_cache_dir
 from pdserve.engine.config import ConfigError
 
 
-def test_unwritable_compile_cache_dir_names_the_knobs(tmp_path, monkeypatch):
-    """PDSERVE_CACHE_DIR under a file: compiling (on by default) failed the node's start with inductor's bare
-    NotADirectoryError, naming neither the variable nor --enforce-eager; eager starts fine there."""
+def test_unusable_compile_cache_dir_is_named_and_compiling_goes_on_privately(tmp_path, monkeypatch, caplog):
+    """PDSERVE_CACHE_DIR under a file: compiling failed the node's start with inductor's bare NotADirectoryError,
+    naming neither the variable nor --enforce-eager. Now a cache folder that cannot be used (or trusted: inductor
+    loads what it finds there as code, issue 35) is named with the variable, and this process compiles into a
+    private temporary folder."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "x")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")            # unset for the call, restored after it
     monkeypatch.setattr(envs, "PDSERVE_CACHE_DIR", blocker / "cache")
-    with pytest.raises(ConfigError, match=r"PDSERVE_CACHE_DIR.*--enforce-eager"):
-        use_cache_dir()
+    used = use_cache_dir()
+    assert not used.startswith(str(tmp_path)) and os.path.isdir(used) and os.stat(used).st_mode & 0o777 == 0o700
+    assert "PDSERVE_CACHE_DIR" in caplog.text and str(blocker / "cache") in caplog.text
 
 
 def test_writable_compile_cache_dir_is_created(tmp_path, monkeypatch):
