@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 
 from pdserve.engine import envs
-from pdserve.engine.request_limits import add_limit_flags, limits_from_args
-from pdserve.engine.server.listen import add_fd_flag, inherited_socket, served_address
-from pdserve.kvstore.auth import add_token_arguments, token_from_args
 from pdserve.engine.config import (CacheConfig, EngineConfig, ExecutionConfig, KVTransferConfig, ParallelConfig,
                                    SchedulerConfig)
+from pdserve.engine.request_limits import add_limit_flags, limits_from_args
+from pdserve.engine.server.auth import api_keys_from_args
+from pdserve.engine.server.listen import add_fd_flag, inherited_socket, served_address
+from pdserve.kvstore.auth import add_token_arguments, token_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +202,8 @@ def run_node(args) -> int:
 
         engine = AsyncEngine(config)
         gc.freeze()                           # start-up objects (65k KV blocks...): never scanned again, not at exit either
-        server = _server(build_app(engine, api_key=tuple(args.api_key or envs.PDSERVE_API_KEY.split()), limits=limits_from_args(args),
-                                   max_inflight=args.max_inflight_requests), args)
+        server = _server(build_app(engine, api_key=api_keys_from_args(args, "pdserve node"),
+                                   limits=limits_from_args(args), max_inflight=args.max_inflight_requests), args)
         logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name,
                     *served_address(sock, args.host, args.port))
         signals.server = server

@@ -17,6 +17,7 @@ import sys
 
 from pdserve.engine import envs
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
+from pdserve.engine.server.auth import api_keys_from_args
 from pdserve.engine.server.listen import add_fd_flag, inherited_socket, served_address
 from pdserve.proxy.config import POLICIES, ProxyConfig
 from pdserve.proxy.tenants import load_secret
@@ -64,7 +65,7 @@ def config_from_args(args) -> ProxyConfig:
     return ProxyConfig(
         prefill_urls=tuple(u.rstrip("/") for u in args.prefill), decode_urls=tuple(u.rstrip("/") for u in args.decode),
         model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-        api_keys=tuple(args.api_key or envs.PDSERVE_API_KEY.split()), cache_salt_from_api_key=args.cache_salt_from_api_key,
+        api_keys=api_keys_from_args(args, "pdserve proxy"), cache_salt_from_api_key=args.cache_salt_from_api_key,
         node_api_key=args.node_api_key or envs.PDSERVE_NODE_API_KEY or None,
         cache_salt_secret_file=args.cache_salt_secret_file, expose_kv_accounting=args.expose_kv_accounting,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,

@@ -160,6 +160,8 @@ class LocalCluster:
             return
         # --port 0: the daemon binds a free port itself and names it (READY tcp://...) -- no pick-then-bind race
         flags = ["--port", "0"] + (["--kv-redis", self.spec.kv_redis] if self.spec.kv_redis else [])
+        if "--kv-max-object-bytes" not in self.spec.store_flags:      # nothing larger than the model's objects
+            flags += ["--kv-max-object-bytes", str(store_object_bytes(self.model_dir, self._all_node_flags()))]
         child = self._spawn("kvstore", ["kvstore", "--host", "127.0.0.1", *flags, *self.spec.store_flags],
                             secret=True)
         self.store_url = _wait_ready_line(child, self.spec.startup_timeout_s)
@@ -181,6 +183,9 @@ class LocalCluster:
                 started.append(child)
         for child in started:
             _wait_healthy(child, self.spec.startup_timeout_s)
+
+    def _all_node_flags(self) -> tuple[str, ...]:
+        return self.spec.node_flags + self.spec.prefill_flags + self.spec.decode_flags
 
     def _role_flags(self, role: str) -> tuple[str, ...]:
         return {"prefill": self.spec.prefill_flags, "decode": self.spec.decode_flags}.get(role, ())
@@ -266,6 +271,18 @@ class LocalCluster:
 
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
+
+
+def store_object_bytes(model_dir: str, node_flags: tuple[str, ...]) -> int:
+    """The largest object the cluster's nodes store: one layer of one chunk (the largest --kv-chunk-tokens
+    given, else 256), sealed, in float32 (no --dtype makes it larger). The daemon reads nothing larger back
+    from Redis or disk: a value someone else put there costs at most this much per object."""
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.store_factory import object_bytes
+
+    chunks = [int(node_flags[i + 1]) for i, f in enumerate(node_flags[:-1]) if f == "--kv-chunk-tokens"] + \
+        [int(f.split("=", 1)[1]) for f in node_flags if f.startswith("--kv-chunk-tokens=")] or [256]
+    return object_bytes(ModelConfig.from_dir(model_dir, dtype="float32").kv_layout(), max(chunks))
 
 
 def _listen(name: str, port: int, host: str = "127.0.0.1") -> socket.socket:

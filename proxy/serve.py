@@ -21,6 +21,7 @@ import tempfile
 import time
 
 from pdserve.engine import envs
+from pdserve.engine.server.auth import api_keys_from_args
 from pdserve.kvstore.auth import ClusterKey, add_token_arguments, token_from_args
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster
 
@@ -116,7 +117,7 @@ def run(args) -> int:
                        kv_redis=args.kv_redis, node_flags=flags, prefill_flags=role_flags(args, "prefill"),
                        decode_flags=role_flags(args, "decode"), num_threads=args.num_threads,
                        kv_auth_token=token_from_args(args, "pdserve serve"),
-                       api_keys=tuple(args.api_key or envs.PDSERVE_API_KEY.split()),
+                       api_keys=api_keys_from_args(args, "pdserve serve"),
                        proxy_flags=("--cache-salt-from-api-key",) if args.cache_salt_from_api_key else (),
                        expose_kv_accounting=args.expose_kv_accounting, node_api_key=True)
     stop = {"now": False}

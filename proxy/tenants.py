@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
 from collections.abc import Sequence
 
 MIN_SECRET_BYTES = 16
@@ -61,7 +62,12 @@ def load_secret(path: str | None) -> bytes:
     if path is None:
         return os.urandom(32)
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if mode & 0o077:
+                raise ValueError(f"--cache-salt-secret-file {path} has mode {stat.filemode(mode)}: whoever reads it "
+                                 f"can compute every tenant's salt; make it readable by its owner only (chmod 600)")
             secret = f.read(1 << 16)
     except OSError as exc:
         raise ValueError(f"--cache-salt-secret-file {path}: {exc.strerror or exc}") from None

@@ -163,12 +163,17 @@ def test_tenant_config_and_secret_errors_name_the_flag(tmp_path):
             ProxyConfig(**base, **kwargs)
     short = tmp_path / "short"
     short.write_bytes(b"x" * 15)
+    short.chmod(0o600)
     with pytest.raises(ValueError, match="--cache-salt-secret-file .* has 15 bytes; need >= 16"):
         load_secret(str(short))
     with pytest.raises(ValueError, match="--cache-salt-secret-file"):
         load_secret(str(tmp_path / "missing"))
     good = tmp_path / "good"
     good.write_bytes(b"y" * 32)
+    good.chmod(0o644)                              # a review: whoever reads it computes every tenant's salt
+    with pytest.raises(ValueError, match="readable by its owner only"):
+        load_secret(str(good))
+    good.chmod(0o600)
     assert load_secret(str(good)) == b"y" * 32 and len(load_secret(None)) == 32
 
 

@@ -18,7 +18,7 @@ from polling import wait_until
 from pdserve.engine.model_config import ModelConfig
 from pdserve.kvstore import codec
 from pdserve.kvstore.client import DaemonClient, DaemonError
-from pdserve.proxy.cluster import ClusterSpec, LocalCluster
+from pdserve.proxy.cluster import ClusterSpec, LocalCluster, store_object_bytes
 
 FLAGS = ("--kv-chunk-tokens", "32", "--block-size", "16")
 PROMPT = "Victim: the fox and the dog walk along the river bank at dawn, talking of many things at length."
@@ -63,5 +63,8 @@ def test_forged_kv_in_the_clusters_redis_changes_no_answer(tiny_llama, colocated
             wait_until(lambda: _metric(prefill, name) >= 1, 10, "the seal failure counted on the prefill node")
             assert _complete(cluster.url, PROMPT)["choices"][0]["text"] == colocated       # and stays right
             assert len(planted) == cfg.num_layers * len(victim_keys(ids, 32, fingerprint))
+            daemon = next(c for c in cluster.children if c.name == "kvstore")       # a review: it read 64 MiB values
+            limit = int(daemon.args[daemon.args.index("--kv-max-object-bytes") + 1])
+            assert limit == store_object_bytes(str(tiny_llama), FLAGS) < 1 << 20
     finally:
         redis_server.kill()

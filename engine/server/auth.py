@@ -9,12 +9,14 @@ presented is left in its ASGI scope under ``API_KEY_INDEX`` for the app behind (
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.engine.server.errors import error_response
 
+log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 API_KEY_INDEX = "pdserve.api_key_index"      # scope key: which of the accepted keys the request presented
 
@@ -49,3 +51,15 @@ class BearerAuth:
         got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         matches = [hmac.compare_digest(got, expected) for expected in self._expected]
         return matches.index(True) if any(matches) else None
+
+
+def api_keys_from_args(args, what: str) -> tuple[str, ...]:
+    """``--api-key`` values, else PDSERVE_API_KEY's (whitespace-separated): the keys ``pdserve node``, ``proxy``
+    and ``serve`` accept. Keys on the command line are visible to every local user (ps): a warning says so."""
+    from pdserve.engine import envs
+
+    if args.api_key:
+        log.warning("%s: --api-key on the command line is visible to every local user (ps, /proc); prefer "
+                    "PDSERVE_API_KEY in the environment", what)
+        return tuple(args.api_key)
+    return tuple(envs.PDSERVE_API_KEY.split())
