@@ -103,7 +103,7 @@ class DiskTier(BlobTier):
                 log.warning("disk tier: %s is not a regular file of at most %d bytes; treated as corrupt",
                             name, self.max_blob_bytes)
                 return b""
-            return f.read(self.max_blob_bytes)
+            return f.read(st.st_size)                 # what fstat saw (<= the limit): a file grown since is cut
 
     def _account(self, name: str, size: int) -> None:
         """Record a written file, then evict oldest files until the budget holds."""
