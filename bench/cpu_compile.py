@@ -163,7 +163,7 @@ def run(model_dir: str, batches: list[int], context: int, samples: int) -> tuple
 
 
 def _kv_bytes(model_dir: str, tokens: int) -> int:
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.models.model_config import ModelConfig
 
     c = ModelConfig.from_dir(model_dir, dtype="float32")
     return tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4 + (64 << 20)
@@ -184,7 +184,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     logging.basicConfig(format="%(name)s: %(message)s")
-    logging.getLogger("pdserve.engine.compile").setLevel(logging.INFO)      # the start-up compile time
+    logging.getLogger("pdserve.engine.runner.compile").setLevel(logging.INFO)      # the start-up compile time
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread", flush=True)
     with tempfile.TemporaryDirectory() as d:
         model = _model_dir(args.model, d)
@@ -197,7 +197,7 @@ def main(argv=None) -> None:
 
 def _model_dir(name: str | None, tmp: str) -> str:
     if name is None:
-        from pdserve.engine.tiny_model import make_tiny_model
+        from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
         return str(make_tiny_model(tmp, arch="llama", seed=0, num_layers=4, hidden_size=256,
                                    max_position_embeddings=2048))

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.kv_layout import KVLayout
 from pdserve.kernels import AttentionMetadata, cpu_attention
 
 

@@ -142,9 +142,9 @@ def prefill(args, w, cfg) -> dict:
 
 def store_hit(args, w, cfg) -> list[dict]:
     from pdserve.engine.config import CacheConfig, EngineConfig, ExecutionConfig, KVTransferConfig, SchedulerConfig
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.core.llm_engine import LLMEngine
+    from pdserve.engine.kv.store_factory import build_node_store
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.store_factory import build_node_store
 
     n = w["long_prompt"]
     kv = KVTransferConfig(role="both", kv_store="embedded", kv_cpu_bytes=cfg["kv_bytes_per_token"] * n * 4)
@@ -197,8 +197,8 @@ def _kv_bytes(args, cfg, w, factor: float) -> int:
 
 
 def model_facts(args) -> dict:
-    from pdserve.engine.model_config import ModelConfig
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
+    from pdserve.engine.models.model_config import ModelConfig
 
     spec = SMALL if args.small else BIG
     if not (Path(args.model_dir) / "config.json").exists():

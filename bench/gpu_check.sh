@@ -34,7 +34,7 @@ import sys, torch
 sys.path.insert(0, "tests")
 from hf_reference import random_prompt
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 from transformers import AutoModelForCausalLM
 dev = sys.argv[1]
 backend = "triton"

@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory() as d:

@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.auth import new_token
 from pdserve.kvstore.client import DaemonClient
@@ -233,7 +233,7 @@ class _Stress:
 
 
 def run_stress(cfg: StressConfig, progress: bool = False) -> StressReport:
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.models.model_config import ModelConfig
 
     vocab = ModelConfig.from_dir(cfg.model).vocab_size
     prompts = make_prompts(vocab, cfg.requests, cfg.seed)

@@ -229,7 +229,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def run(args) -> dict[str, Any]:
-    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     with ExitStack() as stack:
         if args.proxy_url:
@@ -254,7 +254,7 @@ def run(args) -> dict[str, Any]:
 
 
 def _tiny_model(stack: ExitStack) -> str:
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-proxy-overhead-"))
     return str(make_tiny_model(Path(tmp) / "llama", arch="llama", seed=0))

@@ -27,7 +27,7 @@ import torch
 
 def _engine(model_dir: str, role: str, store, chunk: int):
     from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.core.llm_engine import LLMEngine
 
     cfg = EngineConfig(model=model_dir, cache=CacheConfig(kv_cache_memory_bytes=1 << 30),
                        scheduler=SchedulerConfig(max_num_batched_tokens=4096),

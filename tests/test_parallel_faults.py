@@ -24,8 +24,8 @@ import pytest
 
 from hf_reference import random_prompt
 from parallel_probes import SignalLog
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig
+from pdserve.engine.core.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.sampling_params import SamplingParams
 
 RANK_TIMEOUT = 2.0
@@ -149,7 +149,7 @@ import signal, sys
 import torch
 torch.set_num_threads(1)
 from pdserve.engine.config import EngineConfig, ParallelConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 engine = LLMEngine(EngineConfig(model=sys.argv[1], parallel=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)))
 print(" ".join(map(str, engine.runner.pids())), engine.runner._store_file, flush=True)
 signal.pause()                     # hold the ranks until the test SIGKILLs this driver

@@ -27,7 +27,7 @@ from hf_reference import random_prompt
 from parallel_probes import SignalLog, listen_addresses
 from pdserve.bench.lifecycle_probe import listening_ports
 from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.parallel.kv import KVCopyError
 from pdserve.engine.parallel.worker import collective_timeout
 from pdserve.engine.sampling_params import SamplingParams

@@ -2,8 +2,8 @@
 
 Who calls what:
 
-    loader.load_model(dir)          # pdserve.engine.loader
-      -> ModelConfig.from_dir(dir)  # pdserve.engine.model_config (checks registry.model_class)
+    loader.load_model(dir)          # pdserve.engine.models.loader
+      -> ModelConfig.from_dir(dir)  # pdserve.engine.models.model_config (checks registry.model_class)
       -> registry.model_class(arch)(config, first_layer, num_layers, shard)
       -> model.load_weights(WeightSource, tp_rank)
     model(input_ids, positions, kv_caches, attn_meta, pieces=None) -> hidden [T, D]   # ModelRunner, per step

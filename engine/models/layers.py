@@ -1,7 +1,7 @@
 """Building blocks with explicit shard sizes: RMSNorm, Linear, Embedding, the gated MLP.
 
 Constructors take the sizes this rank holds; ``load(src, ..., tp_rank)`` reads exactly that
-share of the checkpoint through ``WeightSource.get_slice`` (``pdserve.engine.loader``). With
+share of the checkpoint through ``WeightSource.get_slice`` (``pdserve.engine.models.loader``). With
 ``tp_rank=0`` and full sizes (one rank) a shard is the whole tensor. How a Linear is split:
 
     "column"      W: [out, in] split along out: rank r holds rows [r*out, (r+1)*out) of each

@@ -195,7 +195,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _as_api_error(request_id: str, exc: Exception) -> APIError:
-    from pdserve.engine.async_engine import EngineDeadError   # here: the proxy imports this package too
+    from pdserve.engine.core.async_engine import EngineDeadError   # here: the proxy imports this package too
 
     if isinstance(exc, APIError):
         return exc

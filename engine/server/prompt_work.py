@@ -19,7 +19,7 @@ by the character count, so no deadline is needed there; (3) a larger request, an
 in one of ``limits.tokenize_workers`` threads, so the event loop keeps serving other clients; (4) the caller
 waits at most ``--tokenize-timeout``: past it the client gets 503 with
 ``Retry-After`` (the thread finishes on its own -- the character limit bounds it, and a chat template
-stops itself at the same deadline, see ``engine.chat_template``). ``max_model_len`` is a callable
+stops itself at the same deadline, see ``engine.text.chat_template``). ``max_model_len`` is a callable
 because the proxy learns it from the nodes' ``/v1/models``; ``None`` skips step (1).
 """
 
@@ -30,11 +30,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from pdserve.engine.chat_template import TemplateLimitError, TemplateLimits
+from pdserve.engine.request_limits import RequestLimits
 from pdserve.engine.server.checks import check_prompt_chars
 from pdserve.engine.server.errors import APIError, bad_request
-from pdserve.engine.request_limits import RequestLimits
-from pdserve.engine.tokenizer import apply_chat_template, max_chars_per_token
+from pdserve.engine.text.chat_template import TemplateLimitError, TemplateLimits
+from pdserve.engine.text.tokenizer import apply_chat_template, max_chars_per_token
 
 T = TypeVar("T")
 INLINE_ENCODE_CHARS = 4096     # text prompts up to this many characters are encoded on the event loop

@@ -28,7 +28,7 @@ class StepStaging:
         self._turn = 0
 
     def stage(self, a, sample_requests: list, block_size: int, backend: str):
-        from pdserve.engine.input_batch import StepInputs
+        from pdserve.engine.runner.input_batch import StepInputs
 
         qsl_cpu, lens_cpu = torch.from_numpy(a.query_start_loc), torch.from_numpy(a.seq_lens)
         max_q = int((a.query_start_loc[1:] - a.query_start_loc[:-1]).max())

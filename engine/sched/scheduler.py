@@ -18,7 +18,7 @@ needs a block when none is free preempts the most recently arrived running reque
 itself): its blocks are freed and it recomputes prompt + output later. Work per step is
 O(running + admitted), never O(blocks).
 
-With a KV connector (``pdserve.engine.kv_connector``), a request admitted for the first time
+With a KV connector (``pdserve.engine.kv.kv_connector``), a request admitted for the first time
 asks it how many tokens beyond the local prefix-cache hit the store can supply. If any, the
 request takes blocks for them and waits in WAITING_FOR_KV (in ``loading``, counted against
 ``max_num_seqs``, spending no token budget) while the loader fills those blocks; when the load
@@ -34,8 +34,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.request import Request, RequestStatus, check_stop
+from pdserve.engine.sched.block_manager import BlockManager
+from pdserve.engine.sched.request import Request, RequestStatus, check_stop
 
 logger = logging.getLogger(__name__)
 

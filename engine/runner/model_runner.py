@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.input_batch import InputBatch
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.kv_layout import KVLayout
 from pdserve.engine.models.llama import LogitRows
-from pdserve.engine.sampler import sample, skip_draws
+from pdserve.engine.runner.input_batch import InputBatch
+from pdserve.engine.runner.sampler import sample, skip_draws
 from pdserve.kernels import cpu_attention, cpu_ops, resolve_backend
 
 
@@ -42,12 +42,12 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.graphs = None                  # DecodeGraphs on CUDA unless --enforce-eager (cuda_graphs.py)
         if self.device.type == "cuda" and not enforce_eager:
-            from pdserve.engine.cuda_graphs import DecodeGraphs
+            from pdserve.engine.runner.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self, max_num_seqs, max_model_len)
         self.compiled = None                # CompiledLayers when torch_compile (compile.py: CPU, one process)
         if torch_compile:
-            from pdserve.engine.compile import compile_layers
+            from pdserve.engine.runner.compile import compile_layers
 
             self.compiled = compile_layers(model)
         self.keep_sampled_rows = self._rows_keep_their_bits()     # LogitRows: see _forward

@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pdserve.engine.detokenizer import RequestText
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampler import SampleResult, generator_draws
+from pdserve.engine.runner.sampler import SampleResult, generator_draws
+from pdserve.engine.sched.request import Request, RequestStatus
+from pdserve.engine.text.detokenizer import RequestText
 
 logger = logging.getLogger("pdserve.kv")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.staging import StepStaging
+from pdserve.engine.runner.staging import StepStaging
 from pdserve.kernels import AttentionMetadata
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.layers import reorder_linears
+from pdserve.engine.models.model_config import ModelConfig
 from pdserve.engine.models.registry import model_class
 
 logger = logging.getLogger(__name__)

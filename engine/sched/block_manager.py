@@ -26,8 +26,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from pdserve.engine.hashing import extend_block_hashes
-from pdserve.engine.request import Request
+from pdserve.engine.sched.hashing import extend_block_hashes
+from pdserve.engine.sched.request import Request
 
 logger = logging.getLogger(__name__)
 

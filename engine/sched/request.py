@@ -19,8 +19,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.engine.hashing import salt_root
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sched.hashing import salt_root
 
 
 class RequestStatus(enum.Enum):

@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from pdserve.decode.loader import ChunkLoader, LoadJob
-from pdserve.engine.kv_transfer import KVTransferParams
+from pdserve.engine.kv.kv_transfer import KVTransferParams
 from pdserve.kvstore.accounting import KVAccounting, account, not_run
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.keys import chunk_keys, model_fingerprint

@@ -1,6 +1,6 @@
 """What a checkpoint directory says about its model: ``ModelConfig.from_dir(path, dtype)``.
 
-Read by the loader (``pdserve.engine.loader``) to build the model, by the engine for the KV
+Read by the loader (``pdserve.engine.models.loader``) to build the model, by the engine for the KV
 layout (``config.kv_layout()``), EOS ids and ``max_position_embeddings``. Parses a local HF
 directory's ``config.json`` (+ ``generation_config.json``) as written by transformers 4.x
 (``rope_theta`` / ``rope_scaling``) or 5.x (``rope_parameters``). Architecture quirks become
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.kv_layout import KVLayout
 from pdserve.engine.models.registry import check_supported
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kvstore.stats_cache import StatsCache
 

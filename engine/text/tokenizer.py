@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdserve.engine.chat_template import TemplateLimits, render_chat
+from pdserve.engine.text.chat_template import TemplateLimits, render_chat
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pdserve.engine.tiny_tokenizer import (ENDOFTEXT_ID, FLAVOURS, IM_END_ID, IM_START_ID,  # noqa: F401 (re-exported)
-                                           SPECIAL_TOKENS, TokenizerFlavour)
+from pdserve.engine.checkpoints.tiny_tokenizer import (  # noqa: F401 (re-exported)
+    ENDOFTEXT_ID, FLAVOURS, IM_END_ID, IM_START_ID, SPECIAL_TOKENS, TokenizerFlavour)
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}

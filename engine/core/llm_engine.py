@@ -23,19 +23,19 @@ import weakref
 import torch
 
 from pdserve.engine import host_memory
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig, EngineRuntime
-from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
-from pdserve.engine.loader import load_model
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import ModelRunner, SampleFailure
+from pdserve.engine.core.output_assembler import OutputAssembler
+from pdserve.engine.kv.kv_transfer import KVTransferParams, check_transfer
+from pdserve.engine.kv.store_factory import build_node_store, object_bytes
 from pdserve.engine.models.layers import matmul_path
-from pdserve.engine.output_assembler import OutputAssembler
+from pdserve.engine.models.loader import load_model
+from pdserve.engine.models.model_config import ModelConfig
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.request import Request, check_stop
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.store_factory import build_node_store, object_bytes
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.runner.model_runner import ModelRunner, SampleFailure
+from pdserve.engine.sched.block_manager import BlockManager
+from pdserve.engine.sched.request import Request, check_stop
+from pdserve.engine.sched.scheduler import Scheduler
+from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.kernels import resolve_backend
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class LLMEngine:
         store = store if store is not None else build_node_store(kv, object_bytes(self.layout, kv.kv_chunk_tokens))
         if store is None:
             return None, None
-        from pdserve.engine.kv_connector import StoreConnector
+        from pdserve.engine.kv.kv_connector import StoreConnector
 
         return store, StoreConnector(store, self.model_config, self.layout, self.runner.kv_caches,
                                      self.config.cache.block_size, kv.kv_chunk_tokens, kv.role,
