@@ -22,6 +22,9 @@ os.environ.setdefault("PDSERVE_ENGINE_CORE_PROCESS", "0")
 # as huge pages costs a node ~1-2 s more of start-up on these VMs, and neither changes a bit; test_host_memory.py
 # asks for "tuned" (production's default) where it tests it
 os.environ.setdefault("PDSERVE_HOST_MEMORY", "default")
+# the developer benchmarks some tests run in a reduced form live in devbench/ (scripts, not a package: the wheel leaves
+# them out); tests import them by file name, as `python devbench/x.py` imports its siblings
+sys.path.append(str(Path(__file__).resolve().parent.parent / "devbench"))
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402

@@ -285,13 +285,13 @@ def test_a_loaded_model_still_deep_copies_and_pickles(tiny_models):
 
 
 def test_the_layers_bench_checks_the_bits_and_times_three_ways(monkeypatch):
-    """bench/cpu_linear.py --layers on one layer: it raises if the reordered weight changed a bit (mutation:
+    """devbench/cpu_linear.py --layers on one layer: it raises if the reordered weight changed a bit (mutation:
     a copy of another weight), and gives each way a time."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("cpu_linear_bench",
-                                                  Path(__file__).parents[1] / "bench" / "cpu_linear.py")
+                                                  Path(__file__).parents[1] / "devbench" / "cpu_linear.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     (row,) = bench.measure_layers([16], repeats=1, num_layers=1)

@@ -92,7 +92,7 @@ def test_a_tuned_process_reuses_freed_activations_instead_of_faulting_them_in():
     touched = 20 * 49 * 2**20 // 4096           # pages the 20 steps write
     assert tuned["faults"] < touched / 20, tuned
     # glibc's own adaptive thresholds fault most of them in again on some runs and not on others (the
-    # engine's prompt steps: ~5,000 faults a step, bench/host_memory.py), so "default" is not asserted on
+    # engine's prompt steps: ~5,000 faults a step, devbench/host_memory.py), so "default" is not asserted on
 
 
 def test_the_engine_tunes_its_process(monkeypatch):

@@ -107,7 +107,7 @@ def test_sigkill_names_rank_coordinates_and_phase(engine, monkeypatch):
     assert all(pid == launcher for pid, _ in signals.calls if (pid, _) != (state.pid, signal.SIGKILL)), signals.calls
     assert re.search(rf"rank 1 \(tp 1, pp 0\) exited \(killed by SIGKILL\) in step {state.step} "
                      rf"at phase {state.phase}; ", message), message
-    assert not engine.is_healthy()             # time to report: bench/parallel_lifecycle.py (not a test's clock)
+    assert not engine.is_healthy()             # time to report: devbench/parallel_lifecycle.py (not a test's clock)
     _assert_all_gone(pids)
 
 

@@ -15,7 +15,7 @@ every step and passes them to the model (``LlamaForCausalLM.forward(..., pieces=
                replaced by its own q, no KV cache touched), so no request pays the compile; the time
                is logged once
     dispatch   ``pieces_for(num_tokens)``: steps below ``min_tokens`` run eagerly, where compiled
-               code measured no faster (``bench/cpu_compile.py``)
+               code measured no faster (``devbench/cpu_compile.py``)
     cache      inductor's caches live under PDSERVE_CACHE_DIR/inductor (TORCHINDUCTOR_CACHE_DIR, when
                set, wins); a warm cache leaves dynamo's tracing only
 
@@ -37,7 +37,7 @@ from pdserve.engine.models.llama import DecoderLayer, LayerPieces
 
 logger = logging.getLogger(__name__)
 
-# Steps with fewer tokens run eagerly. bench/cpu_compile.py (2-core x86, 1 thread, torch 2.13): the
+# Steps with fewer tokens run eagerly. devbench/cpu_compile.py (2-core x86, 1 thread, torch 2.13): the
 # compiled parts alone are 3-17 % faster at 32..2048 rows, but a whole decode step at 32 rows measured
 # 1.00-1.02x eager (attention is ~85 % of it), at 128-256 rows 0.95-1.01x, a 2048-token prefill 0.90-0.94x.
 MIN_TOKENS = 64

@@ -11,7 +11,7 @@ Order, per prompt: (1) the character limit -- a prompt longer than ``max_model_l
 token of the vocabulary cannot fit, so it is refused before a token is made (``checks.check_prompt_chars``);
 (2) a request whose text prompts have at most ``inline_chars`` characters in all (``INLINE_ENCODE_CHARS``)
 is encoded on the event loop itself, while the hop to a worker thread and back waits for the GIL behind the
-loop -- in a burst of 32 prompts of 512 tokens (``bench/compare_vllm.sh``'s workload, traced) the hop held
+loop -- in a burst of 32 prompts of 512 tokens (``devbench/compare_vllm.sh``'s workload, traced) the hop held
 prompts 20-35 ms from the engine. The budget is per request, not per prompt (64 prompts of 4,096 characters
 held the loop 0.3-0.5 s, a hostile review found), so one request holds the loop for at most one budget's
 encode: ~1.5 ms of ordinary text at ~0.4 us a character, 5-7 ms of the costliest (4-byte emoji) -- bounded

@@ -2,7 +2,7 @@
 
 Who calls it: tests/test_kv_stress.py (a CI-sized run) and, for the long variant, this file:
 
-    python bench/kv_stress.py --model DIR --requests 1000 [--stop-daemon 3] [--json out.json]
+    python devbench/kv_stress.py --model DIR --requests 1000 [--stop-daemon 3] [--json out.json]
 
 Every engine runs on its own thread with its own publisher and loader threads. The stores: one engine
 of each role talks to the daemon over shared memory, one over TCP, and one prefill and one decode

@@ -1,7 +1,7 @@
 """fp32 CPU matmuls: oneDNN (``engine.models.layers.linear``, the default) against F.linear (MKL), same run.
 
-    python bench/cpu_linear.py [--rows 1 4 32 256 2048] [--samples 50] [--threads 1] [--output out.json]
-    python bench/cpu_linear.py --layers [--rows 2 16 32 256 2048]
+    python devbench/cpu_linear.py [--rows 1 4 32 256 2048] [--samples 50] [--threads 1] [--output out.json]
+    python devbench/cpu_linear.py --layers [--rows 2 16 32 256 2048]
 
 The projections of the tiny 4-layer Llama (hidden 256) and of SmolLM2-135M (hidden 576, MLP 1536), each
 at each row count; the two paths alternate call by call and each keeps its median, so a shared box's

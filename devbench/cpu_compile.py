@@ -1,6 +1,6 @@
 """Compiled vs eager model steps on CPU: what ``torch.compile`` of the layers' non-attention parts buys.
 
-    python bench/cpu_compile.py [--model DIR|smollm2-135m-instruct] [--batch 32 256] [--context 550]
+    python devbench/cpu_compile.py [--model DIR|smollm2-135m-instruct] [--batch 32 256] [--context 550]
                                 [--samples 15] [--output out.json]
 
 Fixed seed, one torch thread, fp32. Without ``--model``: a 4-layer hidden-256 tiny Llama (vocab 512).

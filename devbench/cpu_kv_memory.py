@@ -1,8 +1,8 @@
 """Decode attention against a KV cache that lives in DRAM: how fast the C kernel streams the cache.
 
-    python bench/cpu_kv_memory.py [--batch 32] [--context 550] [--layers 4] [--kv-heads 2] [--output F.json]
+    python devbench/cpu_kv_memory.py [--batch 32] [--context 550] [--layers 4] [--kv-heads 2] [--output F.json]
 
-A decode step reads each running sequence's whole context once per layer. ``bench/cpu_attention.py`` times
+A decode step reads each running sequence's whole context once per layer. ``devbench/cpu_attention.py`` times
 one layer's cache over and over, which a 32 MiB L3 partly holds; here the step cycles over ``--layers``
 caches of one buffer allocated like the engine's (``KVLayout.allocate``), blocks scrambled, so every call
 streams from DRAM, as in the engine. Three setups, in rounds (a shared box's load drifts over them alike):
