@@ -10,9 +10,8 @@ import pytest
 
 from pdserve.engine.config import EngineConfig, KVTransferConfig, SchedulerConfig
 from pdserve.engine.core import messages as m
-from pdserve.engine.core.async_engine import EngineStats
 from pdserve.engine.kv.kv_transfer import KVTransferParams
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import EngineStats, RequestOutput
 from pdserve.engine.runner.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 

@@ -25,7 +25,8 @@ import pytest
 from hf_reference import random_prompt
 from parallel_probes import SignalLog
 from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig
-from pdserve.engine.core.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.core.async_engine import AsyncEngine
+from pdserve.engine.outputs import EngineDeadError
 from pdserve.engine.sampling_params import SamplingParams
 
 RANK_TIMEOUT = 2.0

@@ -28,33 +28,14 @@ import logging
 import queue
 import threading
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.llm_engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import EngineDeadError, EngineStats, RequestOutput
 from pdserve.kvstore.stats_cache import StatsCache
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    kv_totals: dict            # cumulative KV accounting (tokens): total/local_hit/store_hit/loaded/recomputed
-    kv_store: dict             # {tier: {counter: value}} of the attached store, {} without one
-    kv_transfer: dict          # connector counters (load/publish failures, store health)
-    num_free_blocks: int
-    num_blocks: int
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; the node must be restarted."""
 
 
 class AsyncEngine:

@@ -34,13 +34,12 @@ import threading
 import time
 
 from pdserve.engine.core import messages as m
-from pdserve.engine.core.async_engine import EngineDeadError, EngineStats
 from pdserve.engine.core.channel import ApiChannel
 from pdserve.engine.core.llm_engine import check_prompt_fits, check_prompt_ids
 from pdserve.engine.core.output_processor import OutputProcessor
 from pdserve.engine.kv.kv_transfer import KVTransferParams, check_transfer
 from pdserve.engine.models.model_config import ModelConfig
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import EngineDeadError, EngineStats, RequestOutput
 from pdserve.engine.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)

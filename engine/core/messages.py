@@ -35,9 +35,8 @@ import struct
 import msgspec
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.core.async_engine import EngineStats
 from pdserve.engine.kv.kv_transfer import KVTransferParams
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import EngineStats, RequestOutput
 from pdserve.engine.runner.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 

@@ -22,34 +22,10 @@ The step's integers travel to the device as one int32 buffer in pinned memory, o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from pdserve.engine.runner.staging import StepStaging
-from pdserve.kernels import AttentionMetadata
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor        # [T] int32/int64
-    positions: torch.Tensor        # [T]
-    attn: AttentionMetadata
-    sample_rows: torch.Tensor      # [S]: flat row whose logits are sampled
-    sample_requests: list          # [S] Request objects, aligned with sample_rows
-
-
-@dataclass
-class StepArrays:
-    """A step on the host, before it is staged: every array is numpy."""
-    input_ids: np.ndarray          # [T] int64
-    positions: np.ndarray          # [T] int64
-    slot_mapping: np.ndarray       # [T] int64
-    query_start_loc: np.ndarray    # [B + 1] int32
-    seq_lens: np.ndarray           # [B] int32
-    block_table: np.ndarray        # [B, nb] int32
-    sample_rows: np.ndarray        # [S] int64
+from pdserve.engine.runner.staging import StepArrays, StepInputs, StepStaging
 
 
 class InputBatch:

@@ -1,4 +1,4 @@
-"""Move one step's host arrays (``input_batch.StepArrays``) to the model's device as ``StepInputs``.
+"""Move one step's host arrays (``StepArrays``, cut by the input batch) to the model's device as ``StepInputs``.
 
 Called by the input batch once per step. On CPU the tensors are views of the numpy arrays. On CUDA
 every integer of the step (token ids, positions, slots, query starts, sequence lengths, sampled
@@ -13,10 +13,33 @@ at all) can never overwrite inputs whose copy the device has not made yet.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from pdserve.kernels import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor        # [T] int32/int64
+    positions: torch.Tensor        # [T]
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor      # [S]: flat row whose logits are sampled
+    sample_requests: list          # [S] Request objects, aligned with sample_rows
+
+
+@dataclass
+class StepArrays:
+    """A step on the host, before it is staged: every array is numpy."""
+    input_ids: np.ndarray          # [T] int64
+    positions: np.ndarray          # [T] int64
+    slot_mapping: np.ndarray       # [T] int64
+    query_start_loc: np.ndarray    # [B + 1] int32
+    seq_lens: np.ndarray           # [B] int32
+    block_table: np.ndarray        # [B, nb] int32
+    sample_rows: np.ndarray        # [S] int64
 
 
 class StepStaging:
@@ -28,8 +51,6 @@ class StepStaging:
         self._turn = 0
 
     def stage(self, a, sample_requests: list, block_size: int, backend: str):
-        from pdserve.engine.runner.input_batch import StepInputs
-
         qsl_cpu, lens_cpu = torch.from_numpy(a.query_start_loc), torch.from_numpy(a.seq_lens)
         max_q = int((a.query_start_loc[1:] - a.query_start_loc[:-1]).max())
         if self.device.type == "cpu":
