@@ -15,7 +15,7 @@ long-doc, document d, round r (round 0 cold, later rounds warm):
 
 from __future__ import annotations
 
-from pdserve.bench.datasets import DatasetConfig, SampleRequest, TokenSource
+from pdserve.bench.dataset_base import DatasetConfig, SampleRequest, TokenSource
 
 
 def multi_round_requests(cfg: DatasetConfig, tokenizer) -> list[SampleRequest]:

@@ -7,7 +7,7 @@
 #   1. the Triton kernel tests compiled for the device (no interpreter) and the CUDA-graph tests
 #   2. greedy ids on CUDA (fp32, Triton backend, CUDA graphs on) == HF on CUDA for llama/qwen2/qwen3/mistral
 #   3. kernel micro-benchmarks: decode attention and chunk gather/scatter GB/s vs the device's bandwidth
-#   4. the engine table (bench/gpu_bench.py): offline tok/s, decode step at batch 256, 8k prefill, 8k store hit
+#   4. the engine table (devbench/gpu_bench.py): offline tok/s, decode step at batch 256, 8k prefill, 8k store hit
 #   5. `pdserve bench serve` against a colocated node and a 1P1D cluster on the same GPU
 # Each part has its own time limit and writes under $OUT; a failing part does not stop the next.
 set -uo pipefail
@@ -34,7 +34,7 @@ import sys, torch
 sys.path.insert(0, "tests")
 from hf_reference import random_prompt
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 from transformers import AutoModelForCausalLM
 dev = sys.argv[1]
 backend = "triton"
@@ -56,12 +56,12 @@ PY
 
 if [ "$SMALL" != 1 ]; then
   part "kernel micro-benchmarks"
-  timeout 90 python3 bench/kernel_bench.py --output "$OUT/kernels.json" 2>&1 | tail -12 | tee "$OUT/kernels.txt"
+  timeout 90 python3 devbench/kernel_bench.py --output "$OUT/kernels.json" 2>&1 | tail -12 | tee "$OUT/kernels.txt"
 fi
 
 part "engine table"
 MODEL=/tmp/gpu-bench-model; [ "$SMALL" = 1 ] && MODEL=/tmp/gpu-bench-small
-timeout 200 python3 bench/gpu_bench.py --device $DEV $SIZE --model-dir $MODEL --output "$OUT/engine.json" 2>&1 \
+timeout 200 python3 devbench/gpu_bench.py --device $DEV $SIZE --model-dir $MODEL --output "$OUT/engine.json" 2>&1 \
   | grep -v "it/s" | tail -12 | tee "$OUT/engine.txt"
 
 part "bench serve: colocated and 1P1D"

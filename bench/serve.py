@@ -67,7 +67,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
 
 
 async def run_bench_async(cfg: BenchConfig) -> BenchResult:
-    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     async with make_client(cfg.traffic.max_concurrency) as http:
         model_name, model_id = await resolve_model(http, cfg)

@@ -144,7 +144,7 @@ def run_setting(args, model_dir: str, setting: Setting, out_dir: Path):
 def _overhead(args, cluster, setting: Setting, res) -> dict:
     from pdserve.bench.datasets import sample_requests
     from pdserve.bench.overhead import measure_overhead
-    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(res.result["tokenizer_id"])
     dataset = dataclasses.replace(bench_args.dataset_config(args), seed=args.seed + 1)   # prompts not yet stored

@@ -1,6 +1,6 @@
 """pdserve.decode — the decode role's half of the KV hand-off: loading prompt KV from the store.
 
-Who calls it: ``pdserve.engine.kv_connector.StoreConnector``: the scheduler asks how many prompt
+Who calls it: ``pdserve.engine.kv.kv_connector.StoreConnector``: the scheduler asks how many prompt
 tokens the store can supply (``ChunkLoader.lookup``), the request waits in ``WAITING_FOR_KV`` while
 ``ChunkLoader`` scatters the leading chunks into its blocks on the loader thread, and the
 scheduler resumes it with whatever arrived (a miss or a bad object means those tokens are

@@ -1,22 +1,23 @@
-"""pdserve.engine — what every node shares: config, model loading and model code, the paged KV
-cache and block manager with prefix caching, the scheduler (continuous batching, chunked prefill),
-the sampler, the detokenizer, the engine loop, the node's OpenAI HTTP server and the ``pdserve`` CLI.
+"""pdserve.engine — one node's engine: the public API, the engine core and everything under it, the node's HTTP
+server and the ``pdserve`` CLI.
 
-Called by: users (``from pdserve.engine import LLM, SamplingParams``), the CLI (``pdserve node``),
-and the prefill/decode roles, which wrap the same engine.
+Called by: users (``from pdserve.engine import LLM, SamplingParams``), the CLI (``pdserve node`` and the other
+subcommands, ``cli.py``), and the prefill/decode roles, which run the same engine with a KV store attached.
 
-Map of the modules, in the order a request meets them:
-    server/        HTTP -> token ids + SamplingParams        (OpenAI protocol, metrics)
-    async_engine   engine thread, per-request streams
-    llm_engine     add_request / step / abort
-    scheduler      which tokens of which requests run this step (block_manager: which KV blocks)
-    model_runner   flat inputs + attention metadata -> model -> sampler   (tp = pp = 1)
-    compile        torch.compile of the layers' non-attention parts on CPU (cuda_graphs: decode on CUDA)
-    parallel/      the same step across tensor x pipeline parallel worker processes: broadcast queue,
-                   executor, workers, rank watchdog (--tensor-parallel-size, --pipeline-parallel-size)
-    kv_connector   the one connection to a KV store: load before prefill, publish after
-    models/        Llama / Qwen2 / Qwen3 / Mistral in plain torch (loader.py reads safetensors)
-    detokenizer    incremental text + stop strings
+Here, beside the subpackages: the public API (``llm.py``: LLM, ``sampling_params.py``, ``outputs.py``), the node's
+configuration (``config.py``, ``envs.py``: every PDSERVE_ variable, ``request_limits.py``), ``node.py``
+(``pdserve node``), ``cli.py`` (``pdserve``) and two process-wide helpers (``host_memory.py``, ``private_dir.py``).
+
+The subpackages, in the order a request meets them:
+    server/       HTTP -> token ids + SamplingParams (OpenAI protocol, limits, metrics); the proxy reuses its checks
+    text/         tokenizer, chat templates, incremental detokenization and stop strings
+    core/         the engine core: LLMEngine's step loop, AsyncEngine's engine thread, the engine-core process
+    sched/        which tokens of which requests run this step, and which KV blocks hold them (pure Python)
+    runner/       the model runner and what feeds it: input batch, staging, CUDA graphs, torch.compile, sampler
+    parallel/     the same step across tensor x pipeline parallel worker processes
+    models/       Llama / Qwen2 / Qwen3 / Mistral in plain torch, the checkpoint's config and the weight loader
+    kv/           the KV connection: load a prompt's KV from the store before prefill, publish it after
+    checkpoints/  model acquisition: ``pdserve download``, tiny random models for tests
 """
 
 from __future__ import annotations

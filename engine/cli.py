@@ -34,8 +34,8 @@ from pdserve.engine import envs  # noqa: E402
 
 _SUBCOMMAND_MODULES = (
     "pdserve.engine.node",
-    "pdserve.engine.tiny_model",
-    "pdserve.engine.download",
+    "pdserve.engine.checkpoints.tiny_model",
+    "pdserve.engine.checkpoints.download",
     "pdserve.kvstore.cli",
     "pdserve.proxy.cli",
     "pdserve.proxy.serve",

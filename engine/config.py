@@ -86,7 +86,7 @@ class ExecutionConfig:
                                           # on cuda, cpu where its kernel builds, torch
     enforce_eager: bool = False           # no CUDA graphs for decode steps, no torch.compile on CPU (vLLM's flag)
     torch_compile: bool | None = None     # CPU, tp = pp = 1: compile the layers' non-attention parts
-                                          # (engine/compile.py); None: PDSERVE_COMPILE (default off)
+                                          # (engine/runner/compile.py); None: PDSERVE_COMPILE (default off)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in (None, "cpu", "torch", "triton"):

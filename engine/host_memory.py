@@ -8,12 +8,12 @@ Called by ``LLMEngine`` (every node, engine core and offline ``LLM``) and by ten
   hands big blocks back to the kernel (munmap, heap trim) and the next step faults them in again, 4 KiB at a
   time, zeroed: ~5,000 page faults per 2048-token prompt step of the tiny model, ~9% of the step. ``tune``
   sets glibc's mmap threshold to its maximum (32 MiB: smaller blocks come from the heap and are reused) and
-  its trim threshold to 256 MiB, and the faults per step drop to ~0-500 (``bench/host_memory.py``).
+  its trim threshold to 256 MiB, and the faults per step drop to ~0-500 (``devbench/host_memory.py``).
 - **The paged KV cache sits on transparent huge pages** (``zeros_on_hugepages``). A decode step reads every
   running sequence's blocks, scattered over a cache of hundreds of MiB: with 4 KiB pages nearly every block
   is a TLB miss. The buffer is allocated untouched, advised ``MADV_HUGEPAGE`` (THP's default mode is
   "madvise": nothing else asks for it) and only then zeroed, so it faults in 2 MiB at a time. Decode
-  attention over 32 x ~550 tokens: 0-9% faster on a Zen 4 EPYC (``bench/cpu_kv_memory.py``).
+  attention over 32 x ~550 tokens: 0-9% faster on a Zen 4 EPYC (``devbench/cpu_kv_memory.py``).
 
 Both are Linux/glibc only; elsewhere they do nothing. Contents and results are the same either way.
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from pdserve.engine.config import CacheConfig, EngineConfig, ExecutionConfig, ParallelConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.outputs import CompletionOutput
 from pdserve.engine.sampling_params import SamplingParams
 

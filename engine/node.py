@@ -109,7 +109,7 @@ def resolve_model(model: str) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    from pdserve.engine.download import download_model
+    from pdserve.engine.checkpoints.download import download_model
 
     return download_model(model)
 
@@ -197,7 +197,7 @@ def run_node(args) -> int:
     sock = inherited_socket(args.fd)          # checked before the engine starts: a bad --fd fails at once
     engine, healthy = None, True
     try:
-        from pdserve.engine.async_engine import AsyncEngine
+        from pdserve.engine.core.async_engine import AsyncEngine
         from pdserve.engine.server import build_app
 
         engine = AsyncEngine(config)

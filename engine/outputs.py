@@ -1,4 +1,6 @@
-"""What the engine hands back per request per step (a delta), consumed by ``LLM`` and the HTTP server."""
+"""What the engine hands back: per request per step a delta (``RequestOutput``), per step its ``EngineStats``, and
+``EngineDeadError`` once it has died. Consumed by ``LLM``, ``AsyncEngine``, the engine-core client and messages, and the
+HTTP server; kept free of engine imports so that each of them can import it."""
 
 from __future__ import annotations
 
@@ -33,3 +35,21 @@ class CompletionOutput:
     logprobs: list = field(default_factory=list)
     kv_transfer_params: dict | None = None
     kv_accounting: dict | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_totals: dict            # cumulative KV accounting (tokens): total/local_hit/store_hit/loaded/recomputed
+    kv_store: dict             # {tier: {counter: value}} of the attached store, {} without one
+    kv_transfer: dict          # connector counters (load/publish failures, store health)
+    num_free_blocks: int
+    num_blocks: int
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed (its thread, or the engine-core process); the node must be restarted."""

@@ -1,7 +1,7 @@
 """Per-request sampling parameters (the OpenAI / vLLM knobs), validated once.
 
 Built by the HTTP server (from a request body) or by users of ``LLM.generate``;
-read by the sampler (``pdserve.engine.sampler``) and by the scheduler's stop checks.
+read by the sampler (``pdserve.engine.runner.sampler``) and by the scheduler's stop checks.
 Every field is checked for its type and range here, so a value that passes cannot fail a step:
 ``seed`` fits a ``torch.Generator`` (int64 .. uint64), floats are finite (and fit float32, the
 sampler's dtype, where a temperature of 3.4e38 becomes inf), token ids are >= 0

@@ -5,7 +5,7 @@ then attend through the block tables); ``dispatch.py`` sends it to the AVX2 C ke
 via ``cpu_attention.py``, the CPU path), the plain-torch reference (``reference.py``, the oracle and the
 fallback) or to the Triton kernels (``triton_attention.py``,
 ``triton_cache.py``), as ``AttentionMetadata.backend`` says. The input batch
-(``pdserve.engine.input_batch``) builds the metadata once per step (``metadata.py``). The KV store's
+(``pdserve.engine.runner.input_batch``) builds the metadata once per step (``metadata.py``). The KV store's
 publisher and loader move chunks with ``transfer.py`` (torch) / ``triton_transfer.py`` (CUDA).
 ``cpu_build.py`` compiles the C sources (cached by ``cpu_cache.py``, private to the user); ``cpu_ops.py``
 (``cpu_ops.c``) holds the model's rotary embedding, RMSNorm and SiLU-and-mul on CPU float32, called by ``engine.models.rope`` and

@@ -1,7 +1,7 @@
 """Move one KV chunk, every layer at once, between the paged cache and host memory.
 
 Used by the prefill publisher (``gather``) and the decode loader (``scatter``); the paged cache is
-``KVCaches.buffer`` ``[L, C, num_blocks, block_size, Hkv, D]`` (``engine/kv_layout.py``).
+``KVCaches.buffer`` ``[L, C, num_blocks, block_size, Hkv, D]`` (``engine/kv/kv_layout.py``).
 
     gather(slots)   CPU: one index_select, done.  CUDA: on a side stream that first waits for the
                     step that computed the KV, one gather launch into a device buffer [L, C, n, Hkv, D]

@@ -31,13 +31,13 @@
  * decode steps run at the speed the cache streams from DRAM.  The next unit's rows are prefetched into L2
  * (not L1: K and V of two units fill a 32 KiB L1 and the prefetch evicted the unit being read) and the unit
  * after it into L3/L2 (T2); on a Zen 4 EPYC a layer's decode over 32 x ~550 tokens, its cache in DRAM
- * (bench/cpu_kv_memory.py), went from 2.0 to 1.4 ms (9 to 13 GB/s).  A decode row (its sequence's only query
+ * (devbench/cpu_kv_memory.py), went from 2.0 to 1.4 ms (9 to 13 GB/s).  A decode row (its sequence's only query
  * row) is one work item for all KV heads (attend_row_all_heads): each key's row of all heads -- contiguous --
  * is prefetched and read in one pass, not in Hkv passes over strided halves (7-15% less time on that bench
  * on a Zen 3 EPYC: 1.94-1.97 -> 1.68-1.81 ms).  A decode row also asks again, at every unit, for the units
  * 2 to 4 ahead (a software prefetch that finds the miss queue full is dropped: asking once per unit left
  * gaps), and the next work item's first units are asked for before an item starts (they were cold misses):
- * bench/cpu_kv_memory.py on a Zen 4 EPYC, 1.50-1.63 -> 1.25-1.31 ms a layer (12 -> 14 GB/s).  A cache that
+ * devbench/cpu_kv_memory.py on a Zen 4 EPYC, 1.50-1.63 -> 1.25-1.31 ms a layer (12 -> 14 GB/s).  A cache that
  * sits in L3 pays for the extra prefetch instructions: its "hot" figure went 0.52 -> 0.63 ms (asking for units
  * 3-4 only: DRAM 1.45, hot 0.55-0.56; a decode step's cache is DRAM-sized).  On a Sapphire Rapids Xeon the
  * extra requests cost more than they bring: asking for unit 2 only (AHEAD 2), DRAM 1.76-1.95 -> 1.44-1.55 ms
@@ -194,7 +194,7 @@ INLINE void attend_unit(Lane *ln, const void *const krow[UNIT], const void *cons
  *     19 of the 32 registers (LB 6 and 8 measured no faster);
  *   - two heads of one query row (its diagonal unit, a window's first, and every unit of a decode row): the same
  *     keys and the same mask for both.
- * On a Sapphire Rapids Xeon (bench/cpu_attention.py --prefill, 4 q / 2 KV heads of 64) a 512-token prompt's layer
+ * On a Sapphire Rapids Xeon (devbench/cpu_attention.py --prefill, 4 q / 2 KV heads of 64) a 512-token prompt's layer
  * went from 2.28 to ~1.8 ms with blocks of pairs.  (The 8-float blocking before it, 4 lanes sharing each load,
  * took the same prompt from 10.2 to 7.9 ms a layer for 4 prompts on a Zen 4 EPYC.)  The AVX2 build has 16 vector
  * registers, too few for either: its blocks are two lanes of 8-float vectors (below). */

@@ -16,7 +16,7 @@ flags; the cache is private to the user, ``cpu_cache.py``) with ``cc -O3 -mavx2 
 -fopenmp``, plus ``-mavx512f -mavx512vl`` on CPUs that have them: each lane's arithmetic is the AVX2 build's 8-float
 arithmetic, so the same bits (tests/test_cpu_attention.py compares the two builds bit for bit), but 32
 vector registers instead of 16 -- no spills (an AVX-512 EPYC: prompt steps 10-20% and decode steps ~23%
-faster, ``bench/cpu_attention.py``) -- and two lanes in each 16-float register, each K/V load shared by
+faster, ``devbench/cpu_attention.py``) -- and two lanes in each 16-float register, each K/V load shared by
 every lane of a block (a Sapphire Rapids Xeon: a 512-token prompt's layer 2.28 -> ~1.8 ms, a 32-row decode
 step's 1.39 -> 1.34). The AVX2 build shares each K/V load between two lanes of a prompt's rows below the
 diagonal (the same per-lane arithmetic: tests build the source with ``-DPD_ONE_LANE_AT_A_TIME`` and compare):
@@ -50,7 +50,7 @@ _ERRORS = {1: "shape (head size and block size must be multiples of 8, query hea
            2: "out of memory"}
 
 
-# units a decode row's prefetch runs ahead, by CPU vendor (bench/cpu_kv_memory.py; prefetches change no bits):
+# units a decode row's prefetch runs ahead, by CPU vendor (devbench/cpu_kv_memory.py; prefetches change no bits):
 # 2..4 on a Zen 4 EPYC (1.50-1.63 -> 1.25-1.31 ms a layer), unit 2 only on a Sapphire Rapids Xeon (1.76-1.95 ->
 # 1.44-1.55 ms: the extra requests cost more than they bring there)
 PREFETCH_AHEAD = {"GenuineIntel": 2}

@@ -6,7 +6,7 @@
 A decode step multiplies a few rows by every weight, so it runs at the speed the weights stream from
 memory; oneDNN's fp32 kernels read them at 5-8 GB/s there. This kernel holds each 16 (AVX2: 8) outputs'
 weights as one contiguous panel and streams them once: on a Sapphire Rapids Xeon, SmolLM2-135M's layer matmuls
-at 16 rows with the weights in DRAM took 28% less time (bench/cpu_linear.py --layers). Any width N: the last
+at 16 rows with the weights in DRAM took 28% less time (devbench/cpu_linear.py --layers). Any width N: the last
 panel is padded with zeros and its missing outputs are never stored (a 32,001- or 49,152-token LM head).
 
 Bits: each output is the sum oneDNN computes (K in blocks, a block one FMA chain in order, the blocks added
@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("cpu_linear.c")
 ISAS = {"avx512vl": (["-mavx512f", "-mavx512vl"], cpu_build.CPU_FLAGS + ("avx512f", "avx512vl")),  # best first
         "avx2": ([], cpu_build.CPU_FLAGS)}                                                            # same bits
 SYMBOLS = ("pd_skinny_linear", "pd_skinny_width")   # every symbol _load binds: load_best checks them all
-MAX_ROWS = 32                          # above this oneDNN is as fast (bench/cpu_linear.py --layers)
+MAX_ROWS = 32                          # above this oneDNN is as fast (devbench/cpu_linear.py --layers)
 K_BLOCKS = (512, 1024, 256, 2048)      # oneDNN's fp32 K blocks seen: 512 for K <= 1024, 1024 above
 CHECK_ROWS = (2, 3, 8, 17, MAX_ROWS)   # row counts prepare compares at (1 row: the 2-row call's first row)
 

@@ -17,7 +17,7 @@ metadata's host mirrors once, at the first layer, and reused by the others (``me
 Every gather of the step (all layers, all groups) copies into one workspace the plan owns, sized
 for the largest: a fresh 2 MB buffer per gather cost its page faults, half the gather's time.
 
-``bench/cpu_attention.py`` times the alternatives (issue 14; 1 thread, 32-256 decodes of ~550 tokens):
+``devbench/cpu_attention.py`` times the alternatives (issue 14; 1 thread, 32-256 decodes of ~550 tokens):
 groups of 8 with the workspace and folded GQA run 1.07-1.35x the old path; groups of 4 or 16 are
 about even, one group for the whole step 1.5-5x slower (its gather leaves the cache); matmul +
 softmax by hand is slower than SDPA; compiled flex attention on the paged cache (no gather) is not

@@ -4,7 +4,8 @@ Who calls it: the engine's KV connector (prefill: ``put``; decode: ``lookup`` th
 ``borrow``/``get``), the proxy (``chunk_keys`` for prefix routing), ``pdserve kvstore``
 (the daemon) and the bench. Start with ``base.KVStore`` (the one interface).
 
-    auth.py        the cluster token: the daemon's wire token and the seal key derived from it (BLAKE3)
+    auth.py        the cluster token: the wire key and the seal key derived from it (BLAKE3)
+    session.py     daemon and client prove the wire key to each other; every request signed for one daemon process
     keys.py        chunk keys (chained sha256 salted with the model fingerprint and cache_salt), object keys
     codec.py       header + raw bytes (+ lz4 over byte-shuffled data), checksum; never pickle
     base.py        KVStore interface, TierStats counters

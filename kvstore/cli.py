@@ -2,7 +2,7 @@
 
 Who calls it: the ``pdserve`` CLI calls ``register(subparsers)`` and later
 ``args.func(args)``; ``main(argv)`` runs the same thing standalone
-(``python -m pdserve.kvstore`` or ``python -m pdserve.kvstore.daemon``).
+(``python -m pdserve.kvstore``).
 On start it prints one line ``READY tcp://host:port`` to stdout (tests and ``pdserve
 serve`` wait for it); SIGINT/SIGTERM stop it cleanly. The cluster token comes from
 ``--kv-auth-token-file``, ``PDSERVE_KV_AUTH_TOKEN`` or ``--kv-auth-token`` (``auth.resolve_token``).

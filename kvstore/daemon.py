@@ -14,7 +14,7 @@ does not match its bytes stores nothing. Shared-memory segments (shm.py) are cre
 by this daemon on Attach and looked up by (client identity, generation); segments of
 dead client processes are reclaimed on Attach at the limit and every
 ``DaemonLimits.shm_reclaim_s`` in the serve loop.
-Standalone: ``python -m pdserve.kvstore.daemon --port 5557`` (same flags as the CLI).
+Standalone: ``python -m pdserve.kvstore --port 5557`` (same flags as ``pdserve kvstore``).
 """
 
 from __future__ import annotations
@@ -256,7 +256,5 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-if __name__ == "__main__":
-    from pdserve.kvstore.cli import main
-
-    raise SystemExit(main())
+if __name__ == "__main__":      # the flags and the runner are cli.py's, which imports this module: no circle
+    raise SystemExit("run the daemon with `python -m pdserve.kvstore` or `pdserve kvstore` (same flags)")

@@ -1,6 +1,6 @@
 """pdserve.prefill — the prefill role's half of the KV hand-off: publishing prompt KV to the store.
 
-Who calls it: ``pdserve.engine.kv_connector.StoreConnector`` (engine thread) after every model step,
+Who calls it: ``pdserve.engine.kv.kv_connector.StoreConnector`` (engine thread) after every model step,
 for nodes started with ``--role prefill`` (and ``--role both`` with a store, which publishes too).
 ``ChunkPublisher`` copies each prompt chunk out of the paged cache as soon as the step that
 completed it ran, and puts its per-layer objects to the store on its own thread; the prefill

@@ -30,5 +30,5 @@ before the first token, the node taken out of rotation, or the client's fault), 
 phases, retries on another node before the first byte, SSE relay that ends a broken stream with an error
 event), ``metrics``, ``tenants`` (per-API-key cache salts), ``accounting`` (``usage.kv_transfer`` out of answers),
 ``app`` (FastAPI, with ``engine.server.direct``: the two POST routes served in front of FastAPI for
-bodies it would accept, as the node does), ``cli``. What the proxy adds to a request's latency: ``bench/proxy_overhead.py``.
+bodies it would accept, as the node does), ``cli``. What the proxy adds to a request's latency: ``devbench/proxy_overhead.py``.
 """

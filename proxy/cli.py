@@ -79,7 +79,7 @@ def run_proxy(args) -> int:
     import uvicorn
 
     from pdserve.engine.node import resolve_model
-    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
     from pdserve.proxy.app import build_app
 
     try:

@@ -14,7 +14,7 @@ its own for probes):
 
 Each connection is an ``asyncio.Protocol`` whose bytes go straight into httptools' response parser (llhttp,
 the parser uvicorn serves with): one write per request, no task per call. A node call costs ~50 us of CPU
-here against ~200 us through aiohttp and ~760 us through httpx (``bench/proxy_overhead.py`` measures what
+here against ~200 us through aiohttp and ~760 us through httpx (``devbench/proxy_overhead.py`` measures what
 the proxy adds to a request; two node calls per client request).
 
 Ownership: everything runs on the one event loop that first used the pool. A connection carries one

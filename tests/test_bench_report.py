@@ -10,7 +10,7 @@ import pytest
 from pdserve.bench.datasets import DatasetConfig, sample_requests
 from pdserve.bench.metrics import RequestOutput, calculate_metrics
 from pdserve.bench.report import RunInfo, format_table, result_filename, result_json
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 
 DATA = Path(__file__).parent / "data"
 

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from pdserve.engine.block_manager import BlockIntegrityError, BlockManager
-from pdserve.engine.hashing import block_hashes, extend_block_hashes, hash_block
-from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sched.block_manager import BlockIntegrityError, BlockManager
+from pdserve.engine.sched.hashing import block_hashes, extend_block_hashes, hash_block
+from pdserve.engine.sched.request import Request
 
 # xxh64(seed=b"pdserve1", le_u64(parent) + le_int64 tokens); pinned so a change of format is noticed.
 GOLDEN = [154893154814350346, 13493096724320370845]
@@ -40,7 +40,7 @@ def compute(bm: BlockManager, req: Request, num_new: int | None = None, use_cach
 def test_hashes_are_pinned_and_identical_in_another_process():
     tokens = list(range(1, 10))           # 2 full blocks of 4 + 1 token that is not hashed
     assert block_hashes(tokens, 4) == GOLDEN
-    code = ("import json; from pdserve.engine.hashing import block_hashes; "
+    code = ("import json; from pdserve.engine.sched.hashing import block_hashes; "
             "print(json.dumps(block_hashes(list(range(1, 10)), 4)))")
     env_out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={"PYTHONHASHSEED": "123", "PATH": ""})
@@ -212,7 +212,7 @@ def test_lru_eviction_order_and_debug_log(caplog):
     compute(bm, again)                    # hit: touches 0 and 1 out of the free list
     assert again.block_ids == [0, 1, 3]
     bm.free(again)                        # [3 | 2, 1, 0]: b's block is now the least recently used
-    caplog.set_level(logging.DEBUG, logger="pdserve.engine.block_manager")
+    caplog.set_level(logging.DEBUG, logger="pdserve.engine.sched.block_manager")
     c = make_request("c", [20, 21, 22, 23, 24, 25, 26, 27])
     assert bm.allocate_slots(c, 8, [])
     evictions = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evict")]

@@ -18,10 +18,10 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.hashing import block_hashes, salt_root
-from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sched.block_manager import BlockManager
+from pdserve.engine.sched.hashing import block_hashes, salt_root
+from pdserve.engine.sched.request import Request
 from pdserve.engine.server.errors import APIError
 from pdserve.engine.server.protocol import MAX_CACHE_SALT_CHARS, ChatCompletionRequest, CompletionRequest
 from pdserve.kvstore.keys import chunk_keys
@@ -33,7 +33,7 @@ from pdserve.proxy.tenants import TenantSalts, load_secret
 TOKENS = list(range(1, 10))       # 2 full blocks of 4 + 1 token
 # the chain of TOKENS under salt "tenant-a"; pinned so a change of format is noticed
 SALTED_GOLDEN = [7089623662302440804, 4729427526325783855]
-CROSS_PROCESS = ("import json; from pdserve.engine.hashing import block_hashes, salt_root; "
+CROSS_PROCESS = ("import json; from pdserve.engine.sched.hashing import block_hashes, salt_root; "
                  "from pdserve.kvstore.keys import chunk_keys; "
                  "print(json.dumps([block_hashes(list(range(1, 10)), 4, parent=salt_root('tenant-a')), "
                  "chunk_keys(list(range(1, 10)), 4, 'fp', True, cache_salt='tenant-a')]))")
@@ -116,7 +116,7 @@ def test_cache_salt_is_a_bounded_non_empty_string(model):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama):
-    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama)
 

@@ -13,9 +13,9 @@ import pytest
 from engine_run import run_request
 
 from hf_reference import random_prompt
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.async_engine import AsyncEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.memory import MemoryTier
 from pdserve.kvstore.tiered import TieredStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.kv_layout import KVLayout
 from pdserve.kernels.chunk_io import ChunkIO
 
 

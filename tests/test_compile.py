@@ -1,4 +1,4 @@
-"""torch.compile of the layers' non-attention parts (engine/compile.py): same greedy tokens as HF and as eager.
+"""torch.compile of the layers' non-attention parts (engine/runner/compile.py): same greedy tokens as HF and as eager.
 
 Compile is off by default (and conftest sets PDSERVE_COMPILE=0); ``test_compiled_greedy_equals_hf_and_eager`` is
 the one that compiles (inductor, ~10-20 s on a small box the first time).
@@ -11,8 +11,8 @@ import torch
 
 from hf_reference import hf_greedy, hf_model, random_prompt
 from pdserve.engine import LLM, SamplingParams, envs
-from pdserve.engine.compile import CompiledLayers
 from pdserve.engine.config import EngineConfig, ExecutionConfig, ParallelConfig
+from pdserve.engine.runner.compile import CompiledLayers
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

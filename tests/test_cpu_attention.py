@@ -266,7 +266,7 @@ def test_a_compiler_without_the_avx512_flags_falls_back_to_the_avx2_build(fresh_
 
 
 def test_the_prefetch_distance_follows_the_vendor_and_changes_no_bit(fresh_load, monkeypatch):
-    """Intel builds ask for unit 2 ahead only, others for units 2-4 (bench/cpu_kv_memory.py); the prefetches
+    """Intel builds ask for unit 2 ahead only, others for units 2-4 (devbench/cpu_kv_memory.py); the prefetches
     are hints, so both builds give the same bits. Mutation caught: a distance that reaches the arithmetic."""
     outs = []
     for vendor, ahead in (("GenuineIntel", 2), ("AuthenticAMD", 4), (None, 4)):

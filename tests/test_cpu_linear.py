@@ -121,8 +121,8 @@ def test_the_model_s_load_weights_drops_the_copies_even_in_inference_mode(tmp_pa
     """Inference tensors have no version counter: a reload written into them in place leaves no trace the key
     can see, so the loader drops every copy itself (the tied LM head's weight is written through the
     embedding)."""
-    from pdserve.engine.loader import WeightSource, load_model
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
+    from pdserve.engine.models.loader import WeightSource, load_model
 
     tied = make_tiny_model(tmp_path / "tied", arch="llama", seed=0, tie_word_embeddings=True)
     other = make_tiny_model(tmp_path / "other", arch="llama", seed=1, tie_word_embeddings=True)
@@ -229,7 +229,7 @@ def test_two_torch_threads_give_the_one_thread_bits():
 def test_the_start_up_log_names_the_attention_backend_and_the_matmul_path(tiny_llama, caplog):
     from pdserve.engine.llm import LLM
 
-    with caplog.at_level("INFO", logger="pdserve.engine.llm_engine"):
+    with caplog.at_level("INFO", logger="pdserve.engine.core.llm_engine"):
         LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20).engine.shutdown()
         LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory_bytes=4 << 20, attention_backend="torch").engine.shutdown()
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
@@ -243,7 +243,7 @@ def test_the_start_up_log_is_right_for_tensor_parallel_and_compiled_layers(tiny_
     from pdserve.engine.llm import LLM
 
     monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "torch")
-    with caplog.at_level("INFO", logger="pdserve.engine.llm_engine"):
+    with caplog.at_level("INFO", logger="pdserve.engine.core.llm_engine"):
         with LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2):
             pass
         monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND")
@@ -255,9 +255,9 @@ def test_the_start_up_log_is_right_for_tensor_parallel_and_compiled_layers(tiny_
 
 
 def test_the_loader_makes_the_copies_so_no_request_pays_for_them(tiny_models, caplog):
-    from pdserve.engine.loader import load_model
+    from pdserve.engine.models.loader import load_model
 
-    with caplog.at_level("INFO", logger="pdserve.engine.loader"):
+    with caplog.at_level("INFO", logger="pdserve.engine.models.loader"):
         model, _ = load_model(str(tiny_models["llama"]), "float32")
     linears = [m for m in model.modules() if isinstance(m, layers.Linear)]
     assert linears and all(m._reordered is not None and m._reordered[0] is m.weight for m in linears)
@@ -273,7 +273,7 @@ def test_a_loaded_model_still_deep_copies_and_pickles(tiny_models):
     import copy
     import io
 
-    from pdserve.engine.loader import load_model
+    from pdserve.engine.models.loader import load_model
 
     model, _ = load_model(str(tiny_models["llama"]), "float32")
     clone = copy.deepcopy(model)
@@ -285,13 +285,13 @@ def test_a_loaded_model_still_deep_copies_and_pickles(tiny_models):
 
 
 def test_the_layers_bench_checks_the_bits_and_times_three_ways(monkeypatch):
-    """bench/cpu_linear.py --layers on one layer: it raises if the reordered weight changed a bit (mutation:
+    """devbench/cpu_linear.py --layers on one layer: it raises if the reordered weight changed a bit (mutation:
     a copy of another weight), and gives each way a time."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("cpu_linear_bench",
-                                                  Path(__file__).parents[1] / "bench" / "cpu_linear.py")
+                                                  Path(__file__).parents[1] / "devbench" / "cpu_linear.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     (row,) = bench.measure_layers([16], repeats=1, num_layers=1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.cuda_graphs import buckets
+from pdserve.engine.runner.cuda_graphs import buckets
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; none here")
 
@@ -29,7 +29,7 @@ def test_buckets_cover_every_batch_size():
 @needs_cuda
 def test_replay_equals_eager_on_the_same_inputs(tmp_path):
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "m", arch="llama", seed=0)
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256)
@@ -53,7 +53,7 @@ def test_replay_equals_eager_on_the_same_inputs(tmp_path):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_generation_with_graphs_equals_enforce_eager(tmp_path, temperature):
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "m", arch="llama", seed=0)
     params = [SamplingParams(max_tokens=24, temperature=temperature, seed=i, ignore_eos=True) for i in range(5)]

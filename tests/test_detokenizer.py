@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.text.detokenizer import IncrementalDetokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 
 TEXT = "Hello wörld — naïve café ✓ 日本語 text, with emoji 🙂 and more words."
 
@@ -45,7 +45,7 @@ def test_text_held_back_for_a_stop_string_is_emitted_when_the_request_ends_by_le
     ``max_tokens`` must still get that text. Mutation caught: dropping ``detok.flush()`` at the finish
     in ``OutputAssembler._emit_token`` -> the last characters are lost (no other test noticed)."""
     from pdserve.engine.config import CacheConfig, EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.core.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), cache=CacheConfig(block_size=8)))

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from hf_reference import hf_greedy, hf_model
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster
 
 NODE_FLAGS = ("--kv-chunk-tokens", "32", "--block-size", "16")

@@ -10,8 +10,8 @@ import pytest
 
 from hf_reference import hf_greedy, hf_model, random_prompt
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-from pdserve.engine.kv_transfer import TransferMismatchError
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.engine.kv.kv_transfer import TransferMismatchError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.memory import MemoryTier
 from pdserve.kvstore.tiered import TieredStore

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig
-from pdserve.engine.kv_transfer import KVTransferParams, TransferMismatchError
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampler import generator_draws, skip_draws
+from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.engine.kv.kv_transfer import KVTransferParams, TransferMismatchError
+from pdserve.engine.runner.sampler import generator_draws, skip_draws
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
+from pdserve.engine.text.tokenizer import apply_chat_template, load_tokenizer
 from pdserve.kvstore.memory import MemoryTier
 from pdserve.kvstore.tiered import TieredStore
 from pdserve.proxy.inputs import CHAT, COMPLETIONS, Routing, decode_body, parse_request, prefill_body

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from pdserve.engine.download import DownloadError, download_model, register
+from pdserve.engine.checkpoints.download import DownloadError, download_model, register
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")

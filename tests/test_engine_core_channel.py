@@ -27,7 +27,7 @@ from hf_reference import hf_greedy, hf_model
 from polling import wait_until
 from pdserve.engine.core import messages as m
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Every student never forgot three green apples",
            "Her younger brother bravely crossed the winter garden"]
@@ -137,8 +137,8 @@ def _socket_dir(base: str) -> str | None:
 
 def test_garbage_on_the_link_to_the_core_is_dropped(tiny_llama, capfd):
     """The API process's own link, garbage in it (a bug, another build): the core drops it and carries on."""
-    from pdserve.engine.async_engine import AsyncEngine
     from pdserve.engine.config import EngineConfig
+    from pdserve.engine.core.async_engine import AsyncEngine
 
     engine = AsyncEngine(EngineConfig(model=str(tiny_llama), engine_core_process=True))
     client = engine.engine

@@ -12,9 +12,9 @@ import asyncio
 
 import pytest
 
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import CORE_MIN_TIMEOUT_S, ConfigError, EngineConfig, ParallelConfig
 from pdserve.engine.core import messages as m
+from pdserve.engine.core.async_engine import AsyncEngine
 from pdserve.engine.sampling_params import SamplingParams
 
 TIMEOUT_S = 2.0

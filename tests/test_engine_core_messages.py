@@ -8,12 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.engine.async_engine import EngineStats
 from pdserve.engine.config import EngineConfig, KVTransferConfig, SchedulerConfig
 from pdserve.engine.core import messages as m
-from pdserve.engine.kv_transfer import KVTransferParams
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampler import SampleResult
+from pdserve.engine.kv.kv_transfer import KVTransferParams
+from pdserve.engine.outputs import EngineStats, RequestOutput
+from pdserve.engine.runner.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 
 STATS = EngineStats(num_running=1, num_waiting=2, kv_usage=0.25, prefix_cache_queries=10, prefix_cache_hits=4,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.async_engine import AsyncEngine
 from pdserve.engine.core.output_processor import OutputProcessor
 from pdserve.engine.sampling_params import SamplingParams
 from polling import wait_until

@@ -22,7 +22,7 @@ from conftest import NodeProcess
 from hf_reference import hf_greedy, hf_model
 from parity_matrix import CHAT, CMPL, NAMES, by_choice, cases, differences
 from polling import wait_until
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster
 from test_pd_parity import NODE_FLAGS, _ask, _baseline
 

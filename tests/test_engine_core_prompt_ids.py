@@ -13,8 +13,8 @@ import asyncio
 
 import pytest
 
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.async_engine import AsyncEngine
 from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT = [100, 101, 102, 103]

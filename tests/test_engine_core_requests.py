@@ -47,7 +47,7 @@ def _wire(seq: int, token: int, final: bool) -> m.CoreOutput:
 
 def test_outputs_of_an_aborted_add_are_dropped(tiny_llama):
     """The receiver delivers only the live add's outputs of an id; a reused id gets none of its old ones."""
-    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     delivered = []
     client = object.__new__(core_client.EngineCoreClient)          # no process: only the receiver's bookkeeping

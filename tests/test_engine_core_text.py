@@ -17,8 +17,8 @@ import pytest
 from parity_matrix import _ending_at
 from pdserve.engine.config import EngineConfig, SchedulerConfig
 from pdserve.engine.core import messages as m
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.output_processor import OutputProcessor
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT = "The quiet engineer politely asked about the server logs in 1999."

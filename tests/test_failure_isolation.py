@@ -15,13 +15,13 @@ import asyncio
 
 import pytest
 
-import pdserve.engine.model_runner as model_runner
+import pdserve.engine.runner.model_runner as model_runner
 from hf_reference import random_prompt
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.async_engine import AsyncEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 POISON_SEED = 424242

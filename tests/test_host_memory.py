@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.engine import envs, host_memory
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.kv_layout import KVLayout
 
 LINUX = sys.platform.startswith("linux")
 
@@ -92,11 +92,11 @@ def test_a_tuned_process_reuses_freed_activations_instead_of_faulting_them_in():
     touched = 20 * 49 * 2**20 // 4096           # pages the 20 steps write
     assert tuned["faults"] < touched / 20, tuned
     # glibc's own adaptive thresholds fault most of them in again on some runs and not on others (the
-    # engine's prompt steps: ~5,000 faults a step, bench/host_memory.py), so "default" is not asserted on
+    # engine's prompt steps: ~5,000 faults a step, devbench/host_memory.py), so "default" is not asserted on
 
 
 def test_the_engine_tunes_its_process(monkeypatch):
-    import pdserve.engine.llm_engine as llm_engine
+    import pdserve.engine.core.llm_engine as llm_engine
     assert "host_memory.tune()" in Path(llm_engine.__file__).read_text()
     monkeypatch.setattr(envs, "PDSERVE_HOST_MEMORY", "tuned")         # production's default (the suite: "default")
     host_memory.tune.cache_clear()

@@ -23,7 +23,7 @@ import pytest
 from fake_node import FakeNode, ServerThread
 from hostile_cases import ACCEPTED, BASE, CMPL, MAX_MODEL_LEN, MAX_REQUEST_BYTES, NODE_ONLY_REFUSED, REFUSED
 from pdserve.engine.request_limits import RequestLimits
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.proxy.app import build_app
 from pdserve.proxy.config import ProxyConfig
 from polling import wait_until

@@ -19,7 +19,7 @@ from hf_reference import hf_greedy, hf_model, random_prompt
 from kvstore_fixtures import *  # noqa: F401,F403 - fixtures
 from kvstore_fixtures import DaemonProcess, unique_prefix
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore import codec
 from pdserve.kvstore.client import DaemonClient

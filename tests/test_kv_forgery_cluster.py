@@ -15,7 +15,7 @@ import pytest
 from forgery import forge_v1, plant, victim_keys
 from kvstore_fixtures import RedisServer
 from polling import wait_until
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.model_config import ModelConfig
 from pdserve.kvstore import codec
 from pdserve.kvstore.client import DaemonClient, DaemonError
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster, store_object_bytes

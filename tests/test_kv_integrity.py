@@ -20,11 +20,11 @@ import torch
 from engine_run import run_request
 from hf_reference import hf_greedy, hf_model, random_prompt
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvstore.auth import process_key
 from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.memory import MemoryTier
-from pdserve.kvstore.auth import process_key
 from pdserve.kvstore.seal import SEAL_BYTES, SealError, chunk_digest, seal, unseal
 from pdserve.kvstore.tiered import TieredStore
 

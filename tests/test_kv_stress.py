@@ -4,7 +4,7 @@ Three prefill and three decode engines share one ``pdserve kvstore`` daemon proc
 TCP, and one ``DaemonClient`` shared by a prefill and a decode engine); prompts with shared prefixes
 and fresh ones; publishes and loads overlap; requests are aborted on both sides; the daemon is
 SIGSTOPped past the clients' timeout twice. Every answer must equal the colocated reference and no
-object may fail its seal. ``python bench/kv_stress.py --model DIR --requests 1000`` is the long run.
+object may fail its seal. ``python devbench/kv_stress.py --model DIR --requests 1000`` is the long run.
 
 Before the fixes of issue 9 this failed: the shared client's segment was overwritten by concurrent
 gets and puts (objects sealed for another key, or -- without the seal -- wrong tokens), and a put
@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from pdserve.bench.kv_stress import StressConfig, run_stress
+from kv_stress import StressConfig, run_stress
 from pdserve.proxy.cluster import terminate
 
 

@@ -16,7 +16,7 @@ import torch
 
 from pdserve.engine import node
 from pdserve.engine.config import ConfigError, KVTransferConfig
-from pdserve.engine.store_factory import build_node_store
+from pdserve.engine.kv.store_factory import build_node_store
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.disk import DiskTier
 from pdserve.kvstore.memory import MemoryTier

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.loader import load_model
-from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import LogitRows
+from pdserve.engine.models.loader import load_model
+from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.kernels import AttentionMetadata, cpu_attention
 
 BLOCK = 16
@@ -130,8 +130,8 @@ def test_the_runner_keeps_only_the_sampled_rows_on_the_cpu_backend(tiny_llama, b
 @needs_kernel
 @pytest.mark.parametrize("case", ["block size 4", "head size 12", "bfloat16", "F.linear", "no few-row panels"])
 def test_the_runner_runs_the_full_step_where_a_row_would_round_differently(case, tmp_path, monkeypatch):
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
     from pdserve.engine.models import layers
-    from pdserve.engine.tiny_model import make_tiny_model
     from pdserve.kernels import cpu_linear
 
     if case == "F.linear":
@@ -146,11 +146,12 @@ def test_the_runner_runs_the_full_step_where_a_row_would_round_differently(case,
 
 @needs_kernel
 def test_a_compiled_step_runs_every_row_and_an_eager_one_keeps_the_sampled_rows(tiny_llama, monkeypatch):
-    from pdserve.engine.compile import CompiledLayers
+    from pdserve.engine.runner.compile import CompiledLayers
 
     model, config = load_model(tiny_llama)
     monkeypatch.setattr(CompiledLayers, "pieces_for", lambda self, n: "compiled" if n >= 16 else None)
-    monkeypatch.setattr("pdserve.engine.compile.compile_layers", lambda m: CompiledLayers.__new__(CompiledLayers))
+    monkeypatch.setattr("pdserve.engine.runner.compile.compile_layers",
+                        lambda m: CompiledLayers.__new__(CompiledLayers))
     calls = []
     forward = type(model).forward
     monkeypatch.setattr(type(model), "forward", lambda self, *a, **kw: calls.append(kw) or
@@ -164,7 +165,7 @@ def test_a_compiled_step_runs_every_row_and_an_eager_one_keeps_the_sampled_rows(
 
 def test_logit_rows_need_the_last_layer(tiny_llama):
     from pdserve.engine.models.llama import LlamaForCausalLM
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.models.model_config import ModelConfig
 
     config = ModelConfig.from_dir(tiny_llama)
     first_stage = LlamaForCausalLM(config, first_layer=0, num_layers=1)

@@ -1,7 +1,7 @@
 """Our model code and loader against HF transformers on tiny random checkpoints (fp32).
 
 Each test builds a tiny HF model with transformers itself, saves it (safetensors), loads it with
-``pdserve.engine.loader`` and compares logits: a ~20-token prefill, then one decode step through
+``pdserve.engine.models.loader`` and compares logits: a ~20-token prefill, then one decode step through
 the paged KV cache, against HF's logits at the same positions.
 """
 
@@ -15,9 +15,9 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from pdserve.engine.loader import WeightError, WeightSource, load_model
-from pdserve.engine.model_config import ModelConfig, ModelConfigError, resolve_dtype
 from pdserve.engine.models import UnsupportedArchitectureError
+from pdserve.engine.models.loader import WeightError, WeightSource, load_model
+from pdserve.engine.models.model_config import ModelConfig, ModelConfigError, resolve_dtype
 from pdserve.engine.models.rope import inv_frequencies
 from pdserve.kernels import AttentionMetadata
 

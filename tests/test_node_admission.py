@@ -14,8 +14,8 @@ import asyncio
 import time
 
 from hf_reference import random_prompt
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.core.async_engine import AsyncEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server.generation import EngineCall, Generation
 from pdserve.engine.server.metrics import ServerMetrics

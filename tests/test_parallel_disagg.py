@@ -15,12 +15,12 @@ import torch
 from engine_run import run_request
 from hf_reference import hf_greedy, hf_model, random_prompt
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.auth import process_key
-from pdserve.kvstore.seal import unseal
+from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.memory import MemoryTier
+from pdserve.kvstore.seal import unseal
 from pdserve.kvstore.tiered import TieredStore
 
 LENGTH = 77                      # 2 full chunks of 32 + a partial one

@@ -13,7 +13,7 @@ import pytest
 
 from hf_reference import hf_greedy, hf_model, random_prompt
 from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -24,8 +24,9 @@ import pytest
 
 from hf_reference import random_prompt
 from parallel_probes import SignalLog
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig
+from pdserve.engine.core.async_engine import AsyncEngine
+from pdserve.engine.outputs import EngineDeadError
 from pdserve.engine.sampling_params import SamplingParams
 
 RANK_TIMEOUT = 2.0
@@ -107,7 +108,7 @@ def test_sigkill_names_rank_coordinates_and_phase(engine, monkeypatch):
     assert all(pid == launcher for pid, _ in signals.calls if (pid, _) != (state.pid, signal.SIGKILL)), signals.calls
     assert re.search(rf"rank 1 \(tp 1, pp 0\) exited \(killed by SIGKILL\) in step {state.step} "
                      rf"at phase {state.phase}; ", message), message
-    assert not engine.is_healthy()             # time to report: bench/parallel_lifecycle.py (not a test's clock)
+    assert not engine.is_healthy()             # time to report: devbench/parallel_lifecycle.py (not a test's clock)
     _assert_all_gone(pids)
 
 
@@ -149,7 +150,7 @@ import signal, sys
 import torch
 torch.set_num_threads(1)
 from pdserve.engine.config import EngineConfig, ParallelConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 engine = LLMEngine(EngineConfig(model=sys.argv[1], parallel=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)))
 print(" ".join(map(str, engine.runner.pids())), engine.runner._store_file, flush=True)
 signal.pause()                     # hold the ranks until the test SIGKILLs this driver

@@ -1,7 +1,7 @@
-"""A tp2 x pp2 node stopped from outside: the cheapest cases of bench/parallel_lifecycle.py's matrix.
+"""A tp2 x pp2 node stopped from outside: the cheapest cases of devbench/parallel_lifecycle.py's matrix.
 
 The whole matrix (start-up / idle / load x SIGINT / SIGTERM / SIGKILL, a rank SIGKILLed or
-SIGSTOPped, a 70 s pipeline stage) is ``python bench/parallel_lifecycle.py --model DIR``. Every
+SIGSTOPped, a 70 s pipeline stage) is ``python devbench/parallel_lifecycle.py --model DIR``. Every
 case here must leave no process, no listening port and no /dev/shm file behind:
 
 - SIGTERM under load (a service manager's stop): the stream in flight completes; exit 0      (issues 5, 11)
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import lifecycle_probe, parallel_lifecycle
-from pdserve.bench.parallel_lifecycle import run_case
+import lifecycle_probe
+import parallel_lifecycle
+from parallel_lifecycle import run_case
 from polling import wait_until
 
 MAX_TOKENS = 120
@@ -85,7 +86,7 @@ def test_sigkill_during_start_up_leaves_nothing_behind(tiny_llama, monkeypatch):
     """SIGKILL once every rank sleeps in its model load (slow_start=60; before, the signal came as soon as the
     ranks were forked, and ranks that could not reach the dead node's store quit on their own): only the
     lifeline can end them and their launcher within the 30 s that ``clean`` waits. How fast is
-    bench/parallel_lifecycle.py's business (no clock here: ``report_s < 10`` was one). Mutation caught: the
+    devbench/parallel_lifecycle.py's business (no clock here: ``report_s < 10`` was one). Mutation caught: the
     launcher not watching the lifeline (``if lifeline_fd >= 0:`` -> ``if False:`` in
     engine/parallel/launcher.py) -> the ranks and their launcher outlive the node: not clean."""
     if platform.machine() not in _CLOCK_NANOSLEEP:

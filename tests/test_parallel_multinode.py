@@ -20,7 +20,7 @@ import pytest
 from conftest import free_port
 from hf_reference import hf_greedy, hf_model, random_prompt
 from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.parallel.executor import RankFailedError
 from pdserve.engine.sampling_params import SamplingParams
 

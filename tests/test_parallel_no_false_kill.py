@@ -9,7 +9,7 @@ tests send KV scatters larger than the broadcast ring (16 slots x 256 KiB) while
 - shutdown while a multi-frame scatter is being written: the Shutdown message waits for the send lock,
   every rank exits 0, and the driver signals no process at all
 - gloo's collective timeout is far beyond the watchdog's (the 70 s end-to-end run is the
-  ``slow-stage`` case of bench/parallel_lifecycle.py)
+  ``slow-stage`` case of devbench/parallel_lifecycle.py)
 - the rendezvous store, and gloo's listeners, are on 127.0.0.1 only
 """
 
@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from hf_reference import random_prompt
+from lifecycle_probe import listening_ports
 from parallel_probes import SignalLog, listen_addresses
-from pdserve.bench.lifecycle_probe import listening_ports
 from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.parallel.kv import KVCopyError
 from pdserve.engine.parallel.worker import collective_timeout
 from pdserve.engine.sampling_params import SamplingParams

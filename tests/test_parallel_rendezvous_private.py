@@ -22,9 +22,9 @@ import httpx
 from channel_probes import NOBODY, as_nobody, try_list
 from conftest import popen_listening, wait_healthy
 from hf_reference import hf_greedy, hf_model
-from pdserve.bench.lifecycle_probe import listening_ports
-from pdserve.engine.tiny_model import make_tiny_model
-from pdserve.engine.tokenizer import load_tokenizer
+from lifecycle_probe import listening_ports
+from pdserve.engine.checkpoints.tiny_model import make_tiny_model
+from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.proxy.cluster import terminate
 
 PROMPT, TOKENS = "The quick brown fox", 12

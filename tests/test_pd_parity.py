@@ -22,8 +22,8 @@ from conftest import NodeProcess
 from parity_matrix import (CHAT, CMPL, NAMES, PROMPTS, TEXT_LENGTHS, Baseline, by_choice, cases, differences,
                            prompt_field)
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.tiny_model import make_tiny_model
-from pdserve.engine.tokenizer import apply_chat_template
+from pdserve.engine.checkpoints.tiny_model import make_tiny_model
+from pdserve.engine.text.tokenizer import apply_chat_template
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster
 
 KINDS = ("bpe", "metaspace")

@@ -1,11 +1,11 @@
-"""``bench/proxy_overhead.py`` in a reduced run: it starts its cluster, sends both paths in both modes and
+"""``devbench/proxy_overhead.py`` in a reduced run: it starts its cluster, sends both paths in both modes and
 writes its JSON. What it measures is never asserted here (timings belong to the bench, not to tests)."""
 
 from __future__ import annotations
 
 import json
 
-from pdserve.bench.proxy_overhead import MODES, PATHS, main
+from proxy_overhead import MODES, PATHS, main
 
 
 def test_the_bench_runs_both_paths_and_writes_its_json(tiny_llama, tmp_path):

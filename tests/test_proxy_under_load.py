@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from fake_node import FakeNode, Reply, ServerThread, error_event, role_chunk, tokens
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.proxy.app import build_app
 from pdserve.proxy.config import ProxyConfig
 from polling import wait_until

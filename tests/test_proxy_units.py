@@ -123,7 +123,7 @@ def test_sse_events_recuts_arbitrary_byte_boundaries():
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama):
-    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama)
 
@@ -137,7 +137,7 @@ def parse(endpoint: str, body, tokenizer):
 
 
 def test_parse_tokenizes_like_the_node_and_builds_prefill_and_decode_bodies(tokenizer):
-    from pdserve.engine.tokenizer import apply_chat_template
+    from pdserve.engine.text.tokenizer import apply_chat_template
 
     body = {"model": "m", "prompt": "one two three four five six seven eight nine", "max_tokens": 7,
             "stream": True, "stream_options": {"include_usage": True}, "n": 2, "min_tokens": 3}

@@ -22,16 +22,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pdserve.engine.chat_template import TemplateLimitError, TemplateLimits, render_chat
-from pdserve.engine.download import SMOLLM2_CHAT_TEMPLATE
+from pdserve.engine.checkpoints.download import SMOLLM2_CHAT_TEMPLATE
 from pdserve.engine.request_limits import RequestLimits
-from pdserve.engine.sampler import sample
+from pdserve.engine.runner.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.engine.server.errors import APIError, describe_validation_errors
 from pdserve.engine.server.limits import BodyLimits, json_depth
 from pdserve.engine.server.prompt_work import PromptWork
 from pdserve.engine.server.protocol import MAX_PROMPTS, CompletionRequest
-from pdserve.engine.tokenizer import load_tokenizer, max_chars_per_token
+from pdserve.engine.text.chat_template import TemplateLimitError, TemplateLimits, render_chat
+from pdserve.engine.text.tokenizer import load_tokenizer, max_chars_per_token
 
 
 @pytest.fixture(scope="module")
@@ -321,9 +321,9 @@ def test_a_runaway_template_stops_at_its_limits(tokenizer, name, monkeypatch):
     until memory ran out, on the event loop. Each must stop at its own limit, named in the error, not at
     a clock: the deadline is 100 s, which the size limits beat by far; "loops", which only the deadline
     stops, reads a clock that moves a second per check, so it stops after 100 checks on any machine.
-    Mutation caught: ``_Budget.tick`` (engine/chat_template.py) returning at once -> "loops" renders
+    Mutation caught: ``_Budget.tick`` (engine/text/chat_template.py) returning at once -> "loops" renders
     without an error (or runs into the timeout)."""
-    import pdserve.engine.chat_template as chat_template
+    import pdserve.engine.text.chat_template as chat_template
 
     if name == "loops":
         monkeypatch.setattr(chat_template, "time", _CheckClock())

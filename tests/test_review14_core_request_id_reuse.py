@@ -20,8 +20,8 @@ import asyncio
 import os
 import signal
 
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.async_engine import AsyncEngine
 from pdserve.engine.sampling_params import SamplingParams
 
 OLD_PROMPT, NEW_PROMPT = [5, 6, 7, 8, 9], [100, 101, 102]

@@ -21,15 +21,15 @@ import asyncio
 
 import pytest
 
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
 from pdserve.engine.core import messages as m
+from pdserve.engine.core.async_engine import AsyncEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.output_processor import OutputProcessor
 from pdserve.engine.core.proc import CoreLoop
-from pdserve.engine.kv_transfer import KVTransferParams
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.kv.kv_transfer import KVTransferParams
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.kvstore.memory import MemoryTier
 from pdserve.kvstore.tiered import TieredStore
 

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from pdserve.engine import envs
-from pdserve.engine.compile import use_cache_dir
 from pdserve.engine.config import ConfigError
+from pdserve.engine.runner.compile import use_cache_dir
 
 
 def test_unusable_compile_cache_dir_is_named_and_compiling_goes_on_privately(tmp_path, monkeypatch, caplog):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from pdserve.engine.sampler import sample
+from pdserve.engine.runner.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 
 torch.set_num_threads(1)

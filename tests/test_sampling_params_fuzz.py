@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine, PromptTooLongError
+from pdserve.engine.core.llm_engine import LLMEngine, PromptTooLongError
 from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_MODEL_LEN = 64

@@ -14,10 +14,10 @@ import random
 import pytest
 import xxhash
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.request import Request, RequestStatus, check_stop
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sched.block_manager import BlockManager
+from pdserve.engine.sched.request import Request, RequestStatus, check_stop
+from pdserve.engine.sched.scheduler import Scheduler
 
 EOS = 0
 VOCAB = 16

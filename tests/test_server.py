@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 from polling import wait_until
 
 MAX_MODEL_LEN = 256

@@ -2,13 +2,13 @@
 
 Short streamed requests with 8 clients, a fifth of them abandoned mid-stream, a store daemon with an
 8 MiB budget (so it evicts): no request fails, every node's free KV blocks come back to their starting
-count, no store object stays pinned. ``python bench/soak.py --model DIR --requests 10000`` is the long
+count, no store object stays pinned. ``python devbench/soak.py --model DIR --requests 10000`` is the long
 run (RSS per process after warm-up and at the end in its report).
 """
 
 from __future__ import annotations
 
-from pdserve.bench.soak import run_soak
+from soak import run_soak
 
 
 def test_thousand_requests_with_disconnects_leave_nothing_behind(tiny_llama):

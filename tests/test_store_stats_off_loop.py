@@ -13,8 +13,8 @@ import threading
 
 from polling import wait_until
 
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig, KVTransferConfig
+from pdserve.engine.core.async_engine import AsyncEngine
 from pdserve.kvstore.stats_cache import StatsCache
 from pdserve.kvstore.tiered import TieredStore
 

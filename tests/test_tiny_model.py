@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pdserve.engine.tiny_model import (ARCHS, ENDOFTEXT_ID, IM_END_ID, IM_START_ID, SPECIAL_TOKENS,
-                                       make_tiny_model, register)
+from pdserve.engine.checkpoints.tiny_model import (ARCHS, ENDOFTEXT_ID, IM_END_ID, IM_START_ID, SPECIAL_TOKENS,
+                                                   make_tiny_model, register)
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""``load_tokenizer`` (engine/tokenizer.py) skips the model config where AutoTokenizer's choice does not need it:
+"""``load_tokenizer`` (engine/text/tokenizer.py) skips the model config where AutoTokenizer's choice does not need it:
 the tokenizer it returns is AutoTokenizer's own, class, ids, text and special tokens, for every tokenizer the
 project ships or converts; and it really does not import the model family's config module."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.engine.tokenizer import _light_config, load_tokenizer
+from pdserve.engine.text.tokenizer import _light_config, load_tokenizer
 
 TEXTS = ["Hello world! The quick brown fox", "\n\n  jumps  über 日本語 🦊", "<|im_start|>user\nhi<|im_end|> 123456",
          " leading space", ""]
@@ -54,7 +54,7 @@ def test_a_dir_without_a_config_takes_the_whole_path(tmp_path):
 
 
 def test_loading_does_not_import_the_model_family_s_config(tiny_llama):
-    code = ("import sys; from pdserve.engine.tokenizer import load_tokenizer; load_tokenizer(sys.argv[1]); "
+    code = ("import sys; from pdserve.engine.text.tokenizer import load_tokenizer; load_tokenizer(sys.argv[1]); "
             "print('transformers.models.llama.configuration_llama' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(tiny_llama)], capture_output=True, text=True, timeout=120,
                          cwd="/")

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from hf_reference import hf_greedy, hf_model, random_prompt
-from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
 CHILD = r"""
 import json, sys

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.llm_engine import PromptTooLongError
+from pdserve.engine.core.llm_engine import PromptTooLongError
 from pdserve.engine.sampling_params import SamplingParamsError
+from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 
 PROMPT = "The old sailor"
 

@@ -1,4 +1,19 @@
-"""The engine core in a process of its own (``pdserve node``'s default; ``--no-engine-core-process`` turns it off), vLLM V1's split.
+"""The engine core: the step loop and the three ways a caller drives it.
+
+    llm_engine.py        LLMEngine: add_request / step (schedule -> run the model -> publish KV -> outputs) / abort
+    output_assembler.py  the engine's per-request deltas and final outputs (text, KV accounting, transfer params)
+    async_engine.py      AsyncEngine, behind the HTTP node: one engine thread steps LLMEngine, asyncio callers stream
+    proc.py, client.py   the same core in a process of its own: EngineCoreClient in the API process, proc.py there
+    channel.py           the private link between them (two zmq sockets in a 0700 directory, a token in Hello)
+    messages.py          every message on that link (msgspec structs)
+    output_processor.py  the API process's half of the outputs: detokenization and stop strings
+
+Called by ``LLM`` (offline, ``engine/llm.py``: LLMEngine in the calling thread), ``pdserve node``
+(``engine/node.py``: AsyncEngine, which holds an LLMEngine or, by default, an EngineCoreClient) and the HTTP server
+(``server/``, through AsyncEngine). Under LLMEngine: scheduling (``sched/``), the model runner (``runner/``) or the
+tp x pp ranks (``parallel/``), the KV connection (``kv/``).
+
+The engine core in a process of its own (``pdserve node``'s default; ``--no-engine-core-process`` turns it off), vLLM V1's split.
 
     API process (pdserve node)                         engine-core process (python -m ...core.proc)
     --------------------------                         --------------------------------------------

@@ -33,15 +33,14 @@ import sys
 import threading
 import time
 
-from pdserve.engine.async_engine import EngineDeadError, EngineStats
 from pdserve.engine.core import messages as m
 from pdserve.engine.core.channel import ApiChannel
+from pdserve.engine.core.llm_engine import check_prompt_fits, check_prompt_ids
 from pdserve.engine.core.output_processor import OutputProcessor
-from pdserve.engine.kv_transfer import KVTransferParams, check_transfer
-from pdserve.engine.llm_engine import check_prompt_fits, check_prompt_ids
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.kv.kv_transfer import KVTransferParams, check_transfer
+from pdserve.engine.models.model_config import ModelConfig
+from pdserve.engine.outputs import EngineDeadError, EngineStats, RequestOutput
+from pdserve.engine.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.05                      # the receiver checks the core's pid this often while no message comes

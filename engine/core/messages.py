@@ -34,11 +34,10 @@ import struct
 
 import msgspec
 
-from pdserve.engine.async_engine import EngineStats
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_transfer import KVTransferParams
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampler import SampleResult
+from pdserve.engine.kv.kv_transfer import KVTransferParams
+from pdserve.engine.outputs import EngineStats, RequestOutput
+from pdserve.engine.runner.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 
 VERSION = 5

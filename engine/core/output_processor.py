@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pdserve.engine.core import messages as m
-from pdserve.engine.detokenizer import RequestText
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampler import generator_draws
+from pdserve.engine.runner.sampler import generator_draws
+from pdserve.engine.text.detokenizer import RequestText
 
 
 @dataclass

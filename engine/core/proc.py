@@ -80,7 +80,7 @@ class CoreLoop:
     """Steps one ``LLMEngine`` for the messages on ``inbox``; answers on ``outbox``."""
 
     def __init__(self, engine, inbox: zmq.Socket, outbox: Outbox):
-        from pdserve.engine.kv_transfer import KVTransferParams
+        from pdserve.engine.kv.kv_transfer import KVTransferParams
         from pdserve.kvstore.stats_cache import StatsCache
 
         self.engine, self.inbox, self.outbox = engine, inbox, outbox
@@ -111,7 +111,7 @@ class CoreLoop:
             self._send(outputs, rejected)
 
     def stats(self):
-        from pdserve.engine.async_engine import collect_stats
+        from pdserve.engine.core.async_engine import collect_stats
 
         self._stats_at = time.monotonic()
         return collect_stats(self.engine, self.store_stats)
@@ -190,7 +190,7 @@ class CoreLoop:
 
 def serve(start: m.StartCore) -> int:
     """Connect to the API process (Hello first), build the engine, say Ready, loop until Shutdown or a fatal error."""
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.core.llm_engine import LLMEngine
 
     ctx = zmq.Context()
     faults.before_core_connect()

@@ -2,8 +2,8 @@
 
 Who calls what:
 
-    loader.load_model(dir)          # pdserve.engine.loader
-      -> ModelConfig.from_dir(dir)  # pdserve.engine.model_config (checks registry.model_class)
+    loader.load_model(dir)          # pdserve.engine.models.loader
+      -> ModelConfig.from_dir(dir)  # pdserve.engine.models.model_config (checks registry.model_class)
       -> registry.model_class(arch)(config, first_layer, num_layers, shard)
       -> model.load_weights(WeightSource, tp_rank)
     model(input_ids, positions, kv_caches, attn_meta, pieces=None) -> hidden [T, D]   # ModelRunner, per step
@@ -12,10 +12,12 @@ Who calls what:
                                                      # the last layer's attention and MLP for ``rows`` only
 
 Files:
-    registry.py  architecture name (config.json ``architectures[0]``) -> model class
-    llama.py     Llama / Qwen2 / Qwen3 / Mistral: one decoder, per-architecture flags from ModelConfig
-    layers.py    RMSNorm, Linear with explicit shard sizes, fused SiLU-and-mul MLP, embedding
-    rope.py      rotary embeddings (default, linear, dynamic, llama3, yarn), cos/sin in float32
+    loader.py        load_model(dir, dtype): our model class filled from safetensors (a rank reads only its share)
+    model_config.py  ModelConfig.from_dir: what config.json says (architecture quirks become flags), the KV layout
+    registry.py      architecture name (config.json ``architectures[0]``) -> model class
+    llama.py         Llama / Qwen2 / Qwen3 / Mistral: one decoder, per-architecture flags from ModelConfig
+    layers.py        RMSNorm, Linear with explicit shard sizes, fused SiLU-and-mul MLP, embedding
+    rope.py          rotary embeddings (default, linear, dynamic, llama3, yarn), cos/sin in float32
 
 Tensor/pipeline parallelism stays out of the model: layer constructors take this rank's sizes
 (``ShardSizes``) and the model takes a layer range; with the defaults it is the full model.

@@ -1,7 +1,7 @@
 """Building blocks with explicit shard sizes: RMSNorm, Linear, Embedding, the gated MLP.
 
 Constructors take the sizes this rank holds; ``load(src, ..., tp_rank)`` reads exactly that
-share of the checkpoint through ``WeightSource.get_slice`` (``pdserve.engine.loader``). With
+share of the checkpoint through ``WeightSource.get_slice`` (``pdserve.engine.models.loader``). With
 ``tp_rank=0`` and full sizes (one rank) a shard is the whole tensor. How a Linear is split:
 
     "column"      W: [out, in] split along out: rank r holds rows [r*out, (r+1)*out) of each
@@ -28,7 +28,7 @@ from pdserve.kernels import cpu_linear, cpu_ops
 
 
 # fp32 matmuls on CPU go to oneDNN: it uses the CPU's widest vectors, where MKL runs its AVX2 code on non-Intel
-# CPUs (an AVX-512 EPYC: 2.2x faster at 256-2048 rows, 1.2-1.9x at 32; bench/cpu_linear.py). A row's bits are
+# CPUs (an AVX-512 EPYC: 2.2x faster at 256-2048 rows, 1.2-1.9x at 32; devbench/cpu_linear.py). A row's bits are
 # then the same for any row count >= 2 (MKL's change up to 3 rows), so how a prompt is chunked, or how many
 # requests share a decode step, does not change them -- which the store's digest check and a request's logprobs
 # rely on. oneDNN's 1-row path rounds differently, so one row runs as a two-row call whose first row is kept
@@ -40,7 +40,7 @@ _ONEDNN = envs.PDSERVE_CPU_LINEAR == "onednn" and torch.backends.mkldnn.is_avail
     torch.ops.mkldnn, "_linear_pointwise")
 # ``Linear`` hands oneDNN its weight reordered once into oneDNN's blocked layout, where an unreordered weight is
 # reordered inside every call: a decode step of SmolLM2-135M's 30 layers at 16 rows, weights streaming from
-# DRAM, 65.9 -> 43.1 ms; 32 rows 94.7 -> 72.6; 2048 rows -4% (a Zen 4 EPYC, bench/cpu_linear.py --layers). The result
+# DRAM, 65.9 -> 43.1 ms; 32 rows 94.7 -> 72.6; 2048 rows -4% (a Zen 4 EPYC, devbench/cpu_linear.py --layers). The result
 # is bit-identical to the unreordered call for any row count >= 2 (tests/test_cpu_linear.py). The reorder is a
 # second copy of the weight (the original stays: 1-row calls, torch.compile and the GPU read it), made by the
 # loader (``reorder_linears``: the first step paid 26 ms of reorders on the tiny model otherwise). The batch

@@ -28,7 +28,7 @@ holds this model's layers only: ``kv_caches[i]`` belongs to global layer ``first
 
 A decoder layer is two pieces around attention, ``before_attention`` (norm, qkv, q/k norm, RoPE)
 and ``after_attention`` (o_proj, residual, norm, MLP); ``pieces`` (``LayerPieces``) runs them as
-they are, or ``torch.compile``d (``pdserve.engine.compile``); attention always runs eagerly.
+they are, or ``torch.compile``d (``pdserve.engine.runner.compile``); attention always runs eagerly.
 
 Parallelism stays outside: ``ShardSizes`` are this rank's heads / MLP width, and a pipeline
 stage is a layer range. Only the first stage embeds tokens (later stages take ``hidden``
@@ -44,8 +44,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from pdserve.engine.models.model_config import ModelConfig
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
 from pdserve.engine.models.split_qkv import SplitQKV
 from pdserve.kernels import AttentionMetadata, paged_attention, write_to_cache
@@ -76,7 +76,7 @@ class ShardSizes:
 
 class LayerPieces(NamedTuple):
     """A decoder layer's non-attention parts, ``f(layer, ...)``: this module's methods, or their
-    ``torch.compile``d versions (``pdserve.engine.compile``). Attention itself always runs eagerly."""
+    ``torch.compile``d versions (``pdserve.engine.runner.compile``). Attention itself always runs eagerly."""
     before_attention: Callable        # (layer, h, cos, sin) -> q, k, v
     after_attention: Callable         # (layer, h, attn_out) -> h
 

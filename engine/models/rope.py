@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from pdserve.engine.model_config import RopeConfig
+from pdserve.engine.models.model_config import RopeConfig
 from pdserve.kernels import cpu_ops
 
 

@@ -53,7 +53,7 @@ from pdserve.engine.parallel.rendezvous import file_store, remove_file_store, re
 from pdserve.engine.parallel.stage import stage_layers
 from pdserve.engine.parallel.watchdog import Heartbeat, RankInfo, Watchdog
 from pdserve.engine.parallel.worker import READY_KEY, SPEC_KEY
-from pdserve.engine.sampler import SampleResult
+from pdserve.engine.runner.sampler import SampleResult
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Fault injection in the worker ranks and the engine core, for the lifecycle tests and
-``bench/parallel_lifecycle.py``.
+``devbench/parallel_lifecycle.py``.
 
 Off unless ``PDSERVE_FAULTS`` is set (``engine/envs.py``); the engine core and the ranks inherit it from
 the driver:

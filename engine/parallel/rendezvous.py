@@ -11,7 +11,7 @@ A TCPStore, even on 127.0.0.1, lets any local user do both: one that rewrote the
 started had them load its own weights (tried, as uid nobody). With --nnodes > 1 the machines must meet
 over TCP: the port is --master-port on --master-addr, and since, given only a port, TCPStore listens on
 every interface, the socket is bound here and handed to the store; whoever reaches it can still read and
-write every key (the README's threat model). With --nnodes 1, gloo's own
+write every key (docs/threat-model.md). With --nnodes 1, gloo's own
 listeners are put on the interface that holds --master-addr too (``GLOO_SOCKET_IFNAME``, unless set):
 left alone, gloo listens wherever the hostname resolves. The launcher runs in its own session, inherits the
 heartbeat and the rings as fds (``shm.py``) and the read end of the lifeline pipe, whose EOF (the

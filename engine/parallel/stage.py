@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.input_batch import build_step_inputs
 from pdserve.engine.parallel.messages import SampledToken, StepMessage, StepRequest
+from pdserve.engine.runner.input_batch import build_step_inputs
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine import host_memory
-from pdserve.engine.loader import load_model
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.loader import load_model
 from pdserve.engine.parallel import faults
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle, WriterDeadError
@@ -44,6 +43,7 @@ from pdserve.engine.parallel.kv import gather_part, scatter_part
 from pdserve.engine.parallel.stage import Coords, StageRunner, stage_layers
 from pdserve.engine.parallel.tp import TPGroup, attach
 from pdserve.engine.parallel.watchdog import Heartbeat
+from pdserve.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("pdserve.worker")
 SPEC_KEY, READY_KEY = "pdserve/spec", "pdserve/ready"
@@ -94,7 +94,7 @@ class Worker:
 
     def _load(self) -> StageRunner:
         spec, c = self.spec, self.coords
-        from pdserve.engine.model_config import ModelConfig
+        from pdserve.engine.models.model_config import ModelConfig
 
         num_layers = ModelConfig.from_dir(spec.model, dtype=spec.dtype).num_layers
         first, count = stage_layers(num_layers, spec.pp)[c.pp]

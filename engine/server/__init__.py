@@ -1,4 +1,4 @@
-"""The node's OpenAI-compatible HTTP server (FastAPI), over ``pdserve.engine.async_engine.AsyncEngine``.
+"""The node's OpenAI-compatible HTTP server (FastAPI), over ``pdserve.engine.core.async_engine.AsyncEngine``.
 
 ``pdserve node`` calls ``build_app(engine, api_key=..., limits=...)`` and runs it with uvicorn; the proxy
 reuses ``protocol``, ``checks``, ``limits``, ``prompt_work``, ``direct`` and ``errors``, so both refuse alike.

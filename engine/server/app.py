@@ -1,6 +1,6 @@
 """``build_app(engine, api_key=...)``: the node's FastAPI app, served by uvicorn from ``pdserve node``.
 
-    engine = AsyncEngine(config)            # pdserve.engine.async_engine
+    engine = AsyncEngine(config)            # pdserve.engine.core.async_engine
     app = build_app(engine, api_key=key, limits=RequestLimits(...))   # routes, errors, metrics, auth, limits
     uvicorn.run(app, host=..., port=...)
 

@@ -29,7 +29,7 @@ from pdserve.engine.server.prompt_work import PromptWork
 
 @dataclass(frozen=True)
 class NodeState:
-    engine: Any                         # AsyncEngine (pdserve.engine.async_engine)
+    engine: Any                         # AsyncEngine (pdserve.engine.core.async_engine)
     metrics: ServerMetrics
     token_text: Callable[[int], str]    # one token id -> its text, cached
     prompts: PromptWork                 # tokenization and chat templating, bounded and off the event loop

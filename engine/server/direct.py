@@ -13,7 +13,7 @@ so an error answer is the one FastAPI would give. Every other request
 -- another path or method, another content type, a body that is not JSON or does not validate -- goes to
 the FastAPI app unchanged (its body replayed), which answers it exactly as before. The same models, the same
 ``serve``: what changes is only the work skipped on the way in and out, FastAPI's routing, dependency solving
-and middleware stack (``bench/proxy_overhead.py`` measures what the proxy adds).
+and middleware stack (``devbench/proxy_overhead.py`` measures what the proxy adds).
 """
 
 from __future__ import annotations

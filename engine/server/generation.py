@@ -28,6 +28,7 @@ from typing import AsyncIterator
 import anyio
 from starlette.requests import Request
 
+from pdserve.engine.outputs import EngineDeadError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server.errors import APIError
 from pdserve.engine.server.metrics import RequestTracker, ServerMetrics
@@ -195,8 +196,6 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _as_api_error(request_id: str, exc: Exception) -> APIError:
-    from pdserve.engine.async_engine import EngineDeadError   # here: the proxy imports this package too
-
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineDeadError):     # the node is stopping (exit 1): another node can serve it

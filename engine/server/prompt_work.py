@@ -11,7 +11,7 @@ Order, per prompt: (1) the character limit -- a prompt longer than ``max_model_l
 token of the vocabulary cannot fit, so it is refused before a token is made (``checks.check_prompt_chars``);
 (2) a request whose text prompts have at most ``inline_chars`` characters in all (``INLINE_ENCODE_CHARS``)
 is encoded on the event loop itself, while the hop to a worker thread and back waits for the GIL behind the
-loop -- in a burst of 32 prompts of 512 tokens (``bench/compare_vllm.sh``'s workload, traced) the hop held
+loop -- in a burst of 32 prompts of 512 tokens (``devbench/compare_vllm.sh``'s workload, traced) the hop held
 prompts 20-35 ms from the engine. The budget is per request, not per prompt (64 prompts of 4,096 characters
 held the loop 0.3-0.5 s, a hostile review found), so one request holds the loop for at most one budget's
 encode: ~1.5 ms of ordinary text at ~0.4 us a character, 5-7 ms of the costliest (4-byte emoji) -- bounded
@@ -19,7 +19,7 @@ by the character count, so no deadline is needed there; (3) a larger request, an
 in one of ``limits.tokenize_workers`` threads, so the event loop keeps serving other clients; (4) the caller
 waits at most ``--tokenize-timeout``: past it the client gets 503 with
 ``Retry-After`` (the thread finishes on its own -- the character limit bounds it, and a chat template
-stops itself at the same deadline, see ``engine.chat_template``). ``max_model_len`` is a callable
+stops itself at the same deadline, see ``engine.text.chat_template``). ``max_model_len`` is a callable
 because the proxy learns it from the nodes' ``/v1/models``; ``None`` skips step (1).
 """
 
@@ -30,11 +30,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from pdserve.engine.chat_template import TemplateLimitError, TemplateLimits
+from pdserve.engine.request_limits import RequestLimits
 from pdserve.engine.server.checks import check_prompt_chars
 from pdserve.engine.server.errors import APIError, bad_request
-from pdserve.engine.request_limits import RequestLimits
-from pdserve.engine.tokenizer import apply_chat_template, max_chars_per_token
+from pdserve.engine.text.chat_template import TemplateLimitError, TemplateLimits
+from pdserve.engine.text.tokenizer import apply_chat_template, max_chars_per_token
 
 T = TypeVar("T")
 INLINE_ENCODE_CHARS = 4096     # text prompts up to this many characters are encoded on the event loop

@@ -125,7 +125,7 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     cache_salt: CacheSalt | None = None     # only requests with the same salt share prefix-cache blocks / store KV
     # pdserve P/D extensions (set by the proxy): token ids to use instead of re-tokenizing (one prompt,
-    # or one list per prompt), and the KV hand-off (see pdserve.engine.kv_transfer; a list: one per prompt)
+    # or one list per prompt), and the KV hand-off (see pdserve.engine.kv.kv_transfer; a list: one per prompt)
     prompt_token_ids: PromptIds | None = None
     kv_transfer_params: JSONObject | _bounded(list[JSONObject | None], MAX_PROMPTS) | None = None
 

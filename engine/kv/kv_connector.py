@@ -1,0 +1,239 @@
+"""The engine's one connection to a KV store: look up and load before prefill, publish after.
+
+Who calls what (all on the engine thread; the I/O runs on the publisher/loader threads):
+
+    LLMEngine.add_request      connector.add(req, kv_transfer_params)     keys, compatibility check
+    Scheduler, first admission n = connector.num_loadable_tokens(req, local_hit)   (lookup + accounting)
+                               connector.start_load(req, local_hit, n)    req waits in WAITING_FOR_KV
+    Scheduler.schedule         connector.finished_loads() -> {id: loaded tokens}   (0 = recompute all)
+    LLMEngine.step, after run  connector.after_step(scheduled)            publish chunks now complete
+    request finished           connector.close(req)  -> the response waits for finished_publishes()
+    request aborted            connector.forget(req)  (queued chunks are still put; no result is kept)
+    response                   connector.transfer_params(req), connector.accounting(req)
+
+Integrity: every object is sealed by the publisher (``kvstore.seal``: a keyed MAC with the cluster's seal
+key) and checked by the loader before it is scattered, on every node that loads; ``transfer_params``
+carries the digest of each chunk the prefill node published, which the decode node's loader compares with
+what it read.
+
+The store behind it is any ``pdserve.kvstore.KVStore``: the embedded tiered store or a daemon
+client. A store that fails costs hits (logged once, counted), never a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import dataclasses
+import json
+
+import torch
+import xxhash
+
+from pdserve.decode.loader import ChunkLoader, LoadJob
+from pdserve.engine.kv.kv_transfer import KVTransferParams
+from pdserve.kvstore.accounting import KVAccounting, account, not_run
+from pdserve.kvstore.health import TierHealth
+from pdserve.kvstore.keys import chunk_keys, model_fingerprint
+from pdserve.prefill.publisher import ChunkPublisher, PublishResult
+
+logger = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+
+
+@dataclass
+class _Transfer:
+    keys: list[str]
+    lens: list[int]
+    publish: bool
+    remote: KVTransferParams | None
+    stored: int = 0                     # leading chunks already in the store at lookup (not published here)
+    published: int = 0                  # chunks handed to the publisher (or already stored)
+    result: PublishResult | None = None # what the store acknowledged, once the publish finished
+    accounting: KVAccounting | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class StoreConnector:
+    def __init__(self, store, model_config, layout, kv_caches: list[dict], block_size: int,
+                 chunk_tokens: int, role: str, seal_key: bytes, kv_io=None):
+        if chunk_tokens % block_size:
+            raise ValueError(f"--kv-chunk-tokens {chunk_tokens} must be a multiple of --block-size {block_size}")
+        self.store, self.block_size, self.chunk_tokens, self.role = store, block_size, chunk_tokens, role
+        self.layout_text = layout.describe()
+        self.fingerprint = model_fingerprint(model_config.architecture, weights_identity(model_config.model_dir),
+                                             str(layout.dtype), self.layout_text, FORMAT_VERSION,
+                                             config_identity(model_config))
+        shape = (len(layout.components), layout.num_kv_heads, layout.head_dim)
+        self.health = TierHealth("kv-store", base_s=2.0, max_s=30.0)
+        durable = role == "prefill" and hasattr(store, "flush")   # embedded store: the reader is elsewhere
+        if kv_io is None:
+            self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health, seal_key, durable)
+            self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health, seal_key)
+        else:   # tp x pp: the cache lives in the worker ranks (pdserve.engine.parallel.kv)
+            self.publisher = kv_io.publisher(store, self.health, seal_key, durable)
+            self.loader = kv_io.loader(store, shape, self.health, seal_key)
+        self._reqs: dict[str, _Transfer] = {}
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def check(self, params: KVTransferParams) -> None:
+        params.check_compatible(fingerprint=self.fingerprint, block_size=self.block_size,
+                                chunk_tokens=self.chunk_tokens, kv_layout=self.layout_text)
+
+    def add(self, req, params: KVTransferParams | None) -> None:
+        if params is not None and params.do_remote_prefill:
+            self.check(params)
+        keys = chunk_keys(req.prompt_token_ids, self.chunk_tokens, self.fingerprint, include_partial=True,
+                          cache_salt=req.cache_salt)
+        n = req.num_prompt_tokens
+        lens = [min(self.chunk_tokens, n - i * self.chunk_tokens) for i in range(len(keys))]
+        self._reqs[req.request_id] = _Transfer(keys, lens, publish=self.role != "decode", remote=params)
+
+    def num_loadable_tokens(self, req, local_hit: int) -> int:
+        t = self._reqs.get(req.request_id)
+        if t is None:
+            return 0
+        store_hit = self.loader.lookup(t.keys, t.lens)
+        t.accounting = account(req.num_tokens, local_hit, store_hit, self.block_size)
+        t.stored = t.published = _chunks_covered(t.lens, store_hit)   # already in the store: not again
+        return t.accounting.need_to_load
+
+    def start_load(self, req, start: int, num_tokens: int) -> None:
+        t = self._reqs[req.request_id]
+        slots = _slots(req.block_ids, start + num_tokens, self.block_size)
+        digests = t.remote.chunk_digests if t.remote is not None else []
+        self.loader.start(LoadJob(req.request_id, t.keys, t.lens, slots, start, num_tokens, list(digests)))
+
+    def finished_loads(self) -> dict[str, int]:
+        done = self.loader.finished()
+        for rid, loaded in done.items():
+            t = self._reqs.get(rid)
+            if t is not None and t.accounting is not None:
+                if loaded < t.accounting.need_to_load:      # a chunk failed its seal (or vanished): ours to publish
+                    good = _chunks_covered(t.lens, t.accounting.local_hit_tokens + loaded)
+                    t.stored = t.published = min(t.stored, good)
+                t.accounting = t.accounting.with_loaded(loaded)
+        return done
+
+    def after_step(self, scheduled) -> None:
+        """Publish every prompt chunk that the step just computed (call before blocks are freed)."""
+        for item in scheduled:
+            req, t = item.request, self._reqs.get(item.request.request_id)
+            if t is None or not t.publish or not req.block_ids:
+                continue
+            done_tokens = min(item.first_token_index + item.num_new_tokens, req.num_prompt_tokens)
+            try:
+                while t.published < len(t.keys) and sum(t.lens[:t.published + 1]) <= done_tokens:
+                    self._publish_chunk(req, t, t.published)
+                    t.published += 1
+            except Exception as exc:  # noqa: BLE001 - this request's KV stays unpublished; decode recomputes
+                logger.warning("publishing KV of %s failed (%s: %s); its later chunks are not published",
+                               req.request_id, type(exc).__name__, exc)
+                self.publisher.failures += 1
+                t.publish = False
+
+    def _publish_chunk(self, req, t: _Transfer, index: int) -> None:
+        start = index * self.chunk_tokens
+        slots = _slots(req.block_ids, start + t.lens[index], self.block_size)[start:]
+        self.publisher.publish(req.request_id, index, t.keys[index], slots)
+
+    def close(self, request_id: str) -> None:
+        """The request finished: its publish is complete once ``finished_publishes`` names it."""
+        t = self._reqs.get(request_id)
+        self.publisher.close_request(request_id, t.stored if t is not None else 0)
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted: no publish result will be asked for."""
+        self.publisher.forget(request_id)
+        self._reqs.pop(request_id, None)
+
+    def finished_publishes(self) -> set[str]:
+        done = self.publisher.finished()
+        for rid, result in done.items():
+            if rid in self._reqs:
+                self._reqs[rid].result = result
+        return set(done)
+
+    # -- results ------------------------------------------------------------------------------
+
+    def accounting(self, req) -> KVAccounting:
+        t = self._reqs.get(req.request_id)
+        if t is None:
+            return account(req.num_prompt_tokens, req.num_cached_tokens, 0, self.block_size)
+        if t.accounting is None:              # never admitted (e.g. ended by the prefill node's token)
+            return not_run()
+        return t.accounting
+
+    def transfer_params(self, req) -> KVTransferParams:
+        """What the decode node needs; call once ``finished_publishes`` named the request."""
+        t = self._reqs[req.request_id]
+        chunks = t.result.chunks if t.result is not None else t.stored
+        digests = [t.result.digests.get(i, "") for i in range(chunks)] if t.result is not None else []
+        first = req.output_token_ids[0] if req.output_token_ids else None
+        return KVTransferParams(do_remote_prefill=True, model_fingerprint=self.fingerprint,
+                                block_size=self.block_size, chunk_tokens=self.chunk_tokens,
+                                kv_layout=self.layout_text, num_tokens=sum(t.lens[:chunks]),
+                                chunk_keys=t.keys, chunk_digests=digests, first_token_id=first,
+                                accounting=_acc_dict(self.accounting(req)))
+
+    def release(self, request_id: str) -> None:
+        self._reqs.pop(request_id, None)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the publisher (its queued puts go out first) and the loader; the store is closed by its owner."""
+        if not self.publisher.stop(timeout_s):
+            logger.warning("KV publisher still busy after %.0fs at shutdown; unpublished chunks are lost", timeout_s)
+        self.loader.stop(timeout_s)
+
+    def stats(self) -> dict:
+        return {"load_failures": self.loader.failures, "publish_failures": self.publisher.failures,
+                "load_integrity_failures": self.loader.integrity_failures,
+                "load_digest_mismatches": self.loader.digest_mismatches,
+                "publish_skipped": self.publisher.skipped, **{f"store_{k}": v for k, v in self.health.snapshot().items()}}
+
+
+def weights_identity(model_dir) -> str:
+    """xxh3-64 over every safetensors file (names and bytes): different weights, different keys."""
+    h = xxhash.xxh3_64()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(16 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+_NOT_KV = ("model_dir", "eos_token_ids", "bos_token_id")   # fields that never change a KV byte
+
+
+def config_identity(model_config) -> str:
+    """sha256 over every ModelConfig field that can shape KV (RoPE, norm eps, window, dims, dtype...).
+
+    Fields are opt-out, not opt-in: a field added to ModelConfig later is covered without a change here.
+    """
+    fields = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in _NOT_KV}
+    text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def _slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(num_tokens)
+    table = torch.tensor(block_ids[: (num_tokens + block_size - 1) // block_size], dtype=torch.long)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def _chunks_covered(lens: list[int], tokens: int) -> int:
+    n, total = 0, 0
+    while n < len(lens) and total + lens[n] <= tokens:
+        total += lens[n]
+        n += 1
+    return n
+
+
+def _acc_dict(a: KVAccounting) -> dict[str, int]:
+    return {"total_tokens": a.total_tokens, "local_hit_tokens": a.local_hit_tokens,
+            "store_hit_tokens": a.store_hit_tokens, "need_to_load": a.need_to_load,
+            "loaded_tokens": a.loaded_tokens, "recomputed_tokens": a.recomputed_tokens}

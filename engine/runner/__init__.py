@@ -1,0 +1,15 @@
+"""The model runner and what feeds it: one scheduled step in, one sampled token per finished row out.
+
+Called by ``LLMEngine.step`` (``runner.execute(scheduler_output)``, tp = pp = 1) and by each tp x pp worker rank
+(``parallel/worker.py``, ``stage.py``), which owns a ``ModelRunner`` for its KV cache shard and builds its
+micro-batches with ``build_step_inputs``. In the order a step meets it:
+
+    model_runner.py  owns the paged KV cache tensors and the per-request generators; runs the model, then samples
+    input_batch.py   per-request rows in preallocated arrays -> the step's flat numpy arrays (StepArrays)
+    staging.py       StepArrays -> StepInputs on the device (CUDA: one pinned int32 buffer, one copy)
+    cuda_graphs.py   decode steps replayed from CUDA graphs, one per batch-size bucket (CUDA, not --enforce-eager)
+    compile.py       torch.compile of each layer's non-attention parts (CPU, --torch-compile)
+    sampler.py       logits -> tokens: temperature, top-k/p, min-p, repetition penalty, logprobs, seeded generators
+
+The model code it calls is ``models/``; the attention kernels are ``pdserve.kernels``.
+"""

@@ -1,0 +1,160 @@
+"""Runs the model for one scheduled step and samples: the only place that touches the KV cache tensors.
+
+Called by ``LLMEngine.step``:  ``sampled = runner.execute(scheduler_output)``  ->  ``{request_id: SampleResult}``.
+A tensor/pipeline-parallel worker rank (``pdserve.engine.parallel.stage``) owns one too, for its
+KV cache shard and ``sample_requests``.
+Owns the paged KV cache (allocated once from the ``KVLayout``), the per-request sampling generators
+and the sampler call; on CUDA the decode graphs (``cuda_graphs.py``), on CPU the compiled layer
+pieces (``compile.py``), both built at start-up and skipped under ``--enforce-eager``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.kv.kv_layout import KVLayout
+from pdserve.engine.models.llama import LogitRows
+from pdserve.engine.runner.input_batch import InputBatch
+from pdserve.engine.runner.sampler import sample, skip_draws
+from pdserve.kernels import cpu_attention, cpu_ops, resolve_backend
+
+
+class SampleFailure:
+    """In place of a ``SampleResult``: sampling this request raised; ``message`` says why."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class ModelRunner:
+    def __init__(self, model, layout: KVLayout, num_blocks: int, block_size: int, device: str = "cpu",
+                 max_num_seqs: int = 64, max_model_len: int = 4096, attention_backend: str | None = None,
+                 enforce_eager: bool = True, torch_compile: bool = False):
+        self.model = model
+        self.layout = layout
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_caches = layout.allocate(num_blocks, block_size, self.device)   # per layer {k, v}: [N, bs, Hkv, D]
+        self.attention_backend = resolve_backend(attention_backend, self.device.type)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device, self.attention_backend)
+        self._generators: dict[str, torch.Generator] = {}
+        self.graphs = None                  # DecodeGraphs on CUDA unless --enforce-eager (cuda_graphs.py)
+        if self.device.type == "cuda" and not enforce_eager:
+            from pdserve.engine.runner.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs.capture(self, max_num_seqs, max_model_len)
+        self.compiled = None                # CompiledLayers when torch_compile (compile.py: CPU, one process)
+        if torch_compile:
+            from pdserve.engine.runner.compile import compile_layers
+
+            self.compiled = compile_layers(model)
+        self.keep_sampled_rows = self._rows_keep_their_bits()     # LogitRows: see _forward
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output) -> dict:
+        for req in (*scheduler_output.preempted, *scheduler_output.rejected):
+            self.input_batch.remove(req.request_id)       # their blocks are gone; a rerun starts a new row
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return {}
+        inputs = self.input_batch.prepare(scheduled)
+        hidden = self.graphs.run(inputs) if self.graphs is not None else None                # decode: replay
+        if hidden is not None:
+            hidden = hidden[inputs.sample_rows]
+        else:
+            hidden = self._forward(inputs)                                                    # [S, D]
+        if not inputs.sample_requests:
+            return {}
+        logits = self.model.compute_logits(hidden)                                            # [S, V]
+        return self.sample_requests(logits, inputs.sample_requests)
+
+    def _forward(self, inputs) -> torch.Tensor:
+        """The hidden states of the sampled rows, [S, D]. Where ``keep_sampled_rows`` holds, an eager step with
+        rows that are not sampled (prompt chunks) runs its last layer's attention and MLP for the sampled rows
+        only (``LogitRows``: the same bits for them, less work); other steps run every row and pick."""
+        n, rows = inputs.input_ids.shape[0], inputs.sample_rows
+        pieces = self.compiled.pieces_for(n) if self.compiled is not None else None
+        if self.keep_sampled_rows and pieces is None and rows.numel() < n:
+            keep = LogitRows(rows, inputs.attn.for_rows(rows))
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, logit_rows=keep)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, pieces=pieces)[rows]
+
+    def _rows_keep_their_bits(self) -> bool:
+        """Whether the last layer may run for the sampled rows only and give each the bits of the full step:
+        the ``cpu`` attention kernel on a cache it takes (else the torch reference runs, whose decode and
+        prefill paths round differently), the C RMSNorm, and fp32 matmuls on oneDNN with the few-row panels
+        (``DecoderLayer.rows_independent``). Compiled steps keep the full step too (``_forward``): compiled
+        and eager pieces round differently."""
+        model = self.model
+        if self.attention_backend != "cpu" or not getattr(model, "is_last", False) or not self.kv_caches:
+            return False
+        keep = (cpu_attention.supports(self.kv_caches[-1]) and cpu_ops.load() is not None
+                and model.layers[-1].rows_independent())
+        if keep:
+            model.layers[-1].attn.split_qkv()         # its Q/KV parts, checked and copied now, not in a request
+        return keep
+
+    def sample_requests(self, logits: torch.Tensor, reqs: list) -> dict:
+        """logits: [S, V] of ``reqs`` (anything with request_id, sampling_params, all_token_ids,
+        banned_token_ids and sampler_draws, like ``Request``) -> {request_id: SampleResult}.
+
+        One request's bad parameters (a generator it cannot seed, a token id outside the vocabulary)
+        fail that request only: its entry is a ``SampleFailure`` and the others get their tokens. If
+        the batch raises, the generators are put back where they were and each request is sampled alone.
+        """
+        out, rows, ok, gens = {}, [], [], []
+        for i, r in enumerate(reqs):
+            try:
+                gens.append(self._generator(r, logits.shape[1]))
+                rows.append(i)
+                ok.append(r)
+            except Exception as exc:  # noqa: BLE001 - a seed the generator refuses
+                out[r.request_id] = SampleFailure(f"sampler seeding failed: {type(exc).__name__}: {exc}")
+        states = [None if g is None else g.get_state() for g in gens]
+        try:
+            batch = logits if len(rows) == len(reqs) else logits[rows]
+            return {**out, **self._sample(batch, ok, gens)}
+        except Exception:  # noqa: BLE001 - find the culprit(s) row by row (the rare path)
+            for r, g, st, i in zip(ok, gens, states, rows):
+                if g is not None:
+                    g.set_state(st)
+                try:
+                    out.update(self._sample(logits[i:i + 1], [r], [g]))
+                except Exception as exc:  # noqa: BLE001 - that request fails, nobody else does
+                    out[r.request_id] = SampleFailure(f"sampling failed: {type(exc).__name__}: {exc}")
+            return out
+
+    def _sample(self, logits: torch.Tensor, reqs: list, gens: list) -> dict:
+        results = sample(logits, [r.sampling_params for r in reqs], gens, _histories(reqs), _banned(reqs))
+        return {r.request_id: res for r, res in zip(reqs, results)}
+
+    def _generator(self, req, vocab_size: int) -> torch.Generator | None:
+        """The request's generator, seeded once; one that continues a request started on another node
+        first skips the draws made there, so seeded output is the same as if one node ran it all."""
+        seed = req.sampling_params.seed
+        if seed is None or req.sampling_params.greedy:
+            return None
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = self._generators[req.request_id] = torch.Generator().manual_seed(seed)
+            skip_draws(gen, vocab_size, req.sampler_draws)
+        return gen
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state once the request finished or was aborted."""
+        self._generators.pop(request_id, None)
+        self.input_batch.remove(request_id)
+
+
+def _histories(reqs) -> list[list[int]] | None:
+    if all(r.sampling_params.repetition_penalty == 1.0 for r in reqs):
+        return None
+    return [r.all_token_ids for r in reqs]
+
+
+def _banned(reqs) -> list[list[int]] | None:
+    """min_tokens (vLLM semantics): until reached, eos and stop_token_ids cannot be sampled."""
+    banned = [list(r.banned_token_ids) for r in reqs]
+    return banned if any(banned) else None
