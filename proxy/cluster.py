@@ -277,8 +277,8 @@ def store_object_bytes(model_dir: str, node_flags: tuple[str, ...]) -> int:
     """The largest object the cluster's nodes store: one layer of one chunk (the largest --kv-chunk-tokens
     given, else 256), sealed, in float32 (no --dtype makes it larger). The daemon reads nothing larger back
     from Redis or disk: a value someone else put there costs at most this much per object."""
-    from pdserve.engine.model_config import ModelConfig
-    from pdserve.engine.store_factory import object_bytes
+    from pdserve.engine.models.model_config import ModelConfig
+    from pdserve.engine.kv.store_factory import object_bytes
 
     chunks = [int(node_flags[i + 1]) for i, f in enumerate(node_flags[:-1]) if f == "--kv-chunk-tokens"] + \
         [int(f.split("=", 1)[1]) for f in node_flags if f.startswith("--kv-chunk-tokens=")] or [256]
