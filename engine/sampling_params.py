@@ -16,6 +16,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from pdserve.engine.structured.spec import StructuredOutputs
+
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1      # what torch.Generator.manual_seed accepts
 GREEDY_TEMPERATURE = 1e-5                   # vLLM's _SAMPLING_EPS: below it, sampling is argmax
 MAX_TEMPERATURE = 1e6                       # far beyond uniform; float32 logits / inf would be NaN at -inf
@@ -45,6 +47,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    structured: StructuredOutputs | None = None   # the output must match it (engine/structured)
 
     def __post_init__(self) -> None:
         # Accept lists from JSON; keep the dataclass hashable/frozen.

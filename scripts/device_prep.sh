@@ -8,7 +8,7 @@
 # dependencies. .device/ is git-ignored: name it in the run's `carry`.
 set -euo pipefail
 SHARED=${SHARED:-../shared}
-EXTRA="blake3 httptools aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs idna typing_extensions"
+EXTRA="blake3 xgrammar apache-tvm-ffi httptools aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs idna typing_extensions"
 rm -rf .device && mkdir -p .device
 cp "$SHARED/device/setup.sh" .device/
 cp -r "$SHARED/device-wheels" .device/
