@@ -68,6 +68,8 @@ class LLM:
                 out.text += delta.new_text
                 out.num_cached_tokens = delta.num_cached_tokens
                 out.logprobs += delta.logprobs or []
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = [None, *delta.prompt_logprobs]
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
                     bar.update(1)

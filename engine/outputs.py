@@ -1,10 +1,23 @@
 """What the engine hands back: per request per step a delta (``RequestOutput``), per step its ``EngineStats``, and
 ``EngineDeadError`` once it has died. Consumed by ``LLM``, ``AsyncEngine``, the engine-core client and messages, and the
-HTTP server; kept free of engine imports so that each of them can import it."""
+HTTP server; kept free of engine imports so that each of them can import it. ``PromptLogprob`` is one prompt token's
+entry of ``prompt_logprobs`` (computed by ``runner/prompt_logprobs.py``, carried by ``kv_transfer_params`` too)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
+
+
+class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """Prompt token ``i`` (i >= 1) given tokens ``[0, i)``: its raw logprob, its rank (vLLM's: how many tokens of
+    the vocabulary have a logprob >= its own, so 1 is the most likely) and the ``k`` most likely tokens, most
+    likely first (their ranks are 1..k), ``k`` the request's ``prompt_logprobs``."""
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -21,6 +34,7 @@ class RequestOutput:
     kv_transfer_params: dict | None = None   # prefill role: what the decode node needs (final output)
     kv_accounting: dict | None = None        # with a KV store: total/local_hit/store_hit/... (final output)
     stop_reason: int | str | None = None     # finish_reason "stop": the stop string or stop token id (None: eos)
+    prompt_logprobs: list[PromptLogprob] | None = None   # with the first token: prompt tokens 1.. (params asked)
 
 
 @dataclass
@@ -35,6 +49,7 @@ class CompletionOutput:
     logprobs: list = field(default_factory=list)
     kv_transfer_params: dict | None = None
     kv_accounting: dict | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None   # vLLM's shape: None for the first prompt token
 
 
 @dataclass

@@ -22,6 +22,7 @@ SEED_MIN, SEED_MAX = -2**63, 2**64 - 1      # what torch.Generator.manual_seed a
 GREEDY_TEMPERATURE = 1e-5                   # vLLM's _SAMPLING_EPS: below it, sampling is argmax
 MAX_TEMPERATURE = 1e6                       # far beyond uniform; float32 logits / inf would be NaN at -inf
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)      # beyond it logits / penalty overflow (or vanish)
+MAX_LOGPROBS = 20                           # top logprobs per token, prompt_logprobs too (vLLM's --max-logprobs)
 
 
 class SamplingParamsError(ValueError):
@@ -48,6 +49,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     structured: StructuredOutputs | None = None   # the output must match it (engine/structured)
+    prompt_logprobs: int | None = None   # vLLM's: each prompt token's logprob and this many top ones (0..20)
 
     def __post_init__(self) -> None:
         # Accept lists from JSON; keep the dataclass hashable/frozen.
@@ -55,6 +57,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._check_types()
         self._check()
+        self._check_prompt_logprobs()
 
     def _check_types(self) -> None:
         """Integers and finite numbers (numpy scalars too), stored as plain int / float."""
@@ -94,6 +97,15 @@ class SamplingParams:
                  f"stop_token_ids must be >= 0, got {_short(list(self.stop_token_ids))}", "stop_token_ids")
         _require(all(isinstance(s, str) and s for s in self.stop),
                  f"stop strings must be non-empty strings, got {_short(list(self.stop))}", "stop")
+
+    def _check_prompt_logprobs(self) -> None:
+        value = self.prompt_logprobs
+        if value is None:
+            return
+        _require(_is_int(value), f"prompt_logprobs must be an integer, got {_short(value)}", "prompt_logprobs")
+        _require(0 <= value <= MAX_LOGPROBS, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {_short(value)}",
+                 "prompt_logprobs")
+        object.__setattr__(self, "prompt_logprobs", int(value))
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,7 @@ is still publishing is held back until the store acknowledged it (see ``outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import time
@@ -142,6 +143,8 @@ class LLMEngine:
         if transfer is not None:
             transfer.check_first_token(self.model_config.vocab_size)
         first = transfer.first_token_id if transfer and transfer.do_remote_prefill else None
+        params, prompt_lps = self._prompt_logprobs_source(prompt_token_ids, params, transfer if first is not None
+                                                          else None)
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                       eos_token_id=None if params.ignore_eos else self._eos(0),
                       extra_eos_token_ids=() if params.ignore_eos else tuple(self.model_config.eos_token_ids[1:]),
@@ -149,10 +152,23 @@ class LLMEngine:
                       sampler_draws=transfer.sampler_draws if first is not None else 0, cache_salt=cache_salt)
         if self.connector is not None:
             self.connector.add(req, transfer)           # raises on a prefill/decode mismatch
-        self.outputs.track(req, transfer)
+        self.outputs.track(req, transfer, prompt_lps)
         if first is not None and self.outputs.first_token_from_prefill(req, check_stop(req, self.max_model_len)):
             return                                      # finished on the prefill node's token: never scheduled
         self.scheduler.add_request(req)
+
+    def _prompt_logprobs_source(self, prompt_ids: list[int], params, transfer):
+        """(params to run, the prompt logprobs already known). A decode node takes the prefill node's from
+        ``transfer`` and computes none (its params lose ``prompt_logprobs``); a tp x pp node cannot compute them."""
+        if params.prompt_logprobs is None:
+            return params, None
+        if transfer is not None:
+            lps = transfer.prompt_logprobs_for(prompt_ids, self.model_config.vocab_size, params.prompt_logprobs)
+            return dataclasses.replace(params, prompt_logprobs=None), lps
+        if not isinstance(self.runner, ModelRunner):
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} (or echo with logprobs) is not supported on "
+                             "a tensor/pipeline parallel node (-tp/-pp); send it to a single-process node")
+        return params, None
 
     def check_token_ids(self, prompt_token_ids) -> None:
         check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
@@ -190,7 +206,8 @@ class LLMEngine:
         failed = [self.outputs.fail(rid, sampled.pop(rid).message)
                   for rid in [rid for rid, r in sampled.items() if isinstance(r, SampleFailure)]]
         self.scheduler.update_from_output(sched_out, {rid: r.token_id for rid, r in sampled.items()})
-        outputs = [o for o in failed if o is not None] + self.outputs.collect(sampled, sched_out.rejected)
+        outputs = [o for o in failed if o is not None] + \
+            self.outputs.collect(sampled, sched_out.rejected, getattr(self.runner, "prompt_logprobs", None))
         if not sched_out.scheduled and not outputs:
             time.sleep(0.001)                                # only waiting on KV loads / publishes
         return outputs

@@ -12,6 +12,10 @@ that asked for remote decode, the ``kv_transfer_params`` the decode node needs: 
 first token's logprobs and the seeded generator's draws, so that the decode node answers exactly
 what a colocated node would.
 
+Prompt logprobs (a request that asked for them): the runner's chunks are joined in ``collect`` and the whole
+list goes out with the first token (``RequestOutput.prompt_logprobs``) -- or fails the request if a prompt token
+is missing -- and, on a prefill node, into ``kv_transfer_params``; a decode node has them from the prefill node.
+
 Finish rules: ``RequestText``'s (vLLM's). Without a tokenizer (the engine-core process of
 ``--engine-core-process``) outputs carry token ids only: the API process detokenizes, finds stop
 strings and calls ``stop`` (a ``StopRequests`` message) for a request they end.
@@ -36,6 +40,8 @@ class _Live:
     text: RequestText | None         # None: token ids only (the API process detokenizes)
     transfer: object | None          # KVTransferParams the request came with
     first: SampleResult | None = None   # the first output token's sample (its logprobs go to the decode node)
+    prompt: list | None = None          # PromptLogprob of prompt tokens 1.. so far (None: not asked for)
+    prompt_sent: bool = False           # they went out with the first token
 
 
 class OutputAssembler:
@@ -49,10 +55,12 @@ class OutputAssembler:
         self.totals = {"total_tokens": 0, "local_hit_tokens": 0, "store_hit_tokens": 0, "loaded_tokens": 0,
                        "recomputed_tokens": 0}
 
-    def track(self, req: Request, transfer) -> None:
+    def track(self, req: Request, transfer, prompt_logprobs: list | None = None) -> None:
+        """``prompt_logprobs``: known already (the prefill node's, on a decode node)."""
         text = None if self.tokenizer is None else \
             RequestText(self.tokenizer, req.prompt_token_ids, req.sampling_params)
-        self._live[req.request_id] = _Live(req, text, transfer)
+        prompt = prompt_logprobs if prompt_logprobs is not None else [] if req.computes_prompt_logprobs else None
+        self._live[req.request_id] = _Live(req, text, transfer, prompt=prompt)
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self._live or request_id in self._held
@@ -99,9 +107,14 @@ class OutputAssembler:
             self._ready.append(out)
         return req.status.is_finished
 
-    def collect(self, sampled: dict, rejected=()) -> list[RequestOutput]:
-        """Deltas for the step's sampled tokens; final outputs for ``rejected`` (finished without a token)."""
+    def collect(self, sampled: dict, rejected=(), prompt_logprobs: dict | None = None) -> list[RequestOutput]:
+        """Deltas for the step's sampled tokens; final outputs for ``rejected`` (finished without a token).
+        ``prompt_logprobs``: the step's chunks, {request_id: (first prompt index, [PromptLogprob])}."""
         outs, self._ready = self._ready, []
+        for rid, (first, entries) in (prompt_logprobs or {}).items():
+            live = self._live.get(rid)
+            if live is not None and live.prompt is not None:
+                live.prompt += entries[len(live.prompt) + 1 - first:]     # a recompute (preemption) repeats some
         for rid, res in sampled.items():
             if rid in self._live:
                 out = self._emit_safely(rid, res)
@@ -135,12 +148,24 @@ class OutputAssembler:
         req = live.req
         if live.first is None:
             live.first = result
+        prompt = self._prompt_once(live)
         text, stop = ("", None) if live.text is None else live.text.add_token(token_id, req.finish_reason)
         if stop is not None:
             self._stop_on_string(req, stop)
         logprobs = [result] if result is not None and req.sampling_params.logprobs is not None else None
         out = self._output(req, [token_id], text, logprobs, live.transfer)
+        out.prompt_logprobs = prompt
         return self._finish(live, out) if req.status.is_finished else out
+
+    def _prompt_once(self, live: _Live) -> list | None:
+        """The prompt logprobs for the request's first token, all of them (else it fails), once."""
+        if live.prompt is None or live.prompt_sent:
+            return None
+        if len(live.prompt) != live.req.num_prompt_tokens - 1:
+            raise RuntimeError(f"prompt logprobs cover {len(live.prompt)} of the prompt's "
+                               f"{live.req.num_prompt_tokens - 1} tokens after the first")
+        live.prompt_sent = True
+        return live.prompt
 
     def _stop_on_string(self, req: Request, stop_string: str) -> None:
         """A stop string ends the request with "stop", even one that reached max_tokens on this token."""
@@ -178,6 +203,7 @@ class OutputAssembler:
                 params.first_token_logprob = live.first.logprob
                 params.first_token_top_logprobs = live.first.top_logprobs
             params.sampler_draws = generator_draws(live.req.sampling_params, live.req.num_output_tokens)
+            params.prompt_logprobs = live.prompt if live.prompt_sent else None
             out.kv_transfer_params = params.to_json_obj()
 
     def _published(self) -> list[RequestOutput]:

@@ -96,7 +96,7 @@ class StoreConnector:
         t = self._reqs.get(req.request_id)
         if t is None:
             return 0
-        store_hit = self.loader.lookup(t.keys, t.lens)
+        store_hit = 0 if req.computes_prompt_logprobs else self.loader.lookup(t.keys, t.lens)   # no logits in it
         t.accounting = account(req.num_tokens, local_hit, store_hit, self.block_size)
         t.stored = t.published = _chunks_covered(t.lens, store_hit)   # already in the store: not again
         return t.accounting.need_to_load

@@ -7,12 +7,16 @@ bytes; a mismatch is refused naming both values, never loaded as wrong KV.
     prefill -> proxy   {"do_remote_prefill": true, "version": 1, "model_fingerprint": ..., "block_size": 16,
                         "chunk_tokens": 256, "kv_layout": ..., "num_tokens": 300, "chunk_keys": [...],
                         "chunk_digests": [...], "first_token_id": 42, "first_token_logprob": -0.3,
-                        "first_token_top_logprobs": [[42, -0.3], ...], "sampler_draws": 1, "accounting": {...}}
+                        "first_token_top_logprobs": [[42, -0.3], ...], "sampler_draws": 1, "accounting": {...},
+                        "prompt_logprobs": [[id, logprob, rank, [[id, logprob], ...]], ...]   (when asked)}
     proxy -> decode    the same object; the decode node starts from prompt + first_token_id
 
 The sampling fields make the decode node's answer the one a colocated node gives: the first token's
 logprobs (emitted by the decode node as its own first token's), and ``sampler_draws``, the draws the
 prefill node's seeded generator made, which the decode node's generator skips before its first draw.
+``prompt_logprobs`` (a request that asked for them, or for ``echo`` with ``logprobs``): the prefill node ran the
+prompt, so its figures are the answer's; the decode node, which loads the prompt's KV and computes no logits for it,
+checks them against the prompt (``prompt_logprobs_for``) and emits them with the first token.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ from typing import Annotated
 
 import msgspec
 
+from pdserve.engine.outputs import PromptLogprob
+
 TRANSFER_VERSION = 1
 TopLogprobs = Annotated[list[tuple[int, float]], msgspec.Meta(max_length=20)]   # SamplingParams.logprobs <= 20
 Draws = Annotated[int, msgspec.Meta(ge=0, le=4096)]   # a prefill node samples one token; skipping is O(vocab) each
 Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{0,16}$")]            # kvstore.seal.chunk_digest
 Digests = Annotated[list[Digest], msgspec.Meta(max_length=1 << 16)]
+PromptLogprobs = Annotated[list[PromptLogprob], msgspec.Meta(max_length=1 << 20)]   # protocol.MAX_TOKEN_IDS
 
 
 class TransferMismatchError(ValueError):
@@ -49,6 +56,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_token_top_logprobs: TopLogprobs | None = None
     sampler_draws: Draws = 0                  # draws the prefill node's seeded generator made
     accounting: dict[str, int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None   # prompt tokens 1.. (the prefill node's, when asked for)
 
     @classmethod
     def from_json_obj(cls, obj) -> "KVTransferParams":
@@ -73,6 +81,25 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             [lp for _, lp in self.first_token_top_logprobs or ()]
         if any(math.isnan(lp) or lp > 0 for lp in lps):
             raise TransferMismatchError(f"kv_transfer_params logprobs must be <= 0 (a log-probability), got {lps}")
+
+    def prompt_logprobs_for(self, prompt_ids: list[int], vocab_size: int, k: int) -> list[PromptLogprob]:
+        """The prefill node's prompt logprobs for ``prompt_ids``, top lists cut to ``k``; raises naming what does
+        not fit: none sent, a length or a token other than the prompt's, an id outside the vocabulary, a logprob
+        that is not one, a rank below 1, more than 20 top entries (the msgspec bound on ``top`` is per struct)."""
+        got = self.prompt_logprobs
+        if got is None:
+            raise TransferMismatchError("the request asks for prompt logprobs but kv_transfer_params carries none; "
+                                        "the prefill node computes them (send the same request body to both)")
+        if len(got) != len(prompt_ids) - 1 or any(e.token_id != t for e, t in zip(got, prompt_ids[1:])):
+            raise TransferMismatchError(f"kv_transfer_params.prompt_logprobs has {len(got)} entries that do not "
+                                        f"follow the prompt's {len(prompt_ids) - 1} tokens after the first")
+        for e in got:
+            lps, ids = [e.logprob, *(lp for _, lp in e.top)], [i for i, _ in e.top]
+            if len(e.top) > 20 or e.rank < 1 or any(not 0 <= i < vocab_size for i in ids) or \
+                    any(math.isnan(lp) or lp > 0 for lp in lps):
+                raise TransferMismatchError(f"kv_transfer_params.prompt_logprobs entry {e!r:.200} is not a prompt "
+                                            f"logprob (rank >= 1, ids in [0, {vocab_size}), logprobs <= 0, <= 20 top)")
+        return [e if len(e.top) <= k else PromptLogprob(e.token_id, e.logprob, e.rank, e.top[:k]) for e in got]
 
     def check_compatible(self, *, fingerprint: str, block_size: int, chunk_tokens: int, kv_layout: str) -> None:
         """Raise naming both values when the prefill node's KV cannot be read here."""

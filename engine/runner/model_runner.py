@@ -6,6 +6,8 @@ KV cache shard and ``sample_requests``.
 Owns the paged KV cache (allocated once from the ``KVLayout``), the per-request sampling generators
 and the sampler call; on CUDA the decode graphs (``cuda_graphs.py``), on CPU the compiled layer
 pieces (``compile.py``), both built at start-up and skipped under ``--enforce-eager``.
+A step in which a request asks for prompt logprobs runs every row (``prompt_logprobs.py``); ``LLMEngine.step``
+reads what it computed from ``runner.prompt_logprobs`` after ``execute``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from pdserve.engine.kv.kv_layout import KVLayout
 from pdserve.engine.models.llama import LogitRows
 from pdserve.engine.runner.input_batch import InputBatch
+from pdserve.engine.runner.prompt_logprobs import plan_prompt_rows, prompt_logprobs
 from pdserve.engine.runner.sampler import sample, skip_draws
 from pdserve.kernels import cpu_attention, cpu_ops, resolve_backend
 
@@ -51,18 +54,25 @@ class ModelRunner:
 
             self.compiled = compile_layers(model)
         self.keep_sampled_rows = self._rows_keep_their_bits()     # LogitRows: see _forward
+        self.prompt_logprobs: dict = {}     # the last step's {request_id: (first index, [PromptLogprob])}
 
     @torch.inference_mode()
     def execute(self, scheduler_output) -> dict:
         for req in (*scheduler_output.preempted, *scheduler_output.rejected):
             self.input_batch.remove(req.request_id)       # their blocks are gone; a rerun starts a new row
         scheduled = scheduler_output.scheduled
+        self.prompt_logprobs = {}
         if not scheduled:
             return {}
         inputs = self.input_batch.prepare(scheduled)
-        hidden = self.graphs.run(inputs) if self.graphs is not None else None                # decode: replay
+        plan = plan_prompt_rows(scheduled)
+        hidden = self.graphs.run(inputs) if self.graphs is not None and plan is None else None   # decode: replay
         if hidden is not None:
             hidden = hidden[inputs.sample_rows]
+        elif plan is not None:
+            every = self._forward(inputs, every_row=True)                                     # [T, D]
+            self.prompt_logprobs = prompt_logprobs(self.model, every, plan)
+            hidden = every[inputs.sample_rows]
         else:
             hidden = self._forward(inputs)                                                    # [S, D]
         if not inputs.sample_requests:
@@ -70,16 +80,18 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)                                            # [S, V]
         return self.sample_requests(logits, inputs.sample_requests)
 
-    def _forward(self, inputs) -> torch.Tensor:
-        """The hidden states of the sampled rows, [S, D]. Where ``keep_sampled_rows`` holds, an eager step with
-        rows that are not sampled (prompt chunks) runs its last layer's attention and MLP for the sampled rows
-        only (``LogitRows``: the same bits for them, less work); other steps run every row and pick."""
+    def _forward(self, inputs, every_row: bool = False) -> torch.Tensor:
+        """The hidden states of the sampled rows, [S, D] (``every_row``: of every row, [T, D]). Where
+        ``keep_sampled_rows`` holds, an eager step with rows that are not sampled (prompt chunks) runs its last
+        layer's attention and MLP for the sampled rows only (``LogitRows``: the same bits for them, less work);
+        other steps run every row and pick."""
         n, rows = inputs.input_ids.shape[0], inputs.sample_rows
         pieces = self.compiled.pieces_for(n) if self.compiled is not None else None
-        if self.keep_sampled_rows and pieces is None and rows.numel() < n:
+        if self.keep_sampled_rows and pieces is None and rows.numel() < n and not every_row:
             keep = LogitRows(rows, inputs.attn.for_rows(rows))
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, logit_rows=keep)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, pieces=pieces)[rows]
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, pieces=pieces)
+        return hidden if every_row else hidden[rows]
 
     def _rows_keep_their_bits(self) -> bool:
         """Whether the last layer may run for the sampled rows only and give each the bits of the full step:

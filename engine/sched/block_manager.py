@@ -83,9 +83,10 @@ class BlockManager:
         """Longest cached prefix of full blocks and its length in tokens; changes nothing.
 
         Never the whole request: the last token must be computed to get logits, so at most
-        ``(num_tokens - 1) // block_size`` blocks (num_tokens = prompt + output after preemption).
+        ``(num_tokens - 1) // block_size`` blocks (num_tokens = prompt + output after preemption). None for a
+        request that computes its prompt logprobs (``Request.computes_prompt_logprobs``).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.computes_prompt_logprobs:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,

@@ -96,6 +96,12 @@ class Request:
         return _FINISH_REASONS.get(self.status)
 
     @property
+    def computes_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs, computed here: it takes no cached prefix, from the prefix cache or a
+        KV store (a reused prefix has no logits). A decode node gets them from the prefill node instead."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
     def banned_token_ids(self) -> tuple[int, ...]:
         """Ids the sampler may not pick for the next token: eos and stop ids until ``min_tokens`` (vLLM)."""
         params = self.sampling_params
