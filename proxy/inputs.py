@@ -4,8 +4,8 @@ Called by ``app`` for every /v1/completions and /v1/chat/completions request, on
 the body into the nodes' own pydantic model (so a bad body gets the node's 400 word for word):
 
     req = await admit_request(endpoint, body, parsed, gate, cache_salt=salt)   # APIError(4xx) if bad
-    prefill_body(req, model, i)  ->  client body + prompt i's token ids, max_tokens=1, stream=false,
-                                     n=1, min_tokens=min(client's, 1), do_remote_decode
+    prefill_body(req, model, i)  ->  client body + prompt i's token ids, max_tokens=1 (0: echo's, kept),
+                                     stream=false, n=1, min_tokens=min(client's, 1), do_remote_decode
     decode_body(req, model, kv)  ->  client body + prompt_token_ids + what prefill returned (a list of
                                      both, one per prompt, when the client sent several prompts)
 
@@ -23,7 +23,9 @@ bytes (tests, tools).
 
 The prefill node samples the first token with the client's parameters (seed, logprobs, stop ids,
 ``min_tokens`` capped at the one token it makes), so that the first token is the one a colocated
-node would pick; it travels to the decode node in ``kv_transfer_params``.
+node would pick; it travels to the decode node in ``kv_transfer_params``, as do the prompt logprobs a request
+with ``prompt_logprobs`` or ``echo`` + ``logprobs`` asks for (the prefill node runs the prompt, the decode node
+computes none). ``echo`` with ``max_tokens`` 0 (one prompt, not streaming) is answered by the prefill node alone.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ class ProxyRequest:
 
     @property
     def prefill_only(self) -> bool:
-        """A non-streaming one-token request for one prompt: the prefill answer is the whole answer."""
-        return self.max_tokens == 1 and not self.stream and len(self.prompts) == 1
+        """A non-streaming one-token (or echo-only: ``max_tokens`` 0) request for one prompt: the prefill answer
+        is the whole answer."""
+        return self.max_tokens in (0, 1) and not self.stream and len(self.prompts) == 1
 
     @property
     def decode_tokens(self) -> int:
@@ -142,7 +145,7 @@ def prefill_body(req: ProxyRequest, model_name: str | None, index: int = 0) -> d
     """The prefill call for prompt ``index``: the client's sampling parameters, one token."""
     body = _node_body(req, model_name)
     body.pop("stream_options", None)
-    body.update(max_tokens=1, stream=False, prompt_token_ids=req.prompts[index].ids,
+    body.update(max_tokens=0 if req.max_tokens == 0 else 1, stream=False, prompt_token_ids=req.prompts[index].ids,
                 min_tokens=min(req.min_tokens, 1),
                 kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
     if "max_completion_tokens" in body:

@@ -25,7 +25,16 @@ TEXT_LENGTHS = (1, 2, 3, 6, 8)           # baseline texts after k greedy tokens
 COMMON = ("greedy", "greedy-max1", "logprobs", "logprobs-max1", "seeded", "seeded-n3", "seeded-n3-max1",
           "n3-logprobs", "stop-first-token", "stop-inside-first-token", "stop-across-tokens", "stop-last-token",
           "stop-include", "stop-id-first-min-tokens", "stop-id-across", "min-tokens-stop-string", "min-tokens-eos")
-NAMES = {CMPL: (*COMMON, "prompt-list", "prompt-list-n2-seeded"), CHAT: (*COMMON, "no-generation-prompt")}
+NAMES = {CMPL: (*COMMON, "prompt-list", "prompt-list-n2-seeded", "echo", "echo-max0", "echo-logprobs",
+               "echo-logprobs-max0", "echo-n2-seeded-logprobs", "loglikelihood-batch", "prompt-logprobs",
+               "prompt-logprobs-echo"),
+         CHAT: (*COMMON, "no-generation-prompt", "echo-last-message", "prompt-logprobs")}
+NO_STREAM = {"prompt-logprobs", "prompt-logprobs-echo"}    # prompt_logprobs > 0 with stream=true is a 400 (vLLM's)
+
+
+def streams(name: str) -> tuple[bool, ...]:
+    """The ``stream`` values case ``name`` is sent with."""
+    return (False,) if name in NO_STREAM else (False, True)
 
 
 @dataclass(frozen=True)
@@ -62,14 +71,31 @@ def cases(endpoint: str, base: Baseline) -> dict[str, dict[str, Any]]:
                                    "stop": [_ending_at(t[8], len(t[1]), whole=True)]},
         "min-tokens-eos": {**prompt_field(endpoint), "temperature": 0.0, "max_tokens": 8, "min_tokens": 5},
     }
+    body["prompt-logprobs"] = {**greedy, "prompt_logprobs": 3, "max_tokens": 3}
     if endpoint == CHAT:
         body["no-generation-prompt"] = {**greedy, "messages": CONTINUE, "add_generation_prompt": False,
                                         "max_tokens": 6}
+        body["echo-last-message"] = {**body["no-generation-prompt"], "echo": True}
     else:
         prompts = {"prompt": [PROMPTS[CMPL], SECOND_PROMPT]}
         body["prompt-list"] = {**greedy, **prompts, **lp, "max_tokens": 5}
         body["prompt-list-n2-seeded"] = {**seeded, **prompts, "n": 2, "seed": 11, "max_tokens": 5}
+        body.update(_echo_cases(greedy, seeded, prompts))
     return body
+
+
+def _echo_cases(greedy: dict, seeded: dict, prompts: dict) -> dict[str, dict[str, Any]]:
+    """Completions ``echo`` (lm-eval-harness's loglikelihood: echo, max_tokens 0 or 1, logprobs 1) and
+    ``prompt_logprobs``."""
+    return {
+        "echo": {**greedy, "echo": True, "max_tokens": 4},
+        "echo-max0": {**greedy, "echo": True, "max_tokens": 0},
+        "echo-logprobs": {**greedy, "echo": True, "logprobs": 2, "max_tokens": 4},
+        "echo-logprobs-max0": {**greedy, "echo": True, "logprobs": 1, "max_tokens": 0},
+        "echo-n2-seeded-logprobs": {**seeded, "echo": True, "logprobs": 1, "n": 2, "seed": 5, "max_tokens": 3},
+        "loglikelihood-batch": {**greedy, **prompts, "echo": True, "logprobs": 1, "max_tokens": 1},
+        "prompt-logprobs-echo": {**greedy, "prompt_logprobs": 2, "echo": True, "logprobs": 1, "max_tokens": 2},
+    }
 
 
 def prompt_field(endpoint: str) -> dict[str, Any]:

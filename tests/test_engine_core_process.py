@@ -20,7 +20,7 @@ import pytest
 
 from conftest import NodeProcess
 from hf_reference import hf_greedy, hf_model
-from parity_matrix import CHAT, CMPL, NAMES, by_choice, cases, differences
+from parity_matrix import CHAT, CMPL, NAMES, by_choice, cases, differences, streams
 from polling import wait_until
 from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster
@@ -28,7 +28,7 @@ from test_pd_parity import NODE_FLAGS, _ask, _baseline
 
 CORE = ("--engine-core-process",)
 CONCURRENCY = 8
-CASES = [(endpoint, name, stream) for endpoint in (CMPL, CHAT) for name in NAMES[endpoint] for stream in (False, True)]
+CASES = [(endpoint, name, stream) for endpoint in (CMPL, CHAT) for name in NAMES[endpoint] for stream in streams(name)]
 IDS = [f"{'chat' if e == CHAT else 'cmpl'}-{n}-{'sse' if s else 'json'}" for e, n, s in CASES]
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Every student never forgot three green apples",
            "Her younger brother bravely crossed the winter garden", "What is the capital of France?"]
@@ -72,7 +72,7 @@ async def _run_matrix(targets: dict[str, str], base) -> dict:
 
         jobs = {(endpoint, name, stream): each(endpoint, body, stream)
                 for endpoint in (CMPL, CHAT) for name, body in cases(endpoint, base[endpoint]).items()
-                for stream in (False, True)}
+                for stream in streams(name)}
         return dict(zip(jobs, await asyncio.gather(*jobs.values())))
 
 

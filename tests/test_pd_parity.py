@@ -4,7 +4,8 @@ Per tokenizer kind (byte-level BPE; SentencePiece/Metaspace, Llama-2 style) one 
 daemon, prefill node, decode node, proxy -- and one colocated ``--role both`` node serve the same
 tiny model. Every case of ``parity_matrix.cases`` (completions and chat, streaming and not, n 1 and 3,
 max_tokens 1 and more, logprobs, greedy and seeded sampling, stop strings in / across / at the last
-token, stop ids, min_tokens, add_generation_prompt, prompt lists, include_stop_str_in_output) is
+token, stop ids, min_tokens, add_generation_prompt, prompt lists, include_stop_str_in_output, echo with and
+without logprobs, max_tokens 0, prompt_logprobs: the prefill node's, carried in kv_transfer_params) is
 sent to both, all cases concurrently, once per module; each test compares one case's two answers.
 """
 
@@ -20,7 +21,7 @@ import pytest
 
 from conftest import NodeProcess
 from parity_matrix import (CHAT, CMPL, NAMES, PROMPTS, TEXT_LENGTHS, Baseline, by_choice, cases, differences,
-                           prompt_field)
+                           prompt_field, streams)
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 from pdserve.engine.text.tokenizer import apply_chat_template
@@ -32,7 +33,7 @@ KINDS = ("bpe", "metaspace")
 NODE_FLAGS = ("--kv-chunk-tokens", "4", "--block-size", "4", "--no-enable-prefix-caching")
 CONCURRENCY = 8
 CASES = [(endpoint, name, stream)
-         for endpoint in (CMPL, CHAT) for name in NAMES[endpoint] for stream in (False, True)]
+         for endpoint in (CMPL, CHAT) for name in NAMES[endpoint] for stream in streams(name)]
 
 
 @dataclass
@@ -103,6 +104,14 @@ def test_the_matrix_exercises_what_it_claims(served):
         assert ok == ["stop"] * 3
         if served.kind == "metaspace":
             assert t[1].startswith(" ")
+    echo = served.answers[(CMPL, "echo-logprobs-max0", False)][1][1]
+    choice, usage = echo["choices"][0], echo["usage"]
+    assert choice["text"] == PROMPTS[CMPL] and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == usage["prompt_tokens"] and usage["completion_tokens"] == 0
+    assert choice["logprobs"]["token_logprobs"][0] is None and len(choice["prompt_logprobs"]) == usage["prompt_tokens"]
+    chat = served.answers[(CHAT, "echo-last-message", False)][1][1]
+    assert chat["choices"][0]["message"]["content"].startswith("Paris is the capital")
+    assert len(served.answers[(CHAT, "prompt-logprobs", False)][1][1]["prompt_logprobs"]) > 10
 
 
 def _baseline(model, colocated: str) -> dict[str, Baseline]:
@@ -132,7 +141,7 @@ async def _run_matrix(proxy: str, colocated: str, base: dict[str, Baseline]) -> 
 
         jobs = {(endpoint, name, stream): both(endpoint, body, stream)
                 for endpoint in (CMPL, CHAT) for name, body in cases(endpoint, base[endpoint]).items()
-                for stream in (False, True)}
+                for stream in streams(name)}
         return dict(zip(jobs, await asyncio.gather(*jobs.values())))
 
 

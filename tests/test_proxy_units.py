@@ -168,7 +168,9 @@ def test_parse_tokenizes_like_the_node_and_builds_prefill_and_decode_bodies(toke
     (COMPLETIONS, {"prompt": "x", "temperature": -1}, "temperature"),
     (COMPLETIONS, {"prompt": ["a", ""]}, "the prompt is empty"),
     (COMPLETIONS, {"prompt": "x", "prompt_token_ids": [1]}, "set by the proxy"),
-    (COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
+    (COMPLETIONS, {"prompt": "x", "echo": True, "prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20]"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "stream": True, "prompt_logprobs": 1},
+     "not available when stream"),
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only 'text' parts"),
 ])

@@ -196,7 +196,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "temperature": -1}, 400, "temperature must be >= 0, got -1"),
     ({"prompt": "hi", "top_p": 0}, 400, "top_p must be in (0, 1], got 0"),
     ({"prompt": "hi", "n": 0}, 400, "n:"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs must be in [0, 20], got 21"),
+    ({"prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs must be in [0, 20], got 21"),
+    ({"prompt": "hi", "stream": True, "prompt_logprobs": 2}, 400, "prompt_logprobs are not available when stream"),
     ({"max_tokens": 3}, 400, "prompt: Field required"),
 ]
 

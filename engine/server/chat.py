@@ -4,7 +4,9 @@ Registered by ``app.build_app``. The prompt is ``engine.tokenizer.apply_chat_tem
 add_generation_prompt)`` (through ``NodeState.prompts``: a sandboxed template, a worker thread, a
 deadline): rendered to text and encoded without extra special tokens (the template already has
 them), as vLLM does; the proxy tokenizes with the same function. Unset ``max_tokens`` means "up to
---max-model-len".
+--max-model-len". vLLM's extras: ``echo`` puts the last message's content before each choice's when its role is
+the answer's (streaming: a chunk of its own after the role chunks), ``prompt_logprobs`` (not streaming) comes as
+the answer's top-level ``prompt_logprobs`` (``echo.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fastapi import APIRouter, Request
 
 from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, created, kv_fields, make_calls,
                                           resolve_max_tokens, respond, sse, usage)
+from pdserve.engine.server.echo import chat_echo, prompt_logprobs_json
 from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.generation import Choice, EngineCall, Generation
 from pdserve.engine.server.protocol import ChatCompletionRequest, message_dicts
@@ -40,17 +43,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     calls = make_calls(request_id, [prompt_ids], [params], body.n, body.kv_transfer_params, body.cache_salt)
     return await respond(request, state, body, calls, arrival,
                          lambda gen: _stream(state, body, request_id, model, calls, gen),
-                         lambda choices: _response(state, request_id, model, calls, choices, body.n))
+                         lambda choices: _response(state, body, request_id, model, calls, choices))
 
 
-def _response(state: NodeState, request_id: str, model: str, calls: list[EngineCall],
-              choices: list[Choice], n: int) -> dict[str, Any]:
-    with_logprobs = calls[0].params.logprobs is not None
-    body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": _logprobs(state, c.logprobs) if with_logprobs else None,
-             "finish_reason": c.finish_reason} for c in choices]
+def _response(state: NodeState, body: ChatCompletionRequest, request_id: str, model: str, calls: list[EngineCall],
+              choices: list[Choice]) -> dict[str, Any]:
+    with_logprobs, echoed = calls[0].params.logprobs is not None, chat_echo(body)
+    answer = [{"index": c.index, "message": {"role": "assistant", "content": echoed + c.text},
+               "logprobs": _logprobs(state, c.logprobs) if with_logprobs else None,
+               "finish_reason": c.finish_reason} for c in choices]
+    prompt = choices[0].prompt_logprobs if choices else None
     return {"id": request_id, "object": "chat.completion", "created": created(), "model": model,
-            "choices": body, "usage": usage(calls, {c.index: c for c in choices}, n, state.role),
+            "choices": answer, "usage": usage(calls, {c.index: c for c in choices}, body.n, state.role),
+            **({"prompt_logprobs": prompt_logprobs_json(state, prompt)} if prompt is not None else {}),
             **kv_fields(state.role, choices)}
 
 
@@ -64,6 +69,10 @@ async def _stream(state: NodeState, body: ChatCompletionRequest, request_id: str
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
         yield sse({**base, "choices": [choice], **extra})
+    if echoed := chat_echo(body):
+        for index in choices:
+            choice = {"index": index, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
+            yield sse({**base, "choices": [choice], **extra})
     async with aclosing(generation.outputs()) as deltas:
         async for index, delta in deltas:
             choices[index].add(delta)

@@ -3,6 +3,10 @@
 Registered by ``app.build_app``. Flow: check model and fields -> tokenize each prompt ->
 one ``SamplingParams`` per prompt (max_tokens checked against --max-model-len) ->
 ``Generation`` over prompts x n engine requests -> OpenAI ``text_completion`` body or chunks.
+``echo`` / ``prompt_logprobs`` (``echo.py``): the echoed prompt and its logprobs lead each choice's text and
+logprobs -- streaming, in its first chunk, with its first token (vLLM's); each choice carries ``prompt_logprobs``
+when they were computed (not streaming). ``max_tokens`` 0 with ``echo``: the prompt alone, ``finish_reason``
+"length", no completion tokens (the one token the engine sampled is dropped).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from fastapi import APIRouter, Request
 
 from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, check_token_ids, created,
                                           kv_fields, make_calls, resolve_max_tokens, respond, sse, usage)
+from pdserve.engine.server.echo import legacy_logprobs, output_rows, prompt_logprobs_json, prompt_rows, prompt_texts
 from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.generation import Choice, EngineCall, Generation
 from pdserve.engine.server.protocol import CompletionRequest, prompt_list
@@ -33,9 +38,10 @@ async def create_completion(body: CompletionRequest, request: Request):
               for ids in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     calls = make_calls(request_id, prompts, params, body.n, body.kv_transfer_params, body.cache_salt)
+    echo = _Echo(state, body, calls, prompt_texts(state, body, prompts))
     return await respond(request, state, body, calls, arrival,
-                         lambda gen: _stream(state, body, request_id, model, calls, gen),
-                         lambda choices: _response(state, request_id, model, calls, choices, body.n))
+                         lambda gen: _stream(state, body, request_id, model, calls, gen, echo),
+                         lambda choices: _response(state, request_id, model, calls, choices, body.n, echo))
 
 
 async def _tokenize_prompts(state: NodeState, prompt) -> list[list[int]]:
@@ -50,31 +56,65 @@ async def _tokenize_prompts(state: NodeState, prompt) -> list[list[int]]:
     return out
 
 
+class _Echo:
+    """What a choice's answer puts before its generated text and logprobs (nothing without ``echo``)."""
+
+    def __init__(self, state: NodeState, body: CompletionRequest, calls: list[EngineCall], texts: list[str] | None):
+        self.state, self.texts, self.only = state, texts, body.echo_only
+        self.calls = {c.index: c for c in calls}
+        self.num_top, self.n = body.logprobs, body.n
+
+    def text(self, index: int) -> str:
+        return "" if self.texts is None else self.texts[index // self.n]
+
+    def rows(self, choice: Choice) -> list:
+        if self.texts is None:
+            return []
+        return prompt_rows(self.state, self.calls[choice.index].prompt_ids, choice.prompt_logprobs, self.num_top)
+
+    def drop_generated(self, choice: Choice) -> None:
+        """``max_tokens`` 0: the engine's one token is not part of the answer."""
+        if self.only:
+            choice.token_ids, choice.text, choice.logprobs, choice.finish_reason = [], "", [], "length"
+
+
 def _response(state: NodeState, request_id: str, model: str, calls: list[EngineCall],
-              choices: list[Choice], n: int) -> dict[str, Any]:
-    body = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-             "logprobs": _logprobs(state, c.logprobs, 0) if _wants_logprobs(calls) else None}
-            for c in choices]
+              choices: list[Choice], n: int, echo: _Echo) -> dict[str, Any]:
+    for c in choices:
+        echo.drop_generated(c)
+    body = [{"index": c.index, "text": echo.text(c.index) + c.text, "finish_reason": c.finish_reason,
+             "logprobs": legacy_logprobs(echo.rows(c) + output_rows(state, c.logprobs), 0)
+             if _wants_logprobs(calls) else None,
+             **_prompt_logprobs(state, c)} for c in choices]
     return {"id": request_id, "object": "text_completion", "created": created(), "model": model,
             "choices": body, "usage": usage(calls, {c.index: c for c in choices}, n, state.role),
             **kv_fields(state.role, choices)}
 
 
 async def _stream(state: NodeState, body: CompletionRequest, request_id: str, model: str,
-                  calls: list[EngineCall], generation: Generation) -> AsyncIterator[str]:
+                  calls: list[EngineCall], generation: Generation, echo: _Echo) -> AsyncIterator[str]:
     choices = {c.index: Choice(c.index) for c in calls}
+    sent = {c.index: -1 for c in calls}         # characters of text sent per choice; -1: nothing yet
     stamp, with_logprobs = created(), _wants_logprobs(calls)
     base = {"id": request_id, "object": "text_completion", "created": stamp, "model": model}
     async with aclosing(generation.outputs()) as deltas:
         async for index, delta in deltas:
-            offset = len(choices[index].text)
-            choices[index].add(delta)
-            if not (delta.new_text or delta.finished or delta.new_token_ids):   # a chunk per step with a token,
-                continue                                                       # text or not (vLLM's)
-            choice = {"index": index, "text": delta.new_text,
-                      "logprobs": _logprobs(state, delta.logprobs or [], offset) if with_logprobs else None,
-                      "finish_reason": delta.finish_reason if delta.finished else None}
-            yield sse({**base, "choices": [choice], **({"usage": None} if body.include_usage else {})})
+            choice = choices[index]
+            choice.add(delta)
+            if not (delta.new_text or delta.finished or delta.new_token_ids) or (echo.only and not delta.finished):
+                continue                                  # a chunk per step with a token, text or not (vLLM's)
+            first, offset = sent[index] < 0, max(sent[index], 0)
+            text, rows = delta.new_text, output_rows(state, delta.logprobs or [])
+            if echo.only:
+                echo.drop_generated(choice)
+                text, rows = "", []
+            if first:                                     # the echoed prompt leads the first chunk
+                text, rows = echo.text(index) + text, echo.rows(choice) + rows
+            sent[index] = offset + len(text)
+            out = {"index": index, "text": text,
+                   "logprobs": legacy_logprobs(rows, offset) if with_logprobs else None,
+                   "finish_reason": choice.finish_reason if delta.finished else None}
+            yield sse({**base, "choices": [out], **({"usage": None} if body.include_usage else {})})
     if body.include_usage:
         yield sse({**base, "choices": [], "usage": usage(calls, choices, body.n, state.role)})
 
@@ -83,16 +123,8 @@ def _wants_logprobs(calls: list[EngineCall]) -> bool:
     return calls[0].params.logprobs is not None
 
 
-def _logprobs(state: NodeState, results: list, text_offset: int) -> dict[str, Any]:
-    """The legacy completions shape: parallel lists per token; top_logprobs include the chosen token."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for r in results:
-        text = state.token_text(r.token_id)
-        tokens.append(text)
-        token_logprobs.append(r.logprob)
-        alternatives = {state.token_text(t): lp for t, lp in (r.top_logprobs or [])}
-        alternatives.setdefault(text, r.logprob)
-        top.append(alternatives)
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+def _prompt_logprobs(state: NodeState, choice: Choice) -> dict[str, Any]:
+    """The choice's ``prompt_logprobs`` field, where they were computed (asked for, or ``echo`` with logprobs)."""
+    if choice.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": prompt_logprobs_json(state, choice.prompt_logprobs)}

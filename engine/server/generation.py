@@ -58,8 +58,11 @@ class Choice:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None   # prefill role: what the decode node needs
     kv_accounting: dict | None = None        # with a KV store: this node's figures
+    prompt_logprobs: list | None = None      # PromptLogprob of prompt tokens 1.. (with the first token, if asked)
 
     def add(self, delta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.token_ids += delta.new_token_ids
         self.text += delta.new_text
         self.logprobs += delta.logprobs or []

@@ -11,14 +11,18 @@ strings, lists and dicts to the lengths below; JSON nesting is bounded before pa
 Every string is Unicode text and every free-form value plain JSON (``text``: a lone surrogate is a 400
 naming the field, not a 500 from the tokenizer or the proxy's encoder).
 Unknown fields are ignored, like OpenAI and vLLM do (kept, and checked as plain JSON: the proxy forwards
-them); known-but-unsupported ones that would change the output (``echo``, penalties other than
-repetition, ``logit_bias``) are rejected, not ignored.
+them); known-but-unsupported ones that would change the output (penalties other than repetition,
+``logit_bias``) are rejected, not ignored. ``echo`` and ``prompt_logprobs`` follow vLLM (``echo.py`` writes them):
+completions echo the prompt (``max_tokens`` 0 too: the engine then samples one token nobody sees), chat echoes the
+last message when it has the answer's role; ``prompt_logprobs`` in [0, 20], not with ``stream`` (above 0).
 Responses are plain dicts built next to their handlers: their shape is the OpenAI one.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Union
+
+from dataclasses import replace
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StringConstraints,
                       Tag)
@@ -124,6 +128,8 @@ class _SamplingFields(_Body):
     stop_token_ids: _bounded(list[TokenId], MAX_STOP_TOKEN_IDS) | None = None
     include_stop_str_in_output: bool = False
     cache_salt: CacheSalt | None = None     # only requests with the same salt share prefix-cache blocks / store KV
+    prompt_logprobs: Count | None = None    # each prompt token's logprob and this many top ones (SamplingParams: <= 20)
+    echo: bool = False                      # completions: the prompt first; chat: the last message (vLLM's)
     # pdserve P/D extensions (set by the proxy): token ids to use instead of re-tokenizing (one prompt,
     # or one list per prompt), and the KV hand-off (see pdserve.engine.kv.kv_transfer; a list: one per prompt)
     prompt_token_ids: PromptIds | None = None
@@ -153,17 +159,32 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def _streamed_prompt_logprobs(self) -> str | None:
+        """vLLM refuses prompt logprobs it could not show: a stream has no place for them."""
+        if self.stream and self.prompt_logprobs:
+            return f"prompt_logprobs are not available when stream=true (got prompt_logprobs={self.prompt_logprobs})"
+        return None
+
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: Count | None = 16
     logprobs: Count | None = None
-    echo: bool = False
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo=true is not supported"
-        return super().unsupported()
+        return self._streamed_prompt_logprobs() or super().unsupported()
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """vLLM's: ``max_tokens`` 0 with ``echo`` runs one token (not shown); ``echo`` with ``logprobs`` asks for
+        that many prompt logprobs unless ``prompt_logprobs`` says how many."""
+        params = super().to_sampling_params(1 if self.echo_only else max_tokens, logprobs)
+        prompt = self.prompt_logprobs if self.prompt_logprobs is not None else self.logprobs if self.echo else None
+        return params if prompt is None else replace(params, prompt_logprobs=prompt)
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the answer is the prompt, nothing generated (lm-eval's loglikelihood)."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -200,6 +221,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Count | None = None
     add_generation_prompt: bool = True
+
+    def unsupported(self) -> str | None:
+        return self._streamed_prompt_logprobs() or super().unsupported()
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        params = super().to_sampling_params(max_tokens, logprobs)
+        return params if self.prompt_logprobs is None else replace(params, prompt_logprobs=self.prompt_logprobs)
 
     @property
     def requested_max_tokens(self) -> int | None:
