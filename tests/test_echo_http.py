@@ -168,11 +168,9 @@ def test_chat_echo_puts_the_last_message_first(served):
     ({"prompt_logprobs": -1}, "prompt_logprobs must be in [0, 20], got -1"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs are not available when stream=true"),
     ({"echo": True, "logprobs": 21}, "logprobs must be in [0, 20], got 21"),
-    ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
 ])
 def test_bad_values_are_400_on_node_and_proxy(served, extra, message):
     for client in served.values():
         with pytest.raises(openai.BadRequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
-                                      **({"max_tokens": 2} | {k: v for k, v in extra.items() if k == "max_tokens"}),
-                                      extra_body={k: v for k, v in extra.items() if k != "max_tokens"})
+            client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=2,
+                                      extra_body=extra)

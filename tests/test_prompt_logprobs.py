@@ -72,6 +72,28 @@ def test_prompt_logprobs_after_a_prefix_cache_hit(model):
     assert_equal_hf(out.prompt_logprobs, hf, prompt + [7], k=0)
 
 
+def test_prompt_logprobs_survive_preemption(model):
+    """Two requests that cannot both fit the KV cache: one is preempted and recomputes; its prompt logprobs are
+    still every prompt token's, once."""
+    path, hf = model
+    prompts = [random_prompt(hf.config.vocab_size, LENGTH, seed=s) for s in (11, 12)]
+    cfg = EngineConfig(model=str(path), cache=CacheConfig(block_size=4, num_gpu_blocks_override=20),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=16, max_model_len=80))
+    engine = LLMEngine(cfg)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                           prompt_logprobs=K))
+    reqs, firsts = list(engine.scheduler.waiting), {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in firsts
+                firsts[out.request_id] = out.prompt_logprobs
+    assert sum(r.num_preemptions for r in reqs) >= 1
+    for i, prompt in enumerate(prompts):
+        assert_equal_hf([None, *firsts[f"r{i}"]], hf, prompt)
+
+
 def test_prompt_logprobs_of_a_one_token_prompt_is_one_none(tiny_llama):
     with LLM(str(tiny_llama)) as llm:
         [out] = llm.generate([[9]], SamplingParams(max_tokens=1, prompt_logprobs=3))

@@ -113,8 +113,9 @@ class OutputAssembler:
         outs, self._ready = self._ready, []
         for rid, (first, entries) in (prompt_logprobs or {}).items():
             live = self._live.get(rid)
-            if live is not None and live.prompt is not None:
-                live.prompt += entries[len(live.prompt) + 1 - first:]     # a recompute (preemption) repeats some
+            skip = -1 if live is None or live.prompt is None else len(live.prompt) + 1 - first
+            if skip >= 0:                                                 # a recompute (preemption) repeats some
+                live.prompt += entries[skip:]
         for rid, res in sampled.items():
             if rid in self._live:
                 out = self._emit_safely(rid, res)
