@@ -1,7 +1,8 @@
 """The engine core: the step loop and the three ways a caller drives it.
 
     llm_engine.py        LLMEngine: add_request / step (schedule -> run the model -> publish KV -> outputs) / abort
-    output_assembler.py  the engine's per-request deltas and final outputs (text, KV accounting, transfer params)
+    output_assembler.py  the engine's per-request deltas and final outputs (text, KV accounting, transfer params,
+                         prompt logprobs joined over a prompt's chunks)
     async_engine.py      AsyncEngine, behind the HTTP node: one engine thread steps LLMEngine, asyncio callers stream
     proc.py, client.py   the same core in a process of its own: EngineCoreClient in the API process, proc.py there
     channel.py           the private link between them (two zmq sockets in a 0700 directory, a token in Hello)

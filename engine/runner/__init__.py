@@ -10,6 +10,7 @@ micro-batches with ``build_step_inputs``. In the order a step meets it:
     cuda_graphs.py   decode steps replayed from CUDA graphs, one per batch-size bucket (CUDA, not --enforce-eager)
     compile.py       torch.compile of each layer's non-attention parts (CPU, --torch-compile)
     sampler.py       logits -> tokens: temperature, top-k/p, min-p, repetition penalty, logprobs, seeded generators
+    prompt_logprobs.py  a step with requests that ask for prompt logprobs: their prompt rows' logprobs, rank, top-k
 
 The model code it calls is ``models/``; the attention kernels are ``pdserve.kernels``.
 """

@@ -15,6 +15,7 @@ reuses ``protocol``, ``checks``, ``limits``, ``prompt_work``, ``direct`` and ``e
     common.py       node state, engine calls, usage, SSE
     generation.py   runs prompts x n engine requests; aborts them when the client goes away
     completions.py  POST /v1/completions
+    echo.py         echo and prompt_logprobs in answers (completions and chat), vLLM's shapes
     chat.py         POST /v1/chat/completions (chat template)
     info.py         GET /v1/models, /health, /metrics; POST /tokenize, /detokenize
     metrics.py      Prometheus: running/waiting, KV usage, prefix cache, TTFT/ITL, finish reasons
