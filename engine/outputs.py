@@ -6,6 +6,7 @@ entry of ``prompt_logprobs`` (computed by ``runner/prompt_logprobs.py``, carried
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import msgspec
 
@@ -17,7 +18,7 @@ class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     logprob: float
     rank: int
-    top: list[tuple[int, float]]
+    top: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=20)]   # SamplingParams: prompt_logprobs <= 20
 
 
 @dataclass

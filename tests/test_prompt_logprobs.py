@@ -147,6 +147,15 @@ def test_prefill_node_computes_them_and_the_decode_node_emits_them(tiny_models):
             decode.add_request("d2", prompt, params, bad)
         with pytest.raises(TransferMismatchError, match="carries none"):
             decode.add_request("d3", prompt, params, {**transfer, "prompt_logprobs": None})
+        token, logprob, _, top = transfer["prompt_logprobs"][0]
+        for forged in ([token, logprob, 0, top], [token, 0.5, 1, top], [token, logprob, 1, [[10 ** 6, -1.0]]]):
+            with pytest.raises(TransferMismatchError, match="is not a prompt logprob"):
+                decode.add_request("d4", prompt, params, {**transfer, "prompt_logprobs": [
+                    forged, *transfer["prompt_logprobs"][1:]]})
+        with pytest.raises(TransferMismatchError, match="length <= 20"):
+            decode.add_request("d5", prompt, params, {**transfer, "prompt_logprobs": [
+                [token, logprob, 1, [[1, -1.0]] * 21], *transfer["prompt_logprobs"][1:]]})
+        assert not decode.has_unfinished()
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -85,7 +85,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def prompt_logprobs_for(self, prompt_ids: list[int], vocab_size: int, k: int) -> list[PromptLogprob]:
         """The prefill node's prompt logprobs for ``prompt_ids``, top lists cut to ``k``; raises naming what does
         not fit: none sent, a length or a token other than the prompt's, an id outside the vocabulary, a logprob
-        that is not one, a rank below 1, more than 20 top entries (the msgspec bound on ``top`` is per struct)."""
+        that is not one, a rank below 1 (more than 20 top entries fail at decoding: ``PromptLogprob.top``)."""
         got = self.prompt_logprobs
         if got is None:
             raise TransferMismatchError("the request asks for prompt logprobs but kv_transfer_params carries none; "
@@ -95,10 +95,10 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                                         f"follow the prompt's {len(prompt_ids) - 1} tokens after the first")
         for e in got:
             lps, ids = [e.logprob, *(lp for _, lp in e.top)], [i for i, _ in e.top]
-            if len(e.top) > 20 or e.rank < 1 or any(not 0 <= i < vocab_size for i in ids) or \
+            if e.rank < 1 or any(not 0 <= i < vocab_size for i in ids) or \
                     any(math.isnan(lp) or lp > 0 for lp in lps):
                 raise TransferMismatchError(f"kv_transfer_params.prompt_logprobs entry {e!r:.200} is not a prompt "
-                                            f"logprob (rank >= 1, ids in [0, {vocab_size}), logprobs <= 0, <= 20 top)")
+                                            f"logprob (rank >= 1, ids in [0, {vocab_size}), logprobs <= 0)")
         return [e if len(e.top) <= k else PromptLogprob(e.token_id, e.logprob, e.rank, e.top[:k]) for e in got]
 
     def check_compatible(self, *, fingerprint: str, block_size: int, chunk_tokens: int, kv_layout: str) -> None:
