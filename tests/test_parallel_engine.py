@@ -88,6 +88,13 @@ def test_min_tokens_bans_eos_and_stop_ids_as_tp1(layout_engine, tiny_llama, prom
     assert run(layout_engine, prompts[1:2] * 2, params) == single
 
 
+def test_prompt_logprobs_are_refused_by_name(layout_engine, prompts):
+    """The ranks compute the sampled rows' logits only: prompt logprobs are a 400 naming the layout, not wrong."""
+    with pytest.raises(ValueError, match=r"not supported on a tensor/pipeline parallel node \(-tp/-pp\)"):
+        layout_engine.add_request("plp", prompts[1], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert not layout_engine.has_unfinished()
+
+
 def test_tied_embeddings_and_qkv_bias_split_over_tp2pp2(tiny_models):
     """qwen2: q/k/v biases (column-parallel) and a tied LM head that lives on the other stage."""
     ref = hf_model(tiny_models["qwen2"])
