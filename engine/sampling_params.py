@@ -7,8 +7,9 @@ Every field is checked for its type and range here, so a value that passes canno
 sampler's dtype, where a temperature of 3.4e38 becomes inf), token ids are >= 0
 (ids past the vocabulary, which only the node knows, are refused by the HTTP edge and never
 banned or biased by the sampler). ``logit_bias`` (a dict of token id -> bias, JSON's string keys
-accepted) is kept as a sorted tuple of (id, bias) pairs, so the params stay frozen and hashable. A temperature below ``GREEDY_TEMPERATURE`` is greedy, as in vLLM: dividing
-logits by it would overflow them to inf and the distribution to NaN.
+accepted) is kept as a sorted tuple of (id, bias) pairs, so the params stay frozen and hashable.
+A temperature below ``GREEDY_TEMPERATURE`` is greedy, as in vLLM: dividing logits by it would overflow
+them to inf and the distribution to NaN.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Called by ``LLMEngine.step``:  ``sampled = runner.execute(scheduler_output)``  -
 A tensor/pipeline-parallel worker rank (``pdserve.engine.parallel.stage``) owns one too, for its
 KV cache shard and ``sample_requests``.
 Owns the paged KV cache (allocated once from the ``KVLayout``), the per-request sampling generators
-and the sampler call (with the output-token counts of penalised requests: their input-batch rows, or counted
-from the ids a worker rank's step message carries); on CUDA the decode graphs (``cuda_graphs.py``), on CPU the compiled layer
-pieces (``compile.py``), both built at start-up and skipped under ``--enforce-eager``.
+and the sampler call (with the output-token counts of penalised requests: their input-batch rows, or
+counted from the ids a worker rank's step message carries); on CUDA the decode graphs (``cuda_graphs.py``),
+on CPU the compiled layer pieces (``compile.py``), both built at start-up and skipped under ``--enforce-eager``.
 """
 
 from __future__ import annotations

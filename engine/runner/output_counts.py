@@ -38,7 +38,8 @@ class OutputCounts:
         self._dirty.discard(row)
         self._pending = [(r, ids) for r, ids in self._pending if r != row]
         if self.table is not None and row < self.table.shape[0]:
-            self.table[row].zero_()
+            with torch.inference_mode():          # made in a step (inference mode); cleared from release() too
+                self.table[row].zero_()
 
     def gather(self, rows: list[int], vocab: int) -> torch.Tensor:
         """[len(rows), vocab] float32 counts of those rows' output tokens."""
