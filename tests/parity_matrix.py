@@ -3,8 +3,10 @@
 ``cases(base)`` builds every request body from a ``Baseline``: the colocated node's greedy texts after
 k tokens and the greedy token ids, from which the stop strings and stop ids are cut (a stop string
 is chosen so that its first occurrence ends where the case wants it: inside the first token, across
-tokens 2-3, on the last allowed token). ``differences(a, b)`` compares two answers field by field,
-ids and timestamps aside, floats (logprobs) to 1e-3.
+tokens 2-3, on the last allowed token), and the logit_bias ids picked. The penalty cases make the
+prefill node's first token count: a bias pushes it to repeat and the penalty stops it -- a decode node
+that did not count it would answer differently.
+``differences(a, b)`` compares two answers field by field, ids and timestamps aside, floats (logprobs) to 1e-3.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ SECOND_PROMPT = "Her younger brother bravely crossed the winter garden before no
 CONTINUE = [{"role": "user", "content": "What is the capital of France?"},
             {"role": "assistant", "content": "Paris is the capital"}]
 TEXT_LENGTHS = (1, 2, 3, 6, 8)           # baseline texts after k greedy tokens
+KNOBS = ("logit-bias", "logit-bias-ban", "logit-bias-seeded", "frequency-penalty", "frequency-penalty-seeded",
+         "presence-penalty", "presence-penalty-seeded", "penalties-logprobs")
 COMMON = ("greedy", "greedy-max1", "logprobs", "logprobs-max1", "seeded", "seeded-n3", "seeded-n3-max1",
           "n3-logprobs", "stop-first-token", "stop-inside-first-token", "stop-across-tokens", "stop-last-token",
-          "stop-include", "stop-id-first-min-tokens", "stop-id-across", "min-tokens-stop-string", "min-tokens-eos")
+          "stop-include", "stop-id-first-min-tokens", "stop-id-across", "min-tokens-stop-string", "min-tokens-eos",
+          *KNOBS)
 NAMES = {CMPL: (*COMMON, "prompt-list", "prompt-list-n2-seeded"), CHAT: (*COMMON, "no-generation-prompt")}
 
 
@@ -32,6 +37,7 @@ NAMES = {CMPL: (*COMMON, "prompt-list", "prompt-list-n2-seeded"), CHAT: (*COMMON
 class Baseline:
     texts: dict[int, str]            # greedy text after k tokens (ignore_eos)
     token_ids: list[int]             # the first greedy token ids
+    repeat_gap: float = 0.0          # raw logprob of the top token minus token_ids[0]'s, after token_ids[0]
 
 
 def cases(endpoint: str, base: Baseline) -> dict[str, dict[str, Any]]:
@@ -61,6 +67,7 @@ def cases(endpoint: str, base: Baseline) -> dict[str, dict[str, Any]]:
         "min-tokens-stop-string": {**greedy, "max_tokens": 8, "min_tokens": 4,
                                    "stop": [_ending_at(t[8], len(t[1]), whole=True)]},
         "min-tokens-eos": {**prompt_field(endpoint), "temperature": 0.0, "max_tokens": 8, "min_tokens": 5},
+        **_knob_cases(base, greedy, seeded, lp),
     }
     if endpoint == CHAT:
         body["no-generation-prompt"] = {**greedy, "messages": CONTINUE, "add_generation_prompt": False,
@@ -70,6 +77,25 @@ def cases(endpoint: str, base: Baseline) -> dict[str, dict[str, Any]]:
         body["prompt-list"] = {**greedy, **prompts, **lp, "max_tokens": 5}
         body["prompt-list-n2-seeded"] = {**seeded, **prompts, "n": 2, "seed": 11, "max_tokens": 5}
     return body
+
+
+def _knob_cases(base: Baseline, greedy: dict, seeded: dict, lp: dict) -> dict[str, dict[str, Any]]:
+    """logit_bias, frequency_penalty and presence_penalty, greedy and seeded (issue 37). The penalised cases push
+    the first greedy token with a bias 1 above its repeat gap: unpenalised it is picked again as the second
+    token (``logit-bias``), penalised for the one time it was generated -- on the prefill node -- it is not."""
+    ids = base.token_ids
+    push = {"logit_bias": {str(ids[0]): round(base.repeat_gap + 1.0, 3)}}
+    return {
+        "logit-bias": {**greedy, **push, "max_tokens": 8},
+        "logit-bias-ban": {**greedy, "max_tokens": 6, "logit_bias": {str(ids[1]): -100, str(ids[3]): -100, "300": 3}},
+        "logit-bias-seeded": {**seeded, "seed": 23, "max_tokens": 6, "logit_bias": {str(ids[0]): 4, str(ids[2]): -100}},
+        "frequency-penalty": {**greedy, **push, "max_tokens": 8, "frequency_penalty": 2.0},
+        "frequency-penalty-seeded": {**seeded, **push, "seed": 21, "max_tokens": 8, "frequency_penalty": 2.0},
+        "presence-penalty": {**greedy, **push, "max_tokens": 8, "presence_penalty": 2.0},
+        "presence-penalty-seeded": {**seeded, **push, "seed": 22, "max_tokens": 8, "presence_penalty": -2.0},
+        "penalties-logprobs": {**greedy, **lp, **push, "max_tokens": 8, "frequency_penalty": 1.5,
+                               "presence_penalty": 1.0},
+    }
 
 
 def prompt_field(endpoint: str) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Per tokenizer kind (byte-level BPE; SentencePiece/Metaspace, Llama-2 style) one 
 daemon, prefill node, decode node, proxy -- and one colocated ``--role both`` node serve the same
 tiny model. Every case of ``parity_matrix.cases`` (completions and chat, streaming and not, n 1 and 3,
 max_tokens 1 and more, logprobs, greedy and seeded sampling, stop strings in / across / at the last
-token, stop ids, min_tokens, add_generation_prompt, prompt lists, include_stop_str_in_output) is
+token, stop ids, min_tokens, add_generation_prompt, prompt lists, include_stop_str_in_output, and
+frequency / presence penalties and logit_bias, greedy and seeded, where the first token counts) is
 sent to both, all cases concurrently, once per module; each test compares one case's two answers.
 """
 
@@ -19,7 +20,7 @@ import httpx
 import pytest
 
 from conftest import NodeProcess
-from parity_matrix import (CHAT, CMPL, NAMES, PROMPTS, TEXT_LENGTHS, Baseline, by_choice, cases, differences,
+from parity_matrix import (CHAT, CMPL, KNOBS, NAMES, PROMPTS, TEXT_LENGTHS, Baseline, by_choice, cases, differences,
                            prompt_field)
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.checkpoints.tiny_model import make_tiny_model
@@ -103,10 +104,16 @@ def test_the_matrix_exercises_what_it_claims(served):
         assert ok == ["stop"] * 3
         if served.kind == "metaspace":
             assert t[1].startswith(" ")
+        colocated = {name: _text(served.answers[(endpoint, name, False)][1][1]) for name in KNOBS}
+        assert colocated["logit-bias"] != t[8] and colocated["logit-bias-ban"] != t[6]
+        assert 0 < served.base[endpoint].repeat_gap < 99
+        for name in ("frequency-penalty", "presence-penalty", "penalties-logprobs"):   # they change the pushed
+            assert colocated[name] != colocated["logit-bias"], name                     # token's repeats
 
 
 def _baseline(model, colocated: str) -> dict[str, Baseline]:
-    """Greedy texts after k tokens (from the colocated node) and greedy ids (same engine, in process)."""
+    """Greedy texts after k tokens (from the colocated node), greedy ids and the first one's repeat gap (same
+    engine, in process)."""
     llm = LLM(str(model))
     prompts = {CMPL: llm.tokenizer.encode(PROMPTS[CMPL]), CHAT: apply_chat_template(llm.tokenizer, PROMPTS[CHAT])}
     out = {}
@@ -116,7 +123,11 @@ def _baseline(model, colocated: str) -> dict[str, Baseline]:
                 **prompt_field(endpoint), "max_tokens": k, "temperature": 0.0, "ignore_eos": True}).json())
                 for k in TEXT_LENGTHS}
             [ids] = llm.generate([prompts[endpoint]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-            out[endpoint] = Baseline(texts, ids.token_ids)
+            first = ids.token_ids[0]
+            [again] = llm.generate([prompts[endpoint] + [first]], SamplingParams(   # first's raw logprob after itself
+                max_tokens=1, temperature=0.0, logprobs=1, logit_bias={first: 100.0}))
+            gap = again.logprobs[0].top_logprobs[0][1] - again.logprobs[0].logprob
+            out[endpoint] = Baseline(texts, ids.token_ids, gap)
     llm.shutdown()
     return out
 
