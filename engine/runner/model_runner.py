@@ -131,7 +131,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, reqs: list, gens: list) -> dict:
         results = sample(logits, [r.sampling_params for r in reqs], gens, _histories(reqs), _banned(reqs),
-                         self._output_counts(reqs, logits.shape[1]))
+                         counts=self._output_counts(reqs, logits.shape[1]))
         return {r.request_id: res for r, res in zip(reqs, results)}
 
     def _output_counts(self, reqs: list, vocab: int) -> torch.Tensor | None:
