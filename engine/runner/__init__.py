@@ -10,6 +10,8 @@ micro-batches with ``build_step_inputs``. In the order a step meets it:
     cuda_graphs.py   decode steps replayed from CUDA graphs, one per batch-size bucket (CUDA, not --enforce-eager)
     compile.py       torch.compile of each layer's non-attention parts (CPU, --torch-compile)
     sampler.py       logits -> tokens: temperature, top-k/p, min-p, repetition penalty, logprobs, seeded generators
+    penalties.py     logit_bias, presence / frequency penalties over the batch (the sampler calls them)
+    output_counts.py per-row counts of the generated tokens, kept by the input batch for those penalties
 
 The model code it calls is ``models/``; the attention kernels are ``pdserve.kernels``.
 """
