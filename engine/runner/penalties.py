@@ -17,6 +17,9 @@ a step message on a tp/pp worker rank carries the ids and ``counts_from_ids`` co
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -29,21 +32,24 @@ def penalised_rows(params: list[SamplingParams]) -> list[int]:
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """``logits`` [N, V] plus each row's ``logit_bias``; ``logits`` itself when no row has one."""
-    if not any(p.logit_bias for p in params):
-        return logits
-    vocab = logits.shape[1]
-    rows, ids, biases = [], [], []
-    for i, p in enumerate(params):
-        for t, b in p.logit_bias:
-            if t < vocab:
-                rows.append(i)
-                ids.append(t)
-                biases.append(b)
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
     if not rows:
         return logits
+    arrays = [_bias_arrays(params[i].logit_bias) for i in rows]
+    ids = np.concatenate([a[0] for a in arrays])
+    biases = np.concatenate([a[1] for a in arrays])
+    row_ids = np.repeat(np.array(rows, np.int64), [len(a[0]) for a in arrays])
+    keep = ids < logits.shape[1]
     device = logits.device
-    index = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
-    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+    index = (torch.from_numpy(row_ids[keep]).to(device), torch.from_numpy(ids[keep]).to(device))
+    values = torch.from_numpy(biases[keep]).to(device=device, dtype=logits.dtype)
+    return logits.index_put(index, values, accumulate=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bias_arrays(logit_bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A request's (id, bias) pairs as two arrays, made once per distinct ``logit_bias`` (not once per step)."""
+    return (np.array([t for t, _ in logit_bias], np.int64), np.array([b for _, b in logit_bias], np.float32))
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
