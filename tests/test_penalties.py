@@ -162,3 +162,19 @@ def test_a_row_counted_in_a_step_is_cleared_after_it():
     table.note(2, np.array([4]))
     with torch.inference_mode():
         assert table.gather([2], VOCAB)[0].tolist() == [0, 0, 0, 0, 1] + [0] * (VOCAB - 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_batch_samples_what_it_samples_on_the_cpu():
+    """Device tensors end to end: the persistent counts on the GPU, logits there, CPU-seeded generators."""
+    logits, params, histories, _ = _batch(5)
+    rows = penalised_rows(params)
+    table = OutputCounts(torch.device("cuda"))
+    for row in rows:
+        table.note(row, np.array(ROWS[row][2], np.int64))
+    with torch.inference_mode():
+        counts = table.gather(rows, VOCAB)
+    assert torch.equal(counts.cpu(), counts_from_ids([ROWS[i][2] for i in rows], VOCAB))
+    got = sample(logits.cuda(), params, _gens(params), histories, counts=counts)
+    want = sample(logits, params, _gens(params), histories, counts=counts.cpu())
+    assert [r.token_id for r in got] == [r.token_id for r in want]
