@@ -126,6 +126,8 @@ ACCEPTED = [
     ("top_k 10^9", CMPL, {**BASE, "top_k": 10**9, "seed": 1}, False),
     ("logit_bias {}", CMPL, {**BASE, "logit_bias": {}, "temperature": 0}, True),
     ("logit_bias at the edges", CMPL, {**BASE, "logit_bias": {"0": -100, "511": 100}, "temperature": 0}, False),
+    ("penalties and logit_bias null", CHAT, {"messages": USER, "max_tokens": 4, "temperature": 0, "logit_bias": None,
+                                             "presence_penalty": None, "frequency_penalty": None}, False),
     ("presence and frequency penalties at -2 and 2", CMPL,
      {**BASE, "presence_penalty": -2, "frequency_penalty": 2, "temperature": 0}, False),
     ("JSON nested 32 deep (an unknown field)", CMPL, _nested(31), True),

@@ -112,8 +112,8 @@ class _SamplingFields(_Body):
     top_p: Float | None = None
     stop: StopString | _bounded(list[StopString], MAX_STOP) | None = None
     seed: Seed | None = None
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
+    presence_penalty: Float | None = 0.0      # null as 0, as vLLM takes it
+    frequency_penalty: Float | None = 0.0
     logit_bias: LogitBias | None = None
     # vLLM extras
     top_k: Int | None = None
