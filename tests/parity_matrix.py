@@ -3,8 +3,10 @@
 ``cases(base)`` builds every request body from a ``Baseline``: the colocated node's greedy texts after
 k tokens and the greedy token ids, from which the stop strings and stop ids are cut (a stop string
 is chosen so that its first occurrence ends where the case wants it: inside the first token, across
-tokens 2-3, on the last allowed token). ``differences(a, b)`` compares two answers field by field,
-ids and timestamps aside, floats (logprobs) to 1e-3.
+tokens 2-3, on the last allowed token), and the logit_bias ids picked. The penalty cases make the
+prefill node's first token count: a bias pushes it to repeat and the penalty stops it -- a decode node
+that did not count it would answer differently.
+``differences(a, b)`` compares two answers field by field, ids and timestamps aside, floats (logprobs) to 1e-3.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ SECOND_PROMPT = "Her younger brother bravely crossed the winter garden before no
 CONTINUE = [{"role": "user", "content": "What is the capital of France?"},
             {"role": "assistant", "content": "Paris is the capital"}]
 TEXT_LENGTHS = (1, 2, 3, 6, 8)           # baseline texts after k greedy tokens
+KNOBS = ("logit-bias", "logit-bias-ban", "logit-bias-seeded", "frequency-penalty", "frequency-penalty-seeded",
+         "presence-penalty", "presence-penalty-seeded", "penalties-logprobs")
 COMMON = ("greedy", "greedy-max1", "logprobs", "logprobs-max1", "seeded", "seeded-n3", "seeded-n3-max1",
           "n3-logprobs", "stop-first-token", "stop-inside-first-token", "stop-across-tokens", "stop-last-token",
-          "stop-include", "stop-id-first-min-tokens", "stop-id-across", "min-tokens-stop-string", "min-tokens-eos")
+          "stop-include", "stop-id-first-min-tokens", "stop-id-across", "min-tokens-stop-string", "min-tokens-eos",
+          *KNOBS)
 NAMES = {CMPL: (*COMMON, "prompt-list", "prompt-list-n2-seeded", "echo", "echo-max0", "echo-logprobs",
                "echo-logprobs-max0", "echo-n2-seeded-logprobs", "loglikelihood-batch", "prompt-logprobs",
                "prompt-logprobs-echo"),
@@ -41,6 +46,7 @@ def streams(name: str) -> tuple[bool, ...]:
 class Baseline:
     texts: dict[int, str]            # greedy text after k tokens (ignore_eos)
     token_ids: list[int]             # the first greedy token ids
+    repeat_gap: float = 0.0          # raw logprob of the top token minus token_ids[0]'s, after token_ids[0]
 
 
 def cases(endpoint: str, base: Baseline) -> dict[str, dict[str, Any]]:
@@ -70,6 +76,7 @@ def cases(endpoint: str, base: Baseline) -> dict[str, dict[str, Any]]:
         "min-tokens-stop-string": {**greedy, "max_tokens": 8, "min_tokens": 4,
                                    "stop": [_ending_at(t[8], len(t[1]), whole=True)]},
         "min-tokens-eos": {**prompt_field(endpoint), "temperature": 0.0, "max_tokens": 8, "min_tokens": 5},
+        **_knob_cases(base, greedy, seeded, lp),
     }
     body["prompt-logprobs"] = {**greedy, "prompt_logprobs": 3, "max_tokens": 3}
     if endpoint == CHAT:
@@ -95,6 +102,25 @@ def _echo_cases(greedy: dict, seeded: dict, prompts: dict) -> dict[str, dict[str
         "echo-n2-seeded-logprobs": {**seeded, "echo": True, "logprobs": 1, "n": 2, "seed": 5, "max_tokens": 3},
         "loglikelihood-batch": {**greedy, **prompts, "echo": True, "logprobs": 1, "max_tokens": 1},
         "prompt-logprobs-echo": {**greedy, "prompt_logprobs": 2, "echo": True, "logprobs": 1, "max_tokens": 2},
+    }
+
+
+def _knob_cases(base: Baseline, greedy: dict, seeded: dict, lp: dict) -> dict[str, dict[str, Any]]:
+    """logit_bias, frequency_penalty and presence_penalty, greedy and seeded (issue 37). The penalised cases push
+    the first greedy token with a bias 1 above its repeat gap: unpenalised it is picked again as the second
+    token (``logit-bias``), penalised for the one time it was generated -- on the prefill node -- it is not."""
+    ids = base.token_ids
+    push = {"logit_bias": {str(ids[0]): round(base.repeat_gap + 1.0, 3)}}
+    return {
+        "logit-bias": {**greedy, **push, "max_tokens": 8},
+        "logit-bias-ban": {**greedy, "max_tokens": 6, "logit_bias": {str(ids[1]): -100, str(ids[3]): -100, "300": 3}},
+        "logit-bias-seeded": {**seeded, "seed": 23, "max_tokens": 6, "logit_bias": {str(ids[0]): 4, str(ids[2]): -100}},
+        "frequency-penalty": {**greedy, **push, "max_tokens": 8, "frequency_penalty": 2.0},
+        "frequency-penalty-seeded": {**seeded, **push, "seed": 21, "max_tokens": 8, "frequency_penalty": 2.0},
+        "presence-penalty": {**greedy, **push, "max_tokens": 8, "presence_penalty": 2.0},
+        "presence-penalty-seeded": {**seeded, **push, "seed": 22, "max_tokens": 8, "presence_penalty": -2.0},
+        "penalties-logprobs": {**greedy, **lp, **push, "max_tokens": 8, "frequency_penalty": 1.5,
+                               "presence_penalty": 1.0},
     }
 
 

@@ -67,10 +67,10 @@ def _check_others(out, expected, culprit, engine):
 def test_a_request_whose_sampling_raises_fails_alone(tiny_llama, prompts, expected, monkeypatch):
     real = model_runner.sample
 
-    def sample(logits, params, generators, histories=None, banned=None):
+    def sample(logits, params, generators, *args, **kwargs):
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected: generator cannot be seeded")
-        return real(logits, params, generators, histories, banned)
+        return real(logits, params, generators, *args, **kwargs)
 
     monkeypatch.setattr(model_runner, "sample", sample)
     engine = _engine(tiny_llama)
@@ -130,10 +130,10 @@ def test_a_forward_pass_that_raises_fails_its_step_and_the_engine_goes_on(tiny_l
 def test_the_node_engine_stays_healthy_after_a_request_fails(tiny_llama, prompts, expected, monkeypatch):
     real = model_runner.sample
 
-    def sample(logits, params, generators, histories=None, banned=None):
+    def sample(logits, params, generators, *args, **kwargs):
         if any(p.seed == POISON_SEED for p in params):
             raise OverflowError("injected: seed out of range")
-        return real(logits, params, generators, histories, banned)
+        return real(logits, params, generators, *args, **kwargs)
 
     monkeypatch.setattr(model_runner, "sample", sample)
     engine = AsyncEngine(EngineConfig(model=str(tiny_llama), cache=CacheConfig(block_size=8)))

@@ -117,6 +117,39 @@ def test_seeded_sampling_and_penalties_equal_tp1(tiny_llama, prompts):
         shutdown(engine)
 
 
+def test_logit_bias_and_output_penalties_equal_tp1(tiny_llama, prompts):
+    """A worker rank counts the output ids its step message carries (``StepRequest.outputs``): the same tokens
+    as the driver's input-batch counts. The greedy request pushes its first token 1 above its repeat gap, so
+    it repeats unless its count is seen; the seeded one's negative penalties reshape every later draw."""
+    single = make_engine(tiny_llama)
+    prompt = prompts[1]
+    first, gap = _repeat_gap(single, prompt)
+    push = {first: gap + 1.0}
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias=push, frequency_penalty=1.5,
+                             presence_penalty=1.0),
+              SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True, frequency_penalty=-2.0,
+                             presence_penalty=-2.0, logit_bias={3: -100.0, 4: 5.0}),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias=push)]
+    want = run(single, [prompt] * 3, params)
+    assert want[2][:2] == [first, first] and want[0][1] != first            # the count decides the second token
+    engine = make_engine(tiny_llama, 2, 1)
+    try:
+        assert run(engine, [prompt] * 3, params) == want
+    finally:
+        shutdown(engine)
+
+
+def _repeat_gap(engine: LLMEngine, prompt: list[int]) -> tuple[int, float]:
+    """The greedy first token, and how far its raw logprob is below the top one's right after it."""
+    [[first]] = run(engine, [prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    engine.add_request("gap", prompt + [first], SamplingParams(max_tokens=1, temperature=0.0, logprobs=1,
+                                                               logit_bias={first: 100.0}))
+    results = []
+    while engine.has_unfinished():
+        results += [r for out in engine.step() for r in out.logprobs or ()]
+    return first, results[0].top_logprobs[0][1] - results[0].logprob
+
+
 def test_debug_sync_logs_every_rank_phase(tiny_llama, prompts, expected, capfd):
     engine = make_engine(tiny_llama, 2, 1, debug_sync=True)
     try:

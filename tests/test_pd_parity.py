@@ -5,7 +5,8 @@ daemon, prefill node, decode node, proxy -- and one colocated ``--role both`` no
 tiny model. Every case of ``parity_matrix.cases`` (completions and chat, streaming and not, n 1 and 3,
 max_tokens 1 and more, logprobs, greedy and seeded sampling, stop strings in / across / at the last
 token, stop ids, min_tokens, add_generation_prompt, prompt lists, include_stop_str_in_output, echo with and
-without logprobs, max_tokens 0, prompt_logprobs: the prefill node's, carried in kv_transfer_params) is
+without logprobs, max_tokens 0, prompt_logprobs: the prefill node's, carried in kv_transfer_params, and
+frequency / presence penalties and logit_bias, greedy and seeded, where the first token counts) is
 sent to both, all cases concurrently, once per module; each test compares one case's two answers.
 """
 
@@ -20,8 +21,8 @@ import httpx
 import pytest
 
 from conftest import NodeProcess
-from parity_matrix import (CHAT, CMPL, NAMES, PROMPTS, TEXT_LENGTHS, Baseline, by_choice, cases, differences,
-                           prompt_field, streams)
+from parity_matrix import (CHAT, CMPL, KNOBS, NAMES, PROMPTS, TEXT_LENGTHS, Baseline, by_choice, cases,
+                           differences, prompt_field, streams)
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 from pdserve.engine.text.tokenizer import apply_chat_template
@@ -104,6 +105,11 @@ def test_the_matrix_exercises_what_it_claims(served):
         assert ok == ["stop"] * 3
         if served.kind == "metaspace":
             assert t[1].startswith(" ")
+        colocated = {name: _text(served.answers[(endpoint, name, False)][1][1]) for name in KNOBS}
+        assert colocated["logit-bias"] != t[8] and colocated["logit-bias-ban"] != t[6]
+        assert 0 < served.base[endpoint].repeat_gap < 99
+        for name in ("frequency-penalty", "presence-penalty", "penalties-logprobs"):   # they change the pushed
+            assert colocated[name] != colocated["logit-bias"], name                     # token's repeats
     echo = served.answers[(CMPL, "echo-logprobs-max0", False)][1][1]
     choice, usage = echo["choices"][0], echo["usage"]
     assert choice["text"] == PROMPTS[CMPL] and choice["finish_reason"] == "length"
@@ -115,7 +121,8 @@ def test_the_matrix_exercises_what_it_claims(served):
 
 
 def _baseline(model, colocated: str) -> dict[str, Baseline]:
-    """Greedy texts after k tokens (from the colocated node) and greedy ids (same engine, in process)."""
+    """Greedy texts after k tokens (from the colocated node), greedy ids and the first one's repeat gap (same
+    engine, in process)."""
     llm = LLM(str(model))
     prompts = {CMPL: llm.tokenizer.encode(PROMPTS[CMPL]), CHAT: apply_chat_template(llm.tokenizer, PROMPTS[CHAT])}
     out = {}
@@ -125,7 +132,11 @@ def _baseline(model, colocated: str) -> dict[str, Baseline]:
                 **prompt_field(endpoint), "max_tokens": k, "temperature": 0.0, "ignore_eos": True}).json())
                 for k in TEXT_LENGTHS}
             [ids] = llm.generate([prompts[endpoint]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-            out[endpoint] = Baseline(texts, ids.token_ids)
+            first = ids.token_ids[0]
+            [again] = llm.generate([prompts[endpoint] + [first]], SamplingParams(   # first's raw logprob after itself
+                max_tokens=1, temperature=0.0, logprobs=1, logit_bias={first: 100.0}))
+            gap = again.logprobs[0].top_logprobs[0][1] - again.logprobs[0].logprob
+            out[endpoint] = Baseline(texts, ids.token_ids, gap)
     llm.shutdown()
     return out
 

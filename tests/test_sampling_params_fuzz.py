@@ -6,7 +6,9 @@ solo answer, and the engine keeps stepping.
 Before (SamplingParams of issue 10 + the engine's failure isolation): hypothesis found within a few
 examples sets that passed construction and then failed their request in the step -- a seed of 2^64
 (generator overflow), a temperature of 1e-40 or a repetition penalty of 1e-38 (NaN probabilities),
-top_k=2.5 (a float index), a stop id past the vocabulary with min_tokens (IndexError).
+top_k=2.5 (a float index), a stop id past the vocabulary with min_tokens (IndexError). Issue 37 added
+presence_penalty, frequency_penalty and logit_bias (ids within the tiny model's vocabulary of 512: the engine
+refuses the others at add, by name).
 """
 
 from __future__ import annotations
@@ -51,10 +53,19 @@ VALID = {
     "ignore_eos": st.booleans(),
     "logprobs": st.one_of(st.none(), st.integers(0, 20)),
     "repetition_penalty": _extreme([1e-3, 0.01, 1.0, 2.0, 1e3], st.floats(1e-3, 1e3)),
+    "presence_penalty": _extreme([-2.0, -1e-300, 0.0, 5e-324, 2.0], st.floats(-2, 2)),
+    "frequency_penalty": _extreme([-2.0, -1e-300, 0.0, 5e-324, 2.0], st.floats(-2, 2)),
+    "logit_bias": st.dictionaries(_extreme([0, 1, 2, 511], st.integers(0, 511)),
+                                  _extreme([-100.0, -1e-300, 0.0, 100.0], st.floats(-100, 100)), max_size=4),
     "min_tokens": _extreme([0, 1, 5, 2**31, 2**70], st.integers(0)),
     "include_stop_str_in_output": st.booleans(),
 }
-ANYTHING = {name: ANY_FLOAT if name in ("temperature", "top_p", "min_p", "repetition_penalty") else
+FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+ANY_BIAS = st.one_of(st.dictionaries(st.one_of(ANY_INT, st.text(max_size=3)), st.one_of(ANY_FLOAT, ANY_INT),
+                                     max_size=3),
+                     st.lists(st.one_of(st.tuples(ANY_INT, ANY_FLOAT), st.tuples(ANY_INT), ANY_INT), max_size=3),
+                     st.none(), ANY_INT, st.text(max_size=3))
+ANYTHING = {name: ANY_FLOAT if name in FLOATS else ANY_BIAS if name == "logit_bias" else
             st.lists(st.one_of(ANY_INT, st.text(max_size=2)), max_size=3) if name in ("stop", "stop_token_ids") else
             st.one_of(st.none(), ANY_INT) for name in VALID}
 FIELDS = {name: st.integers(0, 7).flatmap(lambda k, name=name: VALID[name] if k else ANYTHING[name])
@@ -103,6 +114,11 @@ def test_every_field_is_refused_at_construction_or_runs(engine, solo, fields):
         with pytest.raises(PromptTooLongError):
             engine.add_request(f"fuzz-{n}", PROMPT, params)
         event("refused: longer than --max-model-len")
+        return
+    if any(t >= engine.model_config.vocab_size for t, _ in params.logit_bias):   # the engine's vocabulary check
+        with pytest.raises(ValueError, match="logit_bias token id .* is out of range; the vocabulary has 512"):
+            engine.add_request(f"fuzz-{n}", PROMPT, params)
+        event("refused: logit_bias past the vocabulary")
         return
     event("ran")
     out = _run(engine, requests)

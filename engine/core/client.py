@@ -35,7 +35,7 @@ import time
 
 from pdserve.engine.core import messages as m
 from pdserve.engine.core.channel import ApiChannel
-from pdserve.engine.core.llm_engine import check_prompt_fits, check_prompt_ids
+from pdserve.engine.core.llm_engine import check_logit_bias_ids, check_prompt_fits, check_prompt_ids
 from pdserve.engine.core.output_processor import OutputProcessor
 from pdserve.engine.kv.kv_transfer import KVTransferParams, check_transfer
 from pdserve.engine.models.model_config import ModelConfig
@@ -103,6 +103,7 @@ class EngineCoreClient:
         if self._fatal is not None:
             raise EngineDeadError(self._fatal)
         self.check_token_ids(prompt_token_ids)
+        check_logit_bias_ids(params, self.model_config.vocab_size)
         ids = [int(t) for t in prompt_token_ids]              # numpy ints included: the wire takes int
         transfer = KVTransferParams.from_json_obj(kv_transfer_params) if kv_transfer_params else None
         stop = self._outputs.first_token_stop(ids, params, transfer)

@@ -136,6 +136,7 @@ class LLMEngine:
                     kv_transfer_params: dict | None = None, cache_salt: str | None = None) -> None:
         self.check_prompt(len(prompt_token_ids), params.max_tokens)
         self.check_token_ids(prompt_token_ids)
+        check_logit_bias_ids(params, self.model_config.vocab_size)
         if self.outputs.is_live(request_id) or request_id in self.scheduler.loading:
             raise ValueError(f"request id {request_id!r} is already running (or its aborted KV load is "
                              "still finishing)")
@@ -235,6 +236,14 @@ def check_prompt_ids(ids, vocab_size: int) -> None:
     if ids and not (0 <= min(ids) and max(ids) < vocab_size):
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise ValueError(f"prompt token id {bad} is out of range; the vocabulary has {vocab_size} tokens")
+
+
+def check_logit_bias_ids(params, vocab_size: int) -> None:
+    """Raise ValueError naming the first ``logit_bias`` id outside the vocabulary (the HTTP edge answers 400 first;
+    the sampler would skip it): a bias the model cannot apply is refused, not dropped."""
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad} is out of range; the vocabulary has {vocab_size} tokens")
 
 
 def check_prompt_fits(num_prompt_tokens: int, max_tokens: int, limit: int) -> None:

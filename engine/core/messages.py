@@ -40,7 +40,7 @@ from pdserve.engine.outputs import EngineStats, PromptLogprob, RequestOutput
 from pdserve.engine.runner.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 
-VERSION = 6
+VERSION = 7                       # 7: SamplingParams has prompt_logprobs, presence / frequency penalties, logit_bias
 STATS_INTERVAL_S = 0.1            # stats ride along with outputs at most this often (and whenever idle)
 HEARTBEAT_S = 0.5                 # the core says it is alive this often, whatever its loop is doing
 _LENGTH = struct.Struct(">I")

@@ -277,8 +277,9 @@ def _step_request(item, block_size: int) -> m.StepRequest:
         return m.StepRequest(req.request_id, tokens, start, blocks, False)
     params = req.sampling_params
     history = list(req.all_token_ids) if params.repetition_penalty != 1.0 else None
+    outputs = list(req.output_token_ids) if params.penalised else None
     return m.StepRequest(req.request_id, tokens, start, blocks, True, params, history,
-                         list(req.banned_token_ids), req.sampler_draws)
+                         list(req.banned_token_ids), req.sampler_draws, outputs)
 
 
 def _tops(tops):

@@ -18,7 +18,7 @@ import msgspec
 
 from pdserve.engine.sampling_params import SamplingParams
 
-VERSION = 1
+VERSION = 2                     # 2: StepRequest.outputs, SamplingParams penalties + logit_bias
 
 
 class StepRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -31,6 +31,7 @@ class StepRequest(msgspec.Struct, frozen=True, array_like=True):
     history: list[int] | None = None         # all token ids, only when repetition_penalty != 1
     banned: list[int] = []                   # ids it may not sample now (eos / stop ids before min_tokens)
     sampler_draws: int = 0                   # draws its seeded generator made on the prefill node
+    outputs: list[int] | None = None         # its generated token ids, only when presence / frequency penalised
 
 
 class Tensor(msgspec.Struct, frozen=True, array_like=True):

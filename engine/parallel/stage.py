@@ -139,6 +139,7 @@ class _Request:
         self.sampling_params = r.params
         self.banned_token_ids, self.sampler_draws = r.banned, r.sampler_draws
         self.all_token_ids = r.history if r.history is not None else _Tokens(r.start, r.token_ids)
+        self.output_token_ids = r.outputs or []
 
 
 class _Item:

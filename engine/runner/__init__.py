@@ -11,6 +11,8 @@ micro-batches with ``build_step_inputs``. In the order a step meets it:
     compile.py       torch.compile of each layer's non-attention parts (CPU, --torch-compile)
     sampler.py       logits -> tokens: temperature, top-k/p, min-p, repetition penalty, logprobs, seeded generators
     prompt_logprobs.py  a step with requests that ask for prompt logprobs: their prompt rows' logprobs, rank, top-k
+    penalties.py     logit_bias, presence / frequency penalties over the batch (the sampler calls them)
+    output_counts.py per-row counts of the generated tokens, kept by the input batch for those penalties
 
 The model code it calls is ``models/``; the attention kernels are ``pdserve.kernels``.
 """

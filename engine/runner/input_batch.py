@@ -8,6 +8,8 @@ Per-request state lives in preallocated arrays, one row per running request (vLL
     token_ids    [rows, capacity] int64   every token the request has (prompt + outputs), appended
     block_table  [rows, max_blocks] int32 its block ids, appended as the block manager grows them
     rows         request_id -> row; a finished, aborted or preempted request gives its row back
+    output_counts  [rows, V] counts of the generated tokens of rows whose request has a presence or
+                 frequency penalty (``output_counts.py``), noted as the tokens are appended
 
 A step reads O(new tokens + new blocks) per scheduled request from Python objects and cuts the rest
 out of the arrays with numpy:
@@ -25,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pdserve.engine.runner.output_counts import OutputCounts
 from pdserve.engine.runner.staging import StepArrays, StepInputs, StepStaging
 
 
@@ -41,12 +44,14 @@ class InputBatch:
         self.rows: dict[str, int] = {}
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self.staging = StepStaging(device)
+        self.output_counts = OutputCounts(device)
 
     def remove(self, request_id: str) -> None:
         """Give the request's row back (finished, aborted or preempted: its blocks are gone)."""
         row = self.rows.pop(request_id, None)
         if row is not None:
             self.num_blocks[row] = self.num_tokens[row] = 0
+            self.output_counts.clear(row)
             self._free.append(row)
 
     def prepare(self, scheduled) -> StepInputs:
@@ -76,6 +81,8 @@ class InputBatch:
             self._fit_tokens(upto)
             self.token_ids[row, have:upto] = req.all_token_ids[have:upto]
             self.num_tokens[row] = upto
+            if req.sampling_params.penalised and upto > req.num_prompt_tokens:
+                self.output_counts.note(row, self.token_ids[row, max(have, req.num_prompt_tokens):upto])
         nb, held = -(-upto // self.block_size), int(self.num_blocks[row])
         if held and (held > len(req.block_ids) or self.block_table[row, held - 1] != req.block_ids[held - 1]):
             held = 0                            # its blocks were replaced without a remove(): rewrite the row

@@ -4,8 +4,9 @@ Called by ``LLMEngine.step``:  ``sampled = runner.execute(scheduler_output)``  -
 A tensor/pipeline-parallel worker rank (``pdserve.engine.parallel.stage``) owns one too, for its
 KV cache shard and ``sample_requests``.
 Owns the paged KV cache (allocated once from the ``KVLayout``), the per-request sampling generators
-and the sampler call; on CUDA the decode graphs (``cuda_graphs.py``), on CPU the compiled layer
-pieces (``compile.py``), both built at start-up and skipped under ``--enforce-eager``.
+and the sampler call (with the output-token counts of penalised requests: their input-batch rows, or
+counted from the ids a worker rank's step message carries); on CUDA the decode graphs (``cuda_graphs.py``),
+on CPU the compiled layer pieces (``compile.py``), both built at start-up and skipped under ``--enforce-eager``.
 A step in which a request asks for prompt logprobs runs every row (``prompt_logprobs.py``); ``LLMEngine.step``
 reads what it computed from ``runner.prompt_logprobs`` after ``execute``.
 """
@@ -17,6 +18,7 @@ import torch
 from pdserve.engine.kv.kv_layout import KVLayout
 from pdserve.engine.models.llama import LogitRows
 from pdserve.engine.runner.input_batch import InputBatch
+from pdserve.engine.runner.penalties import counts_from_ids
 from pdserve.engine.runner.prompt_logprobs import plan_prompt_rows, prompt_logprobs
 from pdserve.engine.runner.sampler import sample, skip_draws
 from pdserve.kernels import cpu_attention, cpu_ops, resolve_backend
@@ -110,7 +112,8 @@ class ModelRunner:
 
     def sample_requests(self, logits: torch.Tensor, reqs: list) -> dict:
         """logits: [S, V] of ``reqs`` (anything with request_id, sampling_params, all_token_ids,
-        banned_token_ids and sampler_draws, like ``Request``) -> {request_id: SampleResult}.
+        banned_token_ids and sampler_draws, like ``Request``; output_token_ids when penalised and not in the
+        input batch) -> {request_id: SampleResult}.
 
         One request's bad parameters (a generator it cannot seed, a token id outside the vocabulary)
         fail that request only: its entry is a ``SampleFailure`` and the others get their tokens. If
@@ -139,8 +142,20 @@ class ModelRunner:
             return out
 
     def _sample(self, logits: torch.Tensor, reqs: list, gens: list) -> dict:
-        results = sample(logits, [r.sampling_params for r in reqs], gens, _histories(reqs), _banned(reqs))
+        results = sample(logits, [r.sampling_params for r in reqs], gens, _histories(reqs), _banned(reqs),
+                         counts=self._output_counts(reqs, logits.shape[1]))
         return {r.request_id: res for r, res in zip(reqs, results)}
+
+    def _output_counts(self, reqs: list, vocab: int) -> torch.Tensor | None:
+        """[M, V] generated-token counts of the penalised ``reqs``, in order: from their input-batch rows, or
+        counted from their output ids when the batch holds no row for them (a worker rank's step message)."""
+        penalised = [r for r in reqs if r.sampling_params.penalised]
+        if not penalised:
+            return None
+        rows = [self.input_batch.rows.get(r.request_id) for r in penalised]
+        if None not in rows:
+            return self.input_batch.output_counts.gather(rows, vocab)
+        return counts_from_ids([list(r.output_token_ids) for r in penalised], vocab, self.device)
 
     def _generator(self, req, vocab_size: int) -> torch.Generator | None:
         """The request's generator, seeded once; one that continues a request started on another node

@@ -2,28 +2,29 @@
 
 Called by the model runner once per step, on the rank that holds the final logits:
 
-    results = sample(logits, params, generators, histories, banned)
+    results = sample(logits, params, generators, histories, banned, counts)
 
 ``logits[i]`` belongs to the request whose ``SamplingParams`` is ``params[i]``;
 ``generators[i]`` is that request's ``torch.Generator`` (the engine seeds one from
 ``params.seed``) or ``None`` for the global RNG; ``histories[i]`` is its prompt +
 output token ids (read only when ``repetition_penalty != 1``); ``banned[i]`` the token
-ids it may not pick now (eos and stop ids before ``min_tokens``).
+ids it may not pick now (eos and stop ids before ``min_tokens``); ``counts`` the [M, V] counts of the
+generated tokens of the rows with a presence or frequency penalty (``penalties.py``).
 
-Order of the logits transforms (HF ``generate`` order):
-repetition penalty -> banned ids -> temperature -> top_k -> top_p -> min_p -> sample.
+Order of the logits transforms (vLLM's): logit_bias -> repetition penalty (HF semantics, prompt + output)
+-> presence / frequency penalties (output only) -> banned ids -> temperature -> top_k -> top_p -> min_p -> sample.
 
 A seeded generator makes exactly one draw per sampled token (``torch.multinomial`` over the
 vocabulary, whose RNG use does not depend on the probabilities), so a node that continues a
 request another node started (disaggregated decode) reaches the same RNG position with
 ``skip_draws(generator, vocab_size, generator_draws(params, num_sampled))``.
 Greedy requests (``temperature`` below ``GREEDY_TEMPERATURE``, 1e-5, or ``top_k == 1``) take the
-argmax after the repetition penalty, like HF and vLLM. A batch that is all greedy without penalty
+argmax after logit_bias and the penalties, like HF and vLLM. A batch that is all greedy without penalty
 is one ``argmax`` over the batch: that is the hot path.
 
 Logprobs are from the raw, unprocessed ``log_softmax`` of the logits (vLLM's
-default ``raw_logprobs``), so a greedy and a sampled run report the same numbers, and
-``min_tokens`` suppression does not change them.
+default ``raw_logprobs``), so a greedy and a sampled run report the same numbers, and neither
+``min_tokens`` suppression, ``logit_bias`` nor the penalties change them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.runner.penalties import apply_logit_bias, apply_penalties
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -45,7 +47,7 @@ class SampleResult:
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None],
            histories: list[list[int]] | None = None,
-           banned: list[list[int]] | None = None) -> list[SampleResult]:
+           banned: list[list[int]] | None = None, counts: torch.Tensor | None = None) -> list[SampleResult]:
     """Pick one token per row of ``logits`` ([N, V]); see the module docstring. ``logits`` is not modified."""
     n = logits.shape[0]
     if len(params) != n or len(generators) != n:
@@ -53,7 +55,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
                          f"{len(generators)} generators")
     logits = logits.float()                                  # [N, V]
     raw_logprobs = _raw_logprobs(logits, params)             # [N, V] or None
-    processed = _ban(_apply_repetition_penalty(logits, params, histories), logits, banned)
+    processed = apply_logit_bias(logits, params)
+    processed = apply_penalties(_apply_repetition_penalty(processed, params, histories), params, counts)
+    processed = _ban(processed, logits, banned)
     token_ids = torch.empty(n, dtype=torch.long, device=logits.device)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]

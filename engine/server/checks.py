@@ -30,6 +30,7 @@ def check_request(body, vocab_size: int) -> None:
     if message := body.unsupported():
         raise bad_request(message)
     check_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
+    check_token_ids(body.logit_bias_ids, vocab_size, "logit_bias")
     choices = body.num_prompts * body.n
     if choices > MAX_CHOICES:
         raise bad_request(f"{body.num_prompts} prompts x n={body.n} is {choices} choices; the limit is {MAX_CHOICES}",

@@ -11,10 +11,12 @@ strings, lists and dicts to the lengths below; JSON nesting is bounded before pa
 Every string is Unicode text and every free-form value plain JSON (``text``: a lone surrogate is a 400
 naming the field, not a 500 from the tokenizer or the proxy's encoder).
 Unknown fields are ignored, like OpenAI and vLLM do (kept, and checked as plain JSON: the proxy forwards
-them); known-but-unsupported ones that would change the output (penalties other than repetition,
-``logit_bias``) are rejected, not ignored. ``echo`` and ``prompt_logprobs`` follow vLLM (``echo.py`` writes them):
-completions echo the prompt (``max_tokens`` 0 too: the engine then samples one token nobody sees), chat echoes the
-last message when it has the answer's role; ``prompt_logprobs`` in [0, 20], not with ``stream`` (above 0).
+them); known-but-unsupported ones that would change the output are rejected, not ignored. ``echo`` and
+``prompt_logprobs`` follow vLLM (``echo.py`` writes them): completions echo the prompt (``max_tokens`` 0 too: the
+engine then samples one token nobody sees), chat echoes the last message when it has the answer's role;
+``prompt_logprobs`` in [0, 20], not with ``stream`` (above 0). ``logit_bias`` keys are token ids as JSON strings
+(digits; checked against the vocabulary by ``checks``), its values and the presence / frequency penalties are
+range-checked by ``SamplingParams``.
 Responses are plain dicts built next to their handlers: their shape is the OpenAI one.
 """
 
@@ -27,7 +29,7 @@ from dataclasses import replace
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StringConstraints,
                       Tag)
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.text import check_json, check_text
 
@@ -39,7 +41,6 @@ MAX_TOKEN_IDS = 1 << 20        # token ids in one prompt (more never fits a --ma
 MAX_STOP = 64                  # stop strings; each at most MAX_STOP_CHARS
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGIT_BIAS = 1024
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256        # parts of one message's content
 MAX_NAME_CHARS = 256           # model names, roles, part types
@@ -116,8 +117,8 @@ class _SamplingFields(_Body):
     top_p: Float | None = None
     stop: StopString | _bounded(list[StopString], MAX_STOP) | None = None
     seed: Seed | None = None
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
+    presence_penalty: Float | None = 0.0      # null as 0, as vLLM takes it
+    frequency_penalty: Float | None = 0.0
     logit_bias: LogitBias | None = None
     # vLLM extras
     top_k: Int | None = None
@@ -137,18 +138,18 @@ class _SamplingFields(_Body):
 
     def unsupported(self) -> str | None:
         """A message naming a field we would otherwise silently ignore, or None."""
-        if self.presence_penalty or self.frequency_penalty:
-            return ("presence_penalty and frequency_penalty are not supported (got "
-                    f"{self.presence_penalty}, {self.frequency_penalty}); use repetition_penalty")
-        if self.logit_bias:
-            return f"logit_bias is not supported (got {len(self.logit_bias)} entries)"
         return None
+
+    @property
+    def logit_bias_ids(self) -> list[int]:
+        return [int(t) for t in self.logit_bias or ()]
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises SamplingParamsError (-> 400 by errors.py) for out-of-range values."""
         knobs: dict[str, Any] = dict(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, seed=self.seed)
+            repetition_penalty=self.repetition_penalty, seed=self.seed, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias)
         knobs = {k: v for k, v in knobs.items() if v is not None}
         return SamplingParams(
             max_tokens=max_tokens, stop=tuple(_as_list(self.stop)), stop_token_ids=tuple(self.stop_token_ids or ()),

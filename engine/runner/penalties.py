@@ -1,0 +1,86 @@
+"""OpenAI's sampling knobs on a batch of logits: ``logit_bias``, ``presence_penalty``, ``frequency_penalty``.
+
+Called by the sampler (``sampler.sample``), each one vectorised over the batch and skipped when no row uses it:
+
+    processed = apply_logit_bias(logits, params)              # one index_put over every row's (id, bias) pairs
+    processed = apply_penalties(processed, params, counts)    # counts: [M, V] for the penalised rows, in order
+
+Semantics (OpenAI's, as vLLM applies them): ``logits[t] += logit_bias[t]``; then, over the request's *generated*
+tokens only (not the prompt), ``logits[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t]``.
+The sampler applies them in vLLM's order: logit_bias, repetition penalty (prompt + output), presence / frequency.
+A bias id outside [0, V) is skipped (the HTTP edge refuses it; it cannot be sampled anyway). Both return a new
+tensor and never write into ``logits`` (the raw logprobs are computed from it).
+
+The counts come from the model runner: the persistent input batch keeps them per row (``output_counts.py``);
+a step message on a tp/pp worker rank carries the ids and ``counts_from_ids`` counts them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+def penalised_rows(params: list[SamplingParams]) -> list[int]:
+    """Rows whose request has a presence or frequency penalty: the rows ``counts`` holds, in this order."""
+    return [i for i, p in enumerate(params) if p.penalised]
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``logits`` [N, V] plus each row's ``logit_bias``; ``logits`` itself when no row has one."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    arrays = [_bias_arrays(params[i].logit_bias) for i in rows]
+    ids = np.concatenate([a[0] for a in arrays])
+    biases = np.concatenate([a[1] for a in arrays])
+    row_ids = np.repeat(np.array(rows, np.int64), [len(a[0]) for a in arrays])
+    keep = ids < logits.shape[1]
+    device = logits.device
+    index = (torch.from_numpy(row_ids[keep]).to(device), torch.from_numpy(ids[keep]).to(device))
+    values = torch.from_numpy(biases[keep]).to(device=device, dtype=logits.dtype)
+    return logits.index_put(index, values, accumulate=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bias_arrays(logit_bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A request's (id, bias) pairs as two arrays, made once per distinct ``logit_bias`` (not once per step)."""
+    return (np.array([t for t, _ in logit_bias], np.int64), np.array([b for _, b in logit_bias], np.float32))
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    counts: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` [N, V] less each penalised row's presence and frequency penalties; ``counts`` [M, V] holds the
+    generated-token counts of the ``penalised_rows(params)``, in that order. ``logits`` itself when none is."""
+    rows = penalised_rows(params)
+    if not rows:
+        return logits
+    if counts is None or counts.shape != (len(rows), logits.shape[1]):
+        got = None if counts is None else tuple(counts.shape)
+        raise ValueError(f"presence / frequency penalties need the output token counts of {len(rows)} rows "
+                         f"x {logits.shape[1]} tokens, got {got}")
+    device, dtype = logits.device, logits.dtype
+    counts = counts.to(device=device, dtype=dtype)
+    presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=dtype, device=device).unsqueeze(1)
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=dtype, device=device).unsqueeze(1)
+    index = torch.tensor(rows, device=device)
+    penalised = logits.index_select(0, index) - frequency * counts - presence * (counts > 0).to(dtype)
+    return logits.index_copy(0, index, penalised)
+
+
+def counts_from_ids(outputs: list[list[int]], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(outputs), vocab] float32: how often each id occurs in each list (ids outside [0, vocab) skipped).
+    One scatter_add over the padded lists: the stateless way, for requests that hold no input-batch row."""
+    width = max((len(ids) for ids in outputs), default=0)
+    counts = torch.zeros(len(outputs), vocab + 1, dtype=torch.float32, device=device)   # column vocab: the pad
+    if width:
+        padded = torch.full((len(outputs), width), vocab, dtype=torch.long)
+        for i, ids in enumerate(outputs):
+            padded[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        padded = padded.masked_fill((padded < 0) | (padded > vocab), vocab).to(device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
