@@ -31,6 +31,7 @@ class StepRequest(msgspec.Struct, frozen=True, array_like=True):
     history: list[int] | None = None         # all token ids, only when repetition_penalty != 1
     banned: list[int] = []                   # ids it may not sample now (eos / stop ids before min_tokens)
     sampler_draws: int = 0                   # draws its seeded generator made on the prefill node
+    bitmask: bytes | None = None             # its structured-output row: int32 words, bit j = token j allowed
 
 
 class Tensor(msgspec.Struct, frozen=True, array_like=True):

@@ -25,6 +25,7 @@ from pdserve.engine.sched.hashing import salt_root
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()   # its structured-output constraint is compiling (engine/structured)
     WAITING_FOR_KV = enum.auto()    # decode role: remote KV is loading (reserved)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()         # back in the waiting queue, blocks freed, will recompute

@@ -21,6 +21,7 @@ from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, cre
 from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.generation import Choice, EngineCall, Generation
 from pdserve.engine.server.protocol import ChatCompletionRequest, message_dicts
+from pdserve.engine.server.structured import check_structured
 
 router = APIRouter()
 
@@ -29,6 +30,7 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
     state, model = admit(request, body)
+    await check_structured(body, state.prompts)       # the proxy's order: after check_request, before tokenizing
     given = body_prompt_ids(state, body)
     if given is not None and len(given) != 1:
         raise bad_request(f"a chat request has one prompt; prompt_token_ids has {len(given)}", "prompt_token_ids")

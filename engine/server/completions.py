@@ -19,6 +19,7 @@ from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, che
 from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.generation import Choice, EngineCall, Generation
 from pdserve.engine.server.protocol import CompletionRequest, prompt_list
+from pdserve.engine.server.structured import check_structured
 
 router = APIRouter()
 
@@ -27,6 +28,7 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
     state, model = admit(request, body)
+    await check_structured(body, state.prompts)       # the proxy's order: after check_request, before tokenizing
     given = body_prompt_ids(state, body)
     prompts = given if given is not None else await _tokenize_prompts(state, body.prompt)
     params = [body.to_sampling_params(resolve_max_tokens(state, body.max_tokens, len(ids)), body.logprobs)
