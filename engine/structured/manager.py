@@ -8,7 +8,9 @@ Owned by ``LLMEngine`` and called by its ``Scheduler`` (``grammars``) and by ``L
                                        waiting queue); raises StructuredOutputError if the compile failed
                                        (that request finishes aborted with the reason, nobody else notices)
     manager.bitmask(scheduled)         LLMEngine.step, before the model runs: one row per structured request
-                                       that samples this step (``GrammarBitmask``), applied by the runner
+                                       that samples this step (``GrammarBitmask``), applied by the runner; a
+                                       request still short of ``min_tokens`` whose constraint allows nothing
+                                       but its end gets ``grammar_ends`` (eos no longer banned: it ends, valid)
     manager.accept(req, token) -> bool Scheduler.update_from_output, per sampled token: advances the matcher;
                                        True when the constraint is complete (its stop token was accepted): the
                                        request finishes with "stop"
@@ -22,6 +24,8 @@ sequence. The matcher follows output tokens only, so a preempted request (recomp
 from __future__ import annotations
 
 import logging
+
+import numpy as np
 
 from pdserve.engine.structured.bitmask import GrammarBitmask
 from pdserve.engine.structured.compiler import GrammarCompiler
@@ -70,13 +74,15 @@ class StructuredOutputManager:
 
     def bitmask(self, scheduled) -> GrammarBitmask | None:
         """The step's mask: a row for each scheduled item that samples and has a constraint; None if none."""
-        ids = [item.request.request_id for item in scheduled
-               if item.samples and item.request.request_id in self._matchers]
-        if not ids:
+        reqs = [item.request for item in scheduled if item.samples and item.request.request_id in self._matchers]
+        if not reqs:
             return None
-        mask = GrammarBitmask.allocate(ids, self.vocab_size)
-        for rid in ids:
-            self._matchers[rid].fill_next_token_bitmask(mask.mask, mask.rows[rid])
+        mask = GrammarBitmask.allocate([r.request_id for r in reqs], self.vocab_size)
+        for req in reqs:
+            row = mask.rows[req.request_id]
+            self._matchers[req.request_id].fill_next_token_bitmask(mask.mask, row)
+            if req.banned_token_ids:                    # before min_tokens: may the constraint go on?
+                req.grammar_ends = not _allows_other_than(mask.mask[row], req.banned_token_ids)
         return mask
 
     def accept(self, req, token_id: int) -> bool:
@@ -97,3 +103,12 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
+
+
+def _allows_other_than(row, banned) -> bool:
+    """Whether bitmask ``row`` ([W] int32) allows a token outside ``banned``."""
+    bits = row.numpy().view(np.uint32).copy()
+    for t in banned:
+        if 0 <= t < len(bits) * 32:
+            bits[t // 32] &= ~np.uint32(1 << (t % 32))
+    return bool(bits.any())
