@@ -148,3 +148,18 @@ def test_choices_match_exactly(choice):
         matcher = xgr.GrammarMatcher(compiled)
         accepted = matcher.accept_string(text) and matcher.is_completed()
         assert accepted == ok, (text, json.dumps(text))
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 4},
+                                    {"type": "object", "properties": {"a": {"type": "string", "minLength": 1}},
+                                     "required": ["a"]}])
+def test_length_bounded_strings_stay_json(schema):
+    """xgrammar writes these strings with a character class that admits raw control characters and no escapes
+    (its issue #800); ``build_grammar`` mends them: a tab or U+0016 is refused, an escape counts as a character."""
+    compiled = xgr.GrammarCompiler(_info()).compile_grammar(build_grammar(StructuredOutputs(json=json.dumps(schema))))
+    wrap = (lambda s: s) if schema["type"] == "string" else (lambda s: '{"a": ' + s + "}")
+    for text, ok in (('"ab"', True), ('"a\tb"', False), ('"a\x16"', False), ('"a\\nb"', True), ('"\\u00e9"', True)):
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        assert (matcher.accept_string(wrap(text)) and matcher.is_completed()) == ok, text
+        if ok:
+            json.loads(wrap(text))
