@@ -6,6 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+LOGPROB_FLOOR = -9999.0   # a logprob as written out (vLLM's): a token a structured-output mask forbids has -inf,
+                          # which JSON cannot carry
+
+
+def finite_logprob(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
 
 @dataclass
 class RequestOutput:

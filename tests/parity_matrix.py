@@ -22,9 +22,19 @@ SECOND_PROMPT = "Her younger brother bravely crossed the winter garden before no
 CONTINUE = [{"role": "user", "content": "What is the capital of France?"},
             {"role": "assistant", "content": "Paris is the capital"}]
 TEXT_LENGTHS = (1, 2, 3, 6, 8)           # baseline texts after k greedy tokens
+# structured outputs (issue 37): the prefill node samples the first token under the constraint, the decode node's
+# matcher accepts it before its first sample
+STRUCTURED = ("json-schema", "json-schema-seeded-n2", "json-object-logprobs", "regex", "choice-seeded", "grammar",
+              "guided-json-stop-string")
+SCHEMA = {"type": "object", "required": ["name", "size", "kind", "tags", "where"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "size": {"type": "integer", "maximum": 999},
+                         "kind": {"enum": ["small", "large"]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+                         "where": {"type": "object", "required": ["x"], "properties": {"x": {"type": "boolean"}}}}}
 COMMON = ("greedy", "greedy-max1", "logprobs", "logprobs-max1", "seeded", "seeded-n3", "seeded-n3-max1",
           "n3-logprobs", "stop-first-token", "stop-inside-first-token", "stop-across-tokens", "stop-last-token",
-          "stop-include", "stop-id-first-min-tokens", "stop-id-across", "min-tokens-stop-string", "min-tokens-eos")
+          "stop-include", "stop-id-first-min-tokens", "stop-id-across", "min-tokens-stop-string", "min-tokens-eos",
+          *STRUCTURED)
 NAMES = {CMPL: (*COMMON, "prompt-list", "prompt-list-n2-seeded"), CHAT: (*COMMON, "no-generation-prompt")}
 
 
@@ -62,6 +72,7 @@ def cases(endpoint: str, base: Baseline) -> dict[str, dict[str, Any]]:
                                    "stop": [_ending_at(t[8], len(t[1]), whole=True)]},
         "min-tokens-eos": {**prompt_field(endpoint), "temperature": 0.0, "max_tokens": 8, "min_tokens": 5},
     }
+    body.update(_structured(endpoint, greedy, seeded, lp))
     if endpoint == CHAT:
         body["no-generation-prompt"] = {**greedy, "messages": CONTINUE, "add_generation_prompt": False,
                                         "max_tokens": 6}
@@ -70,6 +81,23 @@ def cases(endpoint: str, base: Baseline) -> dict[str, dict[str, Any]]:
         body["prompt-list"] = {**greedy, **prompts, **lp, "max_tokens": 5}
         body["prompt-list-n2-seeded"] = {**seeded, **prompts, "n": 2, "seed": 11, "max_tokens": 5}
     return body
+
+
+def _structured(endpoint: str, greedy: dict, seeded: dict, lp: dict) -> dict[str, dict[str, Any]]:
+    """Each way of asking for structured output, on both endpoints (response_format json_schema on chat,
+    vLLM's structured_outputs on completions, guided_* on both)."""
+    schema = ({"response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}}
+              if endpoint == CHAT else {"structured_outputs": {"json": SCHEMA}})
+    return {
+        "json-schema": {**greedy, **schema, "max_tokens": 160},
+        "json-schema-seeded-n2": {**seeded, **schema, "seed": 5, "n": 2, "max_tokens": 160},
+        "json-object-logprobs": {**greedy, **lp, "response_format": {"type": "json_object"}, "max_tokens": 12},
+        "regex": {**greedy, "guided_regex": "[a-z]{1,5}( [a-z]{1,5}){0,3}", "max_tokens": 32},
+        "choice-seeded": {**seeded, "seed": 9, "guided_choice": ["alpha", "beta gamma", "delta"], "max_tokens": 16},
+        "grammar": {**greedy, "max_tokens": 32,
+                    "structured_outputs": {"grammar": 'root ::= "(" num ("," num){0,2} ")"\nnum ::= [0-9]{1,3}'}},
+        "guided-json-stop-string": {**greedy, "guided_json": SCHEMA, "stop": ['"kind"'], "max_tokens": 160},
+    }
 
 
 def prompt_field(endpoint: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from pdserve.engine.outputs import finite_logprob
 from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, created, kv_fields, make_calls,
                                           resolve_max_tokens, respond, sse, usage)
 from pdserve.engine.server.errors import bad_request
@@ -83,7 +84,7 @@ def _logprobs(state: NodeState, results: list) -> dict[str, Any]:
     """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = state.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     content = [{**entry(r.token_id, r.logprob),
                 "top_logprobs": [entry(t, lp) for t, lp in (r.top_logprobs or [])]} for r in results]

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from pdserve.engine.outputs import finite_logprob
 from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, check_token_ids, created,
                                           kv_fields, make_calls, resolve_max_tokens, respond, sse, usage)
 from pdserve.engine.server.errors import bad_request
@@ -91,9 +92,9 @@ def _logprobs(state: NodeState, results: list, text_offset: int) -> dict[str, An
     for r in results:
         text = state.token_text(r.token_id)
         tokens.append(text)
-        token_logprobs.append(r.logprob)
-        alternatives = {state.token_text(t): lp for t, lp in (r.top_logprobs or [])}
-        alternatives.setdefault(text, r.logprob)
+        token_logprobs.append(finite_logprob(r.logprob))
+        alternatives = {state.token_text(t): finite_logprob(lp) for t, lp in (r.top_logprobs or [])}
+        alternatives.setdefault(text, finite_logprob(r.logprob))
         top.append(alternatives)
         offsets.append(text_offset)
         text_offset += len(text)
