@@ -4,9 +4,13 @@ Used by ``LLM`` (offline) and by ``AsyncEngine`` (the HTTP node, from its engine
 
     engine.add_request(id, prompt_token_ids, params[, kv_transfer_params][, cache_salt=...])
     while engine.has_unfinished():
-        for delta in engine.step(): ...   # schedule -> run model + sample -> publish KV -> update -> text
+        for delta in engine.step(): ...   # schedule -> bitmask -> run model + sample -> publish KV -> update -> text
     engine.abort_request(id)              # at any point; frees the request's blocks
     engine.stop_request(id, stop_string)  # detokenize=False: the caller found a stop string (frees blocks too)
+
+A request with a structured-output constraint (``SamplingParams.structured``) has its grammar compiled off
+this loop by ``structured.StructuredOutputManager`` (it waits in WAITING_FOR_GRAMMAR meanwhile); each step the
+manager fills the step's token bitmask before the model runs and the runner masks the logits with it.
 
 With a KV store attached (``--role prefill|decode``, or ``both`` with ``--kv-store``) the
 ``StoreConnector`` loads prompt KV before prefill and publishes it after; a finished request that

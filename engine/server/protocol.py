@@ -10,6 +10,8 @@ to int32, ``seed`` to int64 so that ``seed + choice index`` still fits the gener
 strings, lists and dicts to the lengths below; JSON nesting is bounded before parsing (``limits``).
 Every string is Unicode text and every free-form value plain JSON (``text``: a lone surrogate is a 400
 naming the field, not a 500 from the tokenizer or the proxy's encoder).
+Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) become ``SamplingParams.structured``
+through ``structured.py``, which refuses two at once and checks each with xgrammar.
 Unknown fields are ignored, like OpenAI and vLLM do (kept, and checked as plain JSON: the proxy forwards
 them); known-but-unsupported ones that would change the output (``echo``, penalties other than
 repetition, ``logit_bias``) are rejected, not ignored.
