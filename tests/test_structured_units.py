@@ -19,6 +19,8 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
+from pdserve.engine.parallel import messages as m  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.structured.bitmask import GrammarBitmask, apply_bitmask  # noqa: E402
 from pdserve.engine.structured.compiler import GrammarCompiler  # noqa: E402
 from pdserve.engine.structured.grammar import StructuredOutputError, build_grammar  # noqa: E402
@@ -122,10 +124,15 @@ def test_bitmask_from_matchers_equals_a_torch_reference(compiler, dtype):
 
 
 def test_bitmask_rows_survive_bytes(compiler):
+    """A row as a tp x pp node sends it: bytes in a StepRequest, through msgspec, back to a mask."""
     matcher = xgr.GrammarMatcher(compiler.submit(StructuredOutputs(regex="ab+")).result(timeout=30))
     mask = GrammarBitmask.allocate(["x", "y"], VOCAB_SIZE)
     matcher.fill_next_token_bitmask(mask.mask, 1)
-    again = GrammarBitmask.from_row_bytes({"y": mask.row_bytes("y"), "x": mask.row_bytes("x")})
+    sent = [m.StepRequest(rid, [1], 0, [0], True, SamplingParams(structured=StructuredOutputs(regex="ab+")),
+                          bitmask=mask.row_bytes(rid)) for rid in ("y", "x")]
+    got = m.decode_driver_message(m.encode(m.StepMessage(1, sent))).requests
+    again = GrammarBitmask.from_row_bytes({r.request_id: r.bitmask for r in got})
+    assert got[0].params.structured == StructuredOutputs(regex="ab+")
     assert torch.equal(again.mask[again.rows["y"]], mask.mask[1])
     assert torch.equal(again.mask[again.rows["x"]], mask.mask[0])
     assert GrammarBitmask.from_row_bytes({}) is None and mask.row_bytes("z") is None
