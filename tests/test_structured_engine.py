@@ -188,6 +188,9 @@ def test_a_failed_compile_fails_its_request_only(tiny_llama):
     engine = _engine(tiny_llama)
     try:
         prompt = _prompt(engine)
+        with pytest.raises(ValueError, match="not valid JSON"):          # refused at add: nothing kept
+            engine.add_request("x", prompt, SamplingParams(structured=StructuredOutputs(json='{"type": ')))
+        assert not engine.has_unfinished()
         out = run(engine, {"bad": (prompt, SamplingParams(max_tokens=20, structured=StructuredOutputs(regex="[a-"))),
                            "good": (prompt, SamplingParams(max_tokens=20, temperature=0.0,
                                                            structured=SPECS["choice"]))})

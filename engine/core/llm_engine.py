@@ -152,6 +152,8 @@ class LLMEngine:
                     kv_transfer_params: dict | None = None, cache_salt: str | None = None) -> None:
         self.check_prompt(len(prompt_token_ids), params.max_tokens)
         self.check_token_ids(prompt_token_ids)
+        if params.structured is not None:
+            self.structured.check(params.structured)   # ValueError before any state is kept
         if self.outputs.is_live(request_id) or request_id in self.scheduler.loading:
             raise ValueError(f"request id {request_id!r} is already running (or its aborted KV load is "
                              "still finishing)")

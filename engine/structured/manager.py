@@ -2,6 +2,8 @@
 
 Owned by ``LLMEngine`` and called by its ``Scheduler`` (``grammars``) and by ``LLMEngine.step``:
 
+    manager.check(spec)                LLMEngine.add_request: a schema that is not JSON is refused at once
+
     manager.add(req)                   Scheduler.add_request: the request's constraint is submitted for
                                        compiling; the request waits in WAITING_FOR_GRAMMAR, outside the queue
     manager.poll(req) -> bool          Scheduler.schedule, each step: True once compiled (it then joins the
@@ -39,6 +41,15 @@ class StructuredOutputManager:
         self.compiler, self.vocab_size = compiler, vocab_size
         self._compiles: dict[str, object] = {}     # request id -> Future[CompiledGrammar]
         self._matchers: dict[str, object] = {}     # request id -> xgrammar.GrammarMatcher
+
+    @staticmethod
+    def check(spec) -> None:
+        """Raise ValueError if ``spec`` cannot even be named (a schema that is not JSON text); compiling it tells
+        the rest, later, off the caller's thread."""
+        try:
+            _ = spec.key                                # parses a schema's JSON text
+        except ValueError as exc:
+            raise ValueError(f"structured output {spec.kind} is not valid JSON: {exc}") from None
 
     def add(self, req) -> None:
         self._compiles[req.request_id] = self.compiler.submit(req.sampling_params.structured)
