@@ -27,7 +27,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server.errors import bad_request
-from pdserve.engine.server.structured import structured_outputs
+from pdserve.engine.server.structured import MAX_SPEC_CHARS, structured_outputs
 from pdserve.engine.server.text import check_json, check_text
 
 INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -2**63, 2**63 - 1
@@ -43,7 +43,6 @@ MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256        # parts of one message's content
 MAX_NAME_CHARS = 256           # model names, roles, part types
 MAX_CACHE_SALT_CHARS = 256     # cache_salt: non-empty when given (vLLM), at most this long
-MAX_SPEC_CHARS = 1 << 16       # a structured-output regex, grammar or JSON schema (as JSON text)
 MAX_CHOICE_STRINGS = 1024      # structured-output choices; each at most MAX_CHOICE_CHARS
 MAX_CHOICE_CHARS = 1024
 

@@ -29,7 +29,7 @@ from pdserve.engine.structured.spec import StructuredOutputs
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 VALID_CACHE_SIZE = 1024
-MAX_SCHEMA_CHARS = 1 << 16        # a schema given as an object, once written as JSON text (as protocol.SpecText)
+MAX_SPEC_CHARS = 1 << 16          # a regex, grammar or JSON schema (as JSON text: an object once written out)
 MAX_SCHEMA_DEPTH = 32             # [ and { nesting of a schema (xgrammar's conversion time grows steeply with
                                   # it: 100 levels of array items take 0.1 s, 500 levels 12 s)
 _valid: OrderedDict[str, None] = OrderedDict()   # keys of constraints that parsed (event loop only)
@@ -111,8 +111,8 @@ def _schema_text(schema, param: str) -> str:
     """A JSON schema as JSON text (an object written out, a string checked to be JSON), bounded in size and
     nesting."""
     text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
-    if len(text) > MAX_SCHEMA_CHARS:
-        raise bad_request(f"{param} has {len(text)} characters as JSON; the limit is {MAX_SCHEMA_CHARS}", param)
+    if len(text) > MAX_SPEC_CHARS:
+        raise bad_request(f"{param} has {len(text)} characters as JSON; the limit is {MAX_SPEC_CHARS}", param)
     depth = json_depth(text.encode())
     if depth > MAX_SCHEMA_DEPTH:
         raise bad_request(f"{param} nests {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}", param)
