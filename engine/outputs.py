@@ -20,6 +20,13 @@ class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
     rank: int
     top: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=20)]   # SamplingParams: prompt_logprobs <= 20
 
+LOGPROB_FLOOR = -9999.0   # a logprob as written out (vLLM's): a token a structured-output mask forbids has -inf,
+                          # which JSON cannot carry
+
+
+def finite_logprob(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
 
 @dataclass
 class RequestOutput:

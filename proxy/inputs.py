@@ -14,7 +14,8 @@ the client's in the bodies); the routing keys mix it too, so prefix-aware routin
 after another tenant's prefix.
 
 ``admit_request`` runs the nodes' checks in the nodes' order: ``checks.check_request`` (unsupported
-fields, vocabulary, choices, SamplingParams ranges), the character limit of each prompt, tokenizing
+fields, vocabulary, choices, SamplingParams ranges), the structured-output constraint (``check_structured``:
+xgrammar parses it in a worker thread; a bad schema, regex or grammar is the nodes' 400), the character limit of each prompt, tokenizing
 (``PromptWork.encode_prompts``: a request's prompts of up to ``INLINE_ENCODE_CHARS`` characters in all on the
 event loop, a larger request's in a worker thread with a deadline), token ids against the vocabulary, and -- once a node has
 told its ``max_model_len`` -- the prompt against it. A request the proxy accepts is one the nodes
@@ -42,6 +43,7 @@ from pdserve.engine.server.checks import check_request, check_token_ids, resolve
 from pdserve.engine.server.errors import bad_request, describe_validation_errors
 from pdserve.engine.server.prompt_work import PromptWork
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest, message_dicts, prompt_list
+from pdserve.engine.server.structured import check_structured
 from pdserve.kvstore.keys import chunk_keys
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -127,6 +129,7 @@ async def admit_request(endpoint: str, body: dict[str, Any], parsed, gate: Gate,
     ``cache_salt``: the salt the nodes get (the client's ``parsed.cache_salt``, or the tenant's)."""
     _check_client_fields(body)
     check_request(parsed, gate.vocab_size)
+    await check_structured(parsed, gate.prompts)
     prompts = await _tokenize(parsed, gate)
     param = "prompt" if endpoint == COMPLETIONS else "messages"
     if not prompts or not all(prompts):

@@ -24,12 +24,21 @@ SECOND_PROMPT = "Her younger brother bravely crossed the winter garden before no
 CONTINUE = [{"role": "user", "content": "What is the capital of France?"},
             {"role": "assistant", "content": "Paris is the capital"}]
 TEXT_LENGTHS = (1, 2, 3, 6, 8)           # baseline texts after k greedy tokens
+# structured outputs (issue 37): the prefill node samples the first token under the constraint, the decode node's
+# matcher accepts it before its first sample
+STRUCTURED = ("json-schema", "json-schema-seeded-n2", "json-object-logprobs", "regex", "choice-seeded", "grammar",
+              "guided-json-stop-string")
+SCHEMA = {"type": "object", "required": ["name", "size", "kind", "tags", "where"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "size": {"type": "integer", "maximum": 999},
+                         "kind": {"enum": ["small", "large"]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+                         "where": {"type": "object", "required": ["x"], "properties": {"x": {"type": "boolean"}}}}}
 KNOBS = ("logit-bias", "logit-bias-ban", "logit-bias-seeded", "frequency-penalty", "frequency-penalty-seeded",
          "presence-penalty", "presence-penalty-seeded", "penalties-logprobs")
 COMMON = ("greedy", "greedy-max1", "logprobs", "logprobs-max1", "seeded", "seeded-n3", "seeded-n3-max1",
           "n3-logprobs", "stop-first-token", "stop-inside-first-token", "stop-across-tokens", "stop-last-token",
           "stop-include", "stop-id-first-min-tokens", "stop-id-across", "min-tokens-stop-string", "min-tokens-eos",
-          *KNOBS)
+          *KNOBS, *STRUCTURED)
 NAMES = {CMPL: (*COMMON, "prompt-list", "prompt-list-n2-seeded", "echo", "echo-max0", "echo-logprobs",
                "echo-logprobs-max0", "echo-n2-seeded-logprobs", "loglikelihood-batch", "prompt-logprobs",
                "prompt-logprobs-echo"),
@@ -78,6 +87,7 @@ def cases(endpoint: str, base: Baseline) -> dict[str, dict[str, Any]]:
         "min-tokens-eos": {**prompt_field(endpoint), "temperature": 0.0, "max_tokens": 8, "min_tokens": 5},
         **_knob_cases(base, greedy, seeded, lp),
     }
+    body.update(_structured(endpoint, greedy, seeded, lp))
     body["prompt-logprobs"] = {**greedy, "prompt_logprobs": 3, "max_tokens": 3}
     if endpoint == CHAT:
         body["no-generation-prompt"] = {**greedy, "messages": CONTINUE, "add_generation_prompt": False,
@@ -121,6 +131,23 @@ def _knob_cases(base: Baseline, greedy: dict, seeded: dict, lp: dict) -> dict[st
         "presence-penalty-seeded": {**seeded, **push, "seed": 22, "max_tokens": 8, "presence_penalty": -2.0},
         "penalties-logprobs": {**greedy, **lp, **push, "max_tokens": 8, "frequency_penalty": 1.5,
                                "presence_penalty": 1.0},
+    }
+
+
+def _structured(endpoint: str, greedy: dict, seeded: dict, lp: dict) -> dict[str, dict[str, Any]]:
+    """Each way of asking for structured output, on both endpoints (response_format json_schema on chat,
+    vLLM's structured_outputs on completions, guided_* on both)."""
+    schema = ({"response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}}
+              if endpoint == CHAT else {"structured_outputs": {"json": SCHEMA}})
+    return {
+        "json-schema": {**greedy, **schema, "max_tokens": 160},
+        "json-schema-seeded-n2": {**seeded, **schema, "seed": 5, "n": 2, "max_tokens": 160},
+        "json-object-logprobs": {**greedy, **lp, "response_format": {"type": "json_object"}, "max_tokens": 12},
+        "regex": {**greedy, "guided_regex": "[a-z]{1,5}( [a-z]{1,5}){0,3}", "max_tokens": 32},
+        "choice-seeded": {**seeded, "seed": 9, "guided_choice": ["alpha", "beta gamma", "delta"], "max_tokens": 16},
+        "grammar": {**greedy, "max_tokens": 32,
+                    "structured_outputs": {"grammar": 'root ::= "(" num ("," num){0,2} ")"\nnum ::= [0-9]{1,3}'}},
+        "guided-json-stop-string": {**greedy, "guided_json": SCHEMA, "stop": ['"kind"'], "max_tokens": 160},
     }
 
 

@@ -6,7 +6,8 @@ tiny model. Every case of ``parity_matrix.cases`` (completions and chat, streami
 max_tokens 1 and more, logprobs, greedy and seeded sampling, stop strings in / across / at the last
 token, stop ids, min_tokens, add_generation_prompt, prompt lists, include_stop_str_in_output, echo with and
 without logprobs, max_tokens 0, prompt_logprobs: the prefill node's, carried in kv_transfer_params, and
-frequency / presence penalties and logit_bias, greedy and seeded, where the first token counts) is
+frequency / presence penalties and logit_bias, greedy and seeded, where the first token counts, and
+structured outputs of every kind: json_schema, json_object, regex, choice, grammar) is
 sent to both, all cases concurrently, once per module; each test compares one case's two answers.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,7 +23,7 @@ import httpx
 import pytest
 
 from conftest import NodeProcess
-from parity_matrix import (CHAT, CMPL, KNOBS, NAMES, PROMPTS, TEXT_LENGTHS, Baseline, by_choice, cases,
+from parity_matrix import (CHAT, CMPL, KNOBS, NAMES, PROMPTS, SCHEMA, TEXT_LENGTHS, Baseline, by_choice, cases,
                            differences, prompt_field, streams)
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.checkpoints.tiny_model import make_tiny_model
@@ -118,6 +120,41 @@ def test_the_matrix_exercises_what_it_claims(served):
     chat = served.answers[(CHAT, "echo-last-message", False)][1][1]
     assert chat["choices"][0]["message"]["content"].startswith("Paris is the capital")
     assert len(served.answers[(CHAT, "prompt-logprobs", False)][1][1]["prompt_logprobs"]) > 10
+
+
+STRUCTURED_CHECKS = {
+    "json-schema": lambda t: set(json.loads(t)) == set(SCHEMA["required"]),
+    "json-schema-seeded-n2": lambda t: set(json.loads(t)) == set(SCHEMA["required"]),
+    "regex": lambda t: re.fullmatch(r"[a-z]{1,5}( [a-z]{1,5}){0,3}", t),
+    "choice-seeded": lambda t: t in ("alpha", "beta gamma", "delta"),
+    "grammar": lambda t: re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3}){0,2}\)", t),
+    "guided-json-stop-string": lambda t: t.startswith('{"name": "') and '"kind"' not in t,
+}
+
+
+def test_structured_cases_are_constrained(served):
+    """The structured cases' answers (both paths: they are equal above) match their constraint and end with
+    "stop": the constraint was applied, on the prefill node's first token as on the decode node's."""
+    for endpoint in (CMPL, CHAT):
+        for name, check in STRUCTURED_CHECKS.items():
+            for stream in (False, True):
+                status, answer = served.answers[(endpoint, name, stream)][0]
+                assert status == 200, answer
+                for index, (text, finish) in _texts(answer, stream).items():
+                    assert finish == "stop" and check(text), (endpoint, name, stream, index, text, finish)
+
+
+def _texts(answer, stream: bool) -> dict[int, tuple[str, str]]:
+    """{choice index: (text, finish_reason)} of a JSON answer or of a stream's events."""
+    out: dict[int, tuple[str, str]] = {}
+    choices = [c for event in answer for c in event["choices"]] if stream else answer["choices"]
+    for c in choices:
+        piece = c.get("text", None)
+        if piece is None:
+            piece = (c.get("delta") or c.get("message") or {}).get("content") or ""
+        text, finish = out.get(c["index"], ("", None))
+        out[c["index"]] = (text + piece, c.get("finish_reason") or finish)
+    return out
 
 
 def _baseline(model, colocated: str) -> dict[str, Baseline]:

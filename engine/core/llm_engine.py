@@ -4,9 +4,13 @@ Used by ``LLM`` (offline) and by ``AsyncEngine`` (the HTTP node, from its engine
 
     engine.add_request(id, prompt_token_ids, params[, kv_transfer_params][, cache_salt=...])
     while engine.has_unfinished():
-        for delta in engine.step(): ...   # schedule -> run model + sample -> publish KV -> update -> text
+        for delta in engine.step(): ...   # schedule -> bitmask -> run model + sample -> publish KV -> update -> text
     engine.abort_request(id)              # at any point; frees the request's blocks
     engine.stop_request(id, stop_string)  # detokenize=False: the caller found a stop string (frees blocks too)
+
+A request with a structured-output constraint (``SamplingParams.structured``) has its grammar compiled off
+this loop by ``structured.StructuredOutputManager`` (it waits in WAITING_FOR_GRAMMAR meanwhile); each step the
+manager fills the step's token bitmask before the model runs and the runner masks the logits with it.
 
 With a KV store attached (``--role prefill|decode``, or ``both`` with ``--kv-store``) the
 ``StoreConnector`` loads prompt KV before prefill and publishes it after; a finished request that
@@ -36,6 +40,8 @@ from pdserve.engine.runner.model_runner import ModelRunner, SampleFailure
 from pdserve.engine.sched.block_manager import BlockManager
 from pdserve.engine.sched.request import Request, check_stop
 from pdserve.engine.sched.scheduler import Scheduler
+from pdserve.engine.structured.compiler import GrammarCompiler, tokenizer_info
+from pdserve.engine.structured.manager import StructuredOutputManager
 from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.kernels import resolve_backend
 
@@ -67,8 +73,10 @@ class LLMEngine:
         self.store, self.connector = self._build_connector(store)
         if self.connector is not None:   # an engine dropped without shutdown() must not keep its cache alive
             weakref.finalize(self, _release, self.connector, self.store if self._owns_store else None)
+        self.structured = self._build_structured()
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_batched_tokens,
-                                   config.scheduler.max_num_seqs, self.runtime.max_model_len, self.connector)
+                                   config.scheduler.max_num_seqs, self.runtime.max_model_len, self.connector,
+                                   grammars=self.structured)
         self.outputs = OutputAssembler(self.tokenizer if detokenize else None, self.scheduler, self.runner,
                                        self.connector, config.kv_transfer.role)
         logger.info("engine ready: model=%s role=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV) "
@@ -98,9 +106,18 @@ class LLMEngine:
 
         return ParallelExecutor(self.config, self.model_config, self.runtime.num_blocks)
 
+    def _build_structured(self) -> StructuredOutputManager:
+        """Grammars compile against the tokenizer's vocabulary, padded to the logits' width and ending at the
+        engine's eos ids; the engine-core process (no tokenizer) loads it in the first compile."""
+        model_dir, vocab, eos = self.config.model, self.model_config.vocab_size, self.model_config.eos_token_ids
+        tokenizer = self.tokenizer
+        compiler = GrammarCompiler(lambda: tokenizer_info(model_dir, vocab, eos, tokenizer))
+        return StructuredOutputManager(compiler, vocab)
+
     def shutdown(self) -> None:
         """Stop the KV publisher/loader, close a store this engine built (detaching from a daemon),
         then stop the worker ranks of a tp x pp engine. Idempotent."""
+        self.structured.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
         if self.store is not None and self._owns_store:
@@ -137,6 +154,8 @@ class LLMEngine:
         self.check_prompt(len(prompt_token_ids), params.max_tokens)
         self.check_token_ids(prompt_token_ids)
         check_logit_bias_ids(params, self.model_config.vocab_size)
+        if params.structured is not None:
+            self.structured.check(params.structured)   # ValueError before any state is kept
         if self.outputs.is_live(request_id) or request_id in self.scheduler.loading:
             raise ValueError(f"request id {request_id!r} is already running (or its aborted KV load is "
                              "still finishing)")
@@ -199,6 +218,7 @@ class LLMEngine:
         """
         sched_out = self.scheduler.schedule()
         try:
+            sched_out.grammar_bitmask = self.structured.bitmask(sched_out.scheduled)
             sampled = self.runner.execute(sched_out)
         except Exception as exc:  # noqa: BLE001 - the batch's failure, decided in _failed_step
             return self._failed_step(sched_out, exc)

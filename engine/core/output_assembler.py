@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import RequestOutput, finite_logprob
 from pdserve.engine.runner.sampler import SampleResult, generator_draws
 from pdserve.engine.sched.request import Request, RequestStatus
 from pdserve.engine.text.detokenizer import RequestText
@@ -201,8 +201,9 @@ class OutputAssembler:
         if live.transfer is not None and live.transfer.do_remote_decode:
             params = self.connector.transfer_params(live.req)
             if live.first is not None:
-                params.first_token_logprob = live.first.logprob
-                params.first_token_top_logprobs = live.first.top_logprobs
+                params.first_token_logprob = finite_logprob(live.first.logprob)
+                params.first_token_top_logprobs = None if live.first.top_logprobs is None else \
+                    [(t, finite_logprob(lp)) for t, lp in live.first.top_logprobs]
             params.sampler_draws = generator_draws(live.req.sampling_params, live.req.num_output_tokens)
             params.prompt_logprobs = live.prompt if live.prompt_sent else None
             out.kv_transfer_params = params.to_json_obj()

@@ -164,7 +164,8 @@ class ParallelExecutor:
         if not scheduled:
             return {}
         self.step += 1
-        msg = m.StepMessage(self.step, [_step_request(i, self.config.cache.block_size) for i in scheduled],
+        bitmask = getattr(scheduler_output, "grammar_bitmask", None)
+        msg = m.StepMessage(self.step, [_step_request(i, self.config.cache.block_size, bitmask) for i in scheduled],
                             released=self._released)
         self._released = []
         with self.busy():
@@ -269,7 +270,7 @@ class ParallelExecutor:
             self._mirror.stop.set()
 
 
-def _step_request(item, block_size: int) -> m.StepRequest:
+def _step_request(item, block_size: int, bitmask=None) -> m.StepRequest:
     req, start, n = item.request, item.first_token_index, item.num_new_tokens
     tokens = req.all_token_ids[start:start + n]
     blocks = req.block_ids[: (start + n + block_size - 1) // block_size]
@@ -279,7 +280,8 @@ def _step_request(item, block_size: int) -> m.StepRequest:
     history = list(req.all_token_ids) if params.repetition_penalty != 1.0 else None
     outputs = list(req.output_token_ids) if params.penalised else None
     return m.StepRequest(req.request_id, tokens, start, blocks, True, params, history,
-                         list(req.banned_token_ids), req.sampler_draws, outputs)
+                         list(req.banned_token_ids), req.sampler_draws, outputs,
+                         None if bitmask is None else bitmask.row_bytes(req.request_id))
 
 
 def _tops(tops):

@@ -32,6 +32,7 @@ class StepRequest(msgspec.Struct, frozen=True, array_like=True):
     banned: list[int] = []                   # ids it may not sample now (eos / stop ids before min_tokens)
     sampler_draws: int = 0                   # draws its seeded generator made on the prefill node
     outputs: list[int] | None = None         # its generated token ids, only when presence / frequency penalised
+    bitmask: bytes | None = None             # its structured-output row: int32 words, bit j = token j allowed
 
 
 class Tensor(msgspec.Struct, frozen=True, array_like=True):

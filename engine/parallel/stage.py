@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from pdserve.engine.parallel.messages import SampledToken, StepMessage, StepRequest
 from pdserve.engine.runner.input_batch import build_step_inputs
+from pdserve.engine.structured.bitmask import GrammarBitmask
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ class StageRunner:
         if not self.coords.samples:
             return [], []
         self.heartbeat.enter("sample")
-        results = self.runner.sample_requests(logits, inputs.sample_requests)
+        bitmask = GrammarBitmask.from_row_bytes({r.request_id: r.bitmask for r in batch if r.bitmask is not None})
+        results = self.runner.sample_requests(logits, inputs.sample_requests, bitmask)
         return [], [SampledToken(rid, r.token_id, r.logprob, r.top_logprobs) for rid, r in results.items()]
 
 

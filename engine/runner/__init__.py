@@ -4,7 +4,8 @@ Called by ``LLMEngine.step`` (``runner.execute(scheduler_output)``, tp = pp = 1)
 (``parallel/worker.py``, ``stage.py``), which owns a ``ModelRunner`` for its KV cache shard and builds its
 micro-batches with ``build_step_inputs``. In the order a step meets it:
 
-    model_runner.py  owns the paged KV cache tensors and the per-request generators; runs the model, then samples
+    model_runner.py  owns the paged KV cache tensors and the per-request generators; runs the model, applies the
+                     step's structured-output bitmask to the logits (``structured/bitmask.py``), then samples
     input_batch.py   per-request rows in preallocated arrays -> the step's flat numpy arrays (StepArrays)
     staging.py       StepArrays -> StepInputs on the device (CUDA: one pinned int32 buffer, one copy)
     cuda_graphs.py   decode steps replayed from CUDA graphs, one per batch-size bucket (CUDA, not --enforce-eager)

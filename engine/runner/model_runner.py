@@ -21,6 +21,7 @@ from pdserve.engine.runner.input_batch import InputBatch
 from pdserve.engine.runner.penalties import counts_from_ids
 from pdserve.engine.runner.prompt_logprobs import plan_prompt_rows, prompt_logprobs
 from pdserve.engine.runner.sampler import sample, skip_draws
+from pdserve.engine.structured.bitmask import apply_bitmask
 from pdserve.kernels import cpu_attention, cpu_ops, resolve_backend
 
 
@@ -80,7 +81,8 @@ class ModelRunner:
         if not inputs.sample_requests:
             return {}
         logits = self.model.compute_logits(hidden)                                            # [S, V]
-        return self.sample_requests(logits, inputs.sample_requests)
+        return self.sample_requests(logits, inputs.sample_requests,
+                                    getattr(scheduler_output, "grammar_bitmask", None))
 
     def _forward(self, inputs, every_row: bool = False) -> torch.Tensor:
         """The hidden states of the sampled rows, [S, D] (``every_row``: of every row, [T, D]). Where
@@ -110,15 +112,18 @@ class ModelRunner:
             model.layers[-1].attn.split_qkv()         # its Q/KV parts, checked and copied now, not in a request
         return keep
 
-    def sample_requests(self, logits: torch.Tensor, reqs: list) -> dict:
+    def sample_requests(self, logits: torch.Tensor, reqs: list, grammar_bitmask=None) -> dict:
         """logits: [S, V] of ``reqs`` (anything with request_id, sampling_params, all_token_ids,
         banned_token_ids and sampler_draws, like ``Request``; output_token_ids when penalised and not in the
         input batch) -> {request_id: SampleResult}.
+        ``grammar_bitmask`` (a ``GrammarBitmask``): structured requests' allowed tokens, applied to ``logits``
+        in place first (one pass over the batch); the sampler then sees -inf at every other token.
 
         One request's bad parameters (a generator it cannot seed, a token id outside the vocabulary)
         fail that request only: its entry is a ``SampleFailure`` and the others get their tokens. If
         the batch raises, the generators are put back where they were and each request is sampled alone.
         """
+        apply_bitmask(logits, [r.request_id for r in reqs], grammar_bitmask)
         out, rows, ok, gens = {}, [], [], []
         for i, r in enumerate(reqs):
             try:

@@ -25,6 +25,7 @@ from pdserve.engine.sched.hashing import salt_root
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()   # its structured-output constraint is compiling (engine/structured)
     WAITING_FOR_KV = enum.auto()    # decode role: remote KV is loading (reserved)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()         # back in the waiting queue, blocks freed, will recompute
@@ -64,6 +65,7 @@ class Request:
     num_loaded_tokens: int = 0          # prompt tokens whose KV came from the store (KV connector)
     stop_reason: int | str | None = None  # stop token id, stop string, or an error message when aborted
     sampler_draws: int = 0              # draws its seeded generator made on another node (the prefill node)
+    grammar_ends: bool = False          # its structured-output constraint allows nothing but its end (eos) now
     _all_token_ids: list[int] = field(init=False, repr=False)
     block_hash_parent: int | None = field(init=False, repr=False)   # parent of block 0's hash: the salt's root
 
@@ -103,9 +105,10 @@ class Request:
 
     @property
     def banned_token_ids(self) -> tuple[int, ...]:
-        """Ids the sampler may not pick for the next token: eos and stop ids until ``min_tokens`` (vLLM)."""
+        """Ids the sampler may not pick for the next token: eos and stop ids until ``min_tokens`` (vLLM), unless a
+        structured-output constraint allows nothing but its end: the constraint wins (the output is complete)."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
+        if self.num_output_tokens >= params.min_tokens or self.grammar_ends:
             return ()
         eos = () if self.eos_token_id is None else (self.eos_token_id,)
         return (*eos, *self.extra_eos_token_ids, *params.stop_token_ids)

@@ -25,6 +25,12 @@ request takes blocks for them and waits in WAITING_FOR_KV (in ``loading``, count
 reports back, the request joins ``running`` with those tokens computed (a failed load reports 0:
 the tokens are recomputed). A request aborted while loading keeps its blocks until the loader
 is done with them.
+
+With structured outputs (``grammars``: the engine's ``StructuredOutputManager``), a request with a constraint
+waits in WAITING_FOR_GRAMMAR (in ``compiling``: no blocks, no budget, not counted against ``max_num_seqs``)
+until its grammar is compiled, then joins the waiting queue at the back; the requests behind it go on. A
+compile that fails finishes it aborted (in ``rejected``, its reason in ``stop_reason``). Each sampled token
+advances its matcher (``grammars.accept``); a completed constraint finishes the request with "stop".
 """
 
 from __future__ import annotations
@@ -58,11 +64,12 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)   # freed this step; will recompute
     rejected: list[Request] = field(default_factory=list)    # can never fit: FINISHED_*, freed
     num_batched_tokens: int = 0
+    grammar_bitmask: object | None = None   # GrammarBitmask of the step's structured samples (set by LLMEngine)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int, connector=None):
+                 max_num_seqs: int, max_model_len: int, connector=None, grammars=None):
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
             if value < 1:
@@ -75,6 +82,8 @@ class Scheduler:
         self.running: list[Request] = []          # sorted by arrival (the last one is preempted first)
         self.connector = connector
         self.loading: dict[str, Request] = {}     # WAITING_FOR_KV, and aborted ones still loading
+        self.grammars = grammars                  # StructuredOutputManager (engine/structured), or None
+        self.compiling: dict[str, Request] = {}   # WAITING_FOR_GRAMMAR
         self._requests: dict[str, Request] = {}   # every unfinished request
         self._order: dict[str, tuple[float, int]] = {}
         self._next_seq = 0
@@ -87,10 +96,19 @@ class Scheduler:
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; "
                              f"--max-model-len is {self.max_model_len}")
-        request.status = RequestStatus.WAITING
+        structured = request.sampling_params.structured is not None
+        if structured:
+            if self.grammars is None:
+                raise ValueError("this engine has no structured-output support (no grammar manager)")
+            self.grammars.add(request)
         self._requests[request.request_id] = request
         self._order[request.request_id] = (request.arrival_time, self._next_seq)
         self._next_seq += 1
+        if structured:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.compiling[request.request_id] = request
+            return
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -108,9 +126,12 @@ class Scheduler:
             request.status = status              # blocks stay until the loader reports back
             del self._requests[request_id]
             del self._order[request_id]
+            self._release_grammar(request)
             return request
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            del self.compiling[request_id]
         else:
             self.waiting.remove(request)
         self._retire(request, status)
@@ -131,6 +152,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.compiling:
+            self._finish_compiles(out)
         if self.connector is not None:
             self._finish_loads()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
@@ -200,6 +223,28 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, num_hit))
             budget -= num_new
 
+    # ---- structured outputs -------------------------------------------------------------
+
+    def _finish_compiles(self, out: SchedulerOutput) -> None:
+        """Requests whose grammar is ready join the waiting queue; a failed compile finishes its request."""
+        for request_id, req in list(self.compiling.items()):
+            try:
+                if not self.grammars.poll(req):
+                    continue
+            except Exception as exc:  # noqa: BLE001 - a bad constraint fails its request only
+                del self.compiling[request_id]
+                req.stop_reason = str(exc)
+                self._retire(req, RequestStatus.FINISHED_ABORTED)
+                out.rejected.append(req)
+                continue
+            del self.compiling[request_id]
+            req.status = RequestStatus.WAITING
+            self.waiting.append(req)
+
+    def _release_grammar(self, req: Request) -> None:
+        if self.grammars is not None and req.sampling_params.structured is not None:
+            self.grammars.release(req.request_id)
+
     # ---- remote KV ------------------------------------------------------------------------
 
     def _loadable(self, req: Request, num_hit: int) -> int:
@@ -259,7 +304,7 @@ class Scheduler:
             try:
                 status = self._advance(req, item, sampled)
             except Exception as exc:  # noqa: BLE001 - fails this request only (logged by the engine)
-                req.stop_reason = f"stop check failed: {type(exc).__name__}: {exc}"
+                req.stop_reason = f"output update failed: {type(exc).__name__}: {exc}"
                 status = RequestStatus.FINISHED_ABORTED
                 output.rejected.append(req)
             if status is not None:
@@ -279,11 +324,15 @@ class Scheduler:
         if req.request_id not in sampled:
             raise KeyError(f"the runner returned no token for request {req.request_id!r}, whose "
                            f"chunk reached its last token ({req.num_tokens})")
-        req.append_output_token(sampled[req.request_id])
-        return check_stop(req, self.max_model_len)
+        token = sampled[req.request_id]
+        req.append_output_token(token)
+        complete = req.sampling_params.structured is not None and self.grammars.accept(req, token)
+        status = check_stop(req, self.max_model_len)
+        return RequestStatus.FINISHED_STOPPED if status is None and complete else status
 
     def _retire(self, req: Request, status: RequestStatus) -> None:
         self.block_manager.free(req)
+        self._release_grammar(req)
         req.status = status
         del self._requests[req.request_id]
         del self._order[req.request_id]
@@ -295,7 +344,8 @@ class Scheduler:
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
         loading_ids = {rid for rid, r in self.loading.items() if not r.status.is_finished}
-        if running_ids & waiting_ids or running_ids | waiting_ids | loading_ids != set(self._requests):
+        compiling_ids = set(self.compiling)
+        if running_ids & waiting_ids or running_ids | waiting_ids | loading_ids | compiling_ids != set(self._requests):
             raise RuntimeError(f"queues disagree: running {sorted(running_ids)} waiting "
                                f"{sorted(waiting_ids)} known {sorted(self._requests)}")
         for r in self.running:

@@ -7,6 +7,8 @@ reuses ``protocol``, ``checks``, ``limits``, ``prompt_work``, ``direct`` and ``e
     auth.py         BearerAuth (--api-key), node and proxy
     protocol.py     pydantic request bodies (OpenAI fields + vLLM extras), every field bounded -> SamplingParams
     checks.py       the checks after parsing (vocabulary, choices, prompt characters and tokens), node and proxy
+    structured.py   response_format / structured_outputs / guided_* -> StructuredOutputs; xgrammar parses it in a
+                    worker thread (a bad schema, regex or grammar: 400 naming the field), node and proxy
     direct.py       DirectRoutes / FrontedApp: the two POST routes served ahead of FastAPI's stack (node and proxy)
     limits.py       BodyLimits: --max-request-bytes and JSON nesting, before the body is parsed
     prompt_work.py  tokenization and chat templating: character limit, short requests on the event loop, worker

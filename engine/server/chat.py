@@ -18,12 +18,14 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from pdserve.engine.outputs import finite_logprob
 from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, created, kv_fields, make_calls,
                                           resolve_max_tokens, respond, sse, usage)
 from pdserve.engine.server.echo import chat_echo, prompt_logprobs_json
 from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.generation import Choice, EngineCall, Generation
 from pdserve.engine.server.protocol import ChatCompletionRequest, message_dicts
+from pdserve.engine.server.structured import check_structured
 
 router = APIRouter()
 
@@ -32,6 +34,7 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
     state, model = admit(request, body)
+    await check_structured(body, state.prompts)       # the proxy's order: after check_request, before tokenizing
     given = body_prompt_ids(state, body)
     if given is not None and len(given) != 1:
         raise bad_request(f"a chat request has one prompt; prompt_token_ids has {len(given)}", "prompt_token_ids")
@@ -90,7 +93,7 @@ def _logprobs(state: NodeState, results: list) -> dict[str, Any]:
     """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = state.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     content = [{**entry(r.token_id, r.logprob),
                 "top_logprobs": [entry(t, lp) for t, lp in (r.top_logprobs or [])]} for r in results]

@@ -18,12 +18,14 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from pdserve.engine.outputs import finite_logprob
 from pdserve.engine.server.common import (NodeState, admit, body_prompt_ids, check_token_ids, created,
                                           kv_fields, make_calls, resolve_max_tokens, respond, sse, usage)
 from pdserve.engine.server.echo import legacy_logprobs, output_rows, prompt_logprobs_json, prompt_rows, prompt_texts
 from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.generation import Choice, EngineCall, Generation
 from pdserve.engine.server.protocol import CompletionRequest, prompt_list
+from pdserve.engine.server.structured import check_structured
 
 router = APIRouter()
 
@@ -32,6 +34,7 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
     state, model = admit(request, body)
+    await check_structured(body, state.prompts)       # the proxy's order: after check_request, before tokenizing
     given = body_prompt_ids(state, body)
     prompts = given if given is not None else await _tokenize_prompts(state, body.prompt)
     params = [body.to_sampling_params(resolve_max_tokens(state, body.max_tokens, len(ids)), body.logprobs)

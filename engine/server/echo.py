@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.engine.outputs import finite_logprob
 from pdserve.engine.server.protocol import message_dicts, prompt_list
 
-LOGPROB_FLOOR = -9999.0
 Row = tuple[str, "float | None", "dict[str, float] | None"]      # token text, its logprob, top_logprobs
 
 
@@ -36,7 +36,7 @@ def prompt_texts(state, body, prompts: list[list[int]]) -> list[str] | None:
 
 
 def _clamp(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
+    return finite_logprob(logprob)
 
 
 def prompt_rows(state, prompt_ids: list[int], entries: list | None, num_top: int | None) -> list[Row]:
@@ -54,9 +54,9 @@ def output_rows(state, results: list) -> list[Row]:
     rows: list[Row] = []
     for r in results:
         text = state.token_text(r.token_id)
-        alternatives = {state.token_text(t): lp for t, lp in (r.top_logprobs or [])}
-        alternatives.setdefault(text, r.logprob)
-        rows.append((text, r.logprob, alternatives))
+        alternatives = {state.token_text(t): _clamp(lp) for t, lp in (r.top_logprobs or [])}
+        alternatives.setdefault(text, _clamp(r.logprob))
+        rows.append((text, _clamp(r.logprob), alternatives))
     return rows
 
 

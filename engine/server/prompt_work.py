@@ -72,7 +72,7 @@ class PromptWork:
     async def _encode(self, text: str, add_special_tokens: bool, inline: bool, param: str) -> list[int]:
         if inline:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await self._run(param, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return await self.run(param, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         self.check_chars(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
@@ -87,18 +87,19 @@ class PromptWork:
             except Exception as exc:   # jinja errors, template limits, no template: the request cannot be rendered
                 raise bad_request(f"cannot apply the chat template: {_describe(exc)}", "messages") from None
 
-        return await self._run("messages", render)
+        return await self.run("messages", render)
 
     async def decode(self, ids: list[int]) -> str:
         """/detokenize: up to ``MAX_TOKEN_IDS`` ids, in a worker thread with the same deadline."""
-        return await self._run("tokens", lambda: self.tokenizer.decode(ids))
+        return await self.run("tokens", lambda: self.tokenizer.decode(ids))
 
-    async def _run(self, param: str, work: Callable[[], T]) -> T:
+    async def run(self, param: str, work: Callable[[], T], doing: str = "tokenizing") -> T:
+        """``work()`` in a worker thread, waited for at most ``--tokenize-timeout`` (then 503 naming ``param``)."""
         future = asyncio.get_running_loop().run_in_executor(self._pool, work)
         try:
             return await asyncio.wait_for(future, self.limits.tokenize_timeout_s)
         except asyncio.TimeoutError:
-            raise APIError(503, f"tokenizing the {param} took longer than --tokenize-timeout "
+            raise APIError(503, f"{doing} the {param} took longer than --tokenize-timeout "
                                 f"{self.limits.tokenize_timeout_s:g} s; try again later or send less",
                            param=param, headers={"Retry-After": "1"}) from None
 

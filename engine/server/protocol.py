@@ -10,6 +10,8 @@ to int32, ``seed`` to int64 so that ``seed + choice index`` still fits the gener
 strings, lists and dicts to the lengths below; JSON nesting is bounded before parsing (``limits``).
 Every string is Unicode text and every free-form value plain JSON (``text``: a lone surrogate is a 400
 naming the field, not a 500 from the tokenizer or the proxy's encoder).
+Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) become ``SamplingParams.structured``
+through ``structured.py``, which refuses two at once and checks each with xgrammar.
 Unknown fields are ignored, like OpenAI and vLLM do (kept, and checked as plain JSON: the proxy forwards
 them); known-but-unsupported ones that would change the output are rejected, not ignored. ``echo`` and
 ``prompt_logprobs`` follow vLLM (``echo.py`` writes them): completions echo the prompt (``max_tokens`` 0 too: the
@@ -22,7 +24,7 @@ Responses are plain dicts built next to their handlers: their shape is the OpenA
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 from dataclasses import replace
 
@@ -31,6 +33,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 
 from pdserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from pdserve.engine.server.errors import bad_request
+from pdserve.engine.server.structured import MAX_SPEC_CHARS, structured_outputs
 from pdserve.engine.server.text import check_json, check_text
 
 INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -2**63, 2**63 - 1
@@ -45,6 +48,8 @@ MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256        # parts of one message's content
 MAX_NAME_CHARS = 256           # model names, roles, part types
 MAX_CACHE_SALT_CHARS = 256     # cache_salt: non-empty when given (vLLM), at most this long
+MAX_CHOICE_STRINGS = 1024      # structured-output choices; each at most MAX_CHOICE_CHARS
+MAX_CHOICE_CHARS = 1024
 
 
 def _bounded(container, limit: int):
@@ -91,6 +96,9 @@ PromptIds = Annotated[Union[Annotated[TokenIds, Tag("list[int]")], Annotated[Tok
                       Discriminator(_ids_kind)]
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS), BeforeValidator(check_text)]
 CacheSalt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CACHE_SALT_CHARS), BeforeValidator(check_text)]
+SpecText = Annotated[str, StringConstraints(max_length=MAX_SPEC_CHARS), BeforeValidator(check_text)]
+ChoiceText = Annotated[str, StringConstraints(max_length=MAX_CHOICE_CHARS), BeforeValidator(check_text)]
+ChoiceList = Annotated[_bounded(list[ChoiceText], MAX_CHOICE_STRINGS), Field(min_length=1)]
 LogitBias = _bounded(dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$"), BeforeValidator(check_text)],
                           Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]], MAX_LOGIT_BIAS)
 
@@ -104,6 +112,29 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(_Body):
+    """``response_format.json_schema``: OpenAI's. ``strict`` is accepted: the output always follows the schema
+    strictly (``engine/structured/grammar.py``)."""
+    name: Name
+    description: Text | None = None
+    schema_: JSONObject | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Body):
+    """vLLM's ``structured_outputs``: exactly one of these (its other fields are ignored, as unknown ones are)."""
+    json_: JSONObject | SpecText | None = Field(None, alias="json")
+    regex: SpecText | None = None
+    choice: ChoiceList | None = None
+    grammar: SpecText | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Body):
@@ -131,6 +162,14 @@ class _SamplingFields(_Body):
     cache_salt: CacheSalt | None = None     # only requests with the same salt share prefix-cache blocks / store KV
     prompt_logprobs: Count | None = None    # each prompt token's logprob and this many top ones (SamplingParams: <= 20)
     echo: bool = False                      # completions: the prompt first; chat: the last message (vLLM's)
+    # structured outputs (server/structured.py): OpenAI's response_format, vLLM's structured_outputs and the
+    # older guided_* names; at most one of them
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: JSONObject | SpecText | None = None
+    guided_regex: SpecText | None = None
+    guided_choice: ChoiceList | None = None
+    guided_grammar: SpecText | None = None
     # pdserve P/D extensions (set by the proxy): token ids to use instead of re-tokenizing (one prompt,
     # or one list per prompt), and the KV hand-off (see pdserve.engine.kv.kv_transfer; a list: one per prompt)
     prompt_token_ids: PromptIds | None = None
@@ -154,7 +193,8 @@ class _SamplingFields(_Body):
         return SamplingParams(
             max_tokens=max_tokens, stop=tuple(_as_list(self.stop)), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, min_tokens=self.min_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, **knobs)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured=structured_outputs(self), **knobs)
 
     @property
     def include_usage(self) -> bool:
