@@ -27,6 +27,7 @@ from pdserve.engine.config import (CacheConfig, EngineConfig, ExecutionConfig, K
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
 from pdserve.engine.server.auth import api_keys_from_args
 from pdserve.engine.server.listen import add_fd_flag, inherited_socket, served_address
+from pdserve.engine.server.tools.config import add_tool_arguments, tool_config_from_args
 from pdserve.kvstore.auth import add_token_arguments, token_from_args
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def register(subparsers) -> None:
                         "HTTP process (pdserve.engine.core; default on, PDSERVE_ENGINE_CORE_PROCESS=0 turns it off)")
     _add_engine_flags(p)
     add_limit_flags(p)
+    add_tool_arguments(p)
     p.set_defaults(func=run_node)
 
 
@@ -193,6 +195,10 @@ def run_node(args) -> int:
     config = config_from_args(args)
     if config.parallel.node_rank > 0:
         return run_worker_node(config)
+    try:
+        tools = tool_config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve node: {exc}") from None
     signals = _StopSignals(args.drain_timeout)
     sock = inherited_socket(args.fd)          # checked before the engine starts: a bad --fd fails at once
     engine, healthy = None, True
@@ -203,7 +209,8 @@ def run_node(args) -> int:
         engine = AsyncEngine(config)
         gc.freeze()                           # start-up objects (65k KV blocks...): never scanned again, not at exit either
         server = _server(build_app(engine, api_key=api_keys_from_args(args, "pdserve node"),
-                                   limits=limits_from_args(args), max_inflight=args.max_inflight_requests), args)
+                                   limits=limits_from_args(args), max_inflight=args.max_inflight_requests,
+                                   tools=tools), args)
         logger.info("node (role=%s) serving %s on http://%s:%d", args.role, engine.model_name,
                     *served_address(sock, args.host, args.port))
         signals.server = server

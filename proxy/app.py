@@ -64,7 +64,8 @@ class ProxyState:
         self.tenants = TenantSalts(config.api_keys, load_secret(config.cache_salt_secret_file)) \
             if config.cache_salt_from_api_key else None
         self.gate = Gate.build(tokenizer, Routing(config.prefix_chunk_tokens, f"proxy:{Path(config.model).name}"),
-                               config.limits, lambda: self.health.max_model_len, _model_vocab_size(config.model))
+                               config.limits, lambda: self.health.max_model_len, _model_vocab_size(config.model),
+                               config.tools)
 
     @property
     def model_name(self) -> str:

@@ -17,6 +17,7 @@ import sys
 
 from pdserve.engine import envs
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
+from pdserve.engine.server.tools.config import add_tool_arguments, tool_config_from_args
 from pdserve.engine.server.auth import api_keys_from_args
 from pdserve.engine.server.listen import add_fd_flag, inherited_socket, served_address
 from pdserve.proxy.config import POLICIES, ProxyConfig
@@ -58,6 +59,7 @@ def register(subparsers) -> None:
                    help="seconds an idle client connection stays open; keep it above the clients' own idle limit "
                         "(httpx 5 s, aiohttp 15 s, a load balancer's 60 s)")
     add_limit_flags(p)
+    add_tool_arguments(p)
     p.set_defaults(func=run_proxy)
 
 
@@ -72,7 +74,7 @@ def config_from_args(args) -> ProxyConfig:
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
         max_attempts=args.max_attempts, prefix_chunk_tokens=args.prefix_chunk_tokens,
         max_node_connections=args.max_node_connections, timeout_keep_alive_s=args.timeout_keep_alive,
-        limits=limits_from_args(args))
+        limits=limits_from_args(args), tools=tool_config_from_args(args))
 
 
 def run_proxy(args) -> int:

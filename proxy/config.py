@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.request_limits import RequestLimits
+from pdserve.engine.server.tools.config import ToolConfig
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 
@@ -32,6 +33,7 @@ class ProxyConfig:
     max_node_connections: int = 1024             # the pool of node calls (health probes have their own)
     timeout_keep_alive_s: float = 75.0           # an idle client connection is closed after this (see cli)
     limits: RequestLimits = field(default_factory=RequestLimits)   # body size, tokenization (as on the nodes)
+    tools: ToolConfig = field(default_factory=ToolConfig)           # tool_choice "auto" (as on the nodes)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:

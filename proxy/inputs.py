@@ -14,7 +14,7 @@ the client's in the bodies); the routing keys mix it too, so prefix-aware routin
 after another tenant's prefix.
 
 ``admit_request`` runs the nodes' checks in the nodes' order: ``checks.check_request`` (unsupported
-fields, vocabulary, choices, SamplingParams ranges), the structured-output constraint (``check_structured``:
+fields, tool_choice against the tools and ``--enable-auto-tool-choice``, vocabulary, choices, SamplingParams ranges), the structured-output constraint (``check_structured``:
 xgrammar parses it in a worker thread; a bad schema, regex or grammar is the nodes' 400), the character limit of each prompt, tokenizing
 (``PromptWork.encode_prompts``: a request's prompts of up to ``INLINE_ENCODE_CHARS`` characters in all on the
 event loop, a larger request's in a worker thread with a deadline), token ids against the vocabulary, and -- once a node has
@@ -44,6 +44,8 @@ from pdserve.engine.server.errors import bad_request, describe_validation_errors
 from pdserve.engine.server.prompt_work import PromptWork
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest, message_dicts, prompt_list
 from pdserve.engine.server.structured import check_structured
+from pdserve.engine.server.tools.config import ToolConfig
+from pdserve.engine.server.tools.plan import ToolPlan
 from pdserve.kvstore.keys import chunk_keys
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -101,12 +103,14 @@ class Gate:
     vocab_size: int
     routing: Routing
     max_model_len: Callable[[], int | None]      # the nodes' (health probes); None until one answered
+    tools: ToolConfig = ToolConfig()             # the nodes' tool-call flags (tool_choice "auto")
 
     @classmethod
     def build(cls, tokenizer, routing: Routing, limits: RequestLimits = RequestLimits(),
-              max_model_len: Callable[[], int | None] = lambda: None, model_vocab_size: int | None = None) -> "Gate":
+              max_model_len: Callable[[], int | None] = lambda: None, model_vocab_size: int | None = None,
+              tools: ToolConfig = ToolConfig()) -> "Gate":
         return cls(PromptWork(tokenizer, limits, max_model_len), vocab_size(tokenizer, model_vocab_size), routing,
-                   max_model_len)
+                   max_model_len, tools)
 
 
 async def parse_request(endpoint: str, raw: bytes, tokenizer, routing: Routing,
@@ -128,7 +132,7 @@ async def admit_request(endpoint: str, body: dict[str, Any], parsed, gate: Gate,
     """``body``: the client's JSON object; ``parsed``: it as a CompletionRequest / ChatCompletionRequest;
     ``cache_salt``: the salt the nodes get (the client's ``parsed.cache_salt``, or the tenant's)."""
     _check_client_fields(body)
-    check_request(parsed, gate.vocab_size)
+    check_request(parsed, gate.vocab_size, gate.tools)
     await check_structured(parsed, gate.prompts)
     prompts = await _tokenize(parsed, gate)
     param = "prompt" if endpoint == COMPLETIONS else "messages"
@@ -197,7 +201,8 @@ def _check_client_fields(body: dict[str, Any]) -> None:
 async def _tokenize(parsed, gate: Gate) -> list[list[int]]:
     """Token ids of each prompt, exactly as the node computes them (and with its limits)."""
     if isinstance(parsed, ChatCompletionRequest):
-        return [await gate.prompts.chat(message_dicts(parsed.messages), parsed.add_generation_prompt)]
+        return [await gate.prompts.chat(message_dicts(parsed.messages), parsed.add_generation_prompt,
+                                        ToolPlan.of(parsed).template_tools)]
     out = await gate.prompts.encode_prompts(prompt_list(parsed.prompt))
     for ids in out:
         check_token_ids(ids, gate.vocab_size)

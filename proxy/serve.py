@@ -22,6 +22,7 @@ import time
 
 from pdserve.engine import envs
 from pdserve.engine.server.auth import api_keys_from_args
+from pdserve.engine.server.tools.config import add_tool_arguments, tool_config_from_args
 from pdserve.kvstore.auth import ClusterKey, add_token_arguments, token_from_args
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster
 
@@ -53,6 +54,7 @@ def register(subparsers) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"every node: {text}")
         else:
             p.add_argument(flag, type=kind, default=None, help=f"every node: {text}")
+    add_tool_arguments(p)
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=1, help=f"{role} nodes' TP size")
         p.add_argument(f"--{role}-pipeline-parallel-size", type=int, default=1, help=f"{role} nodes' PP size")
@@ -90,6 +92,12 @@ def node_flags(args) -> tuple[str, ...]:
     return tuple(out)
 
 
+def tool_flags(args) -> tuple[str, ...]:
+    """--enable-auto-tool-choice / --tool-call-parser: the nodes and the proxy get them alike."""
+    out = ("--enable-auto-tool-choice",) if args.enable_auto_tool_choice else ()
+    return out + (("--tool-call-parser", args.tool_call_parser) if args.tool_call_parser else ())
+
+
 def role_flags(args, role: str) -> tuple[str, ...]:
     tp, pp = getattr(args, f"{role}_tensor_parallel_size"), getattr(args, f"{role}_pipeline_parallel_size")
     out = ("--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)) if tp * pp > 1 else ()
@@ -112,13 +120,18 @@ def resolve_demo_model(name: str) -> str:
 
 def run(args) -> int:
     model = resolve_demo_model(args.model)
-    flags = ("--served-model-name", args.model.rstrip("/").split("/")[-1]) + node_flags(args)
+    try:
+        tool_config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve serve: {exc}") from None
+    tools = tool_flags(args)
+    flags = ("--served-model-name", args.model.rstrip("/").split("/")[-1]) + node_flags(args) + tools
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, proxy_port=args.port, proxy_host=args.host,
                        kv_redis=args.kv_redis, node_flags=flags, prefill_flags=role_flags(args, "prefill"),
                        decode_flags=role_flags(args, "decode"), num_threads=args.num_threads,
                        kv_auth_token=token_from_args(args, "pdserve serve"),
                        api_keys=api_keys_from_args(args, "pdserve serve"),
-                       proxy_flags=("--cache-salt-from-api-key",) if args.cache_salt_from_api_key else (),
+                       proxy_flags=(("--cache-salt-from-api-key",) if args.cache_salt_from_api_key else ()) + tools,
                        expose_kv_accounting=args.expose_kv_accounting, node_api_key=True)
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):      # Ctrl-C, or a supervisor stopping us

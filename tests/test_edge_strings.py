@@ -54,13 +54,15 @@ GENERATION = [
     ("chat content", CHAT, _chat(messages=[{"role": "user", "content": BAD}]), "messages.0.content"),
     ("chat role", CHAT, _chat(messages=[{"role": BAD, "content": "hi"}]), "messages.0.role"),
     ("message name", CHAT, _message(name=BAD), "messages.0.name"),
-    ("message tool_calls", CHAT, _message(tool_calls=[{"id": "1", "function": {"name": BAD}}]),
-     "messages.0.tool_calls"),
+    ("message tool_calls", CHAT, _message(tool_calls=[{"id": "1", "type": "function",
+                                                        "function": {"name": "f", "arguments": BAD}}]),
+     "messages.0.tool_calls.0.function.arguments"),
     ("content part text", CHAT, _chat(messages=[{"role": "user", "content": [{"type": "text", "text": BAD}]}]),
      "messages.0.content.0.text"),
     ("content part type", CHAT, _chat(messages=[{"role": "user", "content": [{"type": BAD}]}]),
      "messages.0.content.0.type"),
-    ("tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": BAD}}]), "tools"),
+    ("tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f", "description": BAD}}]),
+     "tools.0.function.description"),
     ("chat user", CHAT, _chat(user=BAD), "user"),
 ]
 NODE_ONLY = [            # the proxy serves neither route; kv_transfer_params it refuses from clients by name

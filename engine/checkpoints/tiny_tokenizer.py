@@ -22,9 +22,26 @@ ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
 SP_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")                       # metaspace: ids 0, 1, 2
 SP_UNK_ID, SP_BOS_ID, SP_EOS_ID = 0, 1, 2
 
-CHATML_TEMPLATE = (
+CHATML_TEMPLATE = (   # ChatML; with tools, Hermes style (Qwen2.5's layout): the tools in the system turn,
+    # calls as <tool_call>{"name", "arguments"}</tool_call>, results as <tool_response> in a user turn
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n<tools>' }}{% for tool in tools %}{{ '\\n' + (tool['function'] | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ (call['function']['arguments'] if call['function']['arguments'] is string "
+    "else call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

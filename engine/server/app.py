@@ -35,10 +35,11 @@ from pdserve.engine.server.inflight import InflightLimit
 from pdserve.engine.server.limits import BodyLimits
 from pdserve.engine.server.metrics import ServerMetrics
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.engine.server.tools.config import ToolConfig
 
 
 def build_app(engine, *, api_key: str | tuple[str, ...] | None = None, limits: RequestLimits = RequestLimits(),
-              max_inflight: int = 1024) -> FastAPI:
+              max_inflight: int = 1024, tools: ToolConfig = ToolConfig()) -> FastAPI:
     """``/openapi.json`` describes every route with its bounded request schema (``protocol``); the
     fuzz test reads it. The front, outermost first: the API key, ``BodyLimits``, ``InflightLimit``
     (503 + Retry-After past ``max_inflight`` generation requests whose body has arrived; inside
@@ -49,7 +50,7 @@ def build_app(engine, *, api_key: str | tuple[str, ...] | None = None, limits: R
         return BearerAuth(outer, api_key) if api_key else outer
 
     app = FrontedApp(front, title="pdserve node", docs_url=None, redoc_url=None)
-    app.state.node = make_node_state(engine, ServerMetrics(engine, engine.model_name), limits)
+    app.state.node = make_node_state(engine, ServerMetrics(engine, engine.model_name), limits, tools)
     install_error_handlers(app)
     for router in (completions.router, chat.router, info.router, info.open_router):
         app.include_router(router)

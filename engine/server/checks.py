@@ -1,8 +1,8 @@
 """The checks a parsed request meets before it costs anything, the same on the node and the proxy.
 
     vocab = vocab_size(tokenizer, model_vocab_size)       # once, at start-up
-    check_request(body, vocab)                            # after pydantic: unsupported fields, vocabulary,
-                                                          # choices, the SamplingParams ranges
+    check_request(body, vocab, tools)                     # after pydantic: unsupported fields, tool_choice,
+                                                          # vocabulary, choices, the SamplingParams ranges
     check_prompt_chars(chars, max_model_len, per_token)   # before tokenizing (prompt_work calls it)
     check_token_ids(ids, vocab)                           # a prompt given as token ids
     resolve_max_tokens(max_model_len, requested, n)       # after tokenizing
@@ -16,6 +16,8 @@ from __future__ import annotations
 from pdserve.engine.sampling_params import SamplingParamsError
 from pdserve.engine.server.errors import APIError, bad_request
 from pdserve.engine.server.protocol import MAX_CHOICES
+from pdserve.engine.server.tools.config import ToolConfig
+from pdserve.engine.server.tools.plan import ToolPlan
 
 
 def vocab_size(tokenizer, model_vocab_size: int | None) -> int:
@@ -25,10 +27,11 @@ def vocab_size(tokenizer, model_vocab_size: int | None) -> int:
     return size if model_vocab_size is None else min(size, model_vocab_size)
 
 
-def check_request(body, vocab_size: int) -> None:
-    """``body``: a CompletionRequest or ChatCompletionRequest."""
+def check_request(body, vocab_size: int, tools: ToolConfig = ToolConfig()) -> None:
+    """``body``: a CompletionRequest or ChatCompletionRequest; ``tools``: the server's tool-call flags."""
     if message := body.unsupported():
         raise bad_request(message)
+    ToolPlan.of(body).check(tools)
     check_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
     check_token_ids(body.logit_bias_ids, vocab_size, "logit_bias")
     choices = body.num_prompts * body.n

@@ -25,6 +25,7 @@ from pdserve.engine.server.errors import APIError, bad_request, error_event
 from pdserve.engine.server.generation import Choice, ClientDisconnected, EngineCall, Generation
 from pdserve.engine.server.metrics import ServerMetrics
 from pdserve.engine.server.prompt_work import PromptWork
+from pdserve.engine.server.tools.config import ToolConfig
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class NodeState:
     token_text: Callable[[int], str]    # one token id -> its text, cached
     prompts: PromptWork                 # tokenization and chat templating, bounded and off the event loop
     vocab_size: int                     # token ids a request may name: [0, vocab_size)
+    tools: ToolConfig = ToolConfig()    # --enable-auto-tool-choice, --tool-call-parser
 
     @property
     def max_model_len(self) -> int:
@@ -44,7 +46,7 @@ class NodeState:
         return getattr(self.engine, "role", "both")
 
 
-def make_node_state(engine, metrics: ServerMetrics, limits: RequestLimits) -> NodeState:
+def make_node_state(engine, metrics: ServerMetrics, limits: RequestLimits, tools: ToolConfig = ToolConfig()) -> NodeState:
     decode = engine.tokenizer.decode
 
     @lru_cache(maxsize=1 << 16)
@@ -52,7 +54,7 @@ def make_node_state(engine, metrics: ServerMetrics, limits: RequestLimits) -> No
         return decode([token_id])
 
     prompts = PromptWork(engine.tokenizer, limits, lambda: engine.max_model_len)
-    return NodeState(engine, metrics, token_text, prompts, vocab_size(engine.tokenizer, _model_vocab(engine)))
+    return NodeState(engine, metrics, token_text, prompts, vocab_size(engine.tokenizer, _model_vocab(engine)), tools)
 
 
 def _model_vocab(engine) -> int | None:
@@ -68,7 +70,7 @@ def admit(request: Request, body) -> tuple[NodeState, str]:
     """The checks every generation endpoint starts with: the model name, then ``checks.check_request``."""
     state = node_state(request)
     model = check_model(state, body.model)
-    check_request(body, state.vocab_size)
+    check_request(body, state.vocab_size, state.tools)
     return state, model
 
 

@@ -36,7 +36,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of 'prompt' or 'messages'")
     if body.messages is not None:
-        ids = await state.prompts.chat(message_dicts(body.messages), body.add_generation_prompt)
+        ids = await state.prompts.chat(message_dicts(body.messages), body.add_generation_prompt,
+                                       [t.model_dump(exclude_none=True) for t in body.tools or ()] or None)
     else:
         ids = await state.prompts.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": None}

@@ -74,14 +74,14 @@ class PromptWork:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return await self.run(param, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    async def chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         self.check_chars(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
         limits = TemplateLimits(deadline_s=0.9 * self.limits.tokenize_timeout_s,   # its 400 before our 503
                                 max_chars=self.max_prompt_chars or TemplateLimits.max_chars)
 
         def render() -> list[int]:
             try:
-                return apply_chat_template(self.tokenizer, messages, add_generation_prompt, limits)
+                return apply_chat_template(self.tokenizer, messages, add_generation_prompt, limits, tools)
             except APIError:
                 raise
             except Exception as exc:   # jinja errors, template limits, no template: the request cannot be rendered

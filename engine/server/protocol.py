@@ -24,6 +24,7 @@ Responses are plain dicts built next to their handlers: their shape is the OpenA
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from dataclasses import replace
@@ -35,6 +36,7 @@ from pdserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.structured import MAX_SPEC_CHARS, structured_outputs
 from pdserve.engine.server.text import check_json, check_text
+from pdserve.engine.server.tools.protocol import CallId, ToolCalls, ToolChoice, Tools
 
 INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -2**63, 2**63 - 1
 MAX_N = 16                     # choices per prompt; seed + (n - 1) <= 2^63 + 14 < 2^64: the generator's range
@@ -247,9 +249,12 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
-    """Extra fields (name, tool_call_id ...) go to the template as is."""
+    """Extra fields (name, reasoning_content ...) go to the template as is; an assistant's ``tool_calls`` go with
+    their arguments as objects (``message_dicts``), as chat templates expect them."""
     role: Name
     content: Text | _bounded(list[ContentPart], MAX_CONTENT_PARTS) | None = None
+    tool_calls: ToolCalls | None = None
+    tool_call_id: CallId | None = None
 
 
 Messages = Annotated[_bounded(list[ChatMessage], MAX_MESSAGES), Field(min_length=1)]
@@ -262,6 +267,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Count | None = None
     add_generation_prompt: bool = True
+    # tool calling (server/tools): the template sees the tools; required / a named function constrain the output
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> str | None:
         return self._streamed_prompt_logprobs() or super().unsupported()
@@ -292,6 +301,7 @@ class TokenizeRequest(_Body):
     model: Name | None = None
     prompt: Text | None = None
     messages: Messages | None = None
+    tools: Tools | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -322,8 +332,22 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if isinstance(message.content, list):
             d["content"] = _text_of_parts(message.content, i)
         d.setdefault("content", "")
+        if message.tool_calls:
+            d["tool_calls"] = [_call_for_template(call) for call in d["tool_calls"]]
         out.append(d)
     return out
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier call with its ``arguments`` as an object when they are one (templates write them with
+    ``tojson``; vLLM does the same), else as the text the client sent."""
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except (ValueError, RecursionError):
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
 def _text_of_parts(parts: list[ContentPart], index: int) -> str:

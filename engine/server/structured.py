@@ -12,6 +12,7 @@ The fields, of which a request may give at most one:
     response_format {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object"}   vLLM's
     guided_json | guided_regex | guided_choice | guided_grammar                   vLLM's older names
+    tool_choice "required" or a named function                     the tools' schemas (``tools/plan.py``)
 
 A JSON schema may come as an object or as JSON text. Constraints that passed are remembered by ``spec.key``
 (the last ``VALID_CACHE_SIZE``), so a client repeating its schema pays for the check once.
@@ -25,6 +26,7 @@ from collections import OrderedDict
 from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.limits import json_depth
 from pdserve.engine.structured.grammar import StructuredOutputError, build_grammar
+from pdserve.engine.server.tools.plan import ToolPlan
 from pdserve.engine.structured.spec import StructuredOutputs
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -51,6 +53,8 @@ def structured_source(body) -> tuple[StructuredOutputs, str] | None:
         value = getattr(body, name)
         if value is not None:
             found.append((_spec(name.removeprefix("guided_"), value, name), name))
+    if (schema := ToolPlan.of(body).forced_schema()) is not None:
+        found.append((_spec("json", schema, "tool_choice"), "tool_choice"))
     if len(found) > 1:
         fields = ", ".join(param for _, param in found)
         raise bad_request(f"a request takes one structured-output constraint; got {fields}", found[1][1])

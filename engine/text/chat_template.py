@@ -202,10 +202,11 @@ _UNLIMITED = _Budget(TemplateLimits(deadline_s=math.inf, max_chars=1 << 62))
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
-                limits: TemplateLimits = TemplateLimits()) -> str:
-    """The prompt text of ``messages`` under the tokenizer's chat template, within ``limits``."""
+                limits: TemplateLimits = TemplateLimits(), tools: list[dict] | None = None) -> str:
+    """The prompt text of ``messages`` (and ``tools``, OpenAI's shape, as transformers passes them) under the
+    tokenizer's chat template, within ``limits``."""
     source = tokenizer.get_chat_template()
-    context = {**_special_tokens(tokenizer), "messages": messages, "tools": None, "documents": None,
+    context = {**_special_tokens(tokenizer), "messages": messages, "tools": tools, "documents": None,
                "add_generation_prompt": add_generation_prompt}
     budget = _Budget(limits)
     previous, _local.budget = getattr(_local, "budget", None), budget

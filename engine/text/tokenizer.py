@@ -49,13 +49,13 @@ def _light_config(path: Path):
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        limits: TemplateLimits = TemplateLimits()) -> list[int]:
-    """Chat messages -> prompt token ids: the template rendered to text (in the bounded sandbox of
+                        limits: TemplateLimits = TemplateLimits(), tools: list[dict] | None = None) -> list[int]:
+    """Chat messages (and tools) -> prompt token ids: the template rendered to text (in the bounded sandbox of
     ``chat_template``; the text transformers renders), then encoded without extra special tokens (the
     template has them), as vLLM does. The node and the proxy both call this."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat_template; use /v1/completions")
-    text = render_chat(tokenizer, messages, add_generation_prompt, limits)
+    text = render_chat(tokenizer, messages, add_generation_prompt, limits, tools)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
