@@ -33,6 +33,13 @@ SCHEMA = {"type": "object", "required": ["name", "size", "kind", "tags", "where"
                          "kind": {"enum": ["small", "large"]},
                          "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
                          "where": {"type": "object", "required": ["x"], "properties": {"x": {"type": "boolean"}}}}}
+# tool calling (issue 37): a forced call is a constraint like the structured cases; "none" renders the tools only
+TOOL_CASES = ("tools-named", "tools-required-seeded-n2", "tools-none-logprobs")
+TOOLS = [{"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "required": ["kind", "count"],
+    "properties": {"kind": {"enum": ["small", "large"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99}}}}},
+         {"type": "function", "function": {"name": "note", "parameters": {
+             "type": "object", "required": ["text"], "properties": {"text": {"type": "string", "maxLength": 5}}}}}]
 KNOBS = ("logit-bias", "logit-bias-ban", "logit-bias-seeded", "frequency-penalty", "frequency-penalty-seeded",
          "presence-penalty", "presence-penalty-seeded", "penalties-logprobs")
 COMMON = ("greedy", "greedy-max1", "logprobs", "logprobs-max1", "seeded", "seeded-n3", "seeded-n3-max1",
@@ -42,7 +49,7 @@ COMMON = ("greedy", "greedy-max1", "logprobs", "logprobs-max1", "seeded", "seede
 NAMES = {CMPL: (*COMMON, "prompt-list", "prompt-list-n2-seeded", "echo", "echo-max0", "echo-logprobs",
                "echo-logprobs-max0", "echo-n2-seeded-logprobs", "loglikelihood-batch", "prompt-logprobs",
                "prompt-logprobs-echo"),
-         CHAT: (*COMMON, "no-generation-prompt", "echo-last-message", "prompt-logprobs")}
+         CHAT: (*COMMON, "no-generation-prompt", "echo-last-message", "prompt-logprobs", *TOOL_CASES)}
 NO_STREAM = {"prompt-logprobs", "prompt-logprobs-echo"}    # prompt_logprobs > 0 with stream=true is a 400 (vLLM's)
 
 
@@ -90,6 +97,7 @@ def cases(endpoint: str, base: Baseline) -> dict[str, dict[str, Any]]:
     body.update(_structured(endpoint, greedy, seeded, lp))
     body["prompt-logprobs"] = {**greedy, "prompt_logprobs": 3, "max_tokens": 3}
     if endpoint == CHAT:
+        body.update(_tool_cases(greedy, seeded, lp))
         body["no-generation-prompt"] = {**greedy, "messages": CONTINUE, "add_generation_prompt": False,
                                         "max_tokens": 6}
         body["echo-last-message"] = {**body["no-generation-prompt"], "echo": True}
@@ -148,6 +156,16 @@ def _structured(endpoint: str, greedy: dict, seeded: dict, lp: dict) -> dict[str
         "grammar": {**greedy, "max_tokens": 32,
                     "structured_outputs": {"grammar": 'root ::= "(" num ("," num){0,2} ")"\nnum ::= [0-9]{1,3}'}},
         "guided-json-stop-string": {**greedy, "guided_json": SCHEMA, "stop": ['"kind"'], "max_tokens": 160},
+    }
+
+
+def _tool_cases(greedy: dict, seeded: dict, lp: dict) -> dict[str, dict[str, Any]]:
+    return {
+        "tools-named": {**greedy, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "pick"}},
+                        "max_tokens": 40},
+        "tools-required-seeded-n2": {**seeded, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+                                     "seed": 13, "n": 2, "max_tokens": 60},
+        "tools-none-logprobs": {**greedy, **lp, "tools": TOOLS, "tool_choice": "none", "max_tokens": 6},
     }
 
 
