@@ -16,7 +16,8 @@ import torch
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.kv.kv_transfer import KVTransferParams, TransferMismatchError
-from pdserve.engine.runner.sampler import generator_draws, skip_draws
+from pdserve.engine.runner.sampler import generator_draws
+from pdserve.engine.runner.seeded import seeded_uniform
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.text.tokenizer import apply_chat_template, load_tokenizer
 from pdserve.kvstore.memory import MemoryTier
@@ -133,16 +134,18 @@ def test_decode_node_never_schedules_a_request_its_first_token_finished(engines,
     assert decode.block_manager.num_free_blocks == decode.runtime.num_blocks
 
 
-def test_skip_draws_reaches_the_same_rng_position_as_real_draws():
-    vocab = 576
-    for seed in (0, 5):
-        real, skipped = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        probs = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 4, -1)
-        probs[::3] = 0.0                                         # top_k / top_p zeros do not change the RNG use
-        for _ in range(3):
-            torch.multinomial(probs, 1, generator=real)
-        skip_draws(skipped, vocab, generator_draws(SamplingParams(seed=seed, temperature=0.7), 3))
-        assert torch.equal(real.get_state(), skipped.get_state())
+def test_a_seeded_draw_depends_on_the_seed_and_the_draws_before_it_only():
+    """The decode node's draw 1 is the prefill node's would-be draw 1: the k-th uniform is a function of
+    (seed, k) -- SplitMix64's k-th output, checked against the generator written out step by step."""
+    for seed in (0, 5, -3, 2**63 - 1):
+        state, sequential = seed & (2**64 - 1), []
+        for _ in range(4):
+            state = (state + 0x9E3779B97F4A7C15) & (2**64 - 1)
+            z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+            sequential.append(((z ^ (z >> 31)) >> 11) * 2.0 ** -53)
+        assert [seeded_uniform(seed, k) for k in range(4)] == sequential
+    assert generator_draws(SamplingParams(seed=5, temperature=0.7), 3) == 3
     assert generator_draws(SamplingParams(seed=1, temperature=0.0), 3) == 0
     assert generator_draws(SamplingParams(temperature=1.0), 3) == 0
 

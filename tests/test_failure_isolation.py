@@ -67,10 +67,10 @@ def _check_others(out, expected, culprit, engine):
 def test_a_request_whose_sampling_raises_fails_alone(tiny_llama, prompts, expected, monkeypatch):
     real = model_runner.sample
 
-    def sample(logits, params, generators, *args, **kwargs):
+    def sample(logits, params, draws, *args, **kwargs):
         if any(p.seed == POISON_SEED for p in params):
-            raise RuntimeError("injected: generator cannot be seeded")
-        return real(logits, params, generators, *args, **kwargs)
+            raise RuntimeError("injected: a seeded row cannot be sampled")
+        return real(logits, params, draws, *args, **kwargs)
 
     monkeypatch.setattr(model_runner, "sample", sample)
     engine = _engine(tiny_llama)

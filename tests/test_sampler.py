@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from dataclasses import replace
+
 from pdserve.engine.runner.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -15,10 +17,6 @@ VOCAB = 64
 
 def _logits(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3.0
-
-
-def _seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def test_greedy_batch_is_argmax_with_first_max_on_ties():
@@ -34,8 +32,7 @@ def test_greedy_batch_is_argmax_with_first_max_on_ties():
 def test_top_k_one_equals_greedy_even_with_temperature():
     logits = _logits(4, seed=1)
     greedy = sample(logits, [SamplingParams(temperature=0.0)] * 4, [None] * 4)
-    top1 = sample(logits, [SamplingParams(temperature=1.5, top_k=1)] * 4,
-                  [_seeded(i) for i in range(4)])
+    top1 = sample(logits, [SamplingParams(temperature=1.5, top_k=1, seed=i) for i in range(4)], [0] * 4)
     assert [r.token_id for r in top1] == [r.token_id for r in greedy]
 
 
@@ -43,14 +40,14 @@ def test_mixed_batch_keeps_greedy_rows_exact():
     logits = _logits(4, seed=2)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
               SamplingParams(temperature=0.0), SamplingParams(temperature=2.0)]
-    out = sample(logits, params, [None, _seeded(3), None, None])
+    out = sample(logits, params, [None, 0, None, None])
     assert out[0].token_id == int(logits[0].argmax())
     assert out[2].token_id == int(logits[2].argmax())
 
 
 def _draws(logits: torch.Tensor, params: SamplingParams, seed: int, steps: int) -> list[int]:
-    generator = _seeded(seed)
-    return [sample(logits, [params], [generator])[0].token_id for _ in range(steps)]
+    seeded = replace(params, seed=seed)
+    return [sample(logits, [seeded], [k])[0].token_id for k in range(steps)]
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ():
@@ -64,16 +61,17 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ():
 
 def test_seeded_row_is_independent_of_its_batch_neighbours():
     logits = _logits(3, seed=5) / 3.0
-    params = [SamplingParams(temperature=1.0)] * 3
-    alone = sample(logits[1:2], params[:1], [_seeded(7)])[0].token_id
-    batched = sample(logits, params, [None, _seeded(7), _seeded(99)])[1].token_id
-    assert alone == batched
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=7),
+              SamplingParams(temperature=1.0, seed=99)]
+    for k in range(20):
+        alone = sample(logits[1:2], params[1:2], [k])[0].token_id
+        assert alone == sample(logits, params, [None, k, 3])[1].token_id
+        assert alone == sample(logits[1:], params[1:], [k, 5])[0].token_id
 
 
 def _allowed_counts(logits: torch.Tensor, params: SamplingParams, draws: int = 400) -> set[int]:
     rows = logits.expand(draws, VOCAB).contiguous()
-    generators = [_seeded(1000 + i) for i in range(draws)]
-    return {r.token_id for r in sample(rows, [params] * draws, generators)}
+    return {r.token_id for r in sample(rows, [replace(params, seed=1000 + i) for i in range(draws)], [0] * draws)}
 
 
 def test_top_k_never_picks_outside_the_k_largest():
@@ -105,7 +103,7 @@ def test_logprobs_are_raw_log_softmax_regardless_of_temperature():
     params = [SamplingParams(temperature=0.0, logprobs=5),
               SamplingParams(temperature=0.7, top_k=10, logprobs=3),
               SamplingParams(temperature=0.0)]
-    out = sample(logits, params, [None, _seeded(1), None])
+    out = sample(logits, params, [None, 0, None])
     reference = torch.log_softmax(logits, dim=-1)
     for row, result in enumerate(out):
         assert result.logprob == pytest.approx(float(reference[row, result.token_id]), abs=1e-5)
@@ -143,11 +141,10 @@ def test_repetition_penalty_distribution_matches_transformers_for_sampling():
     logits = _logits(1, seed=12) / 2.0
     history = logits[0].topk(3).indices.tolist() + [int(logits[0].argmin())]
     processed = RepetitionPenaltyLogitsProcessor(penalty=2.0)(torch.tensor([history]), logits.clone())
-    params = SamplingParams(temperature=1.0, repetition_penalty=2.0)
+    params = SamplingParams(temperature=1.0, repetition_penalty=2.0, seed=5)
     draws = 3000
     rows = logits.expand(draws, VOCAB).contiguous()
-    generator = _seeded(5)
-    out = sample(rows, [params] * draws, [generator] * draws, [history] * draws)
+    out = sample(rows, [params] * draws, list(range(draws)), [history] * draws)   # one request's draws 0..2999
     freq = torch.bincount(torch.tensor([r.token_id for r in out]), minlength=VOCAB) / draws
     assert torch.allclose(freq, processed[0].softmax(-1), atol=0.04)
     assert not torch.allclose(freq, logits[0].softmax(-1), atol=0.04)   # the penalty mattered

@@ -9,7 +9,7 @@ request's text (``detokenizer.RequestText``: text deltas, stop strings) and the 
                                                                       acknowledged every chunk
 The final output carries the KV accounting (logged once per request at INFO) and, for a request
 that asked for remote decode, the ``kv_transfer_params`` the decode node needs: the KV's, plus the
-first token's logprobs and the seeded generator's draws, so that the decode node answers exactly
+first token's logprobs and the seeded sampling's draw count, so that the decode node answers exactly
 what a colocated node would.
 
 Prompt logprobs (a request that asked for them): the runner's chunks are joined in ``collect`` and the whole

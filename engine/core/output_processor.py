@@ -96,7 +96,7 @@ class OutputProcessor:
                        stop_reason=stop, error=None)
 
     def _merge_final(self, r: _Request, wire: m.CoreOutput) -> RequestOutput:
-        """The stop-string-ended output with the core's final figures. The seeded generator's draws count
+        """The stop-string-ended output with the core's final figures. The seeded sampling's draws count
         only the tokens delivered (the core may have sampled more before it stopped)."""
         transfer = None
         if wire.kv_transfer_params is not None:

@@ -13,7 +13,7 @@ bytes; a mismatch is refused naming both values, never loaded as wrong KV.
 
 The sampling fields make the decode node's answer the one a colocated node gives: the first token's
 logprobs (emitted by the decode node as its own first token's), and ``sampler_draws``, the draws the
-prefill node's seeded generator made, which the decode node's generator skips before its first draw.
+prefill node's seeded sampling made, the index of the decode node's first draw (``runner/seeded.py``).
 ``prompt_logprobs`` (a request that asked for them, or for ``echo`` with ``logprobs``): the prefill node ran the
 prompt, so its figures are the answer's; the decode node, which loads the prompt's KV and computes no logits for it,
 checks them against the prompt (``prompt_logprobs_for``) and emits them with the first token.
@@ -54,7 +54,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_token_id: int | None = None
     first_token_logprob: float | None = None
     first_token_top_logprobs: TopLogprobs | None = None
-    sampler_draws: Draws = 0                  # draws the prefill node's seeded generator made
+    sampler_draws: Draws = 0                  # draws the prefill node's seeded sampling made
     accounting: dict[str, int] | None = None
     prompt_logprobs: PromptLogprobs | None = None   # prompt tokens 1.. (the prefill node's, when asked for)
 

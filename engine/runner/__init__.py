@@ -4,13 +4,14 @@ Called by ``LLMEngine.step`` (``runner.execute(scheduler_output)``, tp = pp = 1)
 (``parallel/worker.py``, ``stage.py``), which owns a ``ModelRunner`` for its KV cache shard and builds its
 micro-batches with ``build_step_inputs``. In the order a step meets it:
 
-    model_runner.py  owns the paged KV cache tensors and the per-request generators; runs the model, applies the
+    model_runner.py  owns the paged KV cache tensors and the per-request draw counts; runs the model, applies the
                      step's structured-output bitmask to the logits (``structured/bitmask.py``), then samples
     input_batch.py   per-request rows in preallocated arrays -> the step's flat numpy arrays (StepArrays)
     staging.py       StepArrays -> StepInputs on the device (CUDA: one pinned int32 buffer, one copy)
     cuda_graphs.py   decode steps replayed from CUDA graphs, one per batch-size bucket (CUDA, not --enforce-eager)
     compile.py       torch.compile of each layer's non-attention parts (CPU, --torch-compile)
-    sampler.py       logits -> tokens: temperature, top-k/p, min-p, repetition penalty, logprobs, seeded generators
+    sampler.py       logits -> tokens: temperature, top-k/p, min-p, repetition penalty, logprobs
+    seeded.py        seeded draws without generator state: the k-th draw of a seed is SplitMix64's k-th output
     prompt_logprobs.py  a step with requests that ask for prompt logprobs: their prompt rows' logprobs, rank, top-k
     penalties.py     logit_bias, presence / frequency penalties over the batch (the sampler calls them)
     output_counts.py per-row counts of the generated tokens, kept by the input batch for those penalties

@@ -3,7 +3,7 @@
 Called by ``LLMEngine.step``:  ``sampled = runner.execute(scheduler_output)``  ->  ``{request_id: SampleResult}``.
 A tensor/pipeline-parallel worker rank (``pdserve.engine.parallel.stage``) owns one too, for its
 KV cache shard and ``sample_requests``.
-Owns the paged KV cache (allocated once from the ``KVLayout``), the per-request sampling generators
+Owns the paged KV cache (allocated once from the ``KVLayout``), the per-request draw counters of seeded sampling (``seeded.py``)
 and the sampler call (with the output-token counts of penalised requests: their input-batch rows, or
 counted from the ids a worker rank's step message carries); on CUDA the decode graphs (``cuda_graphs.py``),
 on CPU the compiled layer pieces (``compile.py``), both built at start-up and skipped under ``--enforce-eager``.
@@ -20,7 +20,7 @@ from pdserve.engine.models.llama import LogitRows
 from pdserve.engine.runner.input_batch import InputBatch
 from pdserve.engine.runner.penalties import counts_from_ids
 from pdserve.engine.runner.prompt_logprobs import plan_prompt_rows, prompt_logprobs
-from pdserve.engine.runner.sampler import sample, skip_draws
+from pdserve.engine.runner.sampler import generator_draws, sample
 from pdserve.engine.structured.bitmask import apply_bitmask
 from pdserve.kernels import cpu_attention, cpu_ops, resolve_backend
 
@@ -45,7 +45,7 @@ class ModelRunner:
         self.kv_caches = layout.allocate(num_blocks, block_size, self.device)   # per layer {k, v}: [N, bs, Hkv, D]
         self.attention_backend = resolve_backend(attention_backend, self.device.type)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device, self.attention_backend)
-        self._generators: dict[str, torch.Generator] = {}
+        self._draws: dict[str, int] = {}       # seeded request id -> draws made so far (here and before it came)
         self.graphs = None                  # DecodeGraphs on CUDA unless --enforce-eager (cuda_graphs.py)
         if self.device.type == "cuda" and not enforce_eager:
             from pdserve.engine.runner.cuda_graphs import DecodeGraphs
@@ -119,36 +119,29 @@ class ModelRunner:
         ``grammar_bitmask`` (a ``GrammarBitmask``): structured requests' allowed tokens, applied to ``logits``
         in place first (one pass over the batch); the sampler then sees -inf at every other token.
 
-        One request's bad parameters (a generator it cannot seed, a token id outside the vocabulary)
-        fail that request only: its entry is a ``SampleFailure`` and the others get their tokens. If
-        the batch raises, the generators are put back where they were and each request is sampled alone.
+        One request's bad parameters (a token id outside the vocabulary) fail that request only: its entry is
+        a ``SampleFailure`` and the others get their tokens. If the batch raises, each request is sampled alone
+        (a seeded request's draw count moves only once its token is taken).
         """
         apply_bitmask(logits, [r.request_id for r in reqs], grammar_bitmask)
-        out, rows, ok, gens = {}, [], [], []
-        for i, r in enumerate(reqs):
-            try:
-                gens.append(self._generator(r, logits.shape[1]))
-                rows.append(i)
-                ok.append(r)
-            except Exception as exc:  # noqa: BLE001 - a seed the generator refuses
-                out[r.request_id] = SampleFailure(f"sampler seeding failed: {type(exc).__name__}: {exc}")
-        states = [None if g is None else g.get_state() for g in gens]
         try:
-            batch = logits if len(rows) == len(reqs) else logits[rows]
-            return {**out, **self._sample(batch, ok, gens)}
+            return self._sample(logits, reqs)
         except Exception:  # noqa: BLE001 - find the culprit(s) row by row (the rare path)
-            for r, g, st, i in zip(ok, gens, states, rows):
-                if g is not None:
-                    g.set_state(st)
+            out = {}
+            for i, r in enumerate(reqs):
                 try:
-                    out.update(self._sample(logits[i:i + 1], [r], [g]))
+                    out.update(self._sample(logits[i:i + 1], [r]))
                 except Exception as exc:  # noqa: BLE001 - that request fails, nobody else does
                     out[r.request_id] = SampleFailure(f"sampling failed: {type(exc).__name__}: {exc}")
             return out
 
-    def _sample(self, logits: torch.Tensor, reqs: list, gens: list) -> dict:
-        results = sample(logits, [r.sampling_params for r in reqs], gens, _histories(reqs), _banned(reqs),
+    def _sample(self, logits: torch.Tensor, reqs: list) -> dict:
+        draws = [self._draws.get(r.request_id, r.sampler_draws) for r in reqs]
+        results = sample(logits, [r.sampling_params for r in reqs], draws, _histories(reqs), _banned(reqs),
                          counts=self._output_counts(reqs, logits.shape[1]))
+        for r, made in zip(reqs, draws):
+            if generator_draws(r.sampling_params, 1):
+                self._draws[r.request_id] = made + 1
         return {r.request_id: res for r, res in zip(reqs, results)}
 
     def _output_counts(self, reqs: list, vocab: int) -> torch.Tensor | None:
@@ -162,21 +155,9 @@ class ModelRunner:
             return self.input_batch.output_counts.gather(rows, vocab)
         return counts_from_ids([list(r.output_token_ids) for r in penalised], vocab, self.device)
 
-    def _generator(self, req, vocab_size: int) -> torch.Generator | None:
-        """The request's generator, seeded once; one that continues a request started on another node
-        first skips the draws made there, so seeded output is the same as if one node ran it all."""
-        seed = req.sampling_params.seed
-        if seed is None or req.sampling_params.greedy:
-            return None
-        gen = self._generators.get(req.request_id)
-        if gen is None:
-            gen = self._generators[req.request_id] = torch.Generator().manual_seed(seed)
-            skip_draws(gen, vocab_size, req.sampler_draws)
-        return gen
-
     def release(self, request_id: str) -> None:
         """Forget per-request state once the request finished or was aborted."""
-        self._generators.pop(request_id, None)
+        self._draws.pop(request_id, None)
         self.input_batch.remove(request_id)
 
 

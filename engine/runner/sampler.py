@@ -2,11 +2,12 @@
 
 Called by the model runner once per step, on the rank that holds the final logits:
 
-    results = sample(logits, params, generators, histories, banned, counts)
+    results = sample(logits, params, draws, histories, banned, counts)
 
 ``logits[i]`` belongs to the request whose ``SamplingParams`` is ``params[i]``;
-``generators[i]`` is that request's ``torch.Generator`` (the engine seeds one from
-``params.seed``) or ``None`` for the global RNG; ``histories[i]`` is its prompt +
+``draws[i]`` is the number of draws that request made before (``seeded.py``: its next draw is a function of
+``params.seed`` and that count; None counts as 0), read only when it has a seed -- unseeded rows draw from
+torch's global RNG; ``histories[i]`` is its prompt +
 output token ids (read only when ``repetition_penalty != 1``); ``banned[i]`` the token
 ids it may not pick now (eos and stop ids before ``min_tokens``); ``counts`` the [M, V] counts of the
 generated tokens of the rows with a presence or frequency penalty (``penalties.py``).
@@ -14,10 +15,8 @@ generated tokens of the rows with a presence or frequency penalty (``penalties.p
 Order of the logits transforms (vLLM's): logit_bias -> repetition penalty (HF semantics, prompt + output)
 -> presence / frequency penalties (output only) -> banned ids -> temperature -> top_k -> top_p -> min_p -> sample.
 
-A seeded generator makes exactly one draw per sampled token (``torch.multinomial`` over the
-vocabulary, whose RNG use does not depend on the probabilities), so a node that continues a
-request another node started (disaggregated decode) reaches the same RNG position with
-``skip_draws(generator, vocab_size, generator_draws(params, num_sampled))``.
+A seeded request makes exactly one draw per sampled token, so a node that continues a request another node
+started (disaggregated decode) passes ``generator_draws(params, num_sampled)`` as its first draw index.
 Greedy requests (``temperature`` below ``GREEDY_TEMPERATURE``, 1e-5, or ``top_k == 1``) take the
 argmax after logit_bias and the penalties, like HF and vLLM. A batch that is all greedy without penalty
 is one ``argmax`` over the batch: that is the hot path.
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.runner.penalties import apply_logit_bias, apply_penalties
+from pdserve.engine.runner.seeded import inverse_cdf, seeded_uniform
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -44,15 +44,13 @@ class SampleResult:
     top_logprobs: list[tuple[int, float]] | None   # None unless params.logprobs is set
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None],
+def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int | None],
            histories: list[list[int]] | None = None,
            banned: list[list[int]] | None = None, counts: torch.Tensor | None = None) -> list[SampleResult]:
     """Pick one token per row of ``logits`` ([N, V]); see the module docstring. ``logits`` is not modified."""
     n = logits.shape[0]
-    if len(params) != n or len(generators) != n:
-        raise ValueError(f"sample got {n} logit rows but {len(params)} params and "
-                         f"{len(generators)} generators")
+    if len(params) != n or len(draws) != n:
+        raise ValueError(f"sample got {n} logit rows but {len(params)} params and {len(draws)} draw counts")
     logits = logits.float()                                  # [N, V]
     raw_logprobs = _raw_logprobs(logits, params)             # [N, V] or None
     processed = apply_logit_bias(logits, params)
@@ -69,7 +67,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         probs = _filtered_probs(processed[rows], [params[i] for i in random_rows])
-        token_ids[rows] = _draw(probs, [generators[i] for i in random_rows])
+        token_ids[rows] = _draw(probs, [params[i].seed for i in random_rows], [draws[i] for i in random_rows])
     return _results(logits, raw_logprobs, token_ids, params)
 
 
@@ -114,16 +112,8 @@ def _ban(processed: torch.Tensor, raw: torch.Tensor, banned: list[list[int]] | N
 
 
 def generator_draws(params: SamplingParams, num_sampled: int) -> int:
-    """Draws a request's generator made for ``num_sampled`` tokens: one each when seeded and not greedy."""
+    """Draws a request made for ``num_sampled`` tokens: one each when seeded and not greedy."""
     return num_sampled if params.seed is not None and not params.greedy else 0
-
-
-def skip_draws(generator: torch.Generator, vocab_size: int, num_draws: int) -> None:
-    """Advance ``generator`` exactly as ``num_draws`` calls of ``_draw_row`` over ``vocab_size`` tokens would."""
-    if num_draws:
-        uniform = torch.ones(vocab_size, device=generator.device)
-        for _ in range(num_draws):
-            torch.multinomial(uniform, 1, generator=generator)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -166,20 +156,12 @@ def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One multinomial draw per row, each with its own generator ([M, V] -> [M])."""
-    if all(g is None for g in generators):
-        return torch.multinomial(probs, 1).squeeze(1)
-    draws = [_draw_row(row, g) for row, g in zip(probs, generators)]
-    return torch.cat(draws)
-
-
-def _draw_row(row: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """A seeded row is drawn on its generator's device (a CPU generator with CUDA logits works,
-    and the same seed gives the same token on either device)."""
-    if generator is None or generator.device == row.device:
-        return torch.multinomial(row, 1, generator=generator)
-    return torch.multinomial(row.to(generator.device), 1, generator=generator).to(row.device)
+def _draw(probs: torch.Tensor, seeds: list[int | None], draws: list[int | None]) -> torch.Tensor:
+    """One draw per row ([M, V] -> [M]) in one batched pass (``seeded.inverse_cdf``): a seeded row's uniform is
+    its ``(seed, draw)`` one, the others' come from torch's global RNG (``--seed``)."""
+    unseeded = iter(torch.rand(sum(s is None for s in seeds), dtype=torch.float64).tolist())
+    uniforms = [next(unseeded) if seed is None else seeded_uniform(seed, draw or 0) for seed, draw in zip(seeds, draws)]
+    return inverse_cdf(probs, uniforms)
 
 
 def _results(logits: torch.Tensor, raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor,
