@@ -2,8 +2,11 @@
 
 Called by the sampler (``sampler.sample``), each one vectorised over the batch and skipped when no row uses it:
 
-    processed = apply_logit_bias(logits, params)              # one index_put over every row's (id, bias) pairs
-    processed = apply_penalties(processed, params, counts)    # counts: [M, V] for the penalised rows, in order
+    processed = add_bias(logits, rows, ids, values)           # one index_put over every row's (id, bias) pairs
+    processed = subtract_penalties(processed, rows, presence, frequency, counts)   # counts: [M, V], rows' order
+
+(the tensors come packed from ``sample_batch.SampleBatch``; ``apply_logit_bias`` / ``apply_penalties`` build
+them from the parameters for one call)
 
 Semantics (OpenAI's, as vLLM applies them): ``logits[t] += logit_bias[t]``; then, over the request's *generated*
 tokens only (not the prompt), ``logits[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t]``.
@@ -35,19 +38,25 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     rows = [i for i, p in enumerate(params) if p.logit_bias]
     if not rows:
         return logits
-    arrays = [_bias_arrays(params[i].logit_bias) for i in rows]
+    arrays = [bias_arrays(params[i].logit_bias) for i in rows]
     ids = np.concatenate([a[0] for a in arrays])
     biases = np.concatenate([a[1] for a in arrays])
     row_ids = np.repeat(np.array(rows, np.int64), [len(a[0]) for a in arrays])
     keep = ids < logits.shape[1]
     device = logits.device
-    index = (torch.from_numpy(row_ids[keep]).to(device), torch.from_numpy(ids[keep]).to(device))
-    values = torch.from_numpy(biases[keep]).to(device=device, dtype=logits.dtype)
-    return logits.index_put(index, values, accumulate=True)
+    return add_bias(logits, torch.from_numpy(row_ids[keep]).to(device), torch.from_numpy(ids[keep]).to(device),
+                    torch.from_numpy(biases[keep]).to(device))
+
+
+def add_bias(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``logits`` plus ``values`` at (``rows``, ``ids``) (each pair once); ``logits`` itself when there is none."""
+    if not rows.numel():
+        return logits
+    return logits.index_put((rows, ids), values.to(logits.dtype), accumulate=True)
 
 
 @functools.lru_cache(maxsize=4096)
-def _bias_arrays(logit_bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+def bias_arrays(logit_bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray]:
     """A request's (id, bias) pairs as two arrays, made once per distinct ``logit_bias`` (not once per step)."""
     return (np.array([t for t, _ in logit_bias], np.int64), np.array([b for _, b in logit_bias], np.float32))
 
@@ -59,17 +68,27 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     rows = penalised_rows(params)
     if not rows:
         return logits
-    if counts is None or counts.shape != (len(rows), logits.shape[1]):
+    device = logits.device
+    return subtract_penalties(logits, torch.tensor(rows, device=device),
+                              torch.tensor([params[i].presence_penalty for i in rows], device=device),
+                              torch.tensor([params[i].frequency_penalty for i in rows], device=device), counts)
+
+
+def subtract_penalties(logits: torch.Tensor, rows: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+                       counts: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` less ``frequency x count + presence x (count > 0)`` on ``rows`` ([M] each; ``counts`` [M, V]);
+    ``logits`` itself when ``rows`` is empty."""
+    if not rows.numel():
+        return logits
+    if counts is None or counts.shape != (rows.numel(), logits.shape[1]):
         got = None if counts is None else tuple(counts.shape)
-        raise ValueError(f"presence / frequency penalties need the output token counts of {len(rows)} rows "
+        raise ValueError(f"presence / frequency penalties need the output token counts of {rows.numel()} rows "
                          f"x {logits.shape[1]} tokens, got {got}")
-    device, dtype = logits.device, logits.dtype
-    counts = counts.to(device=device, dtype=dtype)
-    presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=dtype, device=device).unsqueeze(1)
-    frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=dtype, device=device).unsqueeze(1)
-    index = torch.tensor(rows, device=device)
-    penalised = logits.index_select(0, index) - frequency * counts - presence * (counts > 0).to(dtype)
-    return logits.index_copy(0, index, penalised)
+    dtype = logits.dtype
+    counts = counts.to(dtype=dtype)                  # the runner keeps them on the logits' device
+    presence, frequency = presence.to(dtype).unsqueeze(1), frequency.to(dtype).unsqueeze(1)
+    penalised = logits.index_select(0, rows) - frequency * counts - presence * (counts > 0).to(dtype)
+    return logits.index_copy(0, rows, penalised)
 
 
 def counts_from_ids(outputs: list[list[int]], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -41,11 +41,14 @@ def seeded_uniform(seed: int, draw: int) -> float:
     return (z >> 11) * 2.0 ** -53
 
 
-def inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, uniforms: list[float] | torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` ([M, V], non-negative, each row with some mass) for ``uniforms`` ([M]):
     the first index whose cumulative mass passes ``u`` x the row's mass; never a zero-probability token."""
     cdf = probs.to(torch.float64).cumsum(dim=-1)                                     # [M, V]
-    u = torch.tensor(uniforms, dtype=torch.float64).to(probs.device, non_blocking=True)
+    if isinstance(uniforms, torch.Tensor):
+        u = uniforms.to(torch.float64)                                   # already on the device (SampleBatch)
+    else:
+        u = torch.tensor(uniforms, dtype=torch.float64).to(probs.device)
     target = (u * cdf[:, -1]).unsqueeze(1)                                           # [M, 1]
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
     empty = probs.gather(1, picked.unsqueeze(1)).squeeze(1) <= 0                     # rounding at the very end
