@@ -131,10 +131,10 @@ def test_auto_reads_hermes_blocks(servers):
                       extra_body={"structured_outputs": {"regex": regex}})
         r = client.chat.completions.create(**kwargs)
         choice = r.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add. ", (where, r)
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add.", (where, r)
         calls = _calls(choice.message)
         _validate(calls)
-        assert _stream(client, **kwargs) == (calls, "tool_calls", "Let me add. ")
+        assert _stream(client, **kwargs) == (calls, "tool_calls", "Let me add.")
         answers[where] = calls
         none = client.chat.completions.create(**kwargs, tool_choice="none")
         assert none.choices[0].message.tool_calls is None and "<tool_call>" in none.choices[0].message.content

@@ -63,7 +63,7 @@ def test_hermes_reads_calls_and_content_however_cut(calls, before, after, data):
     text = before + blocks + after
     content, got = streamed(HermesParser(), cuts(text, data))
     assert got == as_calls(calls)
-    assert content == before + after
+    assert content == (before + after).rstrip(" \t\n\r")    # trailing whitespace of an answer with calls: dropped
     assert whole(HermesParser(), text)[1] == got
 
 

@@ -50,7 +50,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     params = body.to_sampling_params(max_tokens, body.engine_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     calls = make_calls(request_id, [prompt_ids], [params], body.n, body.kv_transfer_params, body.cache_salt)
-    parser = lambda: plan.parser(state.tools)      # noqa: E731 - one per choice
+    parser = lambda: plan.parser(state.tools, state.call_ids)      # noqa: E731 - one per choice
     return await respond(request, state, body, calls, arrival,
                          lambda gen: _stream(state, body, request_id, model, calls, gen, parser),
                          lambda choices: _response(state, body, request_id, model, calls, choices, parser))
@@ -83,11 +83,12 @@ async def _stream(state: NodeState, body: ChatCompletionRequest, request_id: str
     with_logprobs = calls[0].params.logprobs is not None
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created(), "model": model}
     extra = {"usage": None} if body.include_usage else {}
-    for index in choices:   # the role comes first, in its own chunk, as OpenAI sends it
-        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None}
+    forced = any(r is not None and r.forced for r in readers.values())
+    for index in choices:   # the role comes first, in its own chunk, as OpenAI sends it (content null: calls only)
+        choice = {"index": index, "delta": {"role": "assistant", "content": None if forced else ""},
+                  "logprobs": None, "finish_reason": None}
         yield sse({**base, "choices": [choice], **extra})
-    if echoed := chat_echo(body):
+    if (echoed := chat_echo(body)) and not forced:        # a forced call's answer has no content to echo into
         for index in choices:
             choice = {"index": index, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
             yield sse({**base, "choices": [choice], **extra})

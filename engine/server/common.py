@@ -26,6 +26,7 @@ from pdserve.engine.server.generation import Choice, ClientDisconnected, EngineC
 from pdserve.engine.server.metrics import ServerMetrics
 from pdserve.engine.server.prompt_work import PromptWork
 from pdserve.engine.server.tools.config import ToolConfig
+from pdserve.engine.server.tools.parsers import call_id_factory, new_call_id
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class NodeState:
     prompts: PromptWork                 # tokenization and chat templating, bounded and off the event loop
     vocab_size: int                     # token ids a request may name: [0, vocab_size)
     tools: ToolConfig = ToolConfig()    # --enable-auto-tool-choice, --tool-call-parser
+    call_ids: Callable[[], str] = new_call_id   # tool-call ids the model's chat template accepts back
 
     @property
     def max_model_len(self) -> int:
@@ -54,7 +56,8 @@ def make_node_state(engine, metrics: ServerMetrics, limits: RequestLimits, tools
         return decode([token_id])
 
     prompts = PromptWork(engine.tokenizer, limits, lambda: engine.max_model_len)
-    return NodeState(engine, metrics, token_text, prompts, vocab_size(engine.tokenizer, _model_vocab(engine)), tools)
+    return NodeState(engine, metrics, token_text, prompts, vocab_size(engine.tokenizer, _model_vocab(engine)), tools,
+                     call_id_factory(getattr(engine.tokenizer, "chat_template", None)))
 
 
 def _model_vocab(engine) -> int | None:

@@ -26,6 +26,7 @@ because the proxy learns it from the nodes' ``/v1/models``; ``None`` skips step 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -75,7 +76,10 @@ class PromptWork:
         return await self.run(param, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
-        self.check_chars(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
+        tool_chars = len(json.dumps(tools)) if tools else 0            # the template writes them out, about this big
+        self.check_chars(tool_chars, "tools")
+        self.check_chars(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) + tool_chars,
+                         "messages")
         limits = TemplateLimits(deadline_s=0.9 * self.limits.tokenize_timeout_s,   # its 400 before our 503
                                 max_chars=self.max_prompt_chars or TemplateLimits.max_chars)
 

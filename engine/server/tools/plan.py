@@ -12,7 +12,8 @@ The modes (``tool_choice``; with tools and no ``tool_choice``, "auto", as OpenAI
     none       the tools are shown to the model (the template gets them) but the answer is plain content
     auto       the model decides; its output is read by --tool-call-parser
     required   one call or more: the output is a JSON array ``[{"name": ..., "parameters": {...}}, ...]`` whose
-               items follow the tools' schemas (``maxItems`` 1 when ``parallel_tool_calls`` is false)
+               items follow the tools' schemas (``maxItems`` 1 when ``parallel_tool_calls`` is false); each tool's
+               schema sits in the combined schema's ``$defs``, its ``$ref`` pointers rebased there
     named      exactly that function: the output is its arguments, following its ``parameters`` schema
 
 A forced mode is a structured-output constraint like ``response_format`` (``server/structured.py`` turns the schema
@@ -29,7 +30,7 @@ from typing import Any
 from pdserve.engine.server.errors import bad_request
 from pdserve.engine.server.tools.config import ToolConfig
 from pdserve.engine.server.tools.parsers import (HermesParser, Llama3JsonParser, NamedParser, RequiredParser,
-                                                 ToolOutputParser)
+                                                 ToolOutputParser, new_call_id)
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -76,19 +77,40 @@ class ToolPlan:
         if self.mode != "required":
             return None
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                   "parameters": _parameters(t)},
-                  "required": ["name", "parameters"]} for t in self.tools]
-        schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+                                                   "parameters": {"$ref": f"#/$defs/{_tool_def(i)}"}},
+                  "required": ["name", "parameters"]} for i, t in enumerate(self.tools)]
+        defs = {_tool_def(i): _rebase(_parameters(t), f"#/$defs/{_tool_def(i)}") for i, t in enumerate(self.tools)}
+        schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items},
+                  "$defs": defs}
         return schema if self.parallel else {**schema, "maxItems": 1}
 
-    def parser(self, config: ToolConfig) -> ToolOutputParser | None:
+    def parser(self, config: ToolConfig, ids=new_call_id) -> ToolOutputParser | None:
+        """A new parser for one choice (``ids`` makes its calls' ids: ``parsers.call_id_factory``); under "auto",
+        a call to a function outside the tools stays content."""
+        names = frozenset(t.function.name for t in self.tools)
         if self.mode == "named":
-            return NamedParser(self.name)
+            return NamedParser(self.name, ids)
         if self.mode == "required":
-            return RequiredParser(self.parallel)
+            return RequiredParser(names, self.parallel, ids)
         if self.mode == "auto":
-            return {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[config.tool_call_parser](self.parallel)
+            kind = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[config.tool_call_parser]
+            return kind(names, self.parallel, ids)
         return None
+
+
+def _tool_def(index: int) -> str:
+    return f"pdserve_tool_{index}"
+
+
+def _rebase(schema: Any, root: str) -> Any:
+    """``schema`` with every local ``$ref`` (``#``, ``#/$defs/X``, ``#/properties/...``) pointing under ``root``:
+    each tool's schema moves to ``$defs`` of the combined one, and its own pointers must follow it."""
+    if isinstance(schema, dict):
+        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase(v, root))
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebase(v, root) for v in schema]
+    return schema
 
 
 def _parameters(tool) -> dict[str, Any]:

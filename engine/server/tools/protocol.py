@@ -31,6 +31,7 @@ FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 FunctionName = Annotated[str, StringConstraints(pattern=FUNCTION_NAME), BeforeValidator(check_text)]
 Description = Annotated[str, StringConstraints(max_length=MAX_DESCRIPTION_CHARS), BeforeValidator(check_text)]
 Schema = Annotated[dict[str, Any], AfterValidator(check_json)]
+CalledName = Annotated[str, StringConstraints(max_length=MAX_CALL_ID_CHARS), BeforeValidator(check_text)]
 CallId = Annotated[str, StringConstraints(max_length=MAX_CALL_ID_CHARS), BeforeValidator(check_text)]
 Arguments = Annotated[str, StringConstraints(max_length=MAX_ARGUMENTS_CHARS), BeforeValidator(check_text)]
 
@@ -60,14 +61,26 @@ class NamedToolChoice(_Strict):
     function: FunctionRef
 
 
-ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+def _choice_word(value):
+    """A string ``tool_choice`` is one of the three words (a 400 naming ``tool_choice`` and the three, not a union
+    branch); an object goes on to ``NamedToolChoice``."""
+    if isinstance(value, str) and value not in CHOICE_WORDS:
+        raise ValueError(f"is {value[:40]!r}; use one of {', '.join(CHOICE_WORDS)} or "
+                         '{"type": "function", "function": {"name": ...}}')
+    return value
+
+
+CHOICE_WORDS = ("none", "auto", "required")
+ToolChoice = Annotated[Union[Literal["none", "auto", "required"], NamedToolChoice], BeforeValidator(_choice_word)]
 Tools = Annotated[list[Tool], Field(max_length=MAX_TOOLS)]
 
 
 class CalledFunction(BaseModel):
+    """An earlier call's function: its name as the server wrote it (an "auto" call's name is the model's text,
+    so any bounded text, not only ``FUNCTION_NAME``: the client sends back what it got)."""
     model_config = ConfigDict(extra="allow")
     __pydantic_extra__: dict[str, Annotated[Any, AfterValidator(check_json)]] = Field(init=False)
-    name: FunctionName
+    name: CalledName
     arguments: Arguments
 
 

@@ -4,7 +4,8 @@
     delta_fields(delta)               a stream chunk's ``delta``: content and/or ``tool_calls`` fragments -- a
                                       call's first fragment has its index, id, type and name (arguments ""
                                       or their start), the next ones its index and more arguments
-    finish_reason(parser, reason)     "tool_calls" when the answer called a tool and ended by itself
+    finish_reason(parser, reason)     "tool_calls" when the answer called a tool, closed every call it began and
+                                      ended by itself (not cut by a stop string or max_tokens)
 """
 
 from __future__ import annotations
@@ -40,4 +41,5 @@ def _call_fragment(call: CallDelta) -> dict[str, Any]:
 
 
 def finish_reason(parser: ToolOutputParser | None, reason: str | None) -> str | None:
-    return "tool_calls" if parser is not None and parser.called and reason == "stop" else reason
+    done = parser is not None and parser.called and parser.complete
+    return "tool_calls" if done and reason == "stop" else reason
