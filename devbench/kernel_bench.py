@@ -10,6 +10,8 @@
 Each figure is a CUDA-event mean over ``--iters`` launches after ``--warmup``, printed as GB/s, as a
 fraction of ``--peak-gbps`` (4800: an H200's HBM3e) and as a ratio to a device memcpy of the same bytes
 measured in the same run. Run: ``python devbench/kernel_bench.py [--output kernel_bench.json]``.
+``--small`` is the CPU dry run of ``bench/gpu_check.sh``: tiny shapes, the kernels in Triton's interpreter
+(set TRITON_INTERPRET=1 first), wall-clock timing; its figures mean nothing, it only runs the code.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
+
+SMALL = dict(batch=4, context=120, heads=4, kv_heads=2, head_dim=16, layers=2, chunk=16, chunks=2, warmup=1, iters=2)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,13 +42,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--small", action="store_true", help="CPU dry run: tiny shapes, interpreted kernels")
+    args = p.parse_args(argv)
+    if args.small:
+        vars(args).update(SMALL)
+    args.device = "cpu" if args.small else "cuda"
+    return args
 
 
-def time_ms(fn, warmup: int, iters: int) -> float:
-    """Mean ms per call of ``fn(i)`` over iters, CUDA events, after warmup calls."""
+def time_ms(fn, warmup: int, iters: int, device: str = "cuda") -> float:
+    """Mean ms per call of ``fn(i)`` over iters, CUDA events (CPU: the wall clock), after warmup calls."""
     for i in range(warmup):
         fn(i)
+    if device == "cpu":
+        start = time.perf_counter()
+        for i in range(iters):
+            fn(i)
+        return (time.perf_counter() - start) * 1e3 / iters
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for i in range(iters):
@@ -55,9 +70,9 @@ def time_ms(fn, warmup: int, iters: int) -> float:
 
 def memcpy_gbps(nbytes: int, args) -> float:
     """Device-to-device copy of nbytes: GB/s counting the read and the write (as the kernels' bytes do)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=args.device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / time_ms(lambda i: dst.copy_(src), args.warmup, args.iters) / 1e6
+    return 2 * nbytes / time_ms(lambda i: dst.copy_(src), args.warmup, args.iters, args.device) / 1e6
 
 
 def decode_case(args):
@@ -70,9 +85,10 @@ def decode_case(args):
     lens = torch.randint(args.context - 100, args.context + 101, (B,), generator=g).tolist()
     per_seq = [-(-n // bs) for n in lens]
     blocks = torch.randperm(sum(per_seq), generator=g).split(per_seq)           # scrambled block tables
-    meta = AttentionMetadata.build([1] * B, lens, [t.tolist() for t in blocks], bs, device="cuda", backend="triton")
-    k_cache, v_cache = (torch.randn(sum(per_seq), bs, hkv, d, generator=g).to(torch.bfloat16).cuda() for _ in "kv")
-    q = torch.randn(B, args.heads, d, generator=g).to(torch.bfloat16).cuda()
+    dev = args.device
+    meta = AttentionMetadata.build([1] * B, lens, [t.tolist() for t in blocks], bs, device=dev, backend="triton")
+    k_cache, v_cache = (torch.randn(sum(per_seq), bs, hkv, d, generator=g).to(torch.bfloat16).to(dev) for _ in "kv")
+    q = torch.randn(B, args.heads, d, generator=g).to(torch.bfloat16).to(dev)
     out = torch.empty_like(q)
     plan = plan_attention(B, B, args.heads, hkv, d, 1, max(lens), False)
     nbytes = sum(lens) * hkv * d * 2 * 2 + 2 * q.numel() * 2                    # K+V bf16, q in, out
@@ -87,9 +103,10 @@ def transfer_cases(args):
     g = torch.Generator().manual_seed(args.seed)
     L, bs, hkv, d, n = args.layers, args.block_size, args.kv_heads, args.head_dim, args.chunk
     num_blocks = args.chunks * -(-n // bs)
-    kv = torch.randn(L, 2, num_blocks, bs, hkv, d, dtype=torch.bfloat16, device="cuda")
-    slots = torch.randperm(num_blocks * bs, generator=g).cuda().view(args.chunks, -1)[:, :n].contiguous()
-    objs = [torch.empty(L, 2, n, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(args.chunks)]
+    dev = args.device
+    kv = torch.randn(L, 2, num_blocks, bs, hkv, d, dtype=torch.bfloat16, device=dev)
+    slots = torch.randperm(num_blocks * bs, generator=g).to(dev).view(args.chunks, -1)[:, :n].contiguous()
+    objs = [torch.empty(L, 2, n, hkv, d, dtype=torch.bfloat16, device=dev) for _ in range(args.chunks)]
     nbytes = 2 * objs[0].numel() * 2
     note = f"{L} layers x K/V x {n} tokens x {hkv} heads x {d}, {args.chunks} chunks cycled"
     return [("gather chunk", lambda i: gather_chunk(kv, slots[i % args.chunks], objs[i % args.chunks]), nbytes, note),
@@ -97,7 +114,7 @@ def transfer_cases(args):
 
 
 def measure(name, fn, nbytes, note, args) -> dict:
-    ms = time_ms(fn, args.warmup, args.iters)
+    ms = time_ms(fn, args.warmup, args.iters, args.device)
     gbps, copy = nbytes / ms / 1e6, memcpy_gbps(nbytes // 2, args)
     return {"name": name, "ms": ms, "bytes": nbytes, "gbps": gbps, "peak_fraction": gbps / args.peak_gbps,
             "memcpy_gbps": copy, "vs_memcpy": gbps / copy, "note": note}
@@ -105,13 +122,13 @@ def measure(name, fn, nbytes, note, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    if not args.small and not torch.cuda.is_available():
         print("kernel_bench needs a CUDA device (torch.cuda.is_available() is False); "
               "the kernels' CPU check is tests/test_triton_kernels.py under TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     import triton
 
-    device = torch.cuda.get_device_name()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (--small dry run, interpreted)"
     print(f"{device}, torch {torch.__version__}, triton {triton.__version__}, peak {args.peak_gbps:.0f} GB/s")
     rows = [measure(name, fn, nbytes, note, args) for name, fn, nbytes, note in [decode_case(args),
                                                                                 *transfer_cases(args)]]

@@ -4,7 +4,7 @@ The model's attention layers call ``paged_attention`` (write the step's K/V into
 then attend through the block tables); ``dispatch.py`` sends it to the AVX2 C kernel (``cpu_attention.c``
 via ``cpu_attention.py``, the CPU path), the plain-torch reference (``reference.py``, the oracle and the
 fallback) or to the Triton kernels (``triton_attention.py``,
-``triton_cache.py``), as ``AttentionMetadata.backend`` says. The input batch
+``triton_cache.py``; ``split_k.py`` their split-K rule), as ``AttentionMetadata.backend`` says. The input batch
 (``pdserve.engine.runner.input_batch``) builds the metadata once per step (``metadata.py``). The KV store's
 publisher and loader move chunks with ``transfer.py`` (torch) / ``triton_transfer.py`` (CUDA).
 ``cpu_build.py`` compiles the C sources (cached by ``cpu_cache.py``, private to the user); ``cpu_ops.py``

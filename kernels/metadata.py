@@ -12,8 +12,11 @@ A sequence with ``q_len == 1`` is a decode row; anything longer a prefill or ext
 Its K/V lives in the paged cache at ``block_table[b, p // block_size] * block_size + p % block_size``.
 
 Everything a kernel reads is a device tensor; the host ints (``max_query_len``, ``max_seq_len``)
-size grids without a device sync. The ``*_cpu`` mirrors hold the same values on the host for the
-plain-torch backend (its Python loops read them; on CUDA that costs no sync either).
+size grids without a device sync. ``num_splits`` (Triton only) is set by the runner on decode steps, from
+the batch's CUDA-graph bucket, so a replayed and an eager decode step sum in the same order
+(``engine/runner/decode_splits.py``); None lets the kernel plan it from the step's lengths. The ``*_cpu``
+mirrors hold the same values on the host for the plain-torch backend (its Python loops read them; on CUDA that
+costs no sync either).
 CUDA-graph padding rows: ``q_len`` 1, ``seq_len`` 1, ``slot_mapping`` -1 (nothing written).
 
 ``for_rows(rows)`` re-cuts a step's metadata to some of its flat rows, each a query of its own that sees
@@ -43,6 +46,7 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor   # [B + 1] int32, host mirror
     seq_lens_cpu: torch.Tensor          # [B] int32, host mirror
     backend: str = "torch"              # which kernels attend (``dispatch.py``)
+    num_splits: int | None = None       # Triton split-K count fixed by the runner (decode steps), else planned
     derived: dict = field(default_factory=dict, repr=False)   # a backend's per-step memo (built at layer 0)
 
     @property

@@ -23,6 +23,8 @@ Grid of the attention kernel: (query blocks, Hkv, num_splits).
 With num_splits == 1 the kernel normalises and stores out itself; otherwise it stores the
 unnormalised partials [num_splits, T, H, (D)] and ``_reduce_kernel`` (one program per token) merges them.
 Lengths are read on the device only; the grid comes from host ints (T, B, max_query_len, max_seq_len).
+The split count is ``meta.num_splits`` where the runner fixed it (decode steps: the same for a CUDA graph and
+an eager step, ``split_k.py``), else planned from the step's T, B and max_seq_len.
 """
 
 from __future__ import annotations
@@ -34,12 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.split_k import MAX_SPLITS, MIN_SPLIT_KEYS, TARGET_PROGRAMS, splits_for  # noqa: F401
 from pdserve.kernels.triton_cache import write_to_cache
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # Triton's own switch, read once like Triton does
-TARGET_PROGRAMS = 264      # ~2 waves of programs on a 132-SM H200; fewer programs than this -> split K
-MIN_SPLIT_KEYS = 256       # a split below this many keys costs more in the reduce than it saves
-MAX_SPLITS = 32
 LOG2E = 1.4426950408889634   # scores are kept in log2 units: exp2 is the fast path
 
 
@@ -196,10 +196,8 @@ def plan_attention(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     num_warps = 8 if block_m * d_pad >= 64 * 128 else 4
     block_n = max(16, min(1024 * num_warps // d_pad // (2 if fp32 else 1), 64))
     block_q = block_m // qpk
-    if num_splits is None:
-        programs = (num_tokens // block_q + num_seqs) * num_kv_heads
-        by_len = max(1, max_seq_len // MIN_SPLIT_KEYS)
-        num_splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), by_len, MAX_SPLITS))
+    if num_splits is None:                            # decode steps come with the runner's count (split_k.py)
+        num_splits = splits_for((num_tokens // block_q + num_seqs) * num_kv_heads, max_seq_len)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     f32_dot = ("ieee" if INTERPRETED else "tf32x3") if fp32 or INTERPRETED else ""
@@ -225,6 +223,7 @@ def unified_attention(q, k_cache, v_cache, out, meta, scale: float, sliding_wind
     if T == 0:
         return out
     fp32 = torch.float32 in (q.dtype, k_cache.dtype)
+    num_splits = meta.num_splits if num_splits is None else num_splits
     plan = plan_attention(T, B, H, Hkv, D, meta.max_query_len, meta.max_seq_len, fp32, num_splits)
     d_pad, split = _pad_dim(D), plan.num_splits > 1
     parts = _partials(plan.num_splits, T, H, d_pad, q.device) if split else (out, out, out)

@@ -2,7 +2,8 @@
 
 - bucket sizes are 1, 2, 4, multiples of 8, and --max-num-seqs itself (pure, runs everywhere);
 - a decode step replayed from its graph gives the same hidden states as the eager forward on the
-  same inputs (a padded bucket: 3 rows replayed in the 4-row graph);
+  same inputs (the same bits for a full bucket; a padded bucket: 3 rows replayed in the 4-row graph), also
+  where --max-model-len is long enough that the graph splits the keys (both plan split-K from the bucket);
 - greedy and seeded-sampled generation with graphs on equal --enforce-eager token for token.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.runner.cuda_graphs import buckets
+from pdserve.engine.runner.decode_splits import buckets
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; none here")
 
@@ -27,26 +28,35 @@ def test_buckets_cover_every_batch_size():
 
 
 @needs_cuda
-def test_replay_equals_eager_on_the_same_inputs(tmp_path):
+@pytest.mark.parametrize("max_model_len,num_prompts", [(256, 3), (4096, 3), (4096, 4)])
+def test_replay_equals_eager_on_the_same_inputs(tmp_path, max_model_len, num_prompts):
+    """4096: the graph splits keys 16 ways (its old plan at capture) where the old eager plan took one split; both
+    now take the bucket's count (``decode_splits.py``). A full bucket (4 rows) runs the very same kernels: the
+    same bits; 3 rows padded to 4 run the model's matmuls on 3 rows eagerly, so only closeness is asserted."""
     from pdserve.engine import LLM, SamplingParams
     from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / "m", arch="llama", seed=0)
-    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256)
+    model_dir = make_tiny_model(tmp_path / "m", arch="llama", seed=0, max_position_embeddings=4096)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=8, max_model_len=max_model_len)
     runner = llm.engine.runner
     assert runner.graphs is not None and 4 in runner.graphs.graphs
-    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24, 25, 26, 27]]
+    prompts = [list(range(3 + i, 150 + 20 * i)) for i in range(num_prompts)]   # 3-4 key tiles: splits get work
     for i, p in enumerate(prompts):                       # prefill each; their KV stays for the decode below
         llm.engine.add_request(f"r{i}", p, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     sched = llm.engine.scheduler.schedule()
     runner.execute(sched)
-    llm.engine.scheduler.update_from_output(sched, {f"r{i}": 3 for i in range(3)})
+    llm.engine.scheduler.update_from_output(sched, {f"r{i}": 3 for i in range(num_prompts)})
     sched = llm.engine.scheduler.schedule()
-    inputs = runner.input_batch.prepare(sched.scheduled)
-    assert inputs.attn.is_decode_only and inputs.attn.num_seqs == 3
-    replayed = runner.graphs.run(inputs).clone()
+    inputs = runner.prepare(sched.scheduled)
+    assert inputs.attn.is_decode_only and inputs.attn.num_seqs == num_prompts
+    assert inputs.attn.num_splits == runner.decode_splits.for_bucket(4)
     eager = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn)
-    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+    replayed = runner.graphs.run(inputs).clone()
+    if num_prompts == 4:
+        assert torch.equal(replayed, eager)
+    else:
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+    llm.shutdown()
 
 
 @needs_cuda

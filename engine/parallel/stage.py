@@ -82,6 +82,7 @@ class StageRunner:
     def _micro_batch(self, index: int, batch: list[StepRequest]) -> tuple[list, list[SampledToken]]:
         items = [_Item(r) for r in batch]
         inputs = build_step_inputs(items, self.runner.block_size, backend=self.runner.attention_backend)
+        self.runner.decode_splits.apply(inputs.attn)             # the same split-K rule as one rank's steps
         hidden = None
         if not self.coords.is_first:
             self.heartbeat.enter("recv_from_prev_stage")

@@ -9,6 +9,7 @@ micro-batches with ``build_step_inputs``. In the order a step meets it:
     input_batch.py   per-request rows in preallocated arrays -> the step's flat numpy arrays (StepArrays)
     staging.py       StepArrays -> StepInputs on the device (CUDA: one pinned int32 buffer, one copy)
     cuda_graphs.py   decode steps replayed from CUDA graphs, one per batch-size bucket (CUDA, not --enforce-eager)
+    decode_splits.py the buckets, and the Triton split-K count of a decode step from its bucket (graph or eager alike)
     compile.py       torch.compile of each layer's non-attention parts (CPU, --torch-compile)
     sampler.py       logits -> tokens: temperature, top-k/p, min-p, repetition penalty, logprobs
     seeded.py        seeded draws without generator state: the k-th draw of a seed is SplitMix64's k-th output

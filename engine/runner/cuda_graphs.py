@@ -6,13 +6,13 @@ row, more rows than the largest bucket, the torch backend, dynamic RoPE):
 
     static buffers   ids, positions, slots [Bmax]; query_start_loc [Bmax + 1] (= 0, 1, 2, ...);
                      seq_lens [Bmax]; block_table [Bmax, max_blocks]; one output [Bmax, hidden]
-    capture(b)       forward over the first b rows, metadata with max_seq_len = max_model_len
-                     (so the Triton kernel's split count is fixed at capture)
+    capture(b)       forward over the first b rows, metadata with max_seq_len = max_model_len and the
+                     split-K count of bucket b (``decode_splits.py``: eager decode steps use the same)
     run(B rows)      copy the step's B rows into the buffers, pad rows B..b (slot -1: nothing
                      written; seq_len 1), replay bucket b >= B, return output[:B]
 
-Buckets: 1, 2, 4, then multiples of 8 up to ``--max-num-seqs`` (vLLM's shape). All graphs share one
-memory pool; the largest is captured first. Capture time and graph memory are logged once.
+Buckets: 1, 2, 4, then multiples of 8 up to ``--max-num-seqs`` (vLLM's shape; ``decode_splits.buckets``).
+All graphs share one memory pool; the largest is captured first. Capture time and graph memory are logged once.
 """
 
 from __future__ import annotations
@@ -22,22 +22,19 @@ import time
 
 import torch
 
+from pdserve.engine.runner.decode_splits import DecodeSplits
 from pdserve.kernels import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 
-def buckets(max_num_seqs: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
-    return sorted(set(sizes + [max_num_seqs]))
-
-
 class DecodeGraphs:
-    def __init__(self, runner, max_num_seqs: int, max_model_len: int):
+    def __init__(self, runner, max_model_len: int):
         self.runner, self.model = runner, runner.model
         self.block_size, self.max_model_len = runner.block_size, max_model_len
+        self.splits: DecodeSplits = runner.decode_splits          # the rule eager decode steps use too
         dev, i32 = runner.device, torch.int32
-        self.sizes = buckets(max_num_seqs)
+        self.sizes = self.splits.sizes
         bmax = self.sizes[-1]
         self.ids = torch.zeros(bmax, dtype=i32, device=dev)
         self.positions = torch.zeros(bmax, dtype=i32, device=dev)
@@ -49,12 +46,12 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
 
     @classmethod
-    def capture(cls, runner, max_num_seqs: int, max_model_len: int) -> "DecodeGraphs | None":
+    def capture(cls, runner, max_model_len: int) -> "DecodeGraphs | None":
         if runner.attention_backend != "triton" or getattr(runner.model.rotary, "dynamic", False):
             logger.info("CUDA graphs off: attention backend %s%s", runner.attention_backend,
                         ", dynamic RoPE" if getattr(runner.model.rotary, "dynamic", False) else "")
             return None
-        graphs = cls(runner, max_num_seqs, max_model_len)
+        graphs = cls(runner, max_model_len)
         graphs._capture_all()
         return graphs
 
@@ -62,7 +59,7 @@ class DecodeGraphs:
         cpu_qsl = torch.arange(b + 1, dtype=torch.int32)
         return AttentionMetadata(self.slots[:b], self.qsl[:b + 1], self.seq_lens[:b], self.table[:b], 1,
                                  self.max_model_len, self.block_size, cpu_qsl, torch.ones(b, dtype=torch.int32),
-                                 "triton")
+                                 "triton", num_splits=self.splits.for_bucket(b))
 
     def _forward(self, b: int) -> torch.Tensor:
         return self.model(self.ids[:b], self.positions[:b], self.runner.kv_caches, self._meta(b))
@@ -89,7 +86,16 @@ class DecodeGraphs:
         n = meta.num_seqs
         if not meta.is_decode_only or n > self.sizes[-1] or meta.backend != "triton":
             return None
-        b = next(s for s in self.sizes if s >= n)
+        b = self.load(inputs)
+        self.graphs[b].replay()
+        return self.outputs[b][:n]
+
+    def load(self, inputs) -> int:
+        """Copy a decode step's B rows into the static buffers, pad rows B..b; -> its bucket b. ``run`` replays
+        bucket b next; a test on CPU runs ``_forward(b)`` instead (the captured kernels, no graph)."""
+        meta = inputs.attn
+        n = meta.num_seqs
+        b = self.splits.bucket(n)
         nb = meta.block_table.shape[1]
         self.ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)
@@ -99,5 +105,4 @@ class DecodeGraphs:
         if b > n:
             self.slots[n:b].fill_(-1)
             self.seq_lens[n:b].fill_(1)
-        self.graphs[b].replay()
-        return self.outputs[b][:n]
+        return b

@@ -17,6 +17,7 @@ import torch
 
 from pdserve.engine.kv.kv_layout import KVLayout
 from pdserve.engine.models.llama import LogitRows
+from pdserve.engine.runner.decode_splits import DecodeSplits
 from pdserve.engine.runner.input_batch import InputBatch
 from pdserve.engine.runner.penalties import counts_from_ids
 from pdserve.engine.runner.prompt_logprobs import plan_prompt_rows, prompt_logprobs
@@ -46,11 +47,12 @@ class ModelRunner:
         self.attention_backend = resolve_backend(attention_backend, self.device.type)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device, self.attention_backend)
         self._draws: dict[str, int] = {}       # seeded request id -> draws made so far (here and before it came)
+        self.decode_splits = DecodeSplits(max_num_seqs, max_model_len, layout.num_kv_heads)   # Triton decode steps
         self.graphs = None                  # DecodeGraphs on CUDA unless --enforce-eager (cuda_graphs.py)
         if self.device.type == "cuda" and not enforce_eager:
             from pdserve.engine.runner.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs.capture(self, max_num_seqs, max_model_len)
+            self.graphs = DecodeGraphs.capture(self, max_model_len)
         self.compiled = None                # CompiledLayers when torch_compile (compile.py: CPU, one process)
         if torch_compile:
             from pdserve.engine.runner.compile import compile_layers
@@ -67,7 +69,7 @@ class ModelRunner:
         self.prompt_logprobs = {}
         if not scheduled:
             return {}
-        inputs = self.input_batch.prepare(scheduled)
+        inputs = self.prepare(scheduled)
         plan = plan_prompt_rows(scheduled)
         hidden = self.graphs.run(inputs) if self.graphs is not None and plan is None else None   # decode: replay
         if hidden is not None:
@@ -83,6 +85,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)                                            # [S, V]
         return self.sample_requests(logits, inputs.sample_requests,
                                     getattr(scheduler_output, "grammar_bitmask", None))
+
+    def prepare(self, scheduled):
+        """The step's ``StepInputs`` (``input_batch.py``); a decode step on the Triton backend gets the split-K
+        count of its CUDA-graph bucket whether it replays or runs eagerly (``decode_splits.py``)."""
+        inputs = self.input_batch.prepare(scheduled)
+        self.decode_splits.apply(inputs.attn)
+        return inputs
 
     def _forward(self, inputs, every_row: bool = False) -> torch.Tensor:
         """The hidden states of the sampled rows, [S, D] (``every_row``: of every row, [T, D]). Where
