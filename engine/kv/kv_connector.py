@@ -71,7 +71,8 @@ class StoreConnector:
         durable = role == "prefill" and hasattr(store, "flush")   # embedded store: the reader is elsewhere
         if kv_io is None:
             self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health, seal_key, durable)
-            self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health, seal_key)
+            self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health, seal_key,
+                                      chunk_tokens)
         else:   # tp x pp: the cache lives in the worker ranks (pdserve.engine.parallel.kv)
             self.publisher = kv_io.publisher(store, self.health, seal_key, durable)
             self.loader = kv_io.loader(store, shape, self.health, seal_key)
