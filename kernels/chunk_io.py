@@ -1,15 +1,17 @@
 """Move one KV chunk, every layer at once, between the paged cache and reusable staging buffers.
 
-Used by the prefill publisher (``gather``) and the decode loader (``ScatterPipe`` over its
+Used by the prefill publisher (``gather`` into a publish-ring slot) and the decode loader (``ScatterPipe`` over its
 two ``scatter_buffers``); the paged cache is ``KVCaches.buffer`` ``[L, C, num_blocks, block_size, Hkv, D]``
-(``engine/kv/kv_layout.py``). The loader's buffers are made once (``kernels/staging.py``).
+(``engine/kv/kv_layout.py``). No chunk-sized memory is allocated per chunk: every buffer is made once
+(``kernels/staging.py``) and owned as described where it is made.
 
-    gather(slots)   CPU: one index_select, done.  CUDA: on a side stream that first waits for the
-                    step that computed the KV, one gather launch into a device buffer [L, C, n, Hkv, D]
-                    (the compute stream waits only for that launch, so the blocks may be reused by the
-                    next step), then one non-blocking copy to pinned host memory. ``Gathered.wait()``
-                    (the publisher thread) blocks until the copy landed and returns the per-layer
-                    objects [C, n, Hkv, D]; the engine thread never waits for the copy.
+    gather(slots, slot)  engine thread, into a ring slot the engine thread acquired (``publish_ring.py``).
+                    CPU: one index_select into the slot's host buffer, done.  CUDA: on a side stream that first
+                    waits for the step that computed the KV, one gather launch into the slot's device buffer (the
+                    compute stream waits only for that launch, so the blocks may be reused by the next step), then
+                    one non-blocking copy to the slot's pinned host buffer. ``Gathered.wait()`` (the publisher
+                    thread) blocks until the copy landed and returns per-layer views [C, n, Hkv, D] of the slot;
+                    ``Gathered.release()`` hands the slot back once they are no longer read.
     scatter_buffers(tokens)  the loader's two double-buffering sets (``scatter_pipe.py``): ``pack`` copies the
                     layer objects and slots into its host memory (pinned on CUDA) on the loader thread and returns
                     the op that moves them into the cache (CUDA: H2D into its device buffer, one scatter launch; run
@@ -26,22 +28,30 @@ import functools
 import torch
 
 from pdserve.kernels import transfer
+from pdserve.kernels.publish_ring import RingSlot
 from pdserve.kernels.staging import SlotIndex, Staging, allocate, numel
 
 _CPU = torch.device("cpu")
 
 
 class Gathered:
-    """One chunk copied out of the cache; ``wait()`` -> per-layer [C, n, Hkv, D] CPU tensors."""
+    """One chunk copied out of the cache; ``wait()`` -> per-layer [C, n, Hkv, D] CPU tensors, ``release()`` once
+    they are no longer read (the publisher thread: after sealing copied them out)."""
 
-    def __init__(self, host: torch.Tensor, done: "torch.cuda.Event | None" = None, keep=None):
-        self._host, self._done, self._keep = host, done, keep
+    def __init__(self, host, done: "torch.cuda.Event | None" = None, release=None):
+        self._host, self._done, self._release = host, done, release
 
     def wait(self) -> list[torch.Tensor]:
         if self._done is not None:
             self._done.synchronize()
-            self._done = self._keep = None
-        return list(self._host.unbind(0))
+            self._done = None
+        return list(self._host.unbind(0)) if isinstance(self._host, torch.Tensor) else list(self._host)
+
+    def release(self) -> None:
+        """Idempotent; the views ``wait`` returned must not be read afterwards (the slot is rewritten)."""
+        release, self._release, self._host = self._release, None, None
+        if release is not None:
+            release()
 
 
 class ChunkIO:
@@ -77,22 +87,38 @@ class ChunkIO:
         flat = allocate(count * tokens, torch.long, device, pin=self.cuda and device.type == "cpu")
         return [SlotIndex(flat[i * tokens:(i + 1) * tokens]) for i in range(count)]
 
-    def gather(self, slots: torch.Tensor) -> Gathered:
-        """Engine thread, right after the step that computed the chunk."""
+    # -- publish -------------------------------------------------------------------------------
+
+    def ring_slots(self, count: int, tokens: int) -> list[RingSlot]:
+        """The publish ring's ``count`` slots for chunks of up to ``tokens`` tokens: host buffers (pinned on CUDA)
+        and, on CUDA, device twins with room for the chunk's slot ids; one allocation per kind."""
+        hosts = self._stagings(count, tokens, _CPU)
         if not self.cuda:
-            return Gathered(self._ops.gather_chunk(self.buffer, slots))
+            return [RingSlot(i, host.nbytes, host) for i, host in enumerate(hosts)]
+        device = self.buffer.device
+        devs, indices = self._stagings(count, tokens, device), self._indices(count, tokens, device)
+        return [RingSlot(i, h.nbytes, h, dv, ix) for i, (h, dv, ix) in enumerate(zip(hosts, devs, indices))]
+
+    def gather(self, slots: torch.Tensor, slot: RingSlot, release=None) -> Gathered:
+        """Engine thread, right after the step that computed the chunk; ``slot`` is the engine thread's until
+        the returned ``Gathered`` is queued (then the publisher thread's: its ``release()`` calls ``release``)."""
+        n = slots.shape[0]
+        host = slot.host.view(n)
+        if not self.cuda:
+            return Gathered(self._ops.gather_chunk(self.buffer, slots, out=host), release=release)
         compute, side = torch.cuda.current_stream(self.buffer.device), self._gather_stream
         side.wait_stream(compute)
         with torch.cuda.stream(side):
-            dev = self._ops.gather_chunk(self.buffer, slots.to(self.buffer.device, non_blocking=True))
+            index = slot.dev_index.view(n)
+            index.copy_(slots, non_blocking=True)         # ordered after the slot's previous use on this stream
+            dev = self._ops.gather_chunk(self.buffer, index, out=slot.dev.view(n))
             gathered = torch.cuda.Event()
             gathered.record(side)
-            host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
             host.copy_(dev, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
         compute.wait_event(gathered)                      # the next step may overwrite these blocks
-        return Gathered(host, done, keep=dev)
+        return Gathered(host, done, release)
 
     def fence(self):
         """Engine thread: an event after everything the compute stream has queued (None on the CPU)."""
