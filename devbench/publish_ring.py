@@ -68,7 +68,8 @@ def publish_once(a, caches, slots, chunk_bytes, ring_chunks: int):
     total_s = time.perf_counter() - t0
     peak = pub.ring.peak_bytes
     pub.stop()
-    return store, {"gbps": a.chunks * chunk_bytes / total_s / 1e9, "engine_ms": engine_s * 1e3, "peak_mib": peak / 2**20}
+    return store, {"gbps": a.chunks * chunk_bytes / total_s / 1e9, "engine_ms": engine_s * 1e3,
+                   "peak_mib": peak / 2**20}
 
 
 def load(a, layout, store, slots, pipe: bool) -> float:
