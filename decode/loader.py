@@ -10,7 +10,9 @@ The loader thread reads each chunk's layer objects and, before a single block is
 each object's seal (``kvstore.seal``: a MAC with the cluster's seal key over the key it was written for
 and every byte, shape as expected) -- always, whoever asked for the load -- and, when the prefill node
 sent one, the chunk's digest from ``kv_transfer_params.chunk_digests``. Then it
-scatters the token range ``[start, start + n)`` into the blocks the scheduler allocated. A missing,
+scatters the token range ``[start, start + n)`` into the blocks the scheduler allocated, through the loader
+thread's own double-buffered ``ScatterPipe`` (``kernels/scatter_pipe.py``: chunk i+1 is read, checked and packed
+while chunk i moves into the cache; one sync per job, before the load is reported finished). A missing,
 malformed or mismatching object stops the load at the chunk before it: those tokens are recomputed,
 never read wrong. An object whose seal fails is deleted from the store (it would fail every reader).
 
@@ -20,6 +22,7 @@ never read wrong. An object whose seal fails is deleted from the store (it would
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.kernels.chunk_io import ChunkIO
+from pdserve.kernels.scatter_pipe import ScatterPipe
 from pdserve.kernels.transfer import scatter_kv
 from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.seal import SealError, chunk_digest, unseal
@@ -48,13 +52,16 @@ class LoadJob:
 
 
 class ChunkLoader:
-    def __init__(self, store, kv_caches: list[dict], first_layer: int, expect_shape, health, seal_key: bytes):
+    """``chunk_tokens`` sizes the scatter pipe's two staging buffers (the loader thread owns them)."""
+
+    def __init__(self, store, kv_caches: list[dict], first_layer: int, expect_shape, health, seal_key: bytes,
+                 chunk_tokens: int = 256):
         self.store = store
         self.seal_key = seal_key             # the cluster's seal key: an object it did not seal is a miss
         self.health = health                 # TierHealth shared with the publisher: down -> no store I/O
         self.kv_caches = kv_caches
-        io = ChunkIO.of(kv_caches)
-        self.io = io if io is not None and io.cuda else None   # CUDA: one H2D copy + one scatter per chunk
+        self.io = ChunkIO.of(kv_caches)      # one buffer: every layer of a chunk in one scatter
+        self.pipe = ScatterPipe(self.io, chunk_tokens) if self.io is not None else None   # double-buffered
         self.first_layer = first_layer
         self.expect_shape = expect_shape     # (components, kv_heads, head_dim) of a stored object
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -111,17 +118,23 @@ class ChunkLoader:
                 self._done[job.request_id] = loaded
 
     def _load(self, job: LoadJob) -> int:
+        """Tokens loaded; every chunk's scatter has landed in the cache when this returns (the pipe's one sync)."""
         end, chunk_start, loaded_to = job.start + job.num_tokens, 0, job.start
-        for index, length in enumerate(job.chunk_lens):
-            lo, hi = max(chunk_start, job.start), min(chunk_start + length, end)
-            if lo < hi:
-                if not self._load_chunk(job, index, job.slots[lo:hi], lo - chunk_start, hi - chunk_start):
+        with self._job(job):
+            for index, length in enumerate(job.chunk_lens):
+                lo, hi = max(chunk_start, job.start), min(chunk_start + length, end)
+                if lo < hi:
+                    if not self._load_chunk(job, index, job.slots[lo:hi], lo - chunk_start, hi - chunk_start):
+                        break
+                    loaded_to = hi
+                chunk_start += length
+                if chunk_start >= end:
                     break
-                loaded_to = hi
-            chunk_start += length
-            if chunk_start >= end:
-                break
         return loaded_to - job.start
+
+    def _job(self, job: LoadJob):
+        """The pipe's job scope (CUDA: after the job's fence); nothing to scope without a pipe."""
+        return self.pipe.job(job.fence) if self.pipe is not None else contextlib.nullcontext()
 
     def _load_chunk(self, job: LoadJob, index: int, slots, a: int, b: int) -> bool:
         keys = [object_key(job.chunk_keys[index], layer) for layer in self._layers()]
@@ -138,8 +151,10 @@ class ChunkLoader:
         return range(self.first_layer, self.first_layer + len(self.kv_caches))
 
     def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int, fence=None) -> None:
-        if self.io is not None:
-            self.io.scatter([obj[:, a:b] for obj in views], slots, after=fence)
+        """Inside the store's borrow: the pipe packs the views into its own buffer before returning, so nothing
+        queued reads the borrowed objects after the borrow ends."""
+        if self.pipe is not None:
+            self.pipe.put([obj[:, a:b] for obj in views], slots)
             return
         for cache, obj in zip(self.kv_caches, views):
             scatter_kv(cache, slots, obj[:, a:b])                         # obj: [C, length, Hkv, D]

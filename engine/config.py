@@ -105,6 +105,7 @@ class KVTransferConfig:
     kv_writethrough_queue_bytes: int = 256 << 20   # embedded store's write-through queue bound
     kv_auth_token: str = field(default="", repr=False)   # the cluster token (kvstore/auth.py); never printed
     kv_shm_bytes: int = 64 << 20            # shared-memory data plane to a local daemon (0: zmq frames)
+    kv_publish_buffer_bytes: int = 256 << 20   # publish ring: chunks gathered, not yet sealed (device + pinned twin)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
@@ -116,6 +117,8 @@ class KVTransferConfig:
             raise ConfigError(f"--kv-chunk-tokens must be >= 1, got {self.kv_chunk_tokens}")
         if self.kv_writethrough_queue_bytes < 1:
             raise ConfigError(f"--kv-writethrough-queue-bytes must be >= 1, got {self.kv_writethrough_queue_bytes}")
+        if self.kv_publish_buffer_bytes < 1:
+            raise ConfigError(f"--kv-publish-buffer-bytes must be >= 1, got {self.kv_publish_buffer_bytes}")
         self._check_key()
 
     def _check_key(self) -> None:

@@ -92,6 +92,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-writethrough-queue-bytes", type=int, default=256 << 20,
                    help="embedded store: bytes queued for Redis/disk before writes are dropped "
                         "(an empty queue takes any one batch)")
+    p.add_argument("--kv-publish-buffer-bytes", type=int, default=256 << 20,
+                   help="prefill/both: device memory (CUDA; plus as much pinned host memory) that holds KV chunks "
+                        "between the step that computed them and their put to the store, in whole chunks, outside "
+                        "--kv-cache-memory-bytes; when it is full the step waits (docs/kv-guarantees.md)")
     add_token_arguments(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
@@ -136,7 +140,8 @@ def config_from_args(args) -> EngineConfig:
         kv_transfer=KVTransferConfig(role=args.role, kv_store=args.kv_store, kv_chunk_tokens=args.kv_chunk_tokens,
                                      kv_cpu_bytes=args.kv_cpu_bytes, kv_redis=args.kv_redis,
                                      kv_disk_dir=args.kv_disk_dir, kv_auth_token=token_from_args(args, "pdserve node"),
-                                     kv_writethrough_queue_bytes=args.kv_writethrough_queue_bytes),
+                                     kv_writethrough_queue_bytes=args.kv_writethrough_queue_bytes,
+                                     kv_publish_buffer_bytes=args.kv_publish_buffer_bytes),
         engine_core_process=args.engine_core_process,
     )
 

@@ -6,7 +6,9 @@ via ``cpu_attention.py``, the CPU path), the plain-torch reference (``reference.
 fallback) or to the Triton kernels (``triton_attention.py``,
 ``triton_cache.py``; ``split_k.py`` their split-K rule), as ``AttentionMetadata.backend`` says. The input batch
 (``pdserve.engine.runner.input_batch``) builds the metadata once per step (``metadata.py``). The KV store's
-publisher and loader move chunks with ``transfer.py`` (torch) / ``triton_transfer.py`` (CUDA).
+publisher and loader move chunks with ``chunk_io.py`` over ``transfer.py`` (torch) / ``triton_transfer.py`` (CUDA),
+through buffers made once (``staging.py``): the publisher's bounded ring (``publish_ring.py``) and the loader's
+double-buffered scatter (``scatter_pipe.py``).
 ``cpu_build.py`` compiles the C sources (cached by ``cpu_cache.py``, private to the user); ``cpu_ops.py``
 (``cpu_ops.c``) holds the model's rotary embedding, RMSNorm and SiLU-and-mul on CPU float32, called by ``engine.models.rope`` and
 ``engine.models.layers``, and the float32 K/V write the C attention path starts with; ``cpu_linear.py``

@@ -1,18 +1,21 @@
-"""Move one KV chunk, every layer at once, between the paged cache and host memory.
+"""Move one KV chunk, every layer at once, between the paged cache and reusable staging buffers.
 
-Used by the prefill publisher (``gather``) and the decode loader (``scatter``); the paged cache is
-``KVCaches.buffer`` ``[L, C, num_blocks, block_size, Hkv, D]`` (``engine/kv/kv_layout.py``).
+Used by the prefill publisher (``gather`` into a publish-ring slot) and the decode loader (``ScatterPipe`` over its
+two ``scatter_buffers``); the paged cache is ``KVCaches.buffer`` ``[L, C, num_blocks, block_size, Hkv, D]``
+(``engine/kv/kv_layout.py``). No chunk-sized memory is allocated per chunk: every buffer is made once
+(``kernels/staging.py``) and owned as described where it is made.
 
-    gather(slots)   CPU: one index_select, done.  CUDA: on a side stream that first waits for the
-                    step that computed the KV, one gather launch into a device buffer [L, C, n, Hkv, D]
-                    (the compute stream waits only for that launch, so the blocks may be reused by the
-                    next step), then one non-blocking copy to pinned host memory. ``Gathered.wait()``
-                    (the publisher thread) blocks until the copy landed and returns the per-layer
-                    objects [C, n, Hkv, D]; the engine thread never waits for the copy.
-    scatter(objs, slots)   CPU: one index_copy.  CUDA (loader thread): the layer objects are packed
-                    into pinned memory, copied host->device non-blocking and scattered in one
-                    launch on the loader's own stream, which it then waits for; the engine keeps
-                    stepping other requests on its stream meanwhile.
+    gather(slots, slot)  engine thread, into a ring slot the engine thread acquired (``publish_ring.py``).
+                    CPU: one index_select into the slot's host buffer, done.  CUDA: on a side stream that first
+                    waits for the step that computed the KV, one gather launch into the slot's device buffer (the
+                    compute stream waits only for that launch, so the blocks may be reused by the next step), then
+                    one non-blocking copy to the slot's pinned host buffer. ``Gathered.wait()`` (the publisher
+                    thread) blocks until the copy landed and returns per-layer views [C, n, Hkv, D] of the slot;
+                    ``Gathered.release()`` hands the slot back once they are no longer read.
+    scatter_buffers(tokens)  the loader's two double-buffering sets (``scatter_pipe.py``): ``pack`` copies the
+                    layer objects and slots into its host memory (pinned on CUDA) on the loader thread and returns
+                    the op that moves them into the cache (CUDA: H2D into its device buffer, one scatter launch; run
+                    on the loader's stream by the pipe's lane).
 
 On CUDA the Triton kernels of ``triton_transfer.py`` do the gather/scatter; on CPU ``transfer.py``'s
 torch versions (the same signatures; they are the kernels' test oracle).
@@ -20,22 +23,35 @@ torch versions (the same signatures; they are the kernels' test oracle).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pdserve.kernels import transfer
+from pdserve.kernels.publish_ring import RingSlot
+from pdserve.kernels.staging import SlotIndex, Staging, allocate, numel
+
+_CPU = torch.device("cpu")
 
 
 class Gathered:
-    """One chunk copied out of the cache; ``wait()`` -> per-layer [C, n, Hkv, D] CPU tensors."""
+    """One chunk copied out of the cache; ``wait()`` -> per-layer [C, n, Hkv, D] CPU tensors, ``release()`` once
+    they are no longer read (the publisher thread: after sealing copied them out)."""
 
-    def __init__(self, host: torch.Tensor, done: "torch.cuda.Event | None" = None, keep=None):
-        self._host, self._done, self._keep = host, done, keep
+    def __init__(self, host, done: "torch.cuda.Event | None" = None, release=None):
+        self._host, self._done, self._release = host, done, release
 
     def wait(self) -> list[torch.Tensor]:
         if self._done is not None:
             self._done.synchronize()
-            self._done = self._keep = None
-        return list(self._host.unbind(0))
+            self._done = None
+        return list(self._host.unbind(0)) if isinstance(self._host, torch.Tensor) else list(self._host)
+
+    def release(self) -> None:
+        """Idempotent; the views ``wait`` returned must not be read afterwards (the slot is rewritten)."""
+        release, self._release, self._host = self._release, None, None
+        if release is not None:
+            release()
 
 
 class ChunkIO:
@@ -48,7 +64,6 @@ class ChunkIO:
 
             self._ops = triton_transfer
         self._gather_stream = torch.cuda.Stream(buffer.device) if self.cuda else None
-        self._scatter_stream = torch.cuda.Stream(buffer.device) if self.cuda else None
 
     @staticmethod
     def of(kv_caches) -> "ChunkIO | None":
@@ -56,22 +71,54 @@ class ChunkIO:
         buffer = getattr(kv_caches, "buffer", None)
         return None if buffer is None else ChunkIO(buffer)
 
-    def gather(self, slots: torch.Tensor) -> Gathered:
-        """Engine thread, right after the step that computed the chunk."""
+    def chunk_bytes(self, tokens: int) -> int:
+        """Bytes of one copy of a ``tokens``-token chunk of every layer."""
+        L, C, _, _, h, d = self.buffer.shape
+        return L * C * tokens * h * d * self.buffer.element_size()
+
+    def _stagings(self, count: int, tokens: int, device: torch.device) -> list[Staging]:
+        """``count`` chunk buffers carved out of one allocation (pinned when it is a CUDA node's host side)."""
+        L, C, _, _, h, d = self.buffer.shape
+        k = numel((L, C), (h, d), tokens)
+        flat = allocate(count * k, self.buffer.dtype, device, pin=self.cuda and device.type == "cpu")
+        return [Staging((L, C), (h, d), tokens, flat[i * k:(i + 1) * k]) for i in range(count)]
+
+    def _indices(self, count: int, tokens: int, device: torch.device) -> list[SlotIndex]:
+        flat = allocate(count * tokens, torch.long, device, pin=self.cuda and device.type == "cpu")
+        return [SlotIndex(flat[i * tokens:(i + 1) * tokens]) for i in range(count)]
+
+    # -- publish -------------------------------------------------------------------------------
+
+    def ring_slots(self, count: int, tokens: int) -> list[RingSlot]:
+        """The publish ring's ``count`` slots for chunks of up to ``tokens`` tokens: host buffers (pinned on CUDA)
+        and, on CUDA, device twins with room for the chunk's slot ids; one allocation per kind."""
+        hosts = self._stagings(count, tokens, _CPU)
         if not self.cuda:
-            return Gathered(self._ops.gather_chunk(self.buffer, slots))
+            return [RingSlot(i, host.nbytes, host) for i, host in enumerate(hosts)]
+        device = self.buffer.device
+        devs, indices = self._stagings(count, tokens, device), self._indices(count, tokens, device)
+        return [RingSlot(i, h.nbytes, h, dv, ix) for i, (h, dv, ix) in enumerate(zip(hosts, devs, indices))]
+
+    def gather(self, slots: torch.Tensor, slot: RingSlot, release=None) -> Gathered:
+        """Engine thread, right after the step that computed the chunk; ``slot`` is the engine thread's until
+        the returned ``Gathered`` is queued (then the publisher thread's: its ``release()`` calls ``release``)."""
+        n = slots.shape[0]
+        host = slot.host.view(n)
+        if not self.cuda:
+            return Gathered(self._ops.gather_chunk(self.buffer, slots, out=host), release=release)
         compute, side = torch.cuda.current_stream(self.buffer.device), self._gather_stream
         side.wait_stream(compute)
         with torch.cuda.stream(side):
-            dev = self._ops.gather_chunk(self.buffer, slots.to(self.buffer.device, non_blocking=True))
+            index = slot.dev_index.view(n)
+            index.copy_(slots, non_blocking=True)         # ordered after the slot's previous use on this stream
+            dev = self._ops.gather_chunk(self.buffer, index, out=slot.dev.view(n))
             gathered = torch.cuda.Event()
             gathered.record(side)
-            host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
             host.copy_(dev, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
         compute.wait_event(gathered)                      # the next step may overwrite these blocks
-        return Gathered(host, done, keep=dev)
+        return Gathered(host, done, release)
 
     def fence(self):
         """Engine thread: an event after everything the compute stream has queued (None on the CPU)."""
@@ -81,17 +128,43 @@ class ChunkIO:
         event.record(torch.cuda.current_stream(self.buffer.device))
         return event
 
-    def scatter(self, objs: list[torch.Tensor], slots: torch.Tensor, after=None) -> None:
-        """Loader thread: objs are per-layer [C, n, Hkv, D] CPU tensors for tokens at ``slots``; on CUDA the
-        copy waits for ``after`` (a ``fence()`` taken when the blocks were handed to this load)."""
+    # -- load ----------------------------------------------------------------------------------
+
+    def scatter_buffers(self, tokens: int, count: int = 2) -> list["ScatterBuffer"]:
+        """The loader pipe's staging sets for chunks of up to ``tokens`` tokens (one allocation per kind)."""
+        hosts, host_ix = self._stagings(count, tokens, _CPU), self._indices(count, tokens, _CPU)
         if not self.cuda:
-            return self._ops.scatter_chunk(self.buffer, slots, torch.stack(objs))
-        host = torch.empty((len(objs), *objs[0].shape), dtype=self.buffer.dtype, pin_memory=True)
-        torch.stack([o.to(self.buffer.dtype) for o in objs], out=host)
-        side = self._scatter_stream
-        if after is not None:
-            side.wait_event(after)
-        with torch.cuda.stream(side):
-            dev = host.to(self.buffer.device, non_blocking=True)
-            self._ops.scatter_chunk(self.buffer, slots.to(self.buffer.device, non_blocking=True), dev)
-        side.synchronize()
+            return [ScatterBuffer(self, h, ix) for h, ix in zip(hosts, host_ix)]
+        device = self.buffer.device
+        devs, dev_ix = self._stagings(count, tokens, device), self._indices(count, tokens, device)
+        return [ScatterBuffer(self, *b) for b in zip(hosts, host_ix, devs, dev_ix)]
+
+
+class ScatterBuffer:
+    """One of the loader pipe's two staging sets; the loader thread owns it (``scatter_pipe.py`` says when it is
+    free to pack again). ``dev``/``dev_index``: the device twins on CUDA, None on a CPU node."""
+
+    def __init__(self, io: ChunkIO, host: Staging, host_index: SlotIndex, dev: Staging | None = None,
+                 dev_index: SlotIndex | None = None):
+        self.io, self.host, self.host_index, self.dev, self.dev_index = io, host, host_index, dev, dev_index
+
+    def pack(self, objs: list[torch.Tensor], slots: torch.Tensor):
+        """Copy per-layer objects [C, n, Hkv, D] (cast to the cache dtype) and ``slots`` [n] into the host buffer;
+        -> the op that moves them into the cache (for the pipe's lane to run)."""
+        n = slots.shape[0]
+        kv = self.host.view(n)
+        if len(objs) != kv.shape[0]:
+            raise ValueError(f"{len(objs)} layer objects for a cache of {kv.shape[0]} layers")
+        for layer, obj in zip(kv, objs):
+            if obj.shape != layer.shape:
+                raise ValueError(f"layer object {tuple(obj.shape)} where {tuple(layer.shape)} belongs")
+            layer.copy_(obj)
+        self.host_index.view(n).copy_(slots)
+        return functools.partial(self._to_cache, n)
+
+    def _to_cache(self, n: int) -> None:
+        kv, index = self.host.view(n), self.host_index.view(n)
+        if self.dev is not None:                          # CUDA, on the lane's stream
+            kv = self.dev.view(n).copy_(kv, non_blocking=True)
+            index = self.dev_index.view(n).copy_(index, non_blocking=True)
+        self.io._ops.scatter_chunk(self.io.buffer, index, kv)

@@ -41,11 +41,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def gather_chunk(kv: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """-> [L, C, n, Hkv, D] on kv's device (into ``out`` when given)."""
-    rows = _flat_chunk(kv).index_select(2, slots.to(kv.device))
+    flat, slots = _flat_chunk(kv), slots.to(kv.device)
     if out is None:
-        return rows
-    out.copy_(rows)
-    return out
+        return flat.index_select(2, slots)
+    if out.shape != (*kv.shape[:2], slots.shape[0], *kv.shape[4:]) or not out.is_contiguous():
+        raise ValueError(f"out is {tuple(out.shape)}; need a contiguous {(*kv.shape[:2], slots.shape[0], *kv.shape[4:])}")
+    return torch.index_select(flat, 2, slots, out=out)        # straight into out (a staging slot): no temporary
 
 
 def scatter_chunk(kv: torch.Tensor, slots: torch.Tensor, obj: torch.Tensor, head_start: int = 0) -> None:

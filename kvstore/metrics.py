@@ -32,6 +32,7 @@ GAUGES = frozenset({
     "queued_bytes", "queued_objects",                   # TieredStore write-through queue
     "shm_clients",                                      # KVDaemon
     "store_down", "store_consecutive_failures",         # KV connector's store health
+    "publish_buffer_bytes", "publish_buffer_bytes_in_flight", "publish_buffer_peak_bytes",   # publish ring
 })
 COUNTERS = frozenset({
     "hits", "misses", "evictions", "bytes_in", "bytes_out", "errors", "checksum_failures",
@@ -44,6 +45,7 @@ COUNTERS = frozenset({
     "daemon_auth_failures",                             # DaemonClient: the peer could not prove the key
     "load_failures", "publish_failures", "load_integrity_failures", "load_digest_mismatches",
     "publish_skipped", "store_marked_down",             # KV connector
+    "publish_buffer_waits", "publish_buffer_wait_seconds", "publish_buffer_skips",   # publish ring
 })
 _warned: set[str] = set()
 

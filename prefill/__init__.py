@@ -2,7 +2,8 @@
 
 Who calls it: ``pdserve.engine.kv.kv_connector.StoreConnector`` (engine thread) after every model step,
 for nodes started with ``--role prefill`` (and ``--role both`` with a store, which publishes too).
-``ChunkPublisher`` copies each prompt chunk out of the paged cache as soon as the step that
+``ChunkPublisher`` copies each prompt chunk out of the paged cache into a slot of its fixed publish ring
+(``--kv-publish-buffer-bytes``; a full ring makes the step wait) as soon as the step that
 completed it ran, and puts its per-layer objects to the store on its own thread; the prefill
 answer (with ``kv_transfer_params``) waits until the store acknowledged every chunk.
 """

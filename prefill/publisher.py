@@ -2,18 +2,27 @@
 
 Called by ``StoreConnector.after_step`` on the engine thread after every model step:
 
-    step N computes tokens [0, 256)   -> chunk 0 complete: gather its layers (a memcpy), queue the put
-    step N+1 computes [256, 300)      -> chunk 1 (partial, the prompt's end): gather, queue the put
-    the publisher thread seals each layer object (a keyed MAC, ``kvstore.seal``) and puts the
-    chunk to the store while the engine keeps computing
+    step N computes tokens [0, 256)   -> chunk 0 complete: take a publish-ring slot, gather its layers into it
+                                         (a memcpy; on CUDA a device gather + an async copy to pinned memory),
+                                         queue the put
+    step N+1 computes [256, 300)      -> chunk 1 (partial, the prompt's end): the same
+    the publisher thread seals each layer object (a keyed MAC, ``kvstore.seal``: a copy out of the slot),
+    hands the slot back, and puts the sealed chunk to the store while the engine keeps computing
     ``finished()`` -> {request: PublishResult} for requests closed since the last call whose every
     queued chunk the store answered (acknowledged or failed)
 
 The gather copies KV out of the paged cache, so the request's blocks are free to be reused as soon
 as the engine is done with them; the prefill response waits for ``finished()``.
 
-Ownership: the engine thread calls ``publish``/``close_request``/``forget``/``finished``; the
-publisher thread alone calls the store. ``_lock`` guards the per-request bookkeeping they share.
+Memory: every queued chunk holds one slot of the ring (``kernels/publish_ring.py``, ``--kv-publish-buffer-bytes``);
+when the store lags and the ring is full, ``publish`` waits for a slot (the step slows to the store's pace), and
+only a ring stuck full for ``wait_s`` makes it skip the chunk (``publish`` -> False, counted). So the publish path
+holds at most the ring (device + pinned host on CUDA, host on a CPU node) plus the one sealed chunk the publisher
+thread is putting.
+
+Ownership: the engine thread calls ``publish``/``close_request``/``forget``/``finished`` and acquires ring
+slots; the publisher thread alone calls the store, and releases each slot once its chunk is sealed or dropped.
+``_lock`` guards the per-request bookkeeping they share; the ring has its own.
 A chunk counts as published only when the store acknowledged it -- with ``durable`` (an embedded
 store whose readers are other processes) only when ``flush()`` reported that it reached every lower
 tier. ``PublishResult.chunks`` is the number of leading chunks published without a gap; the prefill
@@ -22,6 +31,7 @@ node advertises only those to the decode node.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -30,11 +40,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.kernels.chunk_io import ChunkIO, Gathered
+from pdserve.kernels.publish_ring import DEFAULT_WAIT_S, STAT_NAMES, PublishRing, RingSlot, slot_count
 from pdserve.kernels.transfer import gather_kv
 from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.seal import chunk_digest, seal
 
 logger = logging.getLogger(__name__)
+DEFAULT_BUFFER_BYTES = 256 << 20            # --kv-publish-buffer-bytes
 
 
 @dataclass
@@ -54,8 +66,13 @@ class _Pending:
 
 
 class ChunkPublisher:
+    """``chunk_tokens``/``buffer_bytes``: the ring holds ``buffer_bytes // chunk bytes`` chunks (0 bytes: no ring, a
+    node that never publishes); ``chunk_bytes`` sizes the slots when there is no ``ChunkIO`` (tp x pp: the ranks
+    send host tensors) -- one chunk of every layer. ``wait_s``: how long a full ring may stall a step."""
+
     def __init__(self, store, kv_caches: list[dict], first_layer: int, health, seal_key: bytes,
-                 durable: bool = False):
+                 durable: bool = False, *, chunk_tokens: int = 256, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+                 chunk_bytes: int | None = None, wait_s: float = DEFAULT_WAIT_S):
         self.store = store
         self.seal_key = seal_key            # the cluster's seal key (kvstore.auth.ClusterKey.seal_key)
         self.durable = durable              # wait for the lower tiers (embedded store over Redis) before acking
@@ -63,7 +80,8 @@ class ChunkPublisher:
         self.kv_caches = kv_caches          # this rank's layers; object keys use global layer ids
         self.io = ChunkIO.of(kv_caches)     # all layers in one gather (device -> pinned host on CUDA)
         self.first_layer = first_layer
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.ring = self._ring(chunk_tokens, buffer_bytes, chunk_bytes, wait_s) if buffer_bytes else None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()    # items hold ring slots: as bounded as the ring
         self._pending: dict[str, _Pending] = {}
         self._done: dict[str, PublishResult] = {}
         self._lock = threading.Lock()
@@ -73,13 +91,40 @@ class ChunkPublisher:
         self._thread = threading.Thread(target=self._loop, name="kv-publisher", daemon=True)
         self._thread.start()
 
-    def publish(self, request_id: str, index: int, chunk_key: str, slots: torch.Tensor) -> None:
-        """Copy chunk ``index`` (tokens at ``slots``) out of the cache now; seal and put it later."""
+    def _ring(self, chunk_tokens: int, buffer_bytes: int, chunk_bytes: int | None, wait_s: float) -> PublishRing:
         if self.io is not None:
-            layers = self.io.gather(slots)                  # Gathered: the publisher thread waits for it
-        else:
-            layers = [gather_kv(layer, slots) for layer in self.kv_caches]      # each [C, n, Hkv, D]
-        self._enqueue(request_id, index, chunk_key, layers, self.first_layer)
+            count = slot_count(buffer_bytes, self.io.chunk_bytes(chunk_tokens))
+            return PublishRing(self.io.ring_slots(count, chunk_tokens), wait_s)
+        if chunk_bytes is None:
+            raise ValueError("a publisher without a ChunkIO needs chunk_bytes to size its ring")
+        return PublishRing([RingSlot(i, chunk_bytes) for i in range(slot_count(buffer_bytes, chunk_bytes))], wait_s)
+
+    def publish(self, request_id: str, index: int, chunk_key: str, slots: torch.Tensor) -> bool:
+        """Copy chunk ``index`` (tokens at ``slots``) into a ring slot now; seal and put it later. False: no slot
+        freed within ``wait_s``, the chunk is skipped (counted) -- the caller publishes nothing more of the request."""
+        if self.ring is None:
+            raise RuntimeError("this publisher has no ring (--kv-publish-buffer-bytes 0: a node that never publishes)")
+        slot = self.ring.acquire()
+        if slot is None:       # queued empty, so it is answered (a failure) in order, after the chunks before it
+            self._enqueue(request_id, index, chunk_key, None, self.first_layer)
+            return False
+        try:
+            gathered = self._gather(slots, slot)
+        except BaseException:
+            self.ring.release(slot)
+            raise
+        self._enqueue(request_id, index, chunk_key, gathered, self.first_layer)
+        return True
+
+    def _gather(self, slots: torch.Tensor, slot: RingSlot) -> Gathered:
+        """Engine thread: the chunk's layers, holding ``slot`` until the publisher thread releases it."""
+        release = functools.partial(self.ring.release, slot)
+        if self.io is not None:
+            return self.io.gather(slots, slot, release)     # the publisher thread waits for the copy
+        return Gathered([gather_kv(layer, slots) for layer in self.kv_caches], release=release)   # [C, n, Hkv, D]
+
+    def buffer_stats(self) -> dict[str, float]:
+        return self.ring.stats() if self.ring is not None else dict.fromkeys(STAT_NAMES, 0)
 
     def close_request(self, request_id: str, first_index: int = 0) -> None:
         """No more chunks will come; ``first_index`` = chunks already in the store (not ours to publish)."""
@@ -110,32 +155,33 @@ class ChunkPublisher:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
-    def _enqueue(self, request_id: str, index: int, chunk_key: str, layers: list, first_layer: int) -> None:
+    def _enqueue(self, request_id: str, index: int, chunk_key: str, gathered: Gathered | None,
+                 first_layer: int) -> None:
         with self._lock:
             p = self._pending.setdefault(request_id, _Pending())
             _start(p, index)
             p.outstanding += 1
-        self._queue.put((request_id, index, chunk_key, layers, first_layer))
+        self._queue.put((request_id, index, chunk_key, gathered, first_layer))
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            request_id, index, chunk_key, layers, first_layer = item
-            digest = self._put(request_id, chunk_key, layers, first_layer)
+            request_id, index, chunk_key, gathered, first_layer = item
+            digest = self._put(request_id, chunk_key, gathered, first_layer)
             with self._lock:
                 p = self._pending[request_id]
                 p.outstanding -= 1
                 _record(p.result, index, digest)
                 self._settle(request_id)
 
-    def _put(self, request_id: str, chunk_key: str, layers: list, first_layer: int) -> str | None:
-        """Seal and store one chunk; its digest, or None when it did not reach the store."""
-        if isinstance(layers, Gathered):
-            layers = layers.wait()                          # the device -> host copy has landed
-        if not self.health.available():
-            self.skipped += 1
+    def _put(self, request_id: str, chunk_key: str, gathered: Gathered | None, first_layer: int) -> str | None:
+        """Seal and store one chunk; its digest, or None when it did not reach the store (None: skipped for want
+        of a ring slot)."""
+        if gathered is None:
             return None
         try:
-            sealed = [seal(object_key(chunk_key, first_layer + i), t, self.seal_key) for i, t in enumerate(layers)]
+            sealed = self._seal(chunk_key, gathered, first_layer)
+            if sealed is None:
+                return None
             self.store.adopt([(object_key(chunk_key, first_layer + i), obj) for i, (obj, _) in enumerate(sealed)])
             if self.durable and not self.store.flush():
                 raise RuntimeError("the store's write-through did not reach every tier (flush reported a loss)")
@@ -147,6 +193,18 @@ class ChunkPublisher:
             self.failures += 1
             logger.debug("publishing KV of %s failed: %s", request_id, exc)
             return None
+
+    def _seal(self, chunk_key: str, gathered: Gathered, first_layer: int) -> list | None:
+        """Sealed copies of the chunk's layers, or None when the store is down (skipped); the ring slot is free
+        again when this returns, however it returns (``seal`` copied every byte out of it)."""
+        try:
+            layers = gathered.wait()                        # the device -> host copy has landed
+            if not self.health.available():
+                self.skipped += 1
+                return None
+            return [seal(object_key(chunk_key, first_layer + i), t, self.seal_key) for i, t in enumerate(layers)]
+        finally:
+            gathered.release()
 
     def _settle(self, request_id: str) -> None:
         p = self._pending.get(request_id)

@@ -33,6 +33,7 @@ from pdserve.kernels import AttentionMetadata, reference, transfer  # noqa: E402
 from pdserve.kernels.triton_attention import (MAX_SPLITS, MIN_SPLIT_KEYS, paged_attention,  # noqa: E402
                                               plan_attention, unified_attention)
 from pdserve.kernels.triton_cache import write_to_cache  # noqa: E402
+from pdserve.kernels.staging import Staging  # noqa: E402
 from pdserve.kernels.triton_transfer import gather_chunk, scatter_chunk  # noqa: E402
 
 NAN_BLOCK = 0   # block 0 is never allocated: padding entries of the block table point at it
@@ -220,6 +221,24 @@ def test_gather_chunk_bit_exact(device, dtype):
     out = torch.empty(3, 2, 7, 2, 80, dtype=dtype, device=device)
     assert gather_chunk(kv, slots, out) is out
     assert torch.equal(out, transfer.gather_chunk(kv, slots))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_and_scatter_through_staging_views(dtype):
+    """The publish ring and the load pipe hand both ops a prefix view of one flat buffer (``kernels/staging.py``):
+    written in place, bit-exact, nothing past the view touched."""
+    kv, slots = _kv(dtype), torch.tensor([17, 3, 4])
+    staging = Staging((3, 2), (2, 80), 5, torch.full((3 * 2 * 5 * 2 * 80,), 7.0, dtype=dtype))
+    view = staging.view(3)
+    for gather in (gather_chunk, transfer.gather_chunk):
+        view.zero_()
+        assert gather(kv, slots, view).data_ptr() == view.data_ptr()
+        assert torch.equal(view, transfer.gather_chunk(kv, slots))
+    assert (staging.flat[view.numel():] == 7).all()
+    target, expected = torch.zeros_like(kv), torch.zeros_like(kv)
+    scatter_chunk(target, slots, view)
+    transfer.scatter_chunk(expected, slots, view)
+    assert torch.equal(target, expected) and torch.equal(gather_chunk(target, slots), view)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -135,7 +135,8 @@ class LLMEngine:
 
         return store, StoreConnector(store, self.model_config, self.layout, self.runner.kv_caches,
                                      self.config.cache.block_size, kv.kv_chunk_tokens, kv.role,
-                                     kv.cluster_key().seal_key, kv_io=getattr(self.runner, "kv_io", None))
+                                     kv.cluster_key().seal_key, kv_io=getattr(self.runner, "kv_io", None),
+                                     publish_buffer_bytes=kv.kv_publish_buffer_bytes)
 
     @property
     def max_model_len(self) -> int:

@@ -6,7 +6,8 @@ Who calls what (all on the engine thread; the I/O runs on the publisher/loader t
     Scheduler, first admission n = connector.num_loadable_tokens(req, local_hit)   (lookup + accounting)
                                connector.start_load(req, local_hit, n)    req waits in WAITING_FOR_KV
     Scheduler.schedule         connector.finished_loads() -> {id: loaded tokens}   (0 = recompute all)
-    LLMEngine.step, after run  connector.after_step(scheduled)            publish chunks now complete
+    LLMEngine.step, after run  connector.after_step(scheduled)            publish chunks now complete (may wait
+                                                                          for a publish-ring slot: back-pressure)
     request finished           connector.close(req)  -> the response waits for finished_publishes()
     request aborted            connector.forget(req)  (queued chunks are still put; no result is kept)
     response                   connector.transfer_params(req), connector.accounting(req)
@@ -37,7 +38,7 @@ from pdserve.engine.kv.kv_transfer import KVTransferParams
 from pdserve.kvstore.accounting import KVAccounting, account, not_run
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.keys import chunk_keys, model_fingerprint
-from pdserve.prefill.publisher import ChunkPublisher, PublishResult
+from pdserve.prefill.publisher import DEFAULT_BUFFER_BYTES, ChunkPublisher, PublishResult
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -58,7 +59,8 @@ class _Transfer:
 
 class StoreConnector:
     def __init__(self, store, model_config, layout, kv_caches: list[dict], block_size: int,
-                 chunk_tokens: int, role: str, seal_key: bytes, kv_io=None):
+                 chunk_tokens: int, role: str, seal_key: bytes, kv_io=None,
+                 publish_buffer_bytes: int = DEFAULT_BUFFER_BYTES):
         if chunk_tokens % block_size:
             raise ValueError(f"--kv-chunk-tokens {chunk_tokens} must be a multiple of --block-size {block_size}")
         self.store, self.block_size, self.chunk_tokens, self.role = store, block_size, chunk_tokens, role
@@ -69,11 +71,15 @@ class StoreConnector:
         shape = (len(layout.components), layout.num_kv_heads, layout.head_dim)
         self.health = TierHealth("kv-store", base_s=2.0, max_s=30.0)
         durable = role == "prefill" and hasattr(store, "flush")   # embedded store: the reader is elsewhere
+        ring = dict(chunk_tokens=chunk_tokens, chunk_bytes=layout.bytes_per_token * chunk_tokens,
+                    buffer_bytes=publish_buffer_bytes if role != "decode" else 0)   # a decode node never publishes
         if kv_io is None:
-            self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health, seal_key, durable)
-            self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health, seal_key)
+            self.publisher = ChunkPublisher(store, kv_caches, layout.first_layer, self.health, seal_key, durable,
+                                            **ring)
+            self.loader = ChunkLoader(store, kv_caches, layout.first_layer, shape, self.health, seal_key,
+                                      chunk_tokens)
         else:   # tp x pp: the cache lives in the worker ranks (pdserve.engine.parallel.kv)
-            self.publisher = kv_io.publisher(store, self.health, seal_key, durable)
+            self.publisher = kv_io.publisher(store, self.health, seal_key, durable, **ring)
             self.loader = kv_io.loader(store, shape, self.health, seal_key)
         self._reqs: dict[str, _Transfer] = {}
 
@@ -127,7 +133,9 @@ class StoreConnector:
             done_tokens = min(item.first_token_index + item.num_new_tokens, req.num_prompt_tokens)
             try:
                 while t.published < len(t.keys) and sum(t.lens[:t.published + 1]) <= done_tokens:
-                    self._publish_chunk(req, t, t.published)
+                    if not self._publish_chunk(req, t, t.published):
+                        t.publish = False    # the ring stayed full: skipped (counted); nothing after a gap is used
+                        break
                     t.published += 1
             except Exception as exc:  # noqa: BLE001 - this request's KV stays unpublished; decode recomputes
                 logger.warning("publishing KV of %s failed (%s: %s); its later chunks are not published",
@@ -135,10 +143,11 @@ class StoreConnector:
                 self.publisher.failures += 1
                 t.publish = False
 
-    def _publish_chunk(self, req, t: _Transfer, index: int) -> None:
+    def _publish_chunk(self, req, t: _Transfer, index: int) -> bool:
+        """False: the publisher skipped the chunk (its ring stayed full; may have waited for a slot first)."""
         start = index * self.chunk_tokens
         slots = _slots(req.block_ids, start + t.lens[index], self.block_size)[start:]
-        self.publisher.publish(req.request_id, index, t.keys[index], slots)
+        return self.publisher.publish(req.request_id, index, t.keys[index], slots)
 
     def close(self, request_id: str) -> None:
         """The request finished: its publish is complete once ``finished_publishes`` names it."""
@@ -192,7 +201,8 @@ class StoreConnector:
         return {"load_failures": self.loader.failures, "publish_failures": self.publisher.failures,
                 "load_integrity_failures": self.loader.integrity_failures,
                 "load_digest_mismatches": self.loader.digest_mismatches,
-                "publish_skipped": self.publisher.skipped, **{f"store_{k}": v for k, v in self.health.snapshot().items()}}
+                "publish_skipped": self.publisher.skipped, **self.publisher.buffer_stats(),
+                **{f"store_{k}": v for k, v in self.health.snapshot().items()}}
 
 
 def weights_identity(model_dir) -> str:

@@ -23,6 +23,7 @@ chunks before it and the scheduler recomputes the rest).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -31,6 +32,7 @@ import torch
 
 from pdserve.decode.loader import ChunkLoader
 from pdserve.engine.parallel import messages as m
+from pdserve.kernels.chunk_io import Gathered
 from pdserve.kernels.transfer import gather_kv, scatter_kv
 from pdserve.prefill.publisher import ChunkPublisher
 
@@ -81,8 +83,9 @@ class KVRelay:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()                             # one op in flight
 
-    def publisher(self, store, health, seal_key: bytes, durable: bool = False) -> ChunkPublisher:
-        return RankPublisher(store, self, health, seal_key, durable)
+    def publisher(self, store, health, seal_key: bytes, durable: bool = False, **ring) -> ChunkPublisher:
+        """``ring``: ``ChunkPublisher``'s ring sizing (``chunk_tokens``, ``buffer_bytes``, ``chunk_bytes``)."""
+        return RankPublisher(store, self, health, seal_key, durable, **ring)
 
     def loader(self, store, shape, health, seal_key: bytes) -> ChunkLoader:
         return RankLoader(store, self, shape, health, seal_key)
@@ -125,14 +128,16 @@ class KVRelay:
 
 
 class RankPublisher(ChunkPublisher):
-    """``ChunkPublisher`` whose gather runs on the ranks (sealing, queueing and acks are the parent's)."""
+    """``ChunkPublisher`` whose gather runs on the ranks (the ring, sealing, queueing and acks are the parent's).
+    Its ring slots hold no buffers: each stands for one chunk of fresh host tensors from the ranks, so the queue
+    is bounded the same way."""
 
-    def __init__(self, store, relay: KVRelay, health, seal_key: bytes, durable: bool):
-        super().__init__(store, [], 0, health, seal_key, durable)
+    def __init__(self, store, relay: KVRelay, health, seal_key: bytes, durable: bool, **ring):
+        super().__init__(store, [], 0, health, seal_key, durable, **ring)
         self.relay = relay
 
-    def publish(self, request_id: str, index: int, chunk_key: str, slots: torch.Tensor) -> None:
-        self._enqueue(request_id, index, chunk_key, self.relay.gather(slots), 0)
+    def _gather(self, slots: torch.Tensor, slot) -> Gathered:
+        return Gathered(self.relay.gather(slots), release=functools.partial(self.ring.release, slot))
 
 
 class RankLoader(ChunkLoader):
