@@ -224,11 +224,11 @@ def test_gather_chunk_bit_exact(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_and_scatter_through_staging_views(dtype):
+def test_gather_and_scatter_through_staging_views(device, dtype):
     """The publish ring and the load pipe hand both ops a prefix view of one flat buffer (``kernels/staging.py``):
     written in place, bit-exact, nothing past the view touched."""
-    kv, slots = _kv(dtype), torch.tensor([17, 3, 4])
-    staging = Staging((3, 2), (2, 80), 5, torch.full((3 * 2 * 5 * 2 * 80,), 7.0, dtype=dtype))
+    kv, slots = _kv(dtype, device), torch.tensor([17, 3, 4], device=device)
+    staging = Staging((3, 2), (2, 80), 5, torch.full((3 * 2 * 5 * 2 * 80,), 7.0, dtype=dtype, device=device))
     view = staging.view(3)
     for gather in (gather_chunk, transfer.gather_chunk):
         view.zero_()
