@@ -4,7 +4,10 @@ The model's attention layers call ``paged_attention`` (write the step's K/V into
 then attend through the block tables); ``dispatch.py`` sends it to the AVX2 C kernel (``cpu_attention.c``
 via ``cpu_attention.py``, the CPU path), the plain-torch reference (``reference.py``, the oracle and the
 fallback) or to the Triton kernels (``triton_attention.py``,
-``triton_cache.py``; ``split_k.py`` their split-K rule), as ``AttentionMetadata.backend`` says. The input batch
+``triton_cache.py``; ``attention_plan.py`` their tiles, ``split_k.py`` their split-K rule), as
+``AttentionMetadata.backend`` says. ``kernel_variants.py`` lists every attention kernel the plan can pick for a model
+(warmed at start-up on CUDA); ``offline_compile.py`` builds each for sm_90 without a GPU and reads its registers,
+spills and shared memory (``devbench/compile_table.py``, ``tests/test_kernel_compile.py``). The input batch
 (``pdserve.engine.runner.input_batch``) builds the metadata once per step (``metadata.py``). The KV store's
 publisher and loader move chunks with ``chunk_io.py`` over ``transfer.py`` (torch) / ``triton_transfer.py`` (CUDA),
 through buffers made once (``staging.py``): the publisher's bounded ring (``publish_ring.py``) and the loader's

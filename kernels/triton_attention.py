@@ -21,7 +21,8 @@ Grid of the attention kernel: (query blocks, Hkv, num_splits).
     equal run of tiles. K tiles are gathered through the block table one key at a time, so any
     block size works. Online softmax in fp32; a split with no tiles writes (-inf, 0, 0).
 With num_splits == 1 the kernel normalises and stores out itself; otherwise it stores the
-unnormalised partials [num_splits, T, H, (D)] and ``_reduce_kernel`` (one program per token) merges them.
+unnormalised partials [num_splits, T, H, (D)] and ``_reduce_kernel`` (one program per token and block of
+heads) merges them.
 Lengths are read on the device only; the grid comes from host ints (T, B, max_query_len, max_seq_len).
 The split count is ``meta.num_splits`` where the runner fixed it (decode steps: the same for a CUDA graph and
 an eager step, ``split_k.py``), else planned from the step's T, B and max_seq_len.
@@ -29,22 +30,26 @@ an eager step, ``split_k.py``), else planned from the step's T, B and max_seq_le
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.attention_plan import (INTERPRETED, AttentionPlan, pad_dim, plan_attention,  # noqa: F401
+                                            reduce_heads)
 from pdserve.kernels.split_k import MAX_SPLITS, MIN_SPLIT_KEYS, TARGET_PROGRAMS, splits_for  # noqa: F401
 from pdserve.kernels.triton_cache import write_to_cache
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # Triton's own switch, read once like Triton does
 LOG2E = 1.4426950408889634   # scores are kept in log2 units: exp2 is the fast path
+# Arguments that change from step to step (or from model to model, for the head group) and whose value or alignment
+# would only buy a Triton specialisation (== 1, divisible by 16, a 16-byte aligned view of the step's staging
+# buffer): not specialised, so one compiled kernel serves every step of a variant and the start-up warm-up
+# (``engine/runner/kernel_warmup.py``) compiles all a request can need.
+STEP_INTS = ["num_seqs", "num_tokens", "num_splits", "bt_b", "H", "QPK", "BLOCK_Q"]
+STEP_POINTERS = ["qsl_ptr", "seq_lens_ptr", "bt_ptr"]
 
 
 @triton.jit
-def _find_seq(qsl_ptr, block_idx, num_seqs, BLOCK_Q: tl.constexpr):
+def _find_seq(qsl_ptr, block_idx, num_seqs, BLOCK_Q):
     """Largest b with qsl[b] // BLOCK_Q + b <= block_idx (sequence b's first query block)."""
     lo = 0
     hi = num_seqs
@@ -70,12 +75,33 @@ def _mma(a, b, F32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _scores(q, q_rows, row_ok, k_rows, k_ok, D: tl.constexpr, D_PAD: tl.constexpr, F32_DOT: tl.constexpr,
+            Q_CHUNK: tl.constexpr):
+    """q @ K^T of one tile -> [BLOCK_M, BLOCK_N] fp32; k_rows [BLOCK_N]: pointers to the tile's keys.
+    Q_CHUNK == D_PAD: one dot with q held in registers across the key loop. Smaller: D_PAD // Q_CHUNK dots, each
+    reading its chunk of q again (from L1) -- fp32 q at a wide head dim, split in two for tf32x3 and replicated
+    in every warp of a 16-row block, does not fit in registers (``attention_plan.tiles``)."""
+    if Q_CHUNK == D_PAD:
+        d = tl.arange(0, D_PAD)
+        kt = tl.load(k_rows[None, :] + d[:, None], mask=k_ok[None, :] & (d < D)[:, None], other=0.0)
+        s = _mma(q, kt, F32_DOT)
+    else:
+        s = tl.zeros([q_rows.shape[0], k_rows.shape[0]], tl.float32)
+        for c in tl.static_range(D_PAD // Q_CHUNK):
+            d = c * Q_CHUNK + tl.arange(0, Q_CHUNK)
+            qc = tl.load(q_rows[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+            kt = tl.load(k_rows[None, :] + d[:, None], mask=k_ok[None, :] & (d < D)[:, None], other=0.0)
+            s += _mma(qc, kt, F32_DOT)
+    return s
+
+
+@triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=STEP_POINTERS)
 def _attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
                  qsl_ptr, seq_lens_ptr, bt_ptr, num_seqs, num_tokens, num_splits, qk_scale,
                  q_t, q_h, o_t, o_h, bt_b, c_blk, c_off, c_h,      # strides; head dim is unit-stride
-                 H: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                 BS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
+                 H, QPK, BLOCK_Q, D: tl.constexpr, D_PAD: tl.constexpr,
+                 BS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, Q_CHUNK: tl.constexpr):
     blk, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = _find_seq(qsl_ptr, blk, num_seqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + b)
@@ -91,8 +117,10 @@ def _attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
     row_ok = (rows // QPK < BLOCK_Q) & (q_tok < q_len)
     t_row = (q_start + q_tok).to(tl.int64)                       # [BLOCK_M] flat token row
     d = tl.arange(0, D_PAD)
-    q = tl.load(q_ptr + t_row[:, None] * q_t + head[:, None] * q_h + d[None, :],
-                mask=row_ok[:, None] & (d < D)[None, :], other=0.0)   # [BLOCK_M, D_PAD]
+    q_rows = q_ptr + t_row * q_t + head * q_h                    # [BLOCK_M] pointers to the rows' q
+    q = 0.0                                                      # Q_CHUNK < D_PAD: read per tile (_scores)
+    if Q_CHUNK == D_PAD:
+        q = tl.load(q_rows[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
 
     # keys visible to some row of the block: [lo, hi); this split's tiles of BLOCK_N keys: [t0, t1)
     hi = pos0 + tl.minimum(q_len, first + BLOCK_Q)
@@ -107,9 +135,9 @@ def _attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     for tile in range(t0, t1):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tile * BLOCK_N + tl.arange(0, BLOCK_N), lo, hi,
+        m_i, l_i, acc = _attend_tile(q, q_rows, m_i, l_i, acc, tile * BLOCK_N + tl.arange(0, BLOCK_N), lo, hi,
                                      pos0 + q_tok, row_ok, kc_ptr, vc_ptr, bt_ptr + b * bt_b, kvh * c_h,
-                                     c_blk, c_off, qk_scale, D, D_PAD, BS, WINDOW, F32_DOT)
+                                     c_blk, c_off, qk_scale, D, D_PAD, BS, WINDOW, F32_DOT, Q_CHUNK)
     if SPLIT:
         row = (split * num_tokens + t_row) * H + head            # partials: [num_splits, T, H, (D_PAD)]
         tl.store(part_m + row, m_i, mask=row_ok)
@@ -122,16 +150,15 @@ def _attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, kp, lo, hi, q_pos, row_ok, kc_ptr, vc_ptr, table_ptr, head_off,
+def _attend_tile(q, q_rows, m_i, l_i, acc, kp, lo, hi, q_pos, row_ok, kc_ptr, vc_ptr, table_ptr, head_off,
                  c_blk, c_off, qk_scale, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-                 WINDOW: tl.constexpr, F32_DOT: tl.constexpr):
+                 WINDOW: tl.constexpr, F32_DOT: tl.constexpr, Q_CHUNK: tl.constexpr):
     """One online-softmax step over the keys at positions kp [BLOCK_N] -> updated (m_i, l_i, acc)."""
     d = tl.arange(0, D_PAD)
     k_ok = (kp >= lo) & (kp < hi)
     page = tl.load(table_ptr + kp // BS, mask=k_ok, other=0).to(tl.int64)
     kv_off = page * c_blk + (kp % BS) * c_off + head_off                      # [BLOCK_N]
-    kt = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :] & (d < D)[:, None], other=0.0)
-    s = _mma(q, kt, F32_DOT) * qk_scale                                      # [BLOCK_M, BLOCK_N], log2 units
+    s = _scores(q, q_rows, row_ok, kc_ptr + kv_off, k_ok, D, D_PAD, F32_DOT, Q_CHUNK) * qk_scale  # log2 units
     seen = row_ok[:, None] & k_ok[None, :] & (kp[None, :] <= q_pos[:, None])
     if WINDOW > 0:
         seen = seen & (kp[None, :] > q_pos[:, None] - WINDOW)
@@ -145,19 +172,19 @@ def _attend_tile(q, m_i, l_i, acc, kp, lo, hi, q_pos, row_ok, kc_ptr, vc_ptr, ta
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-@triton.jit
-def _reduce_kernel(part_acc, part_m, part_l, out_ptr, num_tokens, num_splits, o_t, o_h,
-                   H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    """One program per token: merge the splits' (max, sum, acc) of all its heads into out [T, H, D]."""
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "H"])
+def _reduce_kernel(part_acc, part_m, part_l, out_ptr, num_tokens, num_splits, o_t, o_h, H,
+                   H_BLOCK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """One program per (token, H_BLOCK heads): merge the splits' (max, sum, acc) of those heads into out [T, H, D]."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, H_PAD)
+    h = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
     d = tl.arange(0, D_PAD)
     h_ok = h < H
-    m_run = tl.full([H_PAD], float("-inf"), tl.float32)
-    l_run = tl.zeros([H_PAD], tl.float32)
-    acc = tl.zeros([H_PAD, D_PAD], tl.float32)
+    m_run = tl.full([H_BLOCK], float("-inf"), tl.float32)
+    l_run = tl.zeros([H_BLOCK], tl.float32)
+    acc = tl.zeros([H_BLOCK, D_PAD], tl.float32)
     for s in range(num_splits):
-        row = (s * num_tokens + t) * H + h                        # [H_PAD]
+        row = (s * num_tokens + t) * H + h                        # [H_BLOCK]
         m_s = tl.load(part_m + row, mask=h_ok, other=float("-inf"))
         m_new = tl.maximum(m_run, m_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -169,39 +196,6 @@ def _reduce_kernel(part_acc, part_m, part_l, out_ptr, num_tokens, num_splits, o_
     o = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
     tl.store(out_ptr + t * o_t + h[:, None] * o_h + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=h_ok[:, None] & (d < D)[None, :])
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    """Tile sizes and split count for one launch, chosen on the host from host ints only."""
-    block_m: int        # rows per program: block_q tokens x QPK heads (>= 16 for tl.dot)
-    block_q: int
-    block_n: int        # keys per tile
-    num_splits: int
-    num_warps: int
-    f32_dot: str        # "" (bf16/fp16 operands) or the fp32 input precision, see _mma
-
-    def num_q_blocks(self, num_tokens: int, num_seqs: int) -> int:
-        return num_tokens // self.block_q + num_seqs   # >= sum_b cdiv(q_len_b, block_q), see docstring
-
-
-def plan_attention(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                   max_query_len: int, max_seq_len: int, fp32: bool, num_splits: int | None = None) -> AttentionPlan:
-    """Tiles sized so that nothing spills on sm_90 (checked with ptxas): per thread, the fp32 acc
-    (BLOCK_M x D_PAD) and each gathered K/V tile's pointers (BLOCK_N x D_PAD) stay within ~64 registers."""
-    qpk, d_pad = num_heads // num_kv_heads, _pad_dim(head_dim)
-    # decode (max_query_len 1): one token x the head group, padded to 16 rows; prefill: up to 64 rows
-    m_cap = 64 * 128 // d_pad // (2 if fp32 else 1)
-    block_m = max(16, min(triton.next_power_of_2(max_query_len * qpk), m_cap), triton.next_power_of_2(qpk))
-    num_warps = 8 if block_m * d_pad >= 64 * 128 else 4
-    block_n = max(16, min(1024 * num_warps // d_pad // (2 if fp32 else 1), 64))
-    block_q = block_m // qpk
-    if num_splits is None:                            # decode steps come with the runner's count (split_k.py)
-        num_splits = splits_for((num_tokens // block_q + num_seqs) * num_kv_heads, max_seq_len)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    f32_dot = ("ieee" if INTERPRETED else "tf32x3") if fp32 or INTERPRETED else ""
-    return AttentionPlan(block_m, block_q, block_n, num_splits, num_warps, f32_dot)
 
 
 def paged_attention(q, k, v, cache: dict, meta, scale: float, sliding_window: int | None = None,
@@ -225,20 +219,33 @@ def unified_attention(q, k_cache, v_cache, out, meta, scale: float, sliding_wind
     fp32 = torch.float32 in (q.dtype, k_cache.dtype)
     num_splits = meta.num_splits if num_splits is None else num_splits
     plan = plan_attention(T, B, H, Hkv, D, meta.max_query_len, meta.max_seq_len, fp32, num_splits)
-    d_pad, split = _pad_dim(D), plan.num_splits > 1
-    parts = _partials(plan.num_splits, T, H, d_pad, q.device) if split else (out, out, out)
-    grid = (plan.num_q_blocks(T, B), Hkv, plan.num_splits)
-    _attn_kernel[grid](
-        q, k_cache, v_cache, out, *parts, meta.query_start_loc, meta.seq_lens, meta.block_table,
-        B, T, plan.num_splits, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        meta.block_table.stride(0), *k_cache.stride()[:3],
-        H=H, QPK=H // Hkv, D=D, D_PAD=d_pad, BS=k_cache.shape[1], WINDOW=sliding_window or 0,
-        BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, SPLIT=split, F32_DOT=plan.f32_dot,
-        num_warps=plan.num_warps)
-    if split:
-        _reduce_kernel[(T,)](*parts, out, T, plan.num_splits, out.stride(0), out.stride(1),
-                             H=H, H_PAD=triton.next_power_of_2(H), D=D, D_PAD=d_pad, num_warps=4)
+    parts = _partials(plan.num_splits, T, H, pad_dim(D), q.device) if plan.num_splits > 1 else None
+    for kernel, grid, args, kwargs in launches(q, k_cache, v_cache, out, parts, meta, plan, scale, sliding_window):
+        kernel[grid](*args, **kwargs)
     return out
+
+
+def launches(q, k_cache, v_cache, out, parts, meta, plan: AttentionPlan, scale: float, sliding_window: int | None):
+    """[(kernel, grid, args, kwargs)] of one attention call: the attention kernel, then (split-K) the reduce.
+    ``unified_attention`` launches them; ``offline_compile.py`` compiles the same for sm_90 from CPU tensors."""
+    (T, H, D), Hkv, B = q.shape, k_cache.shape[2], meta.seq_lens.shape[0]
+    d_pad, split = pad_dim(D), plan.num_splits > 1
+    parts = parts if split else (out, out, out)
+    attn = (_attn_kernel, (plan.num_q_blocks(T, B), Hkv, plan.num_splits),
+            (q, k_cache, v_cache, out, *parts, meta.query_start_loc, meta.seq_lens, meta.block_table,
+             B, T, plan.num_splits, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+             meta.block_table.stride(0), *k_cache.stride()[:3], H, H // Hkv, plan.block_q),
+            dict(D=D, D_PAD=d_pad, BS=k_cache.shape[1], WINDOW=sliding_window or 0, BLOCK_M=plan.block_m,
+                 BLOCK_N=plan.block_n, SPLIT=split, F32_DOT=plan.f32_dot, Q_CHUNK=plan.q_chunk,
+                 num_warps=plan.num_warps,
+                 num_stages=plan.num_stages))
+    if not split:
+        return [attn]
+    h_block = reduce_heads(H, d_pad)
+    reduce = (_reduce_kernel, (T, triton.cdiv(H, h_block)),
+              (*parts, out, T, plan.num_splits, out.stride(0), out.stride(1), H),
+              dict(H_BLOCK=h_block, D=D, D_PAD=d_pad, num_warps=4))
+    return [attn, reduce]
 
 
 def _partials(num_splits: int, T: int, H: int, d_pad: int, device) -> tuple[torch.Tensor, ...]:
@@ -246,10 +253,6 @@ def _partials(num_splits: int, T: int, H: int, d_pad: int, device) -> tuple[torc
     acc = torch.empty(num_splits, T, H, d_pad, dtype=torch.float32, device=device)
     m, l = (torch.empty(num_splits, T, H, dtype=torch.float32, device=device) for _ in range(2))
     return acc, m, l
-
-
-def _pad_dim(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16; the pad lanes are masked
 
 
 def _check(q, k_cache, v_cache, out, sliding_window) -> None:

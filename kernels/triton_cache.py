@@ -20,7 +20,7 @@ import triton.language as tl
 MAX_TILE = 4096   # elements per tile: 16 KB of fp32 registers over 4 warps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["slot_ptr"])   # vary per step
 def _write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, T,
                   k_t, k_h, k_d, v_t, v_h, v_d,        # k, v strides
                   c_blk, c_off, c_h, c_d,              # cache strides (shared)
@@ -43,15 +43,20 @@ def write_to_cache(k: torch.Tensor, v: torch.Tensor, cache: dict, slot_mapping: 
     """k, v: [T, Hkv, D] -> cache["k"/"v"]: [num_blocks, block_size, Hkv, D] at flat slots (< 0 skipped)."""
     kc, vc = cache["k"], cache["v"]
     _check(k, v, kc, vc, slot_mapping)
+    if k.shape[0]:
+        kernel, grid, args, kwargs = launch(k, v, kc, vc, slot_mapping)
+        kernel[grid](*args, **kwargs)
+
+
+def launch(k, v, kc, vc, slot_mapping):
+    """(kernel, grid, args, kwargs) of one write: ``write_to_cache`` launches it, ``offline_compile.py`` compiles it."""
     T, hkv, d = k.shape
-    if T == 0:
-        return
     hd = hkv * d
     block_hd = min(triton.next_power_of_2(hd), 1024)
     block_t = max(1, min(16, MAX_TILE // block_hd))
     grid = (triton.cdiv(T, block_t), triton.cdiv(hd, block_hd))
-    _write_kernel[grid](k, v, kc, vc, slot_mapping, T, *k.stride(), *v.stride(), *kc.stride(),
-                        D=d, HD=hd, BS=kc.shape[1], BLOCK_T=block_t, BLOCK_HD=block_hd, num_warps=4)
+    return (_write_kernel, grid, (k, v, kc, vc, slot_mapping, T, *k.stride(), *v.stride(), *kc.stride()),
+            dict(D=d, HD=hd, BS=kc.shape[1], BLOCK_T=block_t, BLOCK_HD=block_hd, num_warps=4))
 
 
 def _check(k, v, kc, vc, slot_mapping) -> None:

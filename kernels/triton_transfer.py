@@ -21,7 +21,7 @@ import triton.language as tl
 MAX_TILE = 8192   # elements moved per program: 16 KB of bf16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["slot_ptr"])   # vary per chunk
 def _copy_kernel(kv_ptr, obj_ptr, slot_ptr, n, C,
                  k_l, k_c, k_blk, k_off, k_h, k_d,        # kv strides
                  o_l, o_c, o_t, o_h, o_d,                 # object strides (a head slice when scattering)
@@ -69,13 +69,18 @@ def scatter_chunk(kv: torch.Tensor, slots: torch.Tensor, obj: torch.Tensor, head
 
 
 def _launch(kv: torch.Tensor, obj: torch.Tensor, slots: torch.Tensor, to_cache: bool) -> None:
+    if slots.shape[0]:
+        kernel, grid, args, kwargs = launch(kv, obj, slots, to_cache)
+        kernel[grid](*args, **kwargs)
+
+
+def launch(kv: torch.Tensor, obj: torch.Tensor, slots: torch.Tensor, to_cache: bool):
+    """(kernel, grid, args, kwargs) of one gather or scatter: ``_launch`` runs it, ``offline_compile.py`` builds
+    it for sm_90."""
     L, C, _, bs, hkv, d = kv.shape
     n, hd = slots.shape[0], hkv * d
-    if n == 0:
-        return
     block_hd = min(triton.next_power_of_2(hd), 1024)
     block_t = max(1, min(64, MAX_TILE // block_hd))
     grid = (triton.cdiv(n, block_t), triton.cdiv(hd, block_hd), L * C)
-    _copy_kernel[grid](kv, obj, slots, n, C, *kv.stride(), *obj.stride(),
-                       D=d, HD=hd, BS=bs, TO_CACHE=to_cache, BLOCK_T=block_t, BLOCK_HD=block_hd,
-                       num_warps=4)
+    return (_copy_kernel, grid, (kv, obj, slots, n, C, *kv.stride(), *obj.stride()),
+            dict(D=d, HD=hd, BS=bs, TO_CACHE=to_cache, BLOCK_T=block_t, BLOCK_HD=block_hd, num_warps=4))

@@ -1,0 +1,195 @@
+"""Build the Triton kernels for sm_90 without a GPU and read what ptxas made of them: registers, spills, shared memory.
+
+Run by ``devbench/compile_table.py`` (the table, and the JSON ``tests/test_kernel_compile.py`` checks; also a part of
+``bench/gpu_check.sh``). Needs ``TRITON_INTERPRET`` unset or 0 before triton is imported (the interpreter's
+``@triton.jit`` compiles nothing) and the wheel's ptxas; no CUDA device, no driver.
+
+    jobs = launch_jobs(shape)      # every kernel a model of this shape can launch, as the launch would compile it
+    usage = compile_job(job)       # {"registers", "spill_stores", "spill_loads", "stack", "smem"}
+
+A job is found the way a launch finds its kernel: the launch's own argument builder (``triton_attention.launches``,
+``triton_cache.launch``, ``triton_transfer.launch``) runs on CPU tensors of the model's shapes, and Triton's binder
+turns those into the signature, constexprs and specialisations (16-byte alignment, divisibility by 16) that a
+launch on a GPU would compile, for a GPUTarget("cuda", 90, 32). Jobs that would compile the same kernel share a key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels.attention_plan import AttentionPlan, pad_dim
+
+SM90_SMEM_LIMIT = 227 * 1024     # bytes of shared memory one block may use on sm_90 (H100/H200)
+_PTXAS_LINE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS_LINE = re.compile(r"Used (\d+) registers")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One kernel to compile: picklable (a worker process rebuilds the function from module and name)."""
+    label: str              # e.g. "attn bf16 D128 prefill M64 N64 w8 s3 split"
+    module: str
+    name: str
+    signature: tuple        # ((arg, type), ...)
+    constexprs: tuple       # ((path, value), ...)
+    attrs: tuple            # ((path, [[attr, value]]), ...)
+    num_warps: int
+    num_stages: int
+
+    @property
+    def key(self) -> tuple:
+        return self.module, self.name, self.signature, self.constexprs, self.attrs, self.num_warps, self.num_stages
+
+
+def ptxas_missing() -> str | None:
+    """Why no offline compile can run here, or None: triton and its bundled sm_90 ptxas must be installed."""
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed"
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
+    if not (ptxas.exists() or ptxas.with_name("ptxas").exists()):
+        return f"this triton wheel ships no ptxas ({ptxas.parent})"
+    return None
+
+
+def launch_jobs(shape) -> list[Job]:
+    """Every kernel launch a model of ``shape`` (``kernel_variants.ModelShape``) can make, deduplicated."""
+    from pdserve.kernels import kernel_variants, triton_cache
+
+    jobs = {}
+    for step in kernel_variants.attention_steps(shape):
+        for job in _attention_jobs(shape, step):
+            jobs.setdefault(job.key, job)
+    k, v, cache, slots = _write_example(shape)
+    job = _job(f"write {_dt(shape)} D{shape.head_dim}", *triton_cache.launch(k, v, cache["k"], cache["v"], slots))
+    jobs.setdefault(job.key, job)
+    for job in _transfer_jobs(shape):
+        jobs.setdefault(job.key, job)
+    return list(jobs.values())
+
+
+def compile_job(job: Job) -> dict:
+    """Compile ``job`` for sm_90; -> registers, spill stores/loads and stack frame (bytes, from ptxas -v), smem."""
+    import importlib
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(job.module), job.name)
+    src = ASTSource(fn, dict(job.signature), dict(job.constexprs), dict(job.attrs))
+    log = io.StringIO()
+    knobs.nvidia.dump_ptxas_log = True          # ptxas -v's report is printed, not returned ...
+    knobs.compilation.always_compile = True     # ... and only when ptxas runs: never a cached kernel
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": job.num_warps, "num_stages": job.num_stages})
+    return {**_parse_ptxas(log.getvalue()), "smem": int(kernel.metadata.shared)}
+
+
+def compile_all(jobs: list[Job], workers: int | None = None) -> list[dict]:
+    """``compile_job`` for each job, over ``workers`` processes (default: every core); results in job order."""
+    workers = workers or os.cpu_count() or 1
+    if workers == 1 or len(jobs) < 2:
+        return [compile_job(j) for j in jobs]
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        return pool.map(compile_job, jobs, chunksize=1)
+
+
+def _parse_ptxas(log: str) -> dict:
+    frame, regs = _PTXAS_LINE.findall(log), _REGS_LINE.findall(log)
+    if len(frame) != 1 or len(regs) != 1:
+        raise RuntimeError(f"no single ptxas -v report in the compile log:\n{log[-2000:]}")
+    stack, stores, loads = map(int, frame[0])
+    return {"registers": int(regs[0]), "spill_stores": stores, "spill_loads": loads, "stack": stack}
+
+
+def _job(label: str, kernel, grid, args, kwargs) -> Job:
+    """What ``kernel[grid](*args, **kwargs)`` would compile on an sm_90 device, through Triton's own binder."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    kwargs = {**kwargs, "debug": kernel.debug or knobs.runtime.debug,
+              "instrumentation_mode": knobs.compilation.instrumentation_mode,
+              "fpsan_homomorphic_casts": knobs.compilation.fpsan_homomorphic_casts}
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return Job(label, kernel.fn.__module__, kernel.fn.__name__, tuple(signature.items()),
+               tuple(sorted(constexprs.items())), tuple(sorted((k, _freeze(v)) for k, v in attrs.items())),
+               options.num_warps, options.num_stages)
+
+
+def _freeze(x):
+    return tuple(_freeze(i) for i in x) if isinstance(x, (list, tuple)) else x
+
+
+def _attention_jobs(shape, step) -> list[Job]:
+    """The attention kernel (and, split, the reduce) of ``step``: one sequence of ``max_query_len`` new tokens."""
+    from pdserve.kernels import triton_attention as ta
+    from pdserve.kernels.metadata import AttentionMetadata
+
+    T, bs, H, D = step.max_query_len, shape.block_size, shape.num_heads, shape.head_dim
+    q = torch.empty(T, H, D, dtype=_dtype(shape))
+    _, _, cache, _ = _write_example(shape)
+    meta = AttentionMetadata.build([T], [T], [[1] * -(-T // bs)], bs, backend="triton")
+    plan = ta.plan_attention(T, 1, H, shape.num_kv_heads, D, T, T, shape.fp32, step.num_splits)
+    assert AttentionPlan(**vars(step.tiles), num_splits=step.num_splits) == plan, (plan, step)
+    parts = ta._partials(plan.num_splits, T, H, pad_dim(D), "cpu") if plan.num_splits > 1 else None
+    launches = ta.launches(q, cache["k"], cache["v"], torch.empty_like(q), parts, meta, plan, D ** -0.5,
+                           shape.window)
+    labels = [attention_label(shape, step), f"reduce {_dt(shape)} D{D} heads/program {ta.reduce_heads(H, pad_dim(D))}"]
+    return [_job(label, *launch) for label, launch in zip(labels, launches)]
+
+
+def attention_label(shape, step) -> str:
+    """E.g. "attn fp32 D256 decode M16 N16 w8 s3 qc64 split": dtype, head dim, tiles (qc: q's chunk, when split)."""
+    t, d_pad = step.tiles, pad_dim(shape.head_dim)
+    return (f"attn {_dt(shape)} D{shape.head_dim} {step.kind} M{t.block_m} N{t.block_n} w{t.num_warps} "
+            f"s{t.num_stages}{f' qc{t.q_chunk}' if t.q_chunk < d_pad else ''}{' split' if step.num_splits > 1 else ''}"
+            f"{f' window{shape.window}' if shape.window else ''}")
+
+
+def _write_example(shape):
+    """k, v (v a view of the fused qkv projection, as the model's), a 4-block cache and slots, on the CPU."""
+    T, H, Hkv, D, dt = 5, shape.num_heads, shape.num_kv_heads, shape.head_dim, _dtype(shape)
+    qkv = torch.empty(T, (H + 2 * Hkv) * D, dtype=dt)
+    k = torch.empty(T, Hkv, D, dtype=dt)                     # after RoPE: its own tensor
+    v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+    cache = {c: torch.empty(4, shape.block_size, Hkv, D, dtype=dt) for c in "kv"}
+    return k, v, cache, torch.zeros(T, dtype=torch.int64)
+
+
+def _transfer_jobs(shape) -> list[Job]:
+    """The KV connector's chunk gather (prefill side) and scatter (decode side) over a 2-layer cache."""
+    from pdserve.kernels import triton_transfer as tt
+
+    Hkv, D, dt = shape.num_kv_heads, shape.head_dim, _dtype(shape)
+    kv = torch.empty(2, 2, 4, shape.block_size, Hkv, D, dtype=dt)
+    slots = torch.zeros(32, dtype=torch.int64)
+    obj = torch.empty(2, 2, 32, Hkv, D, dtype=dt)
+    label = f"{_dt(shape)} D{D} Hkv{Hkv}"
+    return [_job(f"{name} {label}", *tt.launch(kv, obj, slots, to_cache))
+            for name, to_cache in (("gather", False), ("scatter", True))]
+
+
+def _dtype(shape) -> torch.dtype:
+    return getattr(torch, shape.dtype)
+
+
+def _dt(shape) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[shape.dtype]
