@@ -3,9 +3,10 @@
 The Triton kernel's split count sets its summation order. A graph fixes the count at capture (its metadata says
 max_seq_len = max_model_len); an eager step used to plan from its own max_seq_len, e.g. 1 split against the
 graph's 16 for a short context under a 4096-token --max-model-len. Both now plan from the bucket and the KV-head
-count (``engine/runner/decode_splits.py``). The graph side runs here without a graph: ``DecodeGraphs.load`` fills
-the static buffers and pads the bucket, ``_forward(b)`` runs the kernels a capture records, on CPU in Triton's
-interpreter (fp32).
+count (``engine/runner/decode_splits.py``). The graph side runs here without a graph: the step is staged straight into
+the static buffers as the engine stages it (``graph_inputs.py``; or, ``loaded``, staged apart and copied in by
+``DecodeGraphs.load``), ``_forward(b)`` runs the kernels a capture records, on CPU in Triton's interpreter (fp32),
+against an eager forward on the step staged apart.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def test_prefill_and_other_backends_keep_the_kernels_plan():
 
 
 @interpreted
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "loaded"])
 @pytest.mark.parametrize("num_prompts", [3, 4])                     # 3: padded to bucket 4
-def test_eager_decode_equals_the_graph_plan_bitwise(tmp_path, num_prompts):
+def test_eager_decode_equals_the_graph_plan_bitwise(tmp_path, num_prompts, staged):
     from pdserve.engine import LLM, SamplingParams
     from pdserve.engine.checkpoints.tiny_model import make_tiny_model
     from pdserve.engine.runner.cuda_graphs import DecodeGraphs
@@ -76,12 +78,17 @@ def test_eager_decode_equals_the_graph_plan_bitwise(tmp_path, num_prompts):
     sched = engine.scheduler.schedule()
     runner.execute(sched)                                            # the prefills; their K/V stays for the decode
     engine.scheduler.update_from_output(sched, {f"r{i}": 7 for i in range(num_prompts)})
-    inputs = runner.prepare(engine.scheduler.schedule().scheduled)
+    scheduled = engine.scheduler.schedule().scheduled
+    inputs = runner.prepare(scheduled)
     assert inputs.attn.is_decode_only and inputs.attn.num_seqs == num_prompts
     assert inputs.attn.num_splits == 16 and splits_for(8, inputs.attn.max_seq_len) == 1   # the rules that differed
     eager = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn)
     graphs = DecodeGraphs(runner, 4096)                              # the buffers and metadata a capture uses
-    b = graphs.load(inputs)
+    if staged:                                                       # as ModelRunner wires it under graphs
+        runner.input_batch.staging.graph_inputs = graphs.inputs
+        inputs = runner.prepare(scheduled)                           # the same step again, into the buffers
+        assert graphs.inputs.holds(inputs) and inputs.graph_bucket == 4
+    b = graphs.prepare(inputs)
     assert b == 4 and graphs._meta(b).num_splits == 16
     replayed = graphs._forward(b)[:num_prompts]
     assert torch.equal(replayed, eager)

@@ -5,11 +5,12 @@ Built by ``ModelRunner`` on CUDA unless ``--enforce-eager``; ``ModelRunner.execu
 row, more rows than the largest bucket, the torch backend, dynamic RoPE):
 
     static buffers   ids, positions, slots [Bmax]; query_start_loc [Bmax + 1] (= 0, 1, 2, ...);
-                     seq_lens [Bmax]; block_table [Bmax, max_blocks]; one output [Bmax, hidden]
+                     seq_lens [Bmax]; block_table [Bmax, max_blocks]: views of one int32 buffer
+                     (``graph_inputs.py``) that the step's staging copy lands in; one output [Bmax, hidden]
     capture(b)       forward over the first b rows, metadata with max_seq_len = max_model_len and the
                      split-K count of bucket b (``decode_splits.py``: eager decode steps use the same)
-    run(B rows)      copy the step's B rows into the buffers, pad rows B..b (slot -1: nothing
-                     written; seq_len 1), replay bucket b >= B, return output[:B]
+    run(B rows)      the step was staged into the buffers, rows B..b padded (slot -1: nothing written;
+                     seq_len 1): replay bucket b >= B, return output[:B] -- no device copy before the replay
 
 Buckets: 1, 2, 4, then multiples of 8 up to ``--max-num-seqs`` (vLLM's shape; ``decode_splits.buckets``).
 All graphs share one memory pool; the largest is captured first. Capture time and graph memory are logged once.
@@ -23,6 +24,7 @@ import time
 import torch
 
 from pdserve.engine.runner.decode_splits import DecodeSplits
+from pdserve.engine.runner.graph_inputs import GraphInputs
 from pdserve.kernels import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -33,15 +35,12 @@ class DecodeGraphs:
         self.runner, self.model = runner, runner.model
         self.block_size, self.max_model_len = runner.block_size, max_model_len
         self.splits: DecodeSplits = runner.decode_splits          # the rule eager decode steps use too
-        dev, i32 = runner.device, torch.int32
         self.sizes = self.splits.sizes
-        bmax = self.sizes[-1]
-        self.ids = torch.zeros(bmax, dtype=i32, device=dev)
-        self.positions = torch.zeros(bmax, dtype=i32, device=dev)
-        self.slots = torch.full((bmax,), -1, dtype=i32, device=dev)
-        self.qsl = torch.arange(bmax + 1, dtype=i32, device=dev)
-        self.seq_lens = torch.ones(bmax, dtype=i32, device=dev)
-        self.table = torch.zeros(bmax, -(-max_model_len // self.block_size), dtype=i32, device=dev)
+        self.inputs = GraphInputs(self.sizes[-1], -(-max_model_len // self.block_size), runner.device,
+                                  self.splits.bucket)
+        i = self.inputs
+        self.ids, self.positions, self.slots, self.qsl = i.ids, i.positions, i.slots, i.qsl
+        self.seq_lens, self.table = i.seq_lens, i.table
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -86,13 +85,18 @@ class DecodeGraphs:
         n = meta.num_seqs
         if not meta.is_decode_only or n > self.sizes[-1] or meta.backend != "triton":
             return None
-        b = self.load(inputs)
+        b = self.prepare(inputs)
         self.graphs[b].replay()
         return self.outputs[b][:n]
 
+    def prepare(self, inputs) -> int:
+        """The bucket b a decode step replays in, its rows in the static buffers: staged there already (every
+        step of the engine, ``StepStaging.graph_inputs``), else copied (``load``). ``run`` replays bucket b next;
+        a test on CPU runs ``_forward(b)`` instead (the captured kernels, no graph)."""
+        return inputs.graph_bucket if self.inputs.holds(inputs) else self.load(inputs)
+
     def load(self, inputs) -> int:
-        """Copy a decode step's B rows into the static buffers, pad rows B..b; -> its bucket b. ``run`` replays
-        bucket b next; a test on CPU runs ``_forward(b)`` instead (the captured kernels, no graph)."""
+        """Copy a decode step staged elsewhere into the static buffers, pad rows B..b; -> its bucket b."""
         meta = inputs.attn
         n = meta.num_seqs
         b = self.splits.bucket(n)

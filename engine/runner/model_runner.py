@@ -53,6 +53,8 @@ class ModelRunner:
             from pdserve.engine.runner.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self, max_model_len)
+            if self.graphs is not None:                 # decode steps are staged straight into its buffers
+                self.input_batch.staging.graph_inputs = self.graphs.inputs
         self.compiled = None                # CompiledLayers when torch_compile (compile.py: CPU, one process)
         if torch_compile:
             from pdserve.engine.runner.compile import compile_layers

@@ -1,7 +1,8 @@
 """Move one step's host arrays (``StepArrays``, cut by the input batch) to the model's device as ``StepInputs``.
 
-Called by the input batch once per step. On CPU the tensors are views of the numpy arrays. On CUDA
-every integer of the step (token ids, positions, slots, query starts, sequence lengths, sampled
+Called by the input batch once per step. A decode step the CUDA graphs can replay goes to ``graph_inputs``
+(``graph_inputs.py``, set by the runner once the graphs are captured): one copy straight into the graphs' static
+buffers. Otherwise, on CPU the tensors are views of the numpy arrays. On CUDA every integer of the step (token ids, positions, slots, query starts, sequence lengths, sampled
 rows, the block table) is packed into one int32 buffer in pinned memory and sent with ONE
 non-blocking copy into a device buffer; the step's tensors are views of that device buffer. Two
 pinned buffers alternate, each with an event recorded after its copy: packing into a buffer first
@@ -28,6 +29,7 @@ class StepInputs:
     attn: AttentionMetadata
     sample_rows: torch.Tensor      # [S]: flat row whose logits are sampled
     sample_requests: list          # [S] Request objects, aligned with sample_rows
+    graph_bucket: int | None = None   # staged into the decode graphs' buffers, padded to this bucket
 
 
 @dataclass
@@ -49,8 +51,11 @@ class StepStaging:
         self._copied: list = [None, None]          # per pinned buffer: the event after its last copy
         self._device_buf: torch.Tensor | None = None
         self._turn = 0
+        self.graph_inputs = None                   # GraphInputs of the decode CUDA graphs, once captured
 
     def stage(self, a, sample_requests: list, block_size: int, backend: str):
+        if self.graph_inputs is not None and backend == "triton" and self.graph_inputs.takes(a):
+            return self.graph_inputs.stage(a, sample_requests, block_size, backend)
         qsl_cpu, lens_cpu = torch.from_numpy(a.query_start_loc), torch.from_numpy(a.seq_lens)
         max_q = int((a.query_start_loc[1:] - a.query_start_loc[:-1]).max())
         if self.device.type == "cpu":
