@@ -2,12 +2,12 @@
 
 Called by the input batch once per step. A decode step the CUDA graphs can replay goes to ``graph_inputs``
 (``graph_inputs.py``, set by the runner once the graphs are captured): one copy straight into the graphs' static
-buffers. Otherwise, on CPU the tensors are views of the numpy arrays. On CUDA every integer of the step (token ids, positions, slots, query starts, sequence lengths, sampled
-rows, the block table) is packed into one int32 buffer in pinned memory and sent with ONE
-non-blocking copy into a device buffer; the step's tensors are views of that device buffer. Two
-pinned buffers alternate, each with an event recorded after its copy: packing into a buffer first
-waits for that event, so a step that samples nothing (a long prompt's middle chunks: no host sync
-at all) can never overwrite inputs whose copy the device has not made yet.
+buffers. Otherwise, on CPU the tensors are views of the numpy arrays. On CUDA every integer of the step (token
+ids, positions, slots, query starts, sequence lengths, sampled rows, the block table) is packed into one int32
+buffer in pinned memory and sent with ONE non-blocking copy into a device buffer; the step's tensors are views of
+that device buffer. Two pinned buffers alternate, each with an event recorded after its copy: packing into a
+buffer first waits for that event, so a step that samples nothing (a long prompt's middle chunks: no host sync at
+all) can never overwrite inputs whose copy the device has not made yet.
 
     pinned int32: | ids T | positions T | slots T | qsl B+1 | seq_lens B | sample_rows S | table B*nb |
 """
