@@ -21,10 +21,11 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from pdserve.kernels.attention_plan import AttentionPlan, pad_dim
+from pdserve.kernels.attention_plan import AttentionPlan, pad_dim, reduce_heads
 
 SM90_SMEM_LIMIT = 227 * 1024     # bytes of shared memory one block may use on sm_90 (H100/H200)
 _PTXAS_LINE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -140,20 +141,52 @@ def _freeze(x):
 
 def _attention_jobs(shape, step) -> list[Job]:
     """The attention kernel (and, split, the reduce) of ``step``: one sequence of ``max_query_len`` new tokens."""
-    from pdserve.kernels import triton_attention as ta
-    from pdserve.kernels.metadata import AttentionMetadata
+    T = step.max_query_len
+    labels = [attention_label(shape, step),
+              f"reduce {_dt(shape)} D{shape.head_dim} heads/program "
+              f"{reduce_heads(shape.num_heads, pad_dim(shape.head_dim))}"]
+    plan, jobs = step_jobs(shape, T, 1, T, T, step.num_splits, labels)
+    assert AttentionPlan(**vars(step.tiles), num_splits=step.num_splits) == plan, (plan, step)
+    return jobs
 
-    T, bs, H, D = step.max_query_len, shape.block_size, shape.num_heads, shape.head_dim
+
+def step_jobs(shape, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
+              num_splits: int | None, labels=("attn", "reduce")) -> tuple[AttentionPlan, list[Job]]:
+    """The plan and attention launches of a step of these lengths, its metadata int32 as ``StepStaging`` sends it."""
+    from pdserve.kernels import triton_attention as ta
+
+    T, B, H, D = num_tokens, num_seqs, shape.num_heads, shape.head_dim
     q = torch.empty(T, H, D, dtype=_dtype(shape))
     _, _, cache, _ = _write_example(shape)
-    meta = AttentionMetadata.build([T], [T], [[1] * -(-T // bs)], bs, backend="triton")
-    plan = ta.plan_attention(T, 1, H, shape.num_kv_heads, D, T, T, shape.fp32, step.num_splits)
-    assert AttentionPlan(**vars(step.tiles), num_splits=step.num_splits) == plan, (plan, step)
+    i32 = torch.int32
+    meta = SimpleNamespace(query_start_loc=torch.zeros(B + 1, dtype=i32), seq_lens=torch.zeros(B, dtype=i32),
+                           block_table=torch.zeros(B, -(-max_seq_len // shape.block_size), dtype=i32))
+    plan = ta.plan_attention(T, B, H, shape.num_kv_heads, D, max_query_len, max_seq_len, shape.fp32, num_splits)
     parts = ta._partials(plan.num_splits, T, H, pad_dim(D), "cpu") if plan.num_splits > 1 else None
     launches = ta.launches(q, cache["k"], cache["v"], torch.empty_like(q), parts, meta, plan, D ** -0.5,
                            shape.window)
-    labels = [attention_label(shape, step), f"reduce {_dt(shape)} D{D} heads/program {ta.reduce_heads(H, pad_dim(D))}"]
-    return [_job(label, *launch) for label, launch in zip(labels, launches)]
+    return plan, [_job(label, *launch) for label, launch in zip(labels, launches)]
+
+
+def unwarmed(shape, samples: int = 200, seed: int = 0) -> list[str]:
+    """Random steps (lengths, batch, split count: planned or fixed) whose attention launches would compile a
+    kernel that the start-up warm-up's steps (``kernel_variants.attention_steps``) do not: their descriptions."""
+    import random
+
+    from pdserve.kernels.kernel_variants import attention_steps
+
+    warm = {job.key for step in attention_steps(shape) for job in _attention_jobs(shape, step)}
+    rng, misses = random.Random(seed), []
+    for _ in range(samples):
+        B = rng.choice([1, 2, 3, rng.randint(1, 300)])
+        max_q = rng.choice([1, 1, rng.randint(1, 16), rng.randint(1, 2048)])
+        T = max_q + rng.randint(B - 1, 4 * (B - 1) + 1) if max_q > 1 else B
+        max_seq_len = rng.randint(max_q, max_q + 40000)
+        splits = rng.choice([None, None, rng.randint(1, 32)])
+        _, jobs = step_jobs(shape, T, B, max_q, max_seq_len, splits)
+        misses += [f"{job.label}: T={T} B={B} max_q={max_q} max_seq={max_seq_len} splits={splits}"
+                   for job in jobs if job.key not in warm]
+    return misses
 
 
 def attention_label(shape, step) -> str:
@@ -171,7 +204,7 @@ def _write_example(shape):
     k = torch.empty(T, Hkv, D, dtype=dt)                     # after RoPE: its own tensor
     v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
     cache = {c: torch.empty(4, shape.block_size, Hkv, D, dtype=dt) for c in "kv"}
-    return k, v, cache, torch.zeros(T, dtype=torch.int64)
+    return k, v, cache, torch.zeros(T, dtype=torch.int32)      # slots: int32, as StepStaging sends them
 
 
 def _transfer_jobs(shape) -> list[Job]:

@@ -1,0 +1,76 @@
+"""Compile at start-up every Triton attention kernel a request can need: none compiles inside a request (~2.5 s each).
+
+Called by ``ModelRunner`` on CUDA with the Triton backend, before the decode graphs are captured (with or without
+``--enforce-eager``); a no-op anywhere else:
+
+    warm_attention(runner)      one fake step per entry of warmup_steps(model_shape(runner)), the time logged
+
+``warmup_steps`` is ``kernel_variants.attention_steps``: each tile choice the planner can make for the model's
+dtype, head dim and GQA ratio (decode and prefill), with and without a key split. A fake step is one sequence of
+``max_query_len`` new tokens at positions 0.., staged like a real step (``StepStaging``: the same int32 tensors)
+with every slot -1 (nothing is written into the KV cache) and its split count fixed in the metadata, run through
+the model's own forward: each layer launches the cache write, the attention kernel and (split) its reduce with
+a request's very arguments, windows and strides included. Step lengths, split counts and the alignment of the
+step's metadata views are not specialised by the kernels (``triton_attention.STEP_INTS``), so these launches
+compile every kernel a step of any shape launches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from pdserve.engine.runner.staging import StepArrays, StepStaging
+from pdserve.kernels.kernel_variants import AttentionStep, ModelShape, attention_steps
+
+logger = logging.getLogger(__name__)
+
+
+def model_shape(runner) -> ModelShape:
+    """The model's attention as the planner sees it (its first layer's heads, window; the cache's dtype)."""
+    attn, cache = runner.model.layers[0].attn, runner.kv_caches[0]["k"]
+    fp32 = torch.float32 in (cache.dtype, runner.model.config.dtype)
+    return ModelShape(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                      "float32" if fp32 else str(cache.dtype).removeprefix("torch."), runner.block_size,
+                      attn.sliding_window)
+
+
+def warmup_steps(shape: ModelShape) -> list[AttentionStep]:
+    """Every attention kernel variant the planner can pick for ``shape``, as a fake step that picks it."""
+    return attention_steps(shape)
+
+
+def warm_attention(runner) -> float | None:
+    """Run the fake steps on CUDA with the Triton backend; -> seconds taken, or None where there is nothing to do."""
+    if runner.device.type != "cuda" or runner.attention_backend != "triton" or not runner.model.layers:
+        return None
+    steps = warmup_steps(model_shape(runner))
+    start = time.monotonic()
+    run_fake_steps(runner, steps)
+    torch.cuda.synchronize()
+    took = time.monotonic() - start
+    logger.info("warmed %d Triton attention kernel variants (decode and prefill, split and not) in %.1f s",
+                len(steps), took)
+    return took
+
+
+@torch.inference_mode()
+def run_fake_steps(runner, steps: list[AttentionStep]) -> None:
+    staging = StepStaging(runner.device)
+    for step in steps:
+        inputs = staging.stage(fake_step(step.max_query_len, runner.block_size), [], runner.block_size,
+                               runner.attention_backend)
+        inputs.attn.num_splits = step.num_splits
+        runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn)
+
+
+def fake_step(num_tokens: int, block_size: int) -> StepArrays:
+    """One sequence of ``num_tokens`` new tokens at positions 0.., every slot -1 and its block table all block 0."""
+    n = num_tokens
+    return StepArrays(input_ids=np.zeros(n, np.int64), positions=np.arange(n, dtype=np.int64),
+                      slot_mapping=np.full(n, -1, np.int64), query_start_loc=np.array([0, n], np.int32),
+                      seq_lens=np.array([n], np.int32), block_table=np.zeros((1, -(-n // block_size)), np.int32),
+                      sample_rows=np.zeros(0, np.int64))
