@@ -13,6 +13,9 @@
 #        tests/test_decode_splits.py   the decode split-K rule; dry run: eager == the graph plan's bits, interpreted
 #        tests/test_cuda_graphs.py     graph replay == eager (bitwise for a full bucket) and == --enforce-eager
 #                                      (GPU; skipped in the dry run)
+#   1b. the offline sm_90 compile table (devbench/compile_table.py): registers, spills and shared memory of every
+#      kernel variant the planner can choose; fails on a spill or smem over 227 KB (no GPU needed: ~10 s on 16
+#      cores; dry run: fp32 at head dims 128 and 256 only)
 #   2. fp32 greedy ids == HF's for llama/qwen2/qwen3/mistral (devbench/hf_parity.py --check exact; Triton backend,
 #      CUDA graphs on; dry run: the Triton kernels interpreted on CPU)
 #   3. bf16 (the GPU default) vs HF in bf16: a 512-token greedy run per prompt, tokens agreeing and the first
@@ -64,6 +67,14 @@ for spec in test_triton_kernels:300 test_decode_splits:180 test_cuda_graphs:240;
   tail -15 "$OUT/$name.log"
   result "tests/$name.py" $rc "$(grep -E '(passed|failed|skipped|error|no tests ran).* in ' "$OUT/$name.log" | tail -1)"
 done
+
+part "offline sm_90 compile table"
+COMPILE_ARGS=; [ "$SMALL" = 1 ] && COMPILE_ARGS="--dtypes float32 --head-dims 128,256 --qpk 1,4"
+timeout 300 python3 -P devbench/compile_table.py $COMPILE_ARGS --markdown "$OUT/compile_table.md" \
+  > "$OUT/compile_table.log" 2>&1
+rc=$?
+tail -1 "$OUT/compile_table.log"
+result "offline sm_90 compile table" $rc "$(tail -1 "$OUT/compile_table.log" | cut -c1-60)"
 
 part "fp32 greedy parity vs HF"
 timeout 240 python3 devbench/hf_parity.py --device $DEV --dtype float32 \

@@ -67,15 +67,18 @@ def rows(shape_list: list[ModelShape], workers: int | None) -> list[dict]:
 
 
 def summary(table: list[dict]) -> str:
-    """One row per kernel, dtype and head dim: how many variants, the most registers, spills and smem of any."""
+    """Attention per dtype and head dim, the other kernels per dtype: how many variants, the most registers,
+    spill stores and smem of any."""
     groups: dict[tuple, list[dict]] = {}
     for r in table:
         kernel, dt, d = r["variant"].split()[:3]
-        groups.setdefault((kernel, dt, d), []).append(r)
+        groups.setdefault((kernel, dt, d[1:] if kernel == "attn" else "all"), []).append(r)
     lines = ["| kernel | dtype | head dim | variants | max registers | spill stores (B) | max smem (KB) |",
              "|---|---|---|---|---|---|---|"]
-    for (kernel, dt, d), rs in groups.items():
-        lines.append(f"| {kernel} | {dt} | {d[1:]} | {len(rs)} | {max(r['registers'] for r in rs)} | "
+    order = {"attn": 0, "reduce": 1, "write": 2, "gather": 3, "scatter": 4, "bf16": 0, "fp16": 1, "fp32": 2}
+    for (kernel, dt, d), rs in sorted(groups.items(), key=lambda g: (order[g[0][0]], order[g[0][1]],
+                                                                    int(g[0][2]) if g[0][2].isdigit() else 0)):
+        lines.append(f"| {kernel} | {dt} | {d} | {len(rs)} | {max(r['registers'] for r in rs)} | "
                      f"{sum(r['spill_stores'] for r in rs)} | {max(r['smem'] for r in rs) / 1024:.1f} |")
     return "\n".join(lines)
 
