@@ -8,7 +8,9 @@ micro-batches with ``build_step_inputs``. In the order a step meets it:
                      step's structured-output bitmask to the logits (``structured/bitmask.py``), then samples
     input_batch.py   per-request rows in preallocated arrays -> the step's flat numpy arrays (StepArrays)
     staging.py       StepArrays -> StepInputs on the device (CUDA: one pinned int32 buffer, one copy)
+    graph_inputs.py  the CUDA graphs' static inputs: a decode step's one staging copy lands in them
     cuda_graphs.py   decode steps replayed from CUDA graphs, one per batch-size bucket (CUDA, not --enforce-eager)
+    kernel_warmup.py every Triton attention kernel a request can launch, compiled at start-up (CUDA, Triton)
     decode_splits.py the buckets, and the Triton split-K count of a decode step from its bucket (graph or eager alike)
     compile.py       torch.compile of each layer's non-attention parts (CPU, --torch-compile)
     sampler.py       logits -> tokens: temperature, top-k/p, min-p, repetition penalty, logprobs
