@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -205,6 +206,18 @@ def test_the_tables_agree_with_fields_py(path):
     assert {name for name in declared if table.get(name, no_effect(None)).kind != "refused"} == set()
 
 
+def test_the_doc_lists_every_field_fields_py_names():
+    """docs/api-fields.md names every field taken without effect and every refused one (with its reason)."""
+    doc = (Path(__file__).resolve().parent.parent / fields.DOC).read_text()
+    tables = [fields.CHAT_REFUSED, fields.COMPLETION_REFUSED,
+              {f"stream_options.{k}": v for k, v in fields.STREAM_OPTIONS_REFUSED.items()}]
+    names = [*fields.NO_EFFECT, *(name for table in tables for name in table), "best_of"]
+    missing = [name for name in names if f"`{name}`" not in doc]
+    assert not missing, missing
+    assert not [(name, r.reason) for t in tables for name, r in t.items() if r.reason.split(";")[0] not in doc]
+    assert not [(name, reason) for name, reason in fields.NO_EFFECT.items() if reason not in doc.replace("`", "")]
+
+
 # -- the walk, against a node ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -306,13 +319,15 @@ NESTED = [             # (path, body, the error's param): unknown keys of nested
      "stream_options.per_chunk"),
     (CMPL, {**BASE[CMPL], "stream": True, "stream_options": {"include_obfuscation": True}},
      "stream_options.include_obfuscation"),
-    (CHAT_PATH, {**BASE[CHAT_PATH], "response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
+    (CHAT_PATH, {**BASE[CHAT_PATH], "response_format": {"type": "json_object", "schema": {}}},
+     "response_format.schema"),
     (CHAT_PATH, {**BASE[CHAT_PATH], "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object"}, "additional": 1}}}, "response_format.json_schema.additional"),
     (CMPL, {**BASE[CMPL], "structured_outputs": {"choice": ["a"], "disable_any_whitespace": True}},
      "structured_outputs.disable_any_whitespace"),
     (CHAT_PATH, {**BASE[CHAT_PATH], "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}, "messages.0.content.0.cache_control"),
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]},
+     "messages.0.content.0.cache_control"),
     (TOK, {"prompt": PROMPT, "return_tokens": True}, "return_tokens"),
     (TOK, {"messages": USER, "add_special_tokens": True}, "add_special_tokens"),
     (TOK, {"prompt": PROMPT, "add_generation_prompt": False}, "add_generation_prompt"),

@@ -15,9 +15,9 @@ through ``structured.py``, which refuses two at once and checks each with xgramm
 Nothing is accepted and ignored (``fields.py``, docs/api-fields.md): an unknown field is a 400 naming it, in
 nested objects too (a chat message's extra keys excepted: they go to the chat template as they are); a known field
 pdserve does not implement is a 400 saying why, unless null or the value pdserve does anyway (``best_of`` = ``n``,
-``skip_special_tokens`` true ...); ``user``, ``metadata``, ``store`` and a few more are taken without effect. ``echo`` and
-``prompt_logprobs`` follow vLLM (``echo.py`` writes them): completions echo the prompt (``max_tokens`` 0 too: the
-engine then samples one token nobody sees), chat echoes the last message when it has the answer's role;
+``skip_special_tokens`` true ...); ``user``, ``metadata``, ``store`` and a few more are taken without effect.
+``echo`` and ``prompt_logprobs`` follow vLLM (``echo.py`` writes them): completions echo the prompt (``max_tokens``
+0 too: the engine then samples one token nobody sees), chat echoes the last message when it has the answer's role;
 ``prompt_logprobs`` in [0, 20], not with ``stream`` (above 0). ``logit_bias`` keys are token ids as JSON strings
 (digits; checked against the vocabulary by ``checks``), its values and the presence / frequency penalties are
 range-checked by ``SamplingParams``.
