@@ -109,7 +109,7 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
     errors = _most_specific(errors)
     parts = []
     for loc, e in errors[:_MAX_ERRORS]:
-        if (refused := refusal(e)) is not None:          # names the field itself
+        if (refused := refusal(e, loc)) is not None:          # names the field itself
             parts.append(refused)
             continue
         got = f" (got {_short(e['input'])})" if "input" in e and e.get("type") != "missing" else ""

@@ -172,10 +172,11 @@ def _known(path: tuple[str, ...]) -> Refused | None:
     return STREAM_OPTIONS_REFUSED.get(path[1]) if len(path) == 2 and path[0] == "stream_options" else None
 
 
-def refusal(error: dict[str, Any]) -> str | None:
-    """``errors``' wording of a pydantic error that refuses a field; None for any other error."""
+def refusal(error: dict[str, Any], path: tuple[str, ...]) -> str | None:
+    """``errors``' wording of a pydantic error that refuses a field (at ``path``: its location, without FastAPI's
+    "body" or union branch names); None for any other error."""
     if error.get("type") == "extra_forbidden":
-        return unknown_field(tuple(str(x) for x in error.get("loc", ()) if x != "body"))
+        return unknown_field(path)
     if error.get("type") == REFUSED_TYPE:
         return error["msg"]
     return None
