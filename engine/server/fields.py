@@ -129,7 +129,6 @@ STREAM_OPTIONS_REFUSED: dict[str, Refused] = {
     "include_obfuscation": Refused("pdserve does not pad stream events", same=(False,)),
     "continuous_usage_stats": Refused("usage comes once, in the last chunk (include_usage)", same=(False,)),
 }
-BEST_OF = "best_of"
 BEST_OF_REASON = "pdserve returns every choice it samples (best_of = n); it does not rank extra ones"
 REFUSED: dict[str, Refused] = {**CHAT_REFUSED, **COMPLETION_REFUSED}     # for reasons; endpoints differ in ``same``
 
