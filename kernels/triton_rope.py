@@ -8,8 +8,10 @@ Called by ``fused_ops.rotary_qk`` (itself called by ``engine.models.rope.apply_r
 The bits of the torch path, ``x * cos + rotate_half(x) * sin`` with cos/sin cast to x's dtype and each
 product and the sum rounded to it (``fused_ops.rotary_ref``), without ``rotate_half``'s ``torch.cat``: with
 x = [x1, x2] (halves), out = [x1*c1 - x2*s1, x2*c2 + x1*s2] (``a + (-b)`` is ``a - b`` exactly). Each product
-is rounded before the add; float32 launches turn off FMA contraction (``enable_fp_fusion=False``), which
-would otherwise round ``x1*c1 - x2*s1`` once instead of twice.
+is rounded before the add: the launch turns off FMA contraction (``enable_fp_fusion=False``), which would
+otherwise round ``x1*c1 - x2*s1`` once instead of twice -- in bf16 too, where Triton turns the float32
+product-and-cast into ``mul.bf16`` and then the subtraction into ``fma.rn.bf16`` (tests/test_fused_ops.py
+compiles the kernel for sm_90 and finds no ``fma`` in its PTX).
 
 Grid: one program per token; it loads that token's cos/sin halves once and rotates all q heads, then all
 k heads, each as a [heads, D/2] tile (both rounded up to powers of two, the tails masked).
@@ -17,14 +19,9 @@ k heads, each as a [heads, D/2] tile (both rounded up to powers of two, the tail
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # the interpreter takes no compiler options
-
 
 @triton.jit
 def _rotate(x_ptr, t, H, x_t, x_h, c1, c2, s1, s2, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -68,10 +65,9 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     half = d // 2
     block_hq, block_hk = triton.next_power_of_2(hq), triton.next_power_of_2(k.shape[1])
     block_d = triton.next_power_of_2(half)
-    options = {} if INTERPRETED or q.dtype != torch.float32 else {"enable_fp_fusion": False}
     _rope_kernel[(T,)](q, k, cos, sin, hq, k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                        cos.stride(0), sin.stride(0), HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-                       BLOCK_D=block_d, num_warps=max(1, min(8, block_hq * block_d // 256)), **options)
+                       BLOCK_D=block_d, num_warps=max(1, min(8, block_hq * block_d // 256)), enable_fp_fusion=False)
 
 
 def _check(q, k, cos, sin) -> None:

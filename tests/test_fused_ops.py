@@ -7,18 +7,22 @@ the rotary embedding: every rounding is the same; the norm: the float32 sum's or
 may differ, so a tolerance of a few float32 ulps, float16 one ulp). bfloat16 goes through float32 casts at a
 bf16 tolerance: the interpreter truncates float32 -> bfloat16 where the GPU (and torch) round to nearest.
 Odd widths, non-power-of-two head counts and strided views (the qkv output's q and k) exercise the masks.
+Both kernels are also compiled for sm_90 (no GPU needed), and the rope's PTX is checked for FMA contraction.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton and the kernel modules are imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-pytest.importorskip("triton", reason="triton is not installed")
+triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from pdserve.engine.models.rope import apply_rotary  # noqa: E402
 from pdserve.kernels import fused_ops, triton_norm, triton_rope  # noqa: E402
@@ -166,3 +170,37 @@ def test_rows_the_kernel_cannot_take_go_to_torch(monkeypatch):
     x = _randn(4, 16)[:, ::2]
     w = _randn(8, seed=1)
     assert torch.equal(fused_ops.rms_norm(x, w, 1e-6), fused_ops.rms_norm_ref(x, w, 1e-6))
+
+
+def test_kernels_compile_for_hopper_and_the_rope_has_no_fma():
+    """The interpreter misses compiled-mode errors and contraction: build both kernels for sm_90 with the wheel's
+    ptxas; the rope kernel's PTX must hold no ``fma`` (each product rounded before the add, in every dtype)."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton wheel ships no ptxas")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    code = "import test_fused_ops as t; t.compile_for_hopper()"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=240)
+
+
+def compile_for_hopper() -> None:
+    """Compile the norm (plain, with the residual; bf16 and fp32) and the rope kernel (fp32, bf16, fp16) for
+    sm_90, with the options their launches use."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def build(fn, pointer, consts, **options):
+        sig = {a: "constexpr" if a in consts else "fp32" if a == "eps" else
+               ("*fp32" if a in ("cos_ptr", "sin_ptr") else pointer) if a.endswith("_ptr") else "i32"
+               for a in fn.arg_names}
+        return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=options)
+
+    for pointer in ("*bf16", "*fp32"):
+        for residual in (False, True):
+            build(triton_norm._rms_norm_kernel, pointer, dict(HAS_RESIDUAL=residual, ROWS=1, BLOCK=2048),
+                  num_warps=8)
+        build(triton_norm._rms_norm_kernel, pointer, dict(HAS_RESIDUAL=False, ROWS=16, BLOCK=128), num_warps=8)
+    for pointer in ("*fp32", "*bf16", "*fp16"):
+        rope = build(triton_rope._rope_kernel, pointer, dict(HALF=32, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=32),
+                     num_warps=4, enable_fp_fusion=False)
+        assert "fma" not in rope.asm["ptx"], f"the {pointer} rope kernel contracts a product into an fma"
