@@ -13,6 +13,8 @@
 #        tests/test_decode_splits.py   the decode split-K rule; dry run: eager == the graph plan's bits, interpreted
 #        tests/test_cuda_graphs.py     graph replay == eager (bitwise for a full bucket) and == --enforce-eager
 #                                      (GPU; skipped in the dry run)
+#        tests/test_fused_ops.py       the fused RMSNorm (+ residual add) and in-place rope kernels vs torch
+#                                      (GPU: compiled, bf16 rope bit-exact; dry run: interpreted)
 #   1b. the offline sm_90 compile table (devbench/compile_table.py): registers, spills and shared memory of every
 #      kernel variant the planner can choose; fails on a spill or smem over 227 KB (no GPU needed: ~10 s on 16
 #      cores; dry run: fp32 at head dims 128 and 256 only)
@@ -21,8 +23,11 @@
 #   3. bf16 (the GPU default) vs HF in bf16: a 512-token greedy run per prompt, tokens agreeing and the first
 #      divergence with HF's logit margin there (a near-tie passes; devbench/hf_parity.py --check agreement;
 #      dry run: 48 tokens, torch backend)
-#   4. kernel micro-benchmarks: decode attention and chunk gather/scatter GB/s vs the device's bandwidth
-#      (dry run: tiny shapes, interpreted; the figures mean nothing there)
+#   4. kernel micro-benchmarks: decode attention and chunk gather/scatter GB/s vs the device's bandwidth; the
+#      fused RMSNorm + residual add and rope vs the torch ops, us per call at a 1B Llama's shapes, eager and in
+#      CUDA graphs, with a verdict for PDSERVE_FUSED_NORM / PDSERVE_FUSED_ROPE and the kernels' bits vs torch
+#      (devbench/fused_bench.py: fails if the rope or the residual differs by a bit; dry run: tiny shapes,
+#      interpreted; the figures mean nothing there)
 #   5. the engine table (devbench/gpu_bench.py): offline tok/s, decode step at batch 256, 8k prefill, 8k store hit
 #   6. `pdserve bench serve` against a colocated node and a 1P1D cluster on the same GPU (every request completes)
 # Each part has its own time limit and writes under $OUT; a failing part does not stop the next. The summary at
@@ -59,7 +64,7 @@ py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.
 result device $?
 
 part "tests, one file at a time (TRITON_INTERPRET=$TRITON_INTERPRET)"
-for spec in test_triton_kernels:300 test_decode_splits:180 test_cuda_graphs:240; do
+for spec in test_triton_kernels:300 test_decode_splits:180 test_cuda_graphs:240 test_fused_ops:180; do
   name=${spec%%:*}
   echo "--- tests/$name.py"
   timeout "${spec##*:}" python3 -P -m pytest -q -p no:cacheprovider -rs "tests/$name.py" > "$OUT/$name.log" 2>&1
@@ -91,6 +96,8 @@ result "bf16 agreement vs HF" "$rc" "$(count ': EQUAL') EQUAL, $(count NEAR-TIE)
 part "kernel micro-benchmarks"
 timeout 120 python3 devbench/kernel_bench.py $SIZE --output "$OUT/kernels.json" 2>&1 | tail -12 | tee "$OUT/kernels.txt"
 result "kernel micro-benchmarks" "${PIPESTATUS[0]}"
+timeout 150 python3 devbench/fused_bench.py $SIZE --output "$OUT/fused.json" 2>&1 | tail -24 | tee "$OUT/fused.txt"
+result "fused norm/rope bench" "${PIPESTATUS[0]}" "$(grep -h '^verdict' "$OUT/fused.txt" | cut -c9- | paste -sd' ')"
 
 part "engine table"
 MODEL=/tmp/gpu-bench-model; [ "$SMALL" = 1 ] && MODEL=/tmp/gpu-bench-small

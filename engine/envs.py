@@ -13,6 +13,8 @@
 | PDSERVE_KV_AUTH_TOKEN | the cluster's secret: KV store auth and seals (kvstore/auth.py); `pdserve serve` sets it for its children | "" |
 | PDSERVE_API_KEY       | default of `--api-key` (node, proxy; several keys separated by whitespace); how `pdserve serve --api-key` reaches its proxy | "" |
 | PDSERVE_NODE_API_KEY  | default of the proxy's `--node-api-key` (what `pdserve serve` gives its nodes) | "" |
+| PDSERVE_FUSED_NORM    | RMSNorm + residual add as one Triton kernel: auto (CUDA only), 0 never, 1 CPU too (TRITON_INTERPRET=1 tests) | auto |
+| PDSERVE_FUSED_ROPE    | q/k rotary embedding as one in-place Triton kernel: auto, 0, 1 (as above; kernels/fused_ops.py) | auto |
 | PDSERVE_HOST_MEMORY   | tuned: freed memory stays mapped, KV cache on huge pages; default: the platform's (engine/host_memory.py) | tuned |
 """
 
@@ -66,6 +68,8 @@ PDSERVE_COMPILE = _bool("PDSERVE_COMPILE", False)        # default of ExecutionC
 PDSERVE_CPU_ISA = _choice("PDSERVE_CPU_ISA", "avx512vl", ("avx512vl", "avx2"))   # kernels/cpu_build.isa_order
 PDSERVE_HOST_MEMORY = _choice("PDSERVE_HOST_MEMORY", "tuned", ("tuned", "default"))   # engine/host_memory.py
 PDSERVE_CPU_LINEAR = _choice("PDSERVE_CPU_LINEAR", "onednn", ("onednn", "torch"))   # engine/models/layers.py
+PDSERVE_FUSED_NORM = _choice("PDSERVE_FUSED_NORM", "auto", ("auto", "0", "1"))   # kernels/fused_ops.py
+PDSERVE_FUSED_ROPE = _choice("PDSERVE_FUSED_ROPE", "auto", ("auto", "0", "1"))   # kernels/fused_ops.py
 PDSERVE_KV_AUTH_TOKEN = os.environ.get("PDSERVE_KV_AUTH_TOKEN", "")   # kvstore/auth.resolve_token; never logged
 PDSERVE_API_KEY = os.environ.get("PDSERVE_API_KEY", "")                 # default of --api-key; never logged
 PDSERVE_NODE_API_KEY = os.environ.get("PDSERVE_NODE_API_KEY", "")       # the proxy's --node-api-key; never logged

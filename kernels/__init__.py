@@ -16,7 +16,9 @@ double-buffered scatter (``scatter_pipe.py``).
 (``cpu_ops.c``) holds the model's rotary embedding, RMSNorm and SiLU-and-mul on CPU float32, called by ``engine.models.rope`` and
 ``engine.models.layers``, and the float32 K/V write the C attention path starts with; ``cpu_linear.py``
 (``cpu_linear.c``, AVX-512 or AVX2) the few-row fp32 matmuls of decode steps, with oneDNN's bits, called by
-``engine.models.layers.Linear``. Each Triton
+``engine.models.layers.Linear``. ``fused_ops.py`` switches the model's RMSNorm (+ the residual add before it)
+and q/k rotary embedding to the Triton kernels ``triton_norm.py`` and ``triton_rope.py`` (CUDA by default), and
+holds their torch references. Each Triton
 kernel is tested against its torch reference under ``TRITON_INTERPRET=1``.
 """
 

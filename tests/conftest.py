@@ -5,6 +5,8 @@ Every process here runs torch with one intra-op thread (2-core machines thrash o
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import socket
 import subprocess
@@ -126,6 +128,31 @@ class NodeProcess:
     def stop(self) -> str:
         terminate(self.proc, grace_s=15)
         return self.proc.stdout.read() if self.proc.stdout else ""
+
+
+@contextlib.contextmanager
+def pd_and_colocated(model_dir: Path, flags: tuple[str, ...] = (), node_flags: tuple[str, ...] = ()):
+    """{"proxy": url, "node": url}: a local P/D cluster (store daemon, one prefill and one decode node, the proxy:
+    what ``pdserve serve`` runs; ``flags`` to every node and the proxy) beside a colocated node (``flags`` and
+    ``node_flags``); everything stopped by PID on the way out."""
+    from pdserve.proxy.cluster import ClusterSpec, LocalCluster
+
+    cluster = LocalCluster(str(model_dir), ClusterSpec(prefill=1, decode=1, node_flags=flags, proxy_flags=flags))
+    cluster.start()
+    try:
+        node = NodeProcess(model_dir, *flags, *node_flags)
+        try:
+            yield {"proxy": cluster.url, "node": node.url}
+        finally:
+            node.stop()
+    finally:
+        cluster.stop()
+
+
+def openai_client(url: str, timeout: float = 120):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,12 @@ BASE = {"prompt": PROMPT, "max_tokens": 4}
 USER = [{"role": "user", "content": PROMPT}]
 
 
+def _nested_in_message(depth: int) -> bytes:
+    """A chat body nested ``depth`` levels deep in a message's extra key (which goes to the template as it is)."""
+    return b'{"messages": [{"role": "user", "content": "Once upon a time", "extra": ' + b"[" * (depth - 3) + \
+        b"]" * (depth - 3) + b'}], "max_tokens": 4, "temperature": 0}'
+
+
 def _nested(depth: int) -> bytes:
     return b'{"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "extra": ' + b"[" * depth + \
         b"]" * depth + b"}"
@@ -88,6 +94,7 @@ REFUSED = [
      ["prompt has 200000 characters"]),
     ("JSON nested 100000 deep", CMPL, _nested(100_000), 400, ["nests JSON 100001 levels deep", "limit is 32"]),
     ("JSON nested 40 deep", CMPL, _nested(40), 400, ["nests JSON 41 levels deep", "limit is 32"]),
+    ("an unknown field nested 32 deep", CMPL, _nested(31), 400, ["unknown field 'extra'", "does not support it"]),
     ("body over --max-request-bytes", CMPL, {**BASE, "pad": "x" * (MAX_REQUEST_BYTES + 10)}, 413,
      ["--max-request-bytes is 1048576"]),
     ("an integer of 5000 digits", CMPL, b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", 400, []),
@@ -130,5 +137,5 @@ ACCEPTED = [
                                              "presence_penalty": None, "frequency_penalty": None}, False),
     ("presence and frequency penalties at -2 and 2", CMPL,
      {**BASE, "presence_penalty": -2, "frequency_penalty": 2, "temperature": 0}, False),
-    ("JSON nested 32 deep (an unknown field)", CMPL, _nested(31), True),
+    ("JSON nested 32 deep (a message's extra key)", CHAT, _nested_in_message(32), False),
 ]

@@ -222,7 +222,6 @@ def test_tools_too_big_for_the_template_name_tools(node):
 # older clients) are silently ignored: a request forcing function_call {"name": "add"} gets plain text back.
 
 
-@pytest.mark.xfail(strict=True, reason="functions / function_call are refused by the strict request models (branch strict)")
 def test_legacy_function_call_is_served_or_refused(node):
     r = _post(node, {"functions": [{"name": "add", "parameters": ADD}], "function_call": {"name": "add"},
                      "max_tokens": 20})

@@ -18,8 +18,7 @@ import jsonschema_rs
 import pytest
 from pydantic import BaseModel, Field
 
-from conftest import NodeProcess
-from pdserve.proxy.cluster import ClusterSpec, LocalCluster
+from conftest import openai_client, pd_and_colocated
 from test_tool_calls import _calls, _stream
 
 openai = pytest.importorskip("openai")
@@ -51,20 +50,12 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def servers(smollm2):
-    cluster = LocalCluster(str(smollm2), ClusterSpec(prefill=1, decode=1))
-    cluster.start()
-    try:
-        node = NodeProcess(smollm2)
-        try:
-            yield {"proxy": cluster.url, "node": node.url}
-        finally:
-            node.stop()
-    finally:
-        cluster.stop()
+    with pd_and_colocated(smollm2) as urls:
+        yield urls
 
 
 def _client(url: str):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(url, 300)
 
 
 def test_json_schema_and_parse(servers):

@@ -22,8 +22,7 @@ import httpx
 import pytest
 from pydantic import BaseModel, Field
 
-from conftest import NodeProcess
-from pdserve.proxy.cluster import ClusterSpec, LocalCluster
+from conftest import openai_client, pd_and_colocated
 from test_structured_engine import CHOICES, EBNF, REGEX, SCHEMA, check_schema
 
 openai = pytest.importorskip("openai")
@@ -52,20 +51,12 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def servers(tiny_llama):
     """{"proxy": url, "node": url}: a P/D cluster and a colocated node (engine core in its own process)."""
-    cluster = LocalCluster(str(tiny_llama), ClusterSpec(prefill=1, decode=1))
-    cluster.start()
-    try:
-        node = NodeProcess(tiny_llama, "--engine-core-process")
-        try:
-            yield {"proxy": cluster.url, "node": node.url}
-        finally:
-            node.stop()
-    finally:
-        cluster.stop()
+    with pd_and_colocated(tiny_llama, node_flags=("--engine-core-process",)) as urls:
+        yield urls
 
 
 def _client(url: str):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(url, 120)
 
 
 def test_json_schema_answers_validate_and_match(servers):

@@ -24,8 +24,7 @@ import httpx
 import jsonschema_rs
 import pytest
 
-from conftest import NodeProcess
-from pdserve.proxy.cluster import ClusterSpec, LocalCluster
+from conftest import openai_client, pd_and_colocated
 
 openai = pytest.importorskip("openai")
 
@@ -46,20 +45,12 @@ ADD_CALL = '<tool_call>\n\\{"name": "add", "arguments": \\{"a": [1-9], "b": [1-9
 @pytest.fixture(scope="module")
 def servers(tiny_llama):
     """{"proxy": url, "node": url}: a P/D cluster and a colocated node, both reading tool calls with hermes."""
-    cluster = LocalCluster(str(tiny_llama), ClusterSpec(prefill=1, decode=1, node_flags=FLAGS, proxy_flags=FLAGS))
-    cluster.start()
-    try:
-        node = NodeProcess(tiny_llama, *FLAGS)
-        try:
-            yield {"proxy": cluster.url, "node": node.url}
-        finally:
-            node.stop()
-    finally:
-        cluster.stop()
+    with pd_and_colocated(tiny_llama, FLAGS) as urls:
+        yield urls
 
 
 def _client(url: str):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(url, 120)
 
 
 def _calls(message) -> list[tuple[str, str]]:

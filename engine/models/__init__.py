@@ -16,8 +16,9 @@ Files:
     model_config.py  ModelConfig.from_dir: what config.json says (architecture quirks become flags), the KV layout
     registry.py      architecture name (config.json ``architectures[0]``) -> model class
     llama.py         Llama / Qwen2 / Qwen3 / Mistral: one decoder, per-architecture flags from ModelConfig
-    layers.py        RMSNorm, Linear with explicit shard sizes, fused SiLU-and-mul MLP, embedding
-    rope.py          rotary embeddings (default, linear, dynamic, llama3, yarn), cos/sin in float32
+    layers.py        RMSNorm (+ residual add: add_norm), Linear with explicit shard sizes, fused SiLU-and-mul MLP,
+                     embedding
+    rope.py          rotary embeddings (default, linear, dynamic, llama3, yarn), cos/sin computed in float32
 
 Tensor/pipeline parallelism stays out of the model: layer constructors take this rank's sizes
 (``ShardSizes``) and the model takes a layer range; with the defaults it is the full model.

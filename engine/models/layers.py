@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import envs
-from pdserve.kernels import cpu_linear, cpu_ops
+from pdserve.kernels import cpu_linear, cpu_ops, fused_ops
 
 
 # fp32 matmuls on CPU go to oneDNN: it uses the CPU's widest vectors, where MKL runs its AVX2 code on non-Intel
@@ -113,7 +113,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., size]; float32 [N, size] on CPU, eager: one C call (kernels/cpu_ops.c)
+        # x: [..., size]; CUDA: one Triton kernel (kernels/fused_ops.py: its switch); float32 [N, size] on CPU,
+        # eager: one C call (kernels/cpu_ops.c)
+        if fused_ops.norm_on(x):
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling():
             y = cpu_ops.rms_norm(x, self.weight, self.eps)
             if y is not None:
@@ -121,6 +124,17 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(s), s) for s = residual + x (s = residual where x is None): the residual add and this norm as
+        one Triton kernel where ``fused_ops.norm_on`` (vLLM's fused_add_rms_norm), else the two ops. Called by
+        ``DecoderLayer.forward_fused`` and the model's final norm on that path."""
+        if x is None:
+            return self(residual), residual
+        if fused_ops.norm_on(x):
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        s = residual + x
+        return self(s), s
 
     def load(self, src, name: str) -> None:
         _copy(self.weight, src.get(f"{name}.weight"), f"{name}.weight")

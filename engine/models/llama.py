@@ -29,6 +29,9 @@ holds this model's layers only: ``kv_caches[i]`` belongs to global layer ``first
 A decoder layer is two pieces around attention, ``before_attention`` (norm, qkv, q/k norm, RoPE)
 and ``after_attention`` (o_proj, residual, norm, MLP); ``pieces`` (``LayerPieces``) runs them as
 they are, or ``torch.compile``d (``pdserve.engine.runner.compile``); attention always runs eagerly.
+On CUDA (``kernels/fused_ops.py``'s switches) the eager layers run ``forward_fused`` instead: each residual
+add goes into the next RMSNorm's Triton kernel (``RMSNorm.add_norm``: a layer hands its MLP output on
+unadded, the next layer's input norm adds it), and RoPE rotates q and k in place in one kernel.
 
 Parallelism stays outside: ``ShardSizes`` are this rank's heads / MLP width, and a pipeline
 stage is a layer range. Only the first stage embeds tokens (later stages take ``hidden``
@@ -46,9 +49,9 @@ from torch import nn
 
 from pdserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
 from pdserve.engine.models.model_config import ModelConfig
-from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
+from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary, apply_rotary_qk
 from pdserve.engine.models.split_qkv import SplitQKV
-from pdserve.kernels import AttentionMetadata, paged_attention, write_to_cache
+from pdserve.kernels import AttentionMetadata, fused_ops, paged_attention, write_to_cache
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return (*apply_rotary_qk(q, k, cos, sin), v)
 
     def project_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor):
         # x: [T, D] -> q: [S, H, Dh] of ``rows`` only, k, v: [T, Hkv, Dh] (the bits of ``project``'s rows)
@@ -164,6 +167,17 @@ class DecoderLayer(nn.Module):
             return h[:0]
         out = self.attn.attend(q, k[r], v[r], kv_cache, keep.attn)   # writes those rows' K/V again: same bytes
         return self.after_attention(h[r], out)
+
+    def forward_fused(self, h: torch.Tensor, pending: torch.Tensor | None, cos, sin, kv_cache, attn_meta):
+        """``forward`` with each residual add fused into the norm after it (``RMSNorm.add_norm``), eager:
+        (residual h, the previous layer's MLP output not yet added to it, or None) -> the same pair after this
+        layer. ``LlamaForCausalLM._layers_fused`` threads the pair through the layers; the adds and norms are
+        the ones ``forward`` runs, in the same order."""
+        x, h = self.input_norm.add_norm(pending, h)
+        q, k, v = self.attn.project(x, cos, sin)
+        out = self.attn.attend(q, k, v, kv_cache, attn_meta)
+        x, h = self.post_attn_norm.add_norm(self.attn.o_proj(out.flatten(1)), h)
+        return h, self.mlp(x)
 
     def rows_independent(self) -> bool:
         """Whether this layer's matmuls after attention give a row the same bits at any row count (fp32 on
@@ -220,7 +234,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("logit_rows needs the model's last layer (a pipeline's last stage)")
         h = self.embed_tokens(input_ids) if hidden is None else hidden               # [T, D]
         seq_lens = _rope_seq_lens(positions, attn_meta) if self.rotary.dynamic else None
-        cos, sin = self.rotary(positions, seq_lens)                                  # [T, Dh] each
+        # [T, Dh] each: in h's dtype once per step, eager; float32 into the compiled pieces (cast in their graph)
+        cos, sin = self.rotary(positions, seq_lens, h.dtype if pieces is None else None)
+        if pieces is None and fused_ops.norm_on(h):
+            return self._layers_fused(h, cos, sin, kv_caches, attn_meta, logit_rows)
         last = self.num_layers - 1 if logit_rows is not None else -1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if i == last:
@@ -228,6 +245,22 @@ class LlamaForCausalLM(nn.Module):
             else:
                 h = layer(h, cos, sin, kv_cache, attn_meta, pieces)
         return self.norm(h) if self.is_last else h                                   # [T or S, D]
+
+    def _layers_fused(self, h, cos, sin, kv_caches, attn_meta, logit_rows: LogitRows | None) -> torch.Tensor:
+        """``forward``'s layers and final norm with every residual add fused into the next norm (CUDA, where
+        ``fused_ops.norm_on``): each layer hands its MLP output on unadded (``DecoderLayer.forward_fused``); the
+        final norm adds the last one, a non-last pipeline stage adds it itself (the next stage takes a plain h)."""
+        pending = None
+        last = self.num_layers - 1 if logit_rows is not None else -1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if i == last:                                 # the rows-only last layer takes a plain h
+                h = h if pending is None else h + pending
+                h, pending = layer.forward_rows(h, cos, sin, kv_cache, attn_meta, logit_rows), None
+            else:
+                h, pending = layer.forward_fused(h, pending, cos, sin, kv_cache, attn_meta)
+        if self.is_last:
+            return self.norm.add_norm(pending, h)[0]                                 # [T or S, D]
+        return h if pending is None else h + pending
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, D] -> logits: [N, V] float32

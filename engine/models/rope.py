@@ -1,10 +1,13 @@
 """Rotary position embeddings, neox style (``rotate_half``) like HF Llama.
 
-The model computes ``cos, sin = rotary(positions)`` once per step and every attention layer
-calls ``apply_rotary(x, cos, sin)`` on q and k. Inverse frequencies follow the formulas of
+The model computes ``cos, sin = rotary(positions, dtype=...)`` once per step and every attention layer
+calls ``apply_rotary_qk(q, k, cos, sin)``. Inverse frequencies follow the formulas of
 transformers' ``modeling_rope_utils`` for the types in ``ROPE_TYPES`` (same float32 arithmetic,
 so the tiny-model tests match HF to rounding); cos/sin are computed in float32 and cast to the
-activations' dtype, as HF does.
+activations' dtype, as HF does: once per eager step (``dtype``), not once per layer and tensor (the
+compiled CPU pieces take them in float32 and cast inside their graph, as they were warmed up).
+``apply_rotary_qk`` rotates q and k in place with one Triton kernel where ``kernels/fused_ops.py``'s switch
+says so (CUDA by default), else calls ``apply_rotary`` on each (the C kernel for float32 on CPU, else torch).
 
 "dynamic" (NTK) rescales the base by the sequence length seen so far: HF uses the largest
 position of the current forward call + 1, so the model passes ``seq_lens`` per row (a prefill
@@ -19,7 +22,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.models.model_config import RopeConfig
-from pdserve.kernels import cpu_ops
+from pdserve.kernels import cpu_ops, fused_ops
 
 
 class RotaryEmbedding(nn.Module):
@@ -33,8 +36,15 @@ class RotaryEmbedding(nn.Module):
     def dynamic(self) -> bool:
         return self.rope.rope_type == "dynamic"
 
-    def forward(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None):
-        """positions: [T] -> cos, sin: [T, D] float32 (already scaled by the attention factor)."""
+    def forward(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None):
+        """positions: [T] -> cos, sin: [T, D] (already scaled by the attention factor), computed in float32 and
+        cast to ``dtype`` where given (the model: the activations' dtype, once per step)."""
+        cos, sin = self._float32(positions, seq_lens)
+        return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
+
+    def _float32(self, positions: torch.Tensor, seq_lens: torch.Tensor | None):
+        # positions: [T] -> cos, sin: [T, D] float32
         inv_freq = self.inv_freq                                          # [D/2]
         if self.dynamic:
             inv_freq = self._dynamic_inv_freq(positions + 1 if seq_lens is None else seq_lens)
@@ -52,6 +62,16 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim       # [D/2]
         stretched = 1.0 / (base.unsqueeze(-1) ** exponents)                        # [T, D/2]
         return torch.where((seq_len > self.max_positions).unsqueeze(-1), stretched, self.inv_freq)
+
+
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q: [T, H, D], k: [T, Hkv, D] -> (q, k) rotated: in place by one Triton kernel where
+    ``fused_ops.rope_on`` (CUDA by default; the torch path's bits), else ``apply_rotary`` of each (new tensors).
+    Called by ``llama.Attention.project``."""
+    if fused_ops.rope_on(q):
+        fused_ops.rotary_qk(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

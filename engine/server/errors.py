@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.sampling_params import SamplingParamsError
+from pdserve.engine.server.fields import refusal
 from pdserve.engine.server.text import text_problem
 
 logger = logging.getLogger(__name__)
@@ -100,13 +101,17 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """pydantic's error list -> one readable message naming each field, its problem (with the limit) and
-    its value, cut short; at most ``_MAX_ERRORS`` of them (a list of a million bad ids is one message)."""
+    its value, cut short; at most ``_MAX_ERRORS`` of them (a list of a million bad ids is one message).
+    A refused field (unknown, or not implemented: ``fields``) gets its own wording."""
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
         return f"request body is not valid JSON: {detail}".rstrip(": "), None
     errors = _most_specific(errors)
     parts = []
     for loc, e in errors[:_MAX_ERRORS]:
+        if (refused := refusal(e, loc)) is not None:          # names the field itself
+            parts.append(refused)
+            continue
         got = f" (got {_short(e['input'])})" if "input" in e and e.get("type") != "missing" else ""
         parts.append(f"{'.'.join(loc) or 'body'}: {_message(e)}{got}")
     if len(errors) > _MAX_ERRORS:

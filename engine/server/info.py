@@ -33,14 +33,27 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state = node_state(request)
     check_model(state, body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise bad_request("send exactly one of 'prompt' or 'messages'")
+    _check_tokenize_fields(body)
     if body.messages is not None:
         ids = await state.prompts.chat(message_dicts(body.messages), body.add_generation_prompt,
                                        [t.model_dump(exclude_none=True) for t in body.tools or ()] or None)
     else:
-        ids = await state.prompts.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": None}
+        special = body.add_special_tokens is not False
+        ids = await state.prompts.encode(body.prompt, add_special_tokens=special)
+    strs = state.prompts.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def _check_tokenize_fields(body: TokenizeRequest) -> None:
+    """One of ``prompt`` / ``messages``, and only the fields that act on it (nothing taken and ignored)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("send exactly one of 'prompt' or 'messages'")
+    if body.messages is not None and body.add_special_tokens:
+        raise bad_request("add_special_tokens=true is not supported with messages: the chat template writes the "
+                          "special tokens; send false or leave it out", "add_special_tokens")
+    if body.prompt is not None and "add_generation_prompt" in body.model_fields_set:
+        raise bad_request("add_generation_prompt applies to messages only; leave it out with a prompt",
+                          "add_generation_prompt")
 
 
 @router.post("/detokenize")

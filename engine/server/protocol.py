@@ -12,10 +12,12 @@ Every string is Unicode text and every free-form value plain JSON (``text``: a l
 naming the field, not a 500 from the tokenizer or the proxy's encoder).
 Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) become ``SamplingParams.structured``
 through ``structured.py``, which refuses two at once and checks each with xgrammar.
-Unknown fields are ignored, like OpenAI and vLLM do (kept, and checked as plain JSON: the proxy forwards
-them); known-but-unsupported ones that would change the output are rejected, not ignored. ``echo`` and
-``prompt_logprobs`` follow vLLM (``echo.py`` writes them): completions echo the prompt (``max_tokens`` 0 too: the
-engine then samples one token nobody sees), chat echoes the last message when it has the answer's role;
+Nothing is accepted and ignored (``fields.py``, docs/api-fields.md): an unknown field is a 400 naming it, in
+nested objects too (a chat message's extra keys excepted: they go to the chat template as they are); a known field
+pdserve does not implement is a 400 saying why, unless null or the value pdserve does anyway (``best_of`` = ``n``,
+``skip_special_tokens`` true ...); ``user``, ``metadata``, ``store`` and a few more are taken without effect.
+``echo`` and ``prompt_logprobs`` follow vLLM (``echo.py`` writes them): completions echo the prompt (``max_tokens``
+0 too: the engine then samples one token nobody sees), chat echoes the last message when it has the answer's role;
 ``prompt_logprobs`` in [0, 20], not with ``stream`` (above 0). ``logit_bias`` keys are token ids as JSON strings
 (digits; checked against the vocabulary by ``checks``), its values and the presence / frequency penalties are
 range-checked by ``SamplingParams``.
@@ -34,6 +36,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 
 from pdserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from pdserve.engine.server.errors import bad_request
+from pdserve.engine.server.fields import (ChatRefusals, CompletionRefusals, NoEffect, StreamOptionsRefusals,
+                                          check_best_of, unknown_field)
 from pdserve.engine.server.structured import MAX_SPEC_CHARS, structured_outputs
 from pdserve.engine.server.text import check_json, check_text
 from pdserve.engine.server.tools.protocol import CallId, ToolCalls, ToolChoice, Tools
@@ -106,13 +110,19 @@ LogitBias = _bounded(dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10
 
 
 class _Body(BaseModel):
-    """Every request object: fields it does not name are kept (the proxy forwards them; a message's go to the
-    chat template) but must be plain JSON (``JSONValue``); pydantic refuses a name that is not Unicode text."""
+    """Every request object: a field it does not name is a 400 naming it (``fields.unknown_field``); pydantic
+    refuses a name that is not Unicode text."""
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Open(_Body):
+    """An object whose fields it does not name are kept (a message's go to the chat template) but must be plain
+    JSON (``JSONValue``)."""
     model_config = ConfigDict(extra="allow")
     __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
 
-class StreamOptions(_Body):
+class StreamOptions(_Body, StreamOptionsRefusals):
     include_usage: bool = False
 
 
@@ -131,7 +141,7 @@ class ResponseFormat(_Body):
 
 
 class StructuredOutputsParams(_Body):
-    """vLLM's ``structured_outputs``: exactly one of these (its other fields are ignored, as unknown ones are)."""
+    """vLLM's ``structured_outputs``: exactly one of these (its other fields are refused, as unknown ones are)."""
     json_: JSONObject | SpecText | None = Field(None, alias="json")
     regex: SpecText | None = None
     choice: ChoiceList | None = None
@@ -139,11 +149,12 @@ class StructuredOutputsParams(_Body):
     json_object: bool | None = None
 
 
-class _SamplingFields(_Body):
-    """Fields shared by completions and chat; defaults follow the OpenAI API. Unknown fields are ignored."""
+class _SamplingFields(_Body, NoEffect):
+    """Fields shared by completions and chat; defaults follow the OpenAI API. ``NoEffect``'s are taken too."""
 
     model: Name | None = None
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: Annotated[Count | None, AfterValidator(check_best_of)] = None     # null or n (fields.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: Float | None = None
@@ -209,7 +220,7 @@ class _SamplingFields(_Body):
         return None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, CompletionRefusals):
     prompt: Prompt
     max_tokens: Count | None = 16
     logprobs: Count | None = None
@@ -242,13 +253,14 @@ class CompletionRequest(_SamplingFields):
         return len(prompt_list(self.prompt))
 
 
-class ContentPart(_Body):
-    """One part of a message's content; only ``text`` parts are supported (others are refused by name)."""
+class ContentPart(_Open):
+    """One part of a message's content; only ``text`` parts are supported (others are refused by their type,
+    a text part's unknown keys by name: ``message_dicts``)."""
     type: Name
     text: Text | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(_Open):
     """Extra fields (name, reasoning_content ...) go to the template as is; an assistant's ``tool_calls`` go with
     their arguments as objects (``message_dicts``), as chat templates expect them."""
     role: Name
@@ -260,7 +272,7 @@ class ChatMessage(_Body):
 Messages = Annotated[_bounded(list[ChatMessage], MAX_MESSAGES), Field(min_length=1)]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ChatRefusals):
     messages: Messages
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
@@ -297,13 +309,15 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Body):
-    """vLLM's /tokenize: either ``prompt`` or chat ``messages``."""
+    """vLLM's /tokenize: either ``prompt`` or chat ``messages``. ``add_special_tokens``: null is true for a prompt;
+    with messages only false (the template writes them: ``info.tokenize`` refuses true)."""
     model: Name | None = None
     prompt: Text | None = None
     messages: Messages | None = None
     tools: Tools | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    return_token_strs: bool = False         # each token's vocabulary entry in ``token_strs``
 
 
 class DetokenizeRequest(_Body):
@@ -352,9 +366,12 @@ def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
 
 def _text_of_parts(parts: list[ContentPart], index: int) -> str:
     texts = []
-    for part in parts:
+    for j, part in enumerate(parts):
         if part.type != "text":
             raise bad_request(f"messages[{index}] has a content part of type {part.type!r}; "
                               "only 'text' parts are supported", f"messages.{index}.content")
+        if part.model_extra:
+            path = ("messages", str(index), "content", str(j), next(iter(part.model_extra)))
+            raise bad_request(unknown_field(path), ".".join(path))
         texts.append(part.text or "")
     return "".join(texts)

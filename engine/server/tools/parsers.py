@@ -84,6 +84,7 @@ class ToolOutputParser:
 
     @property
     def complete(self) -> bool:
+        """No call is half written (a text that is no call drops its scanner)."""
         return self._scanner is None or self._scanner.done
 
     def feed(self, text: str) -> ToolDelta:
@@ -217,10 +218,6 @@ class HermesParser(ToolOutputParser):
         self.state = "content"      # content | scan | close
         self._held = ""             # content that may be the start of a tag; the end tag read so far
 
-    @property
-    def complete(self) -> bool:
-        return self.state != "scan"
-
     def feed(self, text: str) -> ToolDelta:
         out = ToolDelta()
         while text:
@@ -282,10 +279,6 @@ class Llama3JsonParser(ToolOutputParser):
         self.state = "sniff"        # sniff | item | scan | sep | content
         self._held = ""
 
-    @property
-    def complete(self) -> bool:
-        return self.state != "scan"
-
     def feed(self, text: str) -> ToolDelta:
         out = ToolDelta()
         while text:
@@ -298,7 +291,7 @@ class Llama3JsonParser(ToolOutputParser):
                 text, not_a_call = self._scan(text, out)
                 if not_a_call:
                     self._content(out, self._scanner.raw)
-                    self.state = "content"
+                    self.state, self._scanner = "content", None
                 elif self._scanner.done:
                     self.state = "sep"
             else:
