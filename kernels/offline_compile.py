@@ -156,15 +156,15 @@ def step_jobs(shape, num_tokens: int, num_seqs: int, max_query_len: int, max_seq
     from pdserve.kernels import triton_attention as ta
 
     T, B, H, D = num_tokens, num_seqs, shape.num_heads, shape.head_dim
-    q = torch.empty(T, H, D, dtype=_dtype(shape))
-    _, _, cache, _ = _write_example(shape)
+    q, _, _ = _qkv(shape, T)
+    cache = _cache(shape)
     i32 = torch.int32
     meta = SimpleNamespace(query_start_loc=torch.zeros(B + 1, dtype=i32), seq_lens=torch.zeros(B, dtype=i32),
                            block_table=torch.zeros(B, -(-max_seq_len // shape.block_size), dtype=i32))
     plan = ta.plan_attention(T, B, H, shape.num_kv_heads, D, max_query_len, max_seq_len, shape.fp32, num_splits)
     parts = ta._partials(plan.num_splits, T, H, pad_dim(D), "cpu") if plan.num_splits > 1 else None
-    launches = ta.launches(q, cache["k"], cache["v"], torch.empty_like(q), parts, meta, plan, D ** -0.5,
-                           shape.window)
+    launches = ta.launches(q, cache["k"], cache["v"], torch.empty(T, H, D, dtype=q.dtype), parts, meta, plan,
+                           D ** -0.5, shape.window)
     return plan, [_job(label, *launch) for label, launch in zip(labels, launches)]
 
 
@@ -198,13 +198,23 @@ def attention_label(shape, step) -> str:
 
 
 def _write_example(shape):
-    """k, v (v a view of the fused qkv projection, as the model's), a 4-block cache and slots, on the CPU."""
-    T, H, Hkv, D, dt = 5, shape.num_heads, shape.num_kv_heads, shape.head_dim, _dtype(shape)
-    qkv = torch.empty(T, (H + 2 * Hkv) * D, dtype=dt)
-    k = torch.empty(T, Hkv, D, dtype=dt)                     # after RoPE: its own tensor
-    v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-    cache = {c: torch.empty(4, shape.block_size, Hkv, D, dtype=dt) for c in "kv"}
-    return k, v, cache, torch.zeros(T, dtype=torch.int32)      # slots: int32, as StepStaging sends them
+    """k, v, a 4-block cache and the step's slots, on the CPU, laid out as the model's."""
+    k, v = _qkv(shape, 5)[1:]
+    return k, v, _cache(shape), torch.zeros(5, dtype=torch.int32)      # slots: int32, as StepStaging sends them
+
+
+def _qkv(shape, T: int):
+    """q [T, H, D], k, v [T, Hkv, D]: views of one fused projection output, as the model's on CUDA (rotated in
+    place; an unfused rotary's own q and k have strides that specialise alike at head dims divisible by 16)."""
+    H, Hkv, D = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    qkv = torch.empty(T, (H + 2 * Hkv) * D, dtype=_dtype(shape))
+    return (qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D),
+            qkv[:, (H + Hkv) * D:].view(T, Hkv, D))
+
+
+def _cache(shape) -> dict:
+    return {c: torch.empty(4, shape.block_size, shape.num_kv_heads, shape.head_dim, dtype=_dtype(shape))
+            for c in "kv"}
 
 
 def _transfer_jobs(shape) -> list[Job]:
