@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 from pdserve.kernels.split_k import splits_for
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # Triton's own switch, read once like Triton does
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # Triton's own switch, as it was at import
+
+
+def interpreted() -> bool:
+    """Triton's switch as it is now: a plan is made per call, and this module may be imported (by the offline
+    compile table, say) before a test sets TRITON_INTERPRET -- the kernels read it when their module loads."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 TILE_ROWS = 64 * 128     # BLOCK_M x D_PAD of a 16-bit program's fp32 accumulator (at 8 warps: 32 per thread)
 
 
@@ -68,7 +74,8 @@ def tiles(qpk: int, head_dim: int, max_query_len: int, fp32: bool) -> Tiles:
     if fp32 and d_pad >= 128:
         num_warps, q_chunk = 8, min(d_pad, 1024 // block_m)
     block_n = max(16, min(1024 * num_warps // d_pad // (2 if fp32 else 1), 64))
-    f32_dot = ("ieee" if INTERPRETED else "tf32x3") if fp32 or INTERPRETED else ""
+    interp = interpreted()
+    f32_dot = ("ieee" if interp else "tf32x3") if fp32 or interp else ""
     return Tiles(block_m, block_m // qpk, block_n, num_warps, 3, f32_dot, q_chunk)
 
 
