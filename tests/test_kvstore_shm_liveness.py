@@ -206,7 +206,8 @@ def test_a_segment_claimed_for_a_process_that_never_maps_it_is_reclaimed(daemon_
     """Before: Attach(pid=<any live process>) pinned a fallocated segment in /dev/shm for that process's life
     (pid 1: for good). Now a segment lives only while the named process maps it; a real client's stays."""
     daemon = daemon_with(DaemonLimits(shm_reclaim_s=0.2, shm_map_grace_s=0.5))
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],   # alive until stopped
+                                 stdin=subprocess.PIPE)
     try:
         attachers(daemon.endpoint, 1)                              # a real client: it maps its segment
         assert all(r.ok for r in _squat(daemon.endpoint, bystander.pid, 5))
