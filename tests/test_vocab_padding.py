@@ -3,8 +3,10 @@
 Two tiny models with vocab_size 515 (the tokenizer's 512 + 3; odd): at tp 2 the vocabulary pads to 576 rows, 288
 a rank, rank 1's last 61 rows zeros. llama has an untied LM head; qwen2 a tied one (and q/k/v biases).
 
+- ``make-tiny-model --vocab-size`` writes such a model (not below the tokenizer's size).
 - ``padded_vocab``: V on one rank, else a multiple of lcm(64, tp); each rank loads the checkpoint's rows, then
-  zeros (a shard wholly past V: all zeros); a tied head shares the embedding's padded shard.
+  zeros (a shard wholly past V: all zeros); a tied head shares the embedding's padded shard, and at tp 2 x pp 2
+  the last stage's tied head reads the embedding's rows itself: greedy still equals HF.
 - tp 2 against tp 1 (and HF transformers fp32 for greedy), one batch: greedy (a prompt cut across steps by the
   token budget), logprobs / top_logprobs, penalties, a structured choice, logit_bias on the last real id (514),
   and logit_bias -100 on every real id: the padding's logits (0) would then top every row, so an uncut head
@@ -52,6 +54,15 @@ def test_padded_vocab_sizes():
     assert [padded_vocab(515, tp) for tp in (1, 2, 3, 4, 8)] == [515, 576, 576, 576, 576]
     assert [padded_vocab(v, 2) for v in (1, 64, 101, 128, 32000, 32001)] == [64, 64, 128, 128, 32000, 32064]
     assert padded_vocab(101, 128) == 128 and padded_vocab(129, 128) == 256
+
+
+def test_make_tiny_model_vocab_size_flag(tmp_path):
+    from pdserve.engine.cli import main
+
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--vocab-size", "515"]) == 0
+    assert ModelConfig.from_dir(tmp_path / "m").vocab_size == 515
+    with pytest.raises(ValueError, match="vocab_size=500 is below the tokenizer's 512 tokens"):
+        make_tiny_model(tmp_path / "small", vocab_size=500)
 
 
 def test_vocab_rows_reads_the_real_rows_then_zeros(tmp_path):
@@ -130,6 +141,16 @@ def test_tp2_equals_tp1_and_hf_and_never_names_a_padded_id(odd_model, prompts):
     assert got[2][0] == hf[2 % len(prompts)]             # a uniform -100 shift picks what no bias picks
     assert got[3][0] == [VOCAB - 1] * 6                  # the last real id is reachable
     assert all(len(s[2]) == k for r, k in zip(got[1:], (5, 5, 3, 2)) for s in r[1])
+
+
+def test_tp2_pp2_greedy_equals_hf(odd_model, prompts):
+    """The last stage's LM head reads its padded rows itself (tied: the embedding's, which lives on stage 0)."""
+    ref = hf_model(odd_model)
+    engine = make_engine(odd_model, 2, 2)
+    try:
+        assert run(engine, prompts, _params(0)[0]) == [hf_greedy(ref, p, 6) for p in prompts]
+    finally:
+        shutdown(engine)
 
 
 def test_structured_choice_at_tp2_equals_tp1(odd_model, prompts):
