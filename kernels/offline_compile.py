@@ -230,6 +230,28 @@ def _transfer_jobs(shape) -> list[Job]:
             for name, to_cache in (("gather", False), ("scatter", True))]
 
 
+def norm_key(rows: int, width: int, dtype: str, residual: bool) -> tuple:
+    """Triton's sm_90 key of the fused RMSNorm over ``rows`` rows of ``width`` (with the residual add or not)."""
+    from pdserve.kernels import triton_norm
+
+    dt = getattr(torch, dtype)
+    x, w = torch.empty(rows, 1, width, dtype=dt), torch.empty(width, dtype=dt)
+    r = torch.empty(rows, width, dtype=dt) if residual else x
+    y, s = torch.empty(rows, width, dtype=dt), torch.empty(rows, width, dtype=dt)
+    return _job("norm", *triton_norm.launch(x, r, w, y, s, 1e-6, residual)).key
+
+
+def transfer_key(shape, tokens: int, to_cache: bool, heads_of: int = 1) -> tuple:
+    """Triton's sm_90 key of a gather / scatter of ``tokens`` slots (scatter: a head slice of an object that holds
+    ``heads_of`` x the cache's KV heads, as a decode node under another TP reads it)."""
+    from pdserve.kernels import triton_transfer as tt
+
+    Hkv, D, dt = shape.num_kv_heads, shape.head_dim, _dtype(shape)
+    kv = torch.empty(2, 2, 4, shape.block_size, Hkv, D, dtype=dt)
+    obj = torch.empty(2, 2, tokens, Hkv * heads_of, D, dtype=dt)[:, :, :, :Hkv]
+    return _job("transfer", *tt.launch(kv, obj, torch.zeros(tokens, dtype=torch.int64), to_cache)).key
+
+
 def _dtype(shape) -> torch.dtype:
     return getattr(torch, shape.dtype)
 
