@@ -17,7 +17,8 @@ Files:
     registry.py      architecture name (config.json ``architectures[0]``) -> model class
     llama.py         Llama / Qwen2 / Qwen3 / Mistral: one decoder, per-architecture flags from ModelConfig
     layers.py        RMSNorm (+ residual add: add_norm), Linear with explicit shard sizes, fused SiLU-and-mul MLP,
-                     embedding
+                     embedding, the LM head (logits cut to the vocabulary)
+    vocab.py         vocab-parallel padding: padded_vocab(V, tp) rows over the ranks, vocab_rows reads a shard
     rope.py          rotary embeddings (default, linear, dynamic, llama3, yarn), cos/sin computed in float32
 
 Tensor/pipeline parallelism stays out of the model: layer constructors take this rank's sizes
