@@ -20,9 +20,9 @@
 #      cores; dry run: fp32 at head dims 128 and 256 only)
 #   2. fp32 greedy ids == HF's for llama/qwen2/qwen3/mistral (devbench/hf_parity.py --check exact; Triton backend,
 #      CUDA graphs on; dry run: the Triton kernels interpreted on CPU)
-#   3. bf16 (the GPU default) vs HF in bf16: a 512-token greedy run per prompt, tokens agreeing and the first
-#      divergence with HF's logit margin there (a near-tie passes; devbench/hf_parity.py --check agreement;
-#      dry run: 48 tokens, torch backend)
+#   3. bf16 (the GPU default) vs HF in bf16: a 512-token greedy run per prompt, every token compared: at a
+#      divergence HF's logit margin; a near-tie goes on from HF's token to the end, a larger margin fails
+#      (devbench/hf_parity.py --check agreement; dry run: 48 tokens, torch backend)
 #   4. kernel micro-benchmarks: decode attention and chunk gather/scatter GB/s vs the device's bandwidth; the
 #      fused RMSNorm + residual add and rope vs the torch ops, us per call at a 1B Llama's shapes, eager and in
 #      CUDA graphs, with a verdict for PDSERVE_FUSED_NORM / PDSERVE_FUSED_ROPE and the kernels' bits vs torch

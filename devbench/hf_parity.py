@@ -12,7 +12,9 @@ implementations round differently, so the runs may part where two tokens are nea
 reports how many leading tokens agree and, at the first divergence, both tokens and HF's margin there: HF's
 top logit minus the logit HF gives the engine's token, on the shared prefix, also in units of one --dtype ulp
 at that top logit (bf16: 0.125 for logits in [16, 32)). A divergence within --max-margin-ulps is a near-tie
-(rounding); a larger margin fails the check. Exit status 0 when every check passes.
+(rounding): both go on from HF's token (the engine and HF run again from there) and the rest of the run is
+compared the same way, so every one of the tokens is checked; a larger margin anywhere fails the check. Exit
+status 0 when every check passes.
 
 The engine runs with --attention-backend (default: the device's own; the CPU dry run of gpu_check.sh uses
 triton under TRITON_INTERPRET=1 for ``exact`` and torch for ``agreement``).
@@ -113,29 +115,49 @@ def exact(args) -> bool:
 
 
 def agreement(args) -> bool:
-    """A long greedy run per prompt: agreeing tokens, the first divergence and HF's margin there."""
+    """A long greedy run per prompt, compared to its end: each divergence judged, a near-tie passed over."""
     ok_all, n = True, args.max_tokens or 512
     for arch in (args.archs.split(",") if args.archs else ("llama",)):
         llm, ref = load_pair(arch, args, max_model_len=200 + n + 8)
         prompts = [random_prompt(ref.config.vocab_size, k, seed=k) for k in (5, 200)]
         for prompt, ours in zip(prompts, engine_greedy(llm, prompts, n)):
-            ok_all &= report(args, arch, llm, ref, prompt, ours, hf_greedy(ref, prompt, n))
+            ok_all &= follow(args, arch, llm, ref, prompt, ours, n)
         llm.shutdown()
     return ok_all
 
 
-def report(args, arch, llm, ref, prompt, ours, theirs) -> bool:
-    """Print one prompt's agreement line; -> whether it passes (no divergence, or one at a near-tie)."""
+def follow(args, arch, llm, ref, prompt, ours, n: int) -> bool:
+    """Compare the engine's run ``ours`` with HF's over all ``n`` tokens; -> whether it passes. At a divergence
+    within the near-tie margin both go on from HF's token (the engine and HF run again from there), so a tie
+    early in the run does not leave the rest unchecked; a divergence past the margin fails. One line per
+    near-tie, then one verdict line per prompt (EQUAL / NEAR-TIE / DIVERGED)."""
     head = f"{args.device} {args.dtype} agreement {arch} prompt {len(prompt)} ({describe(llm)}):"
-    i = first_divergence(ours, theirs)
-    if i is None:
-        print(f"{head} {len(ours)}/{len(theirs)} tokens agree: EQUAL", flush=True)
-        return len(ours) == len(theirs)
-    margin, ulp = hf_margin(ref, prompt + theirs[:i], theirs[i], ours[i])
-    verdict = "NEAR-TIE" if margin <= args.max_margin_ulps * ulp else "DIVERGED"
-    print(f"{head} first {i}/{len(theirs)} tokens agree; at {i} engine {ours[i]} vs HF {theirs[i]}, HF margin "
-          f"{margin:.4f} = {margin / ulp:.1f} ulp (near-tie <= {args.max_margin_ulps:g}): {verdict}", flush=True)
-    return verdict == "NEAR-TIE"
+    done, ties, first = [], 0, None         # done: the compared tokens (HF's at each near-tie)
+    while len(done) < n:
+        theirs = hf_greedy(ref, prompt + done, n - len(done))
+        i = first_divergence(ours, theirs)
+        if i is None:
+            if len(ours) != len(theirs):
+                print(f"{head} the engine gave {len(done) + len(ours)} of {n} tokens: DIVERGED", flush=True)
+                return False
+            break
+        at, first = len(done) + i, first if first is not None else len(done) + i
+        margin, ulp = hf_margin(ref, prompt + done + theirs[:i], theirs[i], ours[i])
+        where = f"at {at} engine {ours[i]} vs HF {theirs[i]}, HF margin {margin:.4f} = {margin / ulp:.1f} ulp"
+        if margin > args.max_margin_ulps * ulp:
+            print(f"{head} first {first}/{n} tokens agree, {ties} near-tie(s) passed; {where} "
+                  f"(near-tie <= {args.max_margin_ulps:g}): DIVERGED", flush=True)
+            return False
+        ties += 1
+        print(f"{head} near-tie {where}; both go on from HF's token", flush=True)
+        done += theirs[:i + 1]
+        ours = engine_greedy(llm, [prompt + done], n - len(done))[0] if len(done) < n else []
+    if not ties:
+        print(f"{head} {n}/{n} tokens agree: EQUAL", flush=True)
+    else:
+        print(f"{head} all {n} tokens compared: first {first}/{n} agree, then {ties} near-tie(s), HF's token taken "
+              f"at each, and no other divergence: NEAR-TIE", flush=True)
+    return True
 
 
 def main(argv=None) -> int:

@@ -132,16 +132,15 @@ class ChunkPublisher:
             p = self._pending.setdefault(request_id, _Pending())
             _start(p, first_index)
             p.closed = True
-            self._settle(request_id)
+            self._settle(request_id, p)
 
     def forget(self, request_id: str) -> None:
         """The request was aborted: whatever is still queued is put, but no result is kept."""
         with self._lock:
-            p = self._pending.get(request_id)
-            self._done.pop(request_id, None)
+            p = self._pending.pop(request_id, None)     # its queued chunks settle this object, not the id: the id
+            self._done.pop(request_id, None)            # may come back (a new request) before they are answered
             if p is not None:
                 p.forgotten = p.closed = True
-                self._settle(request_id)
 
     def finished(self) -> dict[str, PublishResult]:
         """Requests closed since the last call whose every chunk the store answered."""
@@ -161,17 +160,16 @@ class ChunkPublisher:
             p = self._pending.setdefault(request_id, _Pending())
             _start(p, index)
             p.outstanding += 1
-        self._queue.put((request_id, index, chunk_key, gathered, first_layer))
+        self._queue.put((p, request_id, index, chunk_key, gathered, first_layer))
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            request_id, index, chunk_key, gathered, first_layer = item
+            p, request_id, index, chunk_key, gathered, first_layer = item
             digest = self._put(request_id, chunk_key, gathered, first_layer)
             with self._lock:
-                p = self._pending[request_id]
                 p.outstanding -= 1
                 _record(p.result, index, digest)
-                self._settle(request_id)
+                self._settle(request_id, p)
 
     def _put(self, request_id: str, chunk_key: str, gathered: Gathered | None, first_layer: int) -> str | None:
         """Seal and store one chunk; its digest, or None when it did not reach the store (None: skipped for want
@@ -206,11 +204,13 @@ class ChunkPublisher:
         finally:
             gathered.release()
 
-    def _settle(self, request_id: str) -> None:
-        p = self._pending.get(request_id)
-        if p is None or not p.closed or p.outstanding:
+    def _settle(self, request_id: str, p: _Pending) -> None:
+        """``p`` (the request's bookkeeping when its chunks were queued) is complete: hand its result out,
+        unless it was forgotten (an abort already took it out of ``_pending``)."""
+        if not p.closed or p.outstanding:
             return
-        del self._pending[request_id]
+        if self._pending.get(request_id) is p:
+            del self._pending[request_id]
         if not p.forgotten:
             self._done[request_id] = p.result
 

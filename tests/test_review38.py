@@ -1,0 +1,126 @@
+"""Review 38: reproductions of what a hostile review of the issue-38 work found (each fixed in the same branch).
+
+1. A request id used again after its abort, while the aborted request's chunks still wait for the store: the
+   publisher kept one bookkeeping entry per id, the abort marked it forgotten, and the new request's chunks and
+   close landed on that entry -- its result was dropped, so its prefill response (held until the publish
+   settles) never came. Queued chunks now settle the entry they were queued under.
+2. ``devbench/hf_parity.py --check agreement`` (the bf16 proof of the device check) stopped at the first
+   divergence: a near-tie there passed the whole run unseen. On this box's dry run the llama 200-token prompt
+   parts at a 0-ulp tie at token 13 of 48, so 35 tokens (and on the GPU 499 of 512, the long-context ones) were
+   never compared. After a near-tie it now goes on from HF's token until the end, every divergence judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from polling import wait_until
+from pdserve.kvstore.auth import process_key
+from pdserve.kvstore.health import TierHealth
+from pdserve.kvstore.memory import MemoryTier
+from pdserve.kvstore.tiered import TieredStore
+from pdserve.engine.kv.kv_layout import KVLayout
+from pdserve.prefill.publisher import ChunkPublisher
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = process_key().seal_key
+L, H, D, BS, CHUNK, BLOCKS = 2, 2, 8, 16, 16, 16
+CHUNK_BYTES = L * 2 * CHUNK * H * D * 4
+
+
+class GatedStore(TieredStore):
+    """An in-memory store whose puts wait for ``gate`` (set: open)."""
+
+    def __init__(self):
+        super().__init__(MemoryTier(16 << 20))
+        self.gate = threading.Event()
+
+    def adopt(self, items):
+        self.gate.wait()
+        super().adopt(items)
+
+
+def test_a_request_id_used_again_after_its_abort_gets_its_publish_result():
+    store = GatedStore()
+    caches = KVLayout("mha", L, H, D, torch.float32).allocate(BLOCKS, BS)
+    caches.buffer.copy_(torch.randn(caches.buffer.shape, generator=torch.Generator().manual_seed(3)))
+    slots = torch.arange(CHUNK)
+    pub = ChunkPublisher(store, caches, 0, TierHealth("t"), KEY, chunk_tokens=CHUNK, buffer_bytes=4 * CHUNK_BYTES)
+    done = {}
+    try:
+        assert pub.publish("x", 0, "old-0", slots)          # the store lags: this chunk waits in the queue
+        pub.forget("x")                                      # the request is aborted
+        assert pub.publish("x", 0, "new-0", slots)          # a new request with the same id
+        pub.close_request("x")
+        store.gate.set()
+        wait_until(lambda: done.update(pub.finished()) or "x" in done, 10, "the new request's publish result")
+    finally:
+        store.gate.set()
+        pub.stop()
+        store.close()
+    assert done["x"].chunks == 1 and not done["x"].failed
+    assert store.lookup(["new-0"], L) == 1
+
+
+def _hf_parity():
+    spec = importlib.util.spec_from_file_location("hf_parity_r38", ROOT / "devbench" / "hf_parity.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Toy:
+    """A deterministic greedy 'model': the next token is a function of the prefix; ``broken_from`` >= 0 makes it
+    answer garbage once the sequence is that long (a kernel wrong past some length); ``tie_at``: HF's own choice
+    there is a tie that the other side breaks the other way."""
+
+    def __init__(self, broken_from: int = -1, tie_at: int = -1):
+        self.broken_from, self.tie_at = broken_from, tie_at
+        self.config = argparse.Namespace(vocab_size=97)
+
+    def next(self, prefix: list[int], other: bool) -> int:
+        t = (sum(prefix) * 31 + len(prefix) * 7) % 97
+        if other and len(prefix) == self.tie_at:
+            return t + 1                                    # the other token of a tie
+        if other and 0 <= self.broken_from <= len(prefix):
+            return (t + 50) % 97
+        return t
+
+    def run(self, prefix: list[int], n: int, other: bool) -> list[int]:
+        seq = list(prefix)
+        for _ in range(n):
+            seq.append(self.next(seq, other))
+        return seq[len(prefix):]
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _agreement(monkeypatch, toy: _Toy, n: int) -> bool:
+    hp = _hf_parity()
+    monkeypatch.setattr(hp, "load_pair", lambda arch, args, max_model_len: (toy, toy))
+    monkeypatch.setattr(hp, "random_prompt", lambda vocab, length, seed: [seed % 97] * 5)   # 5 tokens each
+    monkeypatch.setattr(hp, "engine_greedy", lambda llm, prompts, k: [toy.run(p, k, True) for p in prompts])
+    monkeypatch.setattr(hp, "hf_greedy", lambda ref, prompt, k: toy.run(prompt, k, False))
+    # HF's margin at a divergence: 0 at the tie, far past the near-tie bound anywhere else
+    monkeypatch.setattr(hp, "hf_margin", lambda ref, prefix, theirs, ours: (0.0 if len(prefix) == toy.tie_at else 9.0,
+                                                                            0.125))
+    monkeypatch.setattr(hp, "describe", lambda llm: "toy")
+    args = argparse.Namespace(device="cpu", dtype="bfloat16", check="agreement", archs="llama", max_tokens=n,
+                              max_margin_ulps=4.0, attention_backend=None, enforce_eager=False, model_root="/tmp")
+    return hp.agreement(args)
+
+
+def test_bf16_agreement_checks_the_tokens_after_a_near_tie(monkeypatch):
+    assert _agreement(monkeypatch, _Toy(), 48)                                      # equal runs pass
+    assert _agreement(monkeypatch, _Toy(tie_at=5 + 10), 48)                       # a tie alone passes
+    assert not _agreement(monkeypatch, _Toy(broken_from=5 + 30), 48)              # a broken engine fails
+    assert not _agreement(monkeypatch, _Toy(broken_from=5 + 30, tie_at=5 + 10), 48), \
+        "a near-tie at token 10 hid an engine that is wrong from token 30 on"
