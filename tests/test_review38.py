@@ -8,6 +8,8 @@
    divergence: a near-tie there passed the whole run unseen. On this box's dry run the llama 200-token prompt
    parts at a 0-ulp tie at token 13 of 48, so 35 tokens (and on the GPU 499 of 512, the long-context ones) were
    never compared. After a near-tie it now goes on from HF's token until the end, every divergence judged.
+3. The structured-output bitmask on CUDA went through xgrammar's Triton kernel, which no warm-up compiles: the
+   first structured request compiled it (below).
 """
 
 from __future__ import annotations
@@ -124,3 +126,48 @@ def test_bf16_agreement_checks_the_tokens_after_a_near_tie(monkeypatch):
     assert not _agreement(monkeypatch, _Toy(broken_from=5 + 30), 48)              # a broken engine fails
     assert not _agreement(monkeypatch, _Toy(broken_from=5 + 30, tie_at=5 + 10), 48), \
         "a near-tie at token 10 hid an engine that is wrong from token 30 on"
+
+
+# 3. The structured-output bitmask on an accelerator went through xgrammar's default kernel for the device: on
+#    CUDA a Triton kernel that nothing warms, compiled inside the first structured request (and once more for a
+#    step of one structured row: Triton specialises a row count of 1), its launch copying the row list from
+#    pageable memory (a stream sync) besides our own pageable copy of the mask. Off the CPU the bitmask is now
+#    applied with plain torch ops after one copy; here a "meta" tensor stands in for the device one (xgrammar
+#    picks its torch.compile backend for it: a compile just the same).
+
+def _words(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+
+
+def test_the_bitmask_off_the_cpu_compiles_no_kernel_library(monkeypatch):
+    import xgrammar as xgr
+
+    from pdserve.engine.structured.bitmask import GrammarBitmask, apply_bitmask
+
+    calls = []
+    monkeypatch.setattr(xgr, "apply_token_bitmask_inplace", lambda *a, **k: calls.append(k))
+    mask = GrammarBitmask({"a": 0}, _words(1, 100, 0))
+    logits = torch.empty(3, 100, device="meta")
+    apply_bitmask(logits, ["x", "a", "y"], mask)
+    assert not calls, f"the device's bitmask went through xgrammar's JIT kernels: {calls}"
+
+
+def test_the_device_bitmask_path_has_xgrammars_bits():
+    import xgrammar as xgr
+
+    from pdserve.engine.structured import bitmask as bm
+
+    for vocab, width_vocab, rows, seed in ((100, 100, 3, 1), (97, 128, 5, 2), (130, 100, 1, 3), (64, 64, 4, 4)):
+        words = _words(rows, width_vocab, seed)
+        logits = torch.randn(rows + 2, vocab, generator=torch.Generator().manual_seed(seed))
+        ids = [f"r{i}" for i in range(rows + 2)]
+        mask = bm.GrammarBitmask({ids[i + 1]: i for i in range(rows)}, words)       # rows 0 and -1: no grammar
+        want = logits.clone()
+        aligned = torch.full((rows + 2, words.shape[1]), -1, dtype=torch.int32)
+        aligned[1:rows + 1] = words
+        xgr.apply_token_bitmask_inplace(want, aligned, vocab_size=min(vocab, words.shape[1] * 32),
+                                        indices=list(range(1, rows + 1)))
+        got = logits.clone()
+        bm.apply_on_device(got, list(range(1, rows + 1)), words, min(vocab, words.shape[1] * 32))
+        assert torch.equal(got, want), (vocab, width_vocab, rows)

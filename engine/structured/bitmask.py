@@ -46,17 +46,39 @@ class GrammarBitmask:
 
 
 def apply_bitmask(logits: torch.Tensor, request_ids: list[str], bitmask: GrammarBitmask | None) -> None:
-    """In place: -inf in ``logits[i]`` ([S, V], row i is ``request_ids[i]``'s) at every token its row forbids."""
+    """In place: -inf in ``logits[i]`` ([S, V], row i is ``request_ids[i]``'s) at every token its row forbids.
+    CPU: xgrammar's C++ kernel. Elsewhere (CUDA): ``apply_on_device``, plain torch ops -- xgrammar's kernel for
+    CUDA is a Triton one that would compile inside the first structured request (nothing warms it)."""
     if bitmask is None:
         return
     hits = [(i, bitmask.rows[rid]) for i, rid in enumerate(request_ids) if rid in bitmask.rows]
     if not hits:
         return
+    logit_rows = [i for i, _ in hits]
+    words = bitmask.mask[[m for _, m in hits]]                                         # [S', W] int32
+    vocab = min(logits.shape[1], words.shape[1] * 32)
+    if logits.device.type != "cpu":
+        apply_on_device(logits, logit_rows, words, vocab)
+        return
     import xgrammar as xgr
 
-    logit_rows = [i for i, _ in hits]
-    mask_rows = [m for _, m in hits]
-    aligned = torch.full((logits.shape[0], bitmask.mask.shape[1]), -1, dtype=torch.int32)   # [S, W]
-    aligned[logit_rows] = bitmask.mask[mask_rows]
-    vocab = min(logits.shape[1], aligned.shape[1] * 32)
-    xgr.apply_token_bitmask_inplace(logits, aligned.to(logits.device), vocab_size=vocab, indices=logit_rows)
+    aligned = torch.full((logits.shape[0], words.shape[1]), -1, dtype=torch.int32)    # [S, W]
+    aligned[logit_rows] = words
+    xgr.apply_token_bitmask_inplace(logits, aligned, vocab_size=vocab, indices=logit_rows)
+
+
+def apply_on_device(logits: torch.Tensor, logit_rows: list[int], words: torch.Tensor, vocab: int) -> None:
+    """``logits`` [S, V] (any device) in place: -inf at each cleared bit of ``words`` [S', W] (int32, CPU; row j is
+    logit row ``logit_rows[j]``) among the first ``vocab`` columns. One copy to the device (pinned on CUDA): the
+    rows' ids and words as bytes; the bits unpacked there a byte per token ([S', vocab] uint8, a quarter of the
+    rows' float32 logits). Little-endian words: byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7."""
+    n = len(logit_rows)
+    packed = torch.cat([torch.tensor(logit_rows, dtype=torch.int32).view(n, 1), words], dim=1)   # [S', 1 + W]
+    if logits.device.type == "cuda":
+        packed = packed.pin_memory()
+    packed = packed.to(logits.device, non_blocking=True)
+    rows = packed[:, 0].long()                                                          # [S']
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    bits = (packed[:, 1:].contiguous().view(torch.uint8).unsqueeze(-1) >> shifts) & 1   # [S', 4W, 8]
+    forbidden = bits.view(n, -1)[:, :vocab] == 0                                        # [S', vocab]
+    logits[rows, :vocab] = logits[rows, :vocab].masked_fill(forbidden, float("-inf"))
