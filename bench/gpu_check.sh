@@ -32,10 +32,17 @@
 #   6. `pdserve bench serve` against a colocated node and a 1P1D cluster on the same GPU (every request completes)
 # Each part has its own time limit and writes under $OUT; a failing part does not stop the next. The summary at
 # the end ($OUT/summary.txt) has one line per test file and part; the exit status is 1 if any failed.
+# On the device a part fails when CUDA is not usable: "device" (torch.cuda.is_available() false) and each test
+# file that skipped a test for want of CUDA (skips there mean the kernels never ran).
+# PARTS (default: all) runs some of them, e.g. a rerun of one that failed: PARTS="parity bf16" -- names: device
+# tests compile parity bf16 bench engine serve; TEST_FILES (name:seconds ...) the files of "tests".
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SMALL=${SMALL:-0}
+PARTS=" ${PARTS:-device tests compile parity bf16 bench engine serve} "
+TEST_FILES=${TEST_FILES:-test_triton_kernels:300 test_decode_splits:180 test_cuda_graphs:240 test_fused_ops:180}
+want() { [[ "$PARTS" == *" $1 "* ]]; }
 if [ "$SMALL" = 1 ]; then
   DEV=cpu; SIZE=--small; export TRITON_INTERPRET=1; BF16_BACKEND=torch; BF16_TOKENS=48
 else
@@ -53,26 +60,38 @@ result() {   # name rc [detail]: one summary line; rc 0 passes, 124 is the part'
 }
 py() { python3 -P "$@"; }   # -P: the repo root is not on sys.path (its kernels/ would shadow HF's `kernels`)
 
+if want device; then
 part "device"
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
 else
   echo "no nvidia-smi (CPU dry run)" | tee "$OUT/gpu.txt"
 fi
-py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
-                                   'cuda', torch.cuda.is_available())"
-result device $?
+py -c "import sys, torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+                                   'cuda', torch.cuda.is_available())
+sys.exit(sys.argv[1] == 'cuda' and not torch.cuda.is_available())" "$DEV"   # on the device: CUDA must work
+rc=$?
+result device $rc "$([ $rc = 1 ] && echo "torch.cuda.is_available() is False")"
+fi
 
+if want tests; then
 part "tests, one file at a time (TRITON_INTERPRET=$TRITON_INTERPRET)"
-for spec in test_triton_kernels:300 test_decode_splits:180 test_cuda_graphs:240 test_fused_ops:180; do
+for spec in $TEST_FILES; do
   name=${spec%%:*}
   echo "--- tests/$name.py"
   timeout "${spec##*:}" python3 -P -m pytest -q -p no:cacheprovider -rs "tests/$name.py" > "$OUT/$name.log" 2>&1
   rc=$?
   tail -15 "$OUT/$name.log"
-  result "tests/$name.py" $rc "$(grep -E '(passed|failed|skipped|error|no tests ran).* in ' "$OUT/$name.log" | tail -1)"
+  detail=$(grep -E '(passed|failed|skipped|error|no tests ran).* in ' "$OUT/$name.log" | tail -1)
+  nocuda=$(grep -Ec '^SKIPPED.*(no CUDA device|need a CUDA device|needs a GPU)' "$OUT/$name.log")
+  if [ "$DEV" = cuda ] && [ "$rc" = 0 ] && [ "$nocuda" != 0 ]; then   # on the device nothing may skip for want of it
+    rc=1; detail="$detail; $nocuda skip line(s) for want of CUDA"
+  fi
+  result "tests/$name.py" $rc "$detail"
 done
+fi
 
+if want compile; then
 part "offline sm_90 compile table"
 COMPILE_ARGS=; [ "$SMALL" = 1 ] && COMPILE_ARGS="--dtypes float32 --head-dims 128,256 --qpk 1,4"
 timeout 300 python3 -P devbench/compile_table.py $COMPILE_ARGS --markdown "$OUT/compile_table.md" \
@@ -80,32 +99,40 @@ timeout 300 python3 -P devbench/compile_table.py $COMPILE_ARGS --markdown "$OUT/
 rc=$?
 tail -1 "$OUT/compile_table.log"
 result "offline sm_90 compile table" $rc "$(tail -1 "$OUT/compile_table.log" | cut -c1-60)"
+fi
 
+if want parity; then
 part "fp32 greedy parity vs HF"
 timeout 240 python3 devbench/hf_parity.py --device $DEV --dtype float32 \
   --check exact --attention-backend triton 2>&1 | grep -v "it/s" | tee "$OUT/parity.txt"
 result "fp32 parity vs HF" "${PIPESTATUS[0]}" "$(grep -c EQUAL "$OUT/parity.txt") of 4 archs EQUAL"
+fi
 
+if want bf16; then
 part "bf16 greedy agreement vs HF ($BF16_TOKENS tokens, $BF16_BACKEND backend)"
 timeout 240 python3 devbench/hf_parity.py --device $DEV --dtype bfloat16 --check agreement --archs llama,qwen3 \
   --attention-backend $BF16_BACKEND --max-tokens $BF16_TOKENS 2>&1 | grep -v "it/s" | tee "$OUT/parity_bf16.txt"
 rc=${PIPESTATUS[0]}
 count() { grep -c "$1" "$OUT/parity_bf16.txt"; }
 result "bf16 agreement vs HF" "$rc" "$(count ': EQUAL') EQUAL, $(count NEAR-TIE) NEAR-TIE, $(count DIVERGED) DIVERGED"
+fi
 
+if want bench; then
 part "kernel micro-benchmarks"
 timeout 120 python3 devbench/kernel_bench.py $SIZE --output "$OUT/kernels.json" 2>&1 | tail -12 | tee "$OUT/kernels.txt"
 result "kernel micro-benchmarks" "${PIPESTATUS[0]}"
 timeout 150 python3 devbench/fused_bench.py $SIZE --output "$OUT/fused.json" 2>&1 | tail -24 | tee "$OUT/fused.txt"
 result "fused norm/rope bench" "${PIPESTATUS[0]}" "$(grep -h '^verdict' "$OUT/fused.txt" | cut -c9- | paste -sd' ')"
+fi
 
-part "engine table"
 MODEL=/tmp/gpu-bench-model; [ "$SMALL" = 1 ] && MODEL=/tmp/gpu-bench-small
+if want engine; then
+part "engine table"
 timeout 200 python3 devbench/gpu_bench.py --device $DEV $SIZE --model-dir $MODEL --output "$OUT/engine.json" 2>&1 \
   | grep -v "it/s" | tail -12 | tee "$OUT/engine.txt"
 result "engine table" "${PIPESTATUS[0]}"
+fi
 
-part "bench serve: colocated and 1P1D"
 wait_http() {   # url pid seconds: 0 once the url answers, 1 if the process died or time ran out
   local url=$1 pid=$2 t=$3
   for _ in $(seq "$t"); do
@@ -133,6 +160,8 @@ PY
 ) || { [ "$rc" = 0 ] && rc=1; }
   result "bench serve $1" "$rc" "$summary"
 }
+if want serve; then
+part "bench serve: colocated and 1P1D"
 [ "$SMALL" = 1 ] && { IN=32; OUTLEN=8; NP=8; }
 NODE_FLAGS="--device $DEV --dtype $([ "$SMALL" = 1 ] && echo float32 || echo bfloat16) --max-num-seqs 256 --max-model-len 1024"
 pdserve node --model "$MODEL" --port 8311 $NODE_FLAGS --kv-cache-memory-bytes $((8 << 30)) > "$OUT/node.log" 2>&1 &
@@ -145,6 +174,7 @@ CLUSTER=$!; PIDS+=("$CLUSTER")
 if wait_http http://127.0.0.1:8310/health "$CLUSTER" 150; then serve_bench 1p1d 8310
 else result "bench serve 1p1d" 1 "the cluster did not come up: $OUT/cluster.log"; fi
 kill -INT "$CLUSTER" 2>/dev/null; sleep 3; kill "$CLUSTER" 2>/dev/null; wait "$CLUSTER" 2>/dev/null
+fi
 
 echo; echo "=== summary ($(date +%T), $([ "$SMALL" = 1 ] && echo "CPU dry run" || echo "$DEV")); results in $OUT"
 printf '%s\n' "${RESULTS[@]}" | tee "$OUT/summary.txt"

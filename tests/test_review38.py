@@ -171,3 +171,29 @@ def test_the_device_bitmask_path_has_xgrammars_bits():
         got = logits.clone()
         bm.apply_on_device(got, list(range(1, rows + 1)), words, min(vocab, words.shape[1] * 32))
         assert torch.equal(got, want), (vocab, width_vocab, rows)
+
+
+# 4. bench/gpu_check.sh on a device whose CUDA is not usable (a driver mismatch, no GPU visible): its "device"
+#    part passed (it printed ``cuda False`` and exited 0) and each kernel test file passed with every test
+#    skipped (their device fixture skips without CUDA when TRITON_INTERPRET is not 1). PARTS (new) runs a subset
+#    of the parts, so a failing one can be rerun on its own within the device budget; here it runs the two
+#    parts on this CPU box in device mode (SMALL unset): both must fail.
+
+def test_gpu_check_fails_its_device_and_test_parts_without_a_usable_gpu(tmp_path):
+    import subprocess
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("this box has a usable GPU")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("SMALL", "TRITON_INTERPRET")}
+    env.update(PARTS="device tests", OUT=str(tmp_path), TEST_FILES="test_fused_ops:120 test_decode_splits:120")
+    run = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=240)
+    summary = (tmp_path / "summary.txt").read_text() if (tmp_path / "summary.txt").exists() else run.stdout[-2000:]
+    assert run.returncode == 1, summary
+    lines = {line.split()[0]: line for line in summary.splitlines() if line.strip()}
+    assert "FAIL" in lines["device"], summary
+    assert "FAIL" in lines["tests/test_fused_ops.py"], summary
+    assert "PASS" in lines["tests/test_decode_splits.py"], summary     # its skips are by design off the interpreter
+    assert not any(name.startswith(("fp32", "bf16", "kernel", "engine", "bench", "offline")) for name in lines), summary
