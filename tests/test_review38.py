@@ -10,6 +10,8 @@
    never compared. After a near-tie it now goes on from HF's token until the end, every divergence judged.
 3. The structured-output bitmask on CUDA went through xgrammar's Triton kernel, which no warm-up compiles: the
    first structured request compiled it (below).
+4. bench/gpu_check.sh passed its device and kernel-test parts on a device without usable CUDA (below).
+5. A step with presence / frequency penalties made four host -> device copies, not one (below).
 """
 
 from __future__ import annotations
@@ -197,3 +199,60 @@ def test_gpu_check_fails_its_device_and_test_parts_without_a_usable_gpu(tmp_path
     assert "FAIL" in lines["tests/test_fused_ops.py"], summary
     assert "PASS" in lines["tests/test_decode_splits.py"], summary     # its skips are by design off the interpreter
     assert not any(name.startswith(("fp32", "bf16", "kernel", "engine", "bench", "offline")) for name in lines), summary
+
+
+# 5. "One packed host -> device copy per step" held for ``sampler.sample`` alone (its test hands it ready-made
+#    counts); the runner's step added the presence / frequency counts' own copies: the rows' index, and the
+#    new tokens' rows and ids (three pageable copies, each a stream sync on CUDA). Counted here around the
+#    runner's ``sample_requests`` on a real engine step, with the wrappers of tests/test_sampler_transfers.py.
+
+def test_a_penalised_step_makes_one_copy_each_way(tiny_llama, monkeypatch):
+    from collections import Counter
+
+    from pdserve.engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=128)
+    engine, runner = llm.engine, llm.engine.runner
+    try:
+        for i in range(3):
+            engine.add_request(f"p{i}", [5 + i, 9, 11, 13], SamplingParams(
+                max_tokens=6, temperature=0.0 if i else 0.8, seed=i, presence_penalty=0.5 * i, frequency_penalty=0.3,
+                ignore_eos=True))
+        counted: Counter = Counter()
+        on = []
+
+        def wrap(owner, name, key, when=lambda *a, **k: True):
+            original = getattr(owner, name)
+
+            def counting(*args, **kwargs):
+                if on and when(*args, **kwargs):
+                    counted[key] += 1
+                return original(*args, **kwargs)
+            monkeypatch.setattr(owner, name, counting)
+
+        for name in ("tolist", "item", "__int__", "__float__", "__bool__", "numpy", "cpu", "__index__"):
+            wrap(torch.Tensor, name, "to host")
+        for name in ("tensor", "as_tensor", "from_numpy"):
+            wrap(torch, name, "from host")
+        wrap(torch.Tensor, "to", "to device",
+             when=lambda self, *a, **k: "device" in k or any(isinstance(x, (str, torch.device)) for x in a))
+        sample = runner.sample_requests
+
+        def counted_sample(*args, **kwargs):
+            on.append(1)
+            try:
+                return sample(*args, **kwargs)
+            finally:
+                on.clear()
+        monkeypatch.setattr(runner, "sample_requests", counted_sample)
+        per_step = []
+        while engine.has_unfinished():
+            counted.clear()
+            engine.step()
+            if counted:
+                per_step.append(dict(counted))
+        monkeypatch.undo()
+    finally:
+        llm.shutdown()
+    assert len(per_step) >= 5
+    assert all(c == {"to host": 1, "from host": 1, "to device": 1} for c in per_step), per_step

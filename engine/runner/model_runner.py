@@ -20,7 +20,8 @@ from pdserve.engine.kv.kv_layout import KVLayout
 from pdserve.engine.models.llama import LogitRows
 from pdserve.engine.runner.decode_splits import DecodeSplits
 from pdserve.engine.runner.input_batch import InputBatch
-from pdserve.engine.runner.penalties import counts_from_ids
+from pdserve.engine.runner.output_counts import CountsPlan
+from pdserve.engine.runner.penalties import counts_plan_from_ids
 from pdserve.engine.runner.prompt_logprobs import plan_prompt_rows, prompt_logprobs
 from pdserve.engine.runner.sampler import generator_draws, sample
 from pdserve.engine.structured.bitmask import apply_bitmask
@@ -161,16 +162,17 @@ class ModelRunner:
                 self._draws[r.request_id] = made + 1
         return {r.request_id: res for r, res in zip(reqs, results)}
 
-    def _output_counts(self, reqs: list, vocab: int) -> torch.Tensor | None:
-        """[M, V] generated-token counts of the penalised ``reqs``, in order: from their input-batch rows, or
-        counted from their output ids when the batch holds no row for them (a worker rank's step message)."""
+    def _output_counts(self, reqs: list, vocab: int) -> CountsPlan | None:
+        """The [M, V] generated-token counts of the penalised ``reqs``, in order, as a ``CountsPlan`` (its host half
+        rides in the sampler's one packed copy): from their input-batch rows, or counted from their output ids
+        when the batch holds no row for them (a worker rank's step message)."""
         penalised = [r for r in reqs if r.sampling_params.penalised]
         if not penalised:
             return None
         rows = [self.input_batch.rows.get(r.request_id) for r in penalised]
         if None not in rows:
-            return self.input_batch.output_counts.gather(rows, vocab)
-        return counts_from_ids([list(r.output_token_ids) for r in penalised], vocab, self.device)
+            return self.input_batch.output_counts.plan(rows, vocab)
+        return counts_plan_from_ids([list(r.output_token_ids) for r in penalised], vocab, self.device)
 
     def release(self, request_id: str) -> None:
         """Forget per-request state once the request finished or was aborted."""

@@ -94,12 +94,24 @@ def subtract_penalties(logits: torch.Tensor, rows: torch.Tensor, presence: torch
 def counts_from_ids(outputs: list[list[int]], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[len(outputs), vocab] float32: how often each id occurs in each list (ids outside [0, vocab) skipped).
     One scatter_add over the padded lists: the stateless way, for requests that hold no input-batch row."""
-    width = max((len(ids) for ids in outputs), default=0)
-    counts = torch.zeros(len(outputs), vocab + 1, dtype=torch.float32, device=device)   # column vocab: the pad
-    if width:
-        padded = torch.full((len(outputs), width), vocab, dtype=torch.long)
-        for i, ids in enumerate(outputs):
-            padded[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        padded = padded.masked_fill((padded < 0) | (padded > vocab), vocab).to(device)
-        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab]
+    return counts_plan_from_ids(outputs, vocab, torch.device(device)).on_device(torch.device(device))
+
+
+def counts_plan_from_ids(outputs: list[list[int]], vocab: int, device: torch.device):
+    """``counts_from_ids`` as a ``CountsPlan`` (``output_counts.py``): the padded ids travel in the sampler's one
+    packed copy."""
+    from pdserve.engine.runner.output_counts import CountsPlan
+
+    m, width = len(outputs), max((len(ids) for ids in outputs), default=0)
+    padded = np.full((m, width), vocab, dtype=np.int64)                       # column vocab: the pad
+    for i, ids in enumerate(outputs):
+        padded[i, :len(ids)] = ids
+    padded[(padded < 0) | (padded > vocab)] = vocab
+
+    def resolve(views: dict[str, torch.Tensor]) -> torch.Tensor:
+        counts = torch.zeros(m, vocab + 1, dtype=torch.float32, device=device)
+        if width:
+            index = views["count_ids"].long().view(m, width)
+            counts.scatter_add_(1, index, torch.ones(m, width, dtype=torch.float32, device=device))
+        return counts[:, :vocab]                                               # [M, V]
+    return CountsPlan({"count_ids": padded.reshape(-1)}, resolve)

@@ -2,11 +2,12 @@
 
 Built by ``sampler.sample`` once per step:
 
-    batch = SampleBatch.build(params, draws, histories, banned, vocab, device)
+    batch = SampleBatch.build(params, draws, histories, banned, vocab, device, extra)
 
 Every per-row number the sampler needs -- which rows are greedy, temperature / top_p / min_p / top_k and the
 uniform of each sampled row, the (row, id, bias) triples of ``logit_bias``, the (row, token) pairs of the
-repetition penalty and of the banned ids, the penalised rows and their presence / frequency penalties -- is laid
+repetition penalty and of the banned ids, the penalised rows and their presence / frequency penalties, and the
+``extra`` arrays of the caller (the output counts' rows and new ids: ``output_counts.CountsPlan``) -- is laid
 out in one float64 array (ids and counts are exact in it: they are far below 2^53), pinned on CUDA and copied with
 one non-blocking H2D; the fields are views of that one device tensor, cast where an index is needed. What the
 host must know to choose the code path (any top_k, the largest k, which rows want logprobs) is read from the
@@ -44,10 +45,12 @@ class SampleBatch:
     penalised: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, presence, frequency (float32)
     logprob_rows: torch.Tensor      # rows asking for top logprobs
     host: "HostFacts"
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)   # the caller's ``extra`` arrays (float64 views)
 
     @classmethod
     def build(cls, params: list[SamplingParams], draws: list[int | None], histories: list[list[int]] | None,
-              banned: list[list[int]] | None, vocab: int, device: torch.device) -> "SampleBatch":
+              banned: list[list[int]] | None, vocab: int, device: torch.device,
+              extra: dict[str, np.ndarray] | None = None) -> "SampleBatch":
         host = HostFacts.of(params, vocab)
         parts = _Parts()
         parts.add("greedy", host.greedy)
@@ -66,6 +69,8 @@ class SampleBatch:
         parts.add("pen_rows", pen)
         parts.add("presence", [params[i].presence_penalty for i in pen])
         parts.add("frequency", [params[i].frequency_penalty for i in pen])
+        for name, values in (extra or {}).items():
+            parts.add(name, values)
         v = parts.to_device(device)
         f32, long = torch.float32, torch.long
         return cls(v["greedy"].to(long), v["random"].to(long), v["temperature"].to(f32), v["top_p"].to(f32),
@@ -74,7 +79,7 @@ class SampleBatch:
                    (v["rep_rows"].to(long), v["rep_ids"].to(long), v["rep_penalty"].to(f32)),
                    (v["ban_rows"].to(long), v["ban_ids"].to(long)),
                    (v["pen_rows"].to(long), v["presence"].to(f32), v["frequency"].to(f32)),
-                   v["logprob_rows"].to(long), host)
+                   v["logprob_rows"].to(long), host, {name: v[name] for name in extra or {}})
 
 
 @dataclass

@@ -10,7 +10,8 @@ Called by the model runner once per step, on the rank that holds the final logit
 process-wide sequence keyed by torch's seed; ``histories[i]`` is its prompt +
 output token ids (read only when ``repetition_penalty != 1``); ``banned[i]`` the token
 ids it may not pick now (eos and stop ids before ``min_tokens``); ``counts`` the [M, V] counts of the
-generated tokens of the rows with a presence or frequency penalty (``penalties.py``).
+generated tokens of the rows with a presence or frequency penalty (``penalties.py``), or a ``CountsPlan`` of them
+(``output_counts.py``: the model runner's, whose host arrays ride in the step's one packed copy).
 
 Order of the logits transforms (vLLM's): logit_bias -> repetition penalty (HF semantics, prompt + output)
 -> presence / frequency penalties (output only) -> banned ids -> temperature -> top_k -> top_p -> min_p -> sample.
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.runner.output_counts import CountsPlan
 from pdserve.engine.runner.penalties import add_bias, subtract_penalties
 from pdserve.engine.runner.sample_batch import HostFacts, SampleBatch
 from pdserve.engine.runner.seeded import inverse_cdf
@@ -51,7 +53,8 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int | None],
            histories: list[list[int]] | None = None,
-           banned: list[list[int]] | None = None, counts: torch.Tensor | None = None) -> list[SampleResult]:
+           banned: list[list[int]] | None = None,
+           counts: torch.Tensor | CountsPlan | None = None) -> list[SampleResult]:
     """Pick one token per row of ``logits`` ([N, V]); see the module docstring. ``logits`` is not modified."""
     n, vocab = logits.shape
     if len(params) != n or len(draws) != n:
@@ -59,7 +62,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int |
     logits = logits.float()                                  # [N, V]
     if _plain_greedy(params, banned):                        # the hot path: nothing to send to the device
         return _results(logits, None, logits.argmax(dim=-1), params, None)
-    batch = SampleBatch.build(params, draws, histories, banned, vocab, logits.device)   # one H2D copy
+    plan = counts if isinstance(counts, CountsPlan) else None
+    batch = SampleBatch.build(params, draws, histories, banned, vocab, logits.device,
+                              plan.host if plan is not None else None)                 # one H2D copy
+    if plan is not None:
+        counts = plan.resolve(batch.extra)                                             # [M, V]
     host = batch.host
     raw_logprobs = torch.log_softmax(logits, dim=-1) if host.logprob_rows else None    # [N, V] or None
     processed = add_bias(logits, *batch.bias)
