@@ -63,13 +63,14 @@ def test_each_fake_step_picks_its_variant_and_writes_nothing(shape):
         assert (meta.slot_mapping == -1).all()
 
 
-def test_no_warmup_on_cpu_or_other_backends():
+def test_no_warmup_on_cpu():
     def model(*args):
         raise AssertionError("the warm-up ran the model")
 
-    for device, backend in (("cpu", "triton"), ("cpu", "cpu"), ("cuda", "torch")):
+    for device, backend in (("cpu", "triton"), ("cpu", "cpu"), ("cpu", "torch")):
         runner = SimpleNamespace(device=torch.device(device), attention_backend=backend, model=model)
         assert warm_attention(runner) is None
+    # CUDA with another backend warms too (one fake step: the fused norm / rope kernels): tests/test_review38.py
 
 
 def test_model_shape_of_a_runner(tiny_llama):

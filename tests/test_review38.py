@@ -12,6 +12,7 @@
    first structured request compiled it (below).
 4. bench/gpu_check.sh passed its device and kernel-test parts on a device without usable CUDA (below).
 5. A step with presence / frequency penalties made four host -> device copies, not one (below).
+6. On CUDA with the torch attention backend nothing was warmed, yet Triton kernels ran in requests (below).
 """
 
 from __future__ import annotations
@@ -256,3 +257,31 @@ def test_a_penalised_step_makes_one_copy_each_way(tiny_llama, monkeypatch):
         llm.shutdown()
     assert len(per_step) >= 5
     assert all(c == {"to host": 1, "from host": 1, "to device": 1} for c in per_step), per_step
+
+
+# 6. The start-up warm-up ran only with the Triton attention backend. On CUDA with ``--attention-backend torch``
+#    the fused RMSNorm / rope kernels (PDSERVE_FUSED_NORM/ROPE auto: on for every CUDA tensor) and the KV
+#    transfer gather / scatter (``ChunkIO`` on CUDA, whatever the attention backend) still launch Triton
+#    kernels, and each compiled inside the first request that reached it. Now any CUDA runner warms: one fake
+#    step through the model for another backend, every attention variant for Triton; the transfer kernels.
+
+def test_a_cuda_runner_on_the_torch_backend_warms_its_triton_kernels(monkeypatch):
+    from types import SimpleNamespace
+
+    from pdserve.engine.runner import kernel_warmup
+
+    steps, transfers = [], []
+    monkeypatch.setattr(kernel_warmup, "run_fake_steps", lambda runner, s: steps.extend(s))
+    monkeypatch.setattr(kernel_warmup, "warm_transfer", lambda buffer: transfers.append(buffer))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    buffer = torch.empty(0)
+    runner = SimpleNamespace(device=torch.device("cuda"), attention_backend="torch", block_size=16,
+                             model=SimpleNamespace(layers=[object()]), kv_caches=SimpleNamespace(buffer=buffer))
+    kernel_warmup.warm_attention(runner)
+    assert steps, "nothing warmed the fused norm / rope kernels of a CUDA runner on the torch backend"
+    steps.clear()
+    kernel_warmup.warm_up(runner)
+    assert steps and transfers == [buffer]
+    steps.clear(), transfers.clear()
+    kernel_warmup.warm_up(SimpleNamespace(device=torch.device("cpu"), attention_backend="torch", model=None))
+    assert not steps and not transfers                                      # nothing to compile on a CPU node

@@ -1,13 +1,16 @@
 """Compile at start-up every Triton kernel a request can need: none compiles inside a request (~2.5 s each).
 
-Called by ``ModelRunner`` on CUDA with the Triton backend, before the decode graphs are captured (with or without
-``--enforce-eager``); a no-op anywhere else:
+Called by ``ModelRunner`` on CUDA, whatever the attention backend, before the decode graphs are captured (with or
+without ``--enforce-eager``); a no-op anywhere else:
 
-    warm_attention(runner)      one fake step per entry of warmup_steps(model_shape(runner)), the time logged;
-                                its forwards also compile the fused norm / rope kernels (PDSERVE_FUSED_NORM/ROPE),
-                                whose row counts are not specialised either (``triton_norm``)
-    warm_transfer(buffer)       one gather and one scatter of the KV transfer kernels (``triton_transfer``) over a
-                                skipped slot (-1): they compile here, not in a request's first publish or load
+    warm_up(runner)             both of these:
+    warm_attention(runner)      Triton backend: one fake step per entry of warmup_steps(model_shape(runner)), the time
+                                logged; any other backend: one fake step. The forwards also compile the fused norm /
+                                rope kernels (PDSERVE_FUSED_NORM/ROPE: on for CUDA tensors whatever the attention
+                                backend), whose row counts are not specialised either (``triton_norm``)
+    warm_transfer(buffer)       one gather and one scatter of the KV transfer kernels (``triton_transfer``: ``ChunkIO``
+                                uses them on CUDA with any attention backend) over a skipped slot (-1): they compile
+                                here, not in a request's first publish or load
 
 ``warmup_steps`` is ``kernel_variants.attention_steps``: each tile choice the planner can make for the model's
 dtype, head dim and GQA ratio (decode and prefill), with and without a key split. A fake step is one sequence of
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -31,6 +35,7 @@ from pdserve.engine.runner.staging import StepArrays, StepStaging
 from pdserve.kernels.kernel_variants import AttentionStep, ModelShape, attention_steps
 
 logger = logging.getLogger(__name__)
+OTHER_BACKEND_STEP = SimpleNamespace(max_query_len=16, num_splits=None)   # a fake step for a non-Triton backend
 
 
 def model_shape(runner) -> ModelShape:
@@ -47,17 +52,31 @@ def warmup_steps(shape: ModelShape) -> list[AttentionStep]:
     return attention_steps(shape)
 
 
+def warm_up(runner) -> None:
+    """Every Triton kernel a request on this CUDA runner can launch, compiled now (nothing on another device)."""
+    if runner.device.type != "cuda":
+        return
+    warm_attention(runner)
+    warm_transfer(getattr(runner.kv_caches, "buffer", None))
+
+
 def warm_attention(runner) -> float | None:
-    """Run the fake steps on CUDA with the Triton backend; -> seconds taken, or None where there is nothing to do."""
-    if runner.device.type != "cuda" or runner.attention_backend != "triton" or not runner.model.layers:
+    """Run the fake steps on CUDA (Triton backend: every attention variant; else one step, for the fused norm /
+    rope kernels); -> seconds taken, or None where there is nothing to do."""
+    if runner.device.type != "cuda" or not runner.model.layers:
         return None
-    steps = warmup_steps(model_shape(runner))
+    triton = runner.attention_backend == "triton"
+    steps = warmup_steps(model_shape(runner)) if triton else [OTHER_BACKEND_STEP]
     start = time.monotonic()
     run_fake_steps(runner, steps)
     torch.cuda.synchronize()
     took = time.monotonic() - start
-    logger.info("warmed %d Triton attention kernel variants (decode and prefill, split and not) in %.1f s",
-                len(steps), took)
+    if triton:
+        logger.info("warmed %d Triton attention kernel variants (decode and prefill, split and not) in %.1f s",
+                    len(steps), took)
+    else:
+        logger.info("warmed the fused norm / rope kernels (attention backend %s) in %.1f s", runner.attention_backend,
+                    took)
     return took
 
 

@@ -7,7 +7,8 @@ Owns the paged KV cache (allocated once from the ``KVLayout``), the per-request 
 and the sampler call (with the output-token counts of penalised requests: their input-batch rows, or
 counted from the ids a worker rank's step message carries); on CUDA the decode graphs (``cuda_graphs.py``),
 on CPU the compiled layer pieces (``compile.py``), both built at start-up and skipped under ``--enforce-eager``;
-on CUDA with the Triton backend, first, every attention kernel variant a request can need (``kernel_warmup.py``).
+on CUDA, first, every Triton kernel a request can need (``kernel_warmup.py``: the attention variants with the
+Triton backend, the fused norm / rope and KV transfer kernels with any).
 A step in which a request asks for prompt logprobs runs every row (``prompt_logprobs.py``); ``LLMEngine.step``
 reads what it computed from ``runner.prompt_logprobs`` after ``execute``.
 """
@@ -50,11 +51,10 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device, self.attention_backend)
         self._draws: dict[str, int] = {}       # seeded request id -> draws made so far (here and before it came)
         self.decode_splits = DecodeSplits(max_num_seqs, max_model_len, layout.num_kv_heads)   # Triton decode steps
-        if self.device.type == "cuda" and self.attention_backend == "triton":
-            from pdserve.engine.runner.kernel_warmup import warm_attention, warm_transfer
+        if self.device.type == "cuda":
+            from pdserve.engine.runner.kernel_warmup import warm_up
 
-            warm_attention(self)            # every attention kernel a request can need, compiled now
-            warm_transfer(getattr(self.kv_caches, "buffer", None))   # and the KV publish / load kernels
+            warm_up(self)                   # every Triton kernel a request can need (attention, norm / rope, KV I/O)
         self.graphs = None                  # DecodeGraphs on CUDA unless --enforce-eager (cuda_graphs.py)
         if self.device.type == "cuda" and not enforce_eager:
             from pdserve.engine.runner.cuda_graphs import DecodeGraphs
