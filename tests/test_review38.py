@@ -6,8 +6,8 @@
    settles) never came. Queued chunks now settle the entry they were queued under.
 2. ``devbench/hf_parity.py --check agreement`` (the bf16 proof of the device check) stopped at the first
    divergence: a near-tie there passed the whole run unseen. On this box's dry run the llama 200-token prompt
-   parts at a 0-ulp tie at token 13 of 48, so 35 tokens (and on the GPU 499 of 512, the long-context ones) were
-   never compared. After a near-tie it now goes on from HF's token until the end, every divergence judged.
+   parts at a 0-ulp tie at token 13 of 48, so 35 tokens were never compared (on the GPU, a tie that early would
+   leave unchecked the long-context tokens the 512-token run is there for). After a near-tie it now goes on from HF's token until the end, every divergence judged.
 3. The structured-output bitmask on CUDA went through xgrammar's Triton kernel, which no warm-up compiles: the
    first structured request compiled it (below).
 4. bench/gpu_check.sh passed its device and kernel-test parts on a device without usable CUDA (below).
@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from polling import wait_until
@@ -183,13 +186,9 @@ def test_the_device_bitmask_path_has_xgrammars_bits():
 #    parts on this CPU box in device mode (SMALL unset): both must fail.
 
 def test_gpu_check_fails_its_device_and_test_parts_without_a_usable_gpu(tmp_path):
-    import subprocess
-
     if torch.cuda.is_available():
-        import pytest
-
         pytest.skip("this box has a usable GPU")
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("SMALL", "TRITON_INTERPRET")}
+    env = {k: v for k, v in os.environ.items() if k not in ("SMALL", "TRITON_INTERPRET")}
     env.update(PARTS="device tests", OUT=str(tmp_path), TEST_FILES="test_fused_ops:120 test_decode_splits:120")
     run = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=240)
