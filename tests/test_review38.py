@@ -13,6 +13,7 @@
 4. bench/gpu_check.sh passed its device and kernel-test parts on a device without usable CUDA (below).
 5. A step with presence / frequency penalties made four host -> device copies, not one (below).
 6. On CUDA with the torch attention backend nothing was warmed, yet Triton kernels ran in requests (below).
+7. On CUDA, every worker rank past the first pipeline stage crashed in the warm-up at start-up (below).
 """
 
 from __future__ import annotations
@@ -284,3 +285,24 @@ def test_a_cuda_runner_on_the_torch_backend_warms_its_triton_kernels(monkeypatch
     steps.clear(), transfers.clear()
     kernel_warmup.warm_up(SimpleNamespace(device=torch.device("cpu"), attention_backend="torch", model=None))
     assert not steps and not transfers                                      # nothing to compile on a CPU node
+
+
+# 7. The warm-up's fake steps call the model with token ids only. A later pipeline stage has no embedding (its
+#    input is the previous stage's hidden states), so on CUDA every worker rank past the first stage of a
+#    --pipeline-parallel-size > 1 node crashed at start-up inside ``run_fake_steps`` ('NoneType' object is not
+#    callable). Run here on CPU with a real second-stage model: a later stage gets zero hidden states.
+
+def test_the_warmup_runs_on_a_later_pipeline_stage(tiny_llama):
+    from types import SimpleNamespace
+
+    from pdserve.engine.models.loader import load_model
+    from pdserve.engine.runner import kernel_warmup
+
+    model, config = load_model(tiny_llama, "float32", first_layer=1, num_layers=1)
+    assert not model.is_first
+    layout = config.kv_layout(num_layers=1, first_layer=1)
+    runner = SimpleNamespace(device=torch.device("cpu"), block_size=16, attention_backend="torch", model=model,
+                             kv_caches=layout.allocate(4, 16))
+    before = runner.kv_caches.buffer.clone()
+    kernel_warmup.run_fake_steps(runner, [kernel_warmup.OTHER_BACKEND_STEP])
+    assert torch.equal(runner.kv_caches.buffer, before)                  # every slot -1: nothing written

@@ -99,12 +99,18 @@ def warm_transfer(buffer: torch.Tensor | None) -> None:
 
 @torch.inference_mode()
 def run_fake_steps(runner, steps: list[AttentionStep]) -> None:
-    staging = StepStaging(runner.device)
+    """Each step through the model's forward; a later pipeline stage (no embedding) gets zero hidden states."""
+    staging, model = StepStaging(runner.device), runner.model
     for step in steps:
         inputs = staging.stage(fake_step(step.max_query_len, runner.block_size), [], runner.block_size,
                                runner.attention_backend)
         inputs.attn.num_splits = step.num_splits
-        runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn)
+        args = (inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn)
+        if getattr(model, "is_first", True):
+            model(*args)
+        else:
+            model(*args, hidden=torch.zeros(step.max_query_len, model.config.hidden_size, dtype=model.config.dtype,
+                                            device=runner.device))                     # [T, D]
 
 
 def fake_step(num_tokens: int, block_size: int) -> StepArrays:
