@@ -13,7 +13,7 @@
 4. bench/gpu_check.sh passed its device and kernel-test parts on a device without usable CUDA (below).
 5. A step with presence / frequency penalties made four host -> device copies, not one (below).
 6. On CUDA with the torch attention backend nothing was warmed, yet Triton kernels ran in requests (below).
-7. On CUDA, every worker rank past the first pipeline stage crashed in the warm-up at start-up (below).
+7. A CUDA rank past the first pipeline stage would crash in the warm-up (latent: ranks run on CPU today).
 """
 
 from __future__ import annotations
@@ -288,9 +288,11 @@ def test_a_cuda_runner_on_the_torch_backend_warms_its_triton_kernels(monkeypatch
 
 
 # 7. The warm-up's fake steps call the model with token ids only. A later pipeline stage has no embedding (its
-#    input is the previous stage's hidden states), so on CUDA every worker rank past the first stage of a
-#    --pipeline-parallel-size > 1 node crashed at start-up inside ``run_fake_steps`` ('NoneType' object is not
-#    callable). Run here on CPU with a real second-stage model: a later stage gets zero hidden states.
+#    input is the previous stage's hidden states), so a CUDA worker rank past the first stage of a
+#    --pipeline-parallel-size > 1 node would crash at start-up inside ``run_fake_steps`` ('NoneType' object is
+#    not callable). Latent today: the tp x pp ranks' ModelRunner is made with its default device, the CPU, where
+#    nothing is warmed; it bites the day the ranks run on GPUs. Run here on CPU with a real second-stage model: a
+#    later stage gets zero hidden states.
 
 def test_the_warmup_runs_on_a_later_pipeline_stage(tiny_llama):
     from types import SimpleNamespace
