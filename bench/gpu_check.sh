@@ -40,7 +40,11 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SMALL=${SMALL:-0}
-PARTS=" ${PARTS:-device tests compile parity bf16 bench engine serve} "
+ALL_PARTS="device tests compile parity bf16 bench engine serve"
+PARTS=" ${PARTS:-$ALL_PARTS} "
+for p in $PARTS; do   # a misspelt part would run nothing and pass
+  [[ " $ALL_PARTS " == *" $p "* ]] || { echo "PARTS: unknown part '$p' (parts: $ALL_PARTS)" >&2; exit 2; }
+done
 TEST_FILES=${TEST_FILES:-test_triton_kernels:300 test_decode_splits:180 test_cuda_graphs:240 test_fused_ops:180}
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 if [ "$SMALL" = 1 ]; then

@@ -200,6 +200,10 @@ def test_gpu_check_fails_its_device_and_test_parts_without_a_usable_gpu(tmp_path
     assert "FAIL" in lines["tests/test_fused_ops.py"], summary
     assert "PASS" in lines["tests/test_decode_splits.py"], summary     # its skips are by design off the interpreter
     assert not any(name.startswith(("fp32", "bf16", "kernel", "engine", "bench", "offline")) for name in lines), summary
+    env.update(PARTS="parity,bf16")                                   # a misspelt list would run nothing and pass
+    run = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2 and "unknown part 'parity,bf16'" in run.stderr, run.stderr
 
 
 # 5. "One packed host -> device copy per step" held for ``sampler.sample`` alone (its test hands it ready-made
