@@ -35,5 +35,9 @@ class ProxyMetrics:
                                        "call until its first byte), decode (the decode call to its last byte)",
                                        ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
 
+        for role in ("prefill", "decode"):     # exported at 0 from the start (vLLM pre-creates its labels too)
+            self.retries.labels(role)
+            self.aborted_calls.labels(role)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
