@@ -9,8 +9,10 @@ proxy and both nodes (OTLP/HTTP, the SDK's batch processor) to a sink in this pr
 export (a collector elsewhere costs the cluster nothing more). For each concurrency, each round runs the same
 fixed-seed batch of requests (fresh prompts: no prefix is shared between requests) on both clusters, one after the
 other (off first in even rounds, on first in odd ones: drift on a shared machine hits both alike), and takes completed requests per second
-over the batch. The result is the median of the rounds' on/off throughput ratios (1.00: free; the goal is >= 0.98)
-and the medians of each side, as a table and JSON.
+over the batch, and the CPU seconds the cluster's processes (proxy, nodes, engine cores, store) spent per request
+(from /proc: robust where other work shares the machine). The result is the median of the rounds' on/off
+throughput ratios (1.00: free; the goal is >= 0.98), the medians of each side and of the CPU per request, as a table
+and JSON. ``--control`` runs the second cluster without tracing too: the ratio is then the noise floor.
 """
 
 from __future__ import annotations
@@ -61,6 +63,32 @@ class Sink:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
+def cpu_seconds(cluster: LocalCluster) -> float:
+    """User + system CPU seconds of the cluster's processes and their children (engine cores), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    pids, todo = set(), [c.proc.pid for c in cluster.children]
+    while todo:
+        pid = todo.pop()
+        pids.add(pid)
+        todo += [p for p, parent in parents.items() if parent == pid and p not in pids]
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])          # utime, stime (clock ticks)
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def prompts(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(48)) for _ in range(n)]
@@ -87,16 +115,19 @@ def measure(clusters: dict[str, LocalCluster], args) -> list[dict]:
     for concurrency, n in zip(args.concurrency, args.requests):
         asyncio.run(run_batch(clusters["off"].url, prompts(concurrency, 999), concurrency, args.max_tokens))  # warm
         asyncio.run(run_batch(clusters["on"].url, prompts(concurrency, 998), concurrency, args.max_tokens))
-        per = {"off": [], "on": []}
+        per, cpu = {"off": [], "on": []}, {"off": [], "on": []}
         for r in range(args.rounds):
             texts = prompts(n, seed=1000 * concurrency + r)
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):   # the same prompts (per cluster once);
-                                                                           # the order alternates round by round
+                before = cpu_seconds(clusters[mode])                       # the order alternates round by round
                 per[mode].append(asyncio.run(run_batch(clusters[mode].url, texts, concurrency, args.max_tokens)))
+                cpu[mode].append((cpu_seconds(clusters[mode]) - before) / n * 1e3)
         ratios = [on / off for on, off in zip(per["on"], per["off"])]
         rows.append({"concurrency": concurrency, "requests": n, "rounds": args.rounds,
                      "off_req_per_s": statistics.median(per["off"]), "on_req_per_s": statistics.median(per["on"]),
-                     "ratio_on_off": statistics.median(ratios), "ratios": ratios, "off": per["off"], "on": per["on"]})
+                     "ratio_on_off": statistics.median(ratios), "ratios": ratios, "off": per["off"], "on": per["on"],
+                     "off_cpu_ms_per_req": statistics.median(cpu["off"]),
+                     "on_cpu_ms_per_req": statistics.median(cpu["on"])})
     return rows
 
 
@@ -107,6 +138,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, nargs="+", default=[32, 192], help="requests per round, per concurrency")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--control", action="store_true",
+                   help="A/A check: the second cluster without tracing too (the ratio is then the noise floor)")
     p.add_argument("--output", default=None)
     args = p.parse_args()
     model = args.model
@@ -115,7 +148,7 @@ def main() -> None:
         model = str(make_tiny_model(tempfile.mkdtemp(prefix="pdserve-tiny-"), arch="llama", seed=0))
     sink = Sink()
     with ExitStack() as stack:
-        trace = ("--otlp-traces-endpoint", sink.url)
+        trace = () if args.control else ("--otlp-traces-endpoint", sink.url)
         clusters = {"off": stack.enter_context(LocalCluster(model, ClusterSpec(prefill=1, decode=1))),
                     "on": stack.enter_context(LocalCluster(model, ClusterSpec(prefill=1, decode=1, node_flags=trace,
                                                                               proxy_flags=trace)))}
@@ -123,10 +156,12 @@ def main() -> None:
     print(f"\ntracing overhead: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"{args.max_tokens} output tokens per request, median of {args.rounds} rounds; spans exported: "
           f"{sink.exports} exports, {sink.bytes / 1e6:.1f} MB")
-    print(f"{'concurrency':>11} {'off req/s':>10} {'on req/s':>10} {'on/off':>7}  rounds' on/off")
+    print(f"{'concurrency':>11} {'off req/s':>10} {'on req/s':>10} {'on/off':>7} {'off CPU ms/req':>15} "
+          f"{'on CPU ms/req':>14}  rounds' on/off")
     for r in rows:
         print(f"{r['concurrency']:>11} {r['off_req_per_s']:>10.2f} {r['on_req_per_s']:>10.2f} {r['ratio_on_off']:>7.3f}"
-              f"  {' '.join(f'{x:.3f}' for x in r['ratios'])}")
+              f" {r['off_cpu_ms_per_req']:>15.2f} {r['on_cpu_ms_per_req']:>14.2f}  "
+              f"{' '.join(f'{x:.3f}' for x in r['ratios'])}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"rows": rows, "exports": sink.exports, "export_bytes": sink.bytes}, f, indent=1)

@@ -89,7 +89,8 @@ class Generation:
         self._engine, self._calls, self._metrics, self._n = engine, calls, metrics, max(1, n)
         self._trackers = {c.request_id: RequestTracker(metrics, arrival, c.params.max_tokens,
                                                        _trace(engine, c, arrival, trace_parent)) for c in calls}
-        self._finished: set[str] = set()
+        self._finished: set[str] = set()             # ended, or being aborted
+        self._ended: set[str] = set()                # their metrics recorded (``_end``, once each)
         self._submitted: dict[str, asyncio.Queue | Exception] | None = None   # id -> its deltas, or why not
 
     def start(self) -> None:
@@ -183,8 +184,11 @@ class Generation:
         """An engine request ended (once each); when the last one has, the per-prompt figures (vLLM's n and
         max generation tokens of a prompt's n choices)."""
         self._finished.add(request_id)
+        if request_id in self._ended:
+            return
+        self._ended.add(request_id)
         self._trackers[request_id].on_end(reason)
-        if len(self._finished) < len(self._calls):
+        if len(self._ended) < len(self._calls):
             return
         tokens: dict[int, int] = {}
         for call in self._calls:
@@ -203,10 +207,9 @@ class Generation:
     async def _abort_unfinished(self) -> None:
         for call in self._calls:
             if call.request_id not in self._finished:
-                self._finished.add(call.request_id)     # before the await: no second abort of it meanwhile
+                self._finished.add(call.request_id)
                 logger.info("aborting %s: its client stopped reading", call.request_id)
                 await self._engine.abort(call.request_id)
-                self._finished.discard(call.request_id)
                 self._end(call.request_id, "abort")
 
 
