@@ -6,8 +6,8 @@ Called by ``serve.run_bench``:
     ... run ...
     block = kv_block(counter_delta(before, await snapshot(http, urls)))
 
-Only ``pdserve_*`` counters are kept (so a vLLM or other server yields an empty block, not an
-error); a node that does not answer /metrics is skipped with a warning in the block.
+Only ``pdserve_*`` counters and vLLM's prefix-cache counters (``vllm:prefix_cache_*``, which pdserve nodes
+export under vLLM's names) are kept (so another server yields an empty or prefix-cache-only block, not an error); a node that does not answer /metrics is skipped with a warning in the block.
 ``usage_kv`` sums the per-request accounting pdserve puts in each stream's usage chunk, which is
 available through the proxy without knowing the nodes.
 """
@@ -20,6 +20,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 KV_PREFIX = "pdserve_kv_"
+_KEPT = ("pdserve_", "vllm:prefix_cache_")
 
 
 async def snapshot(http: aiohttp.ClientSession, urls: list[str]) -> tuple[dict[str, float], list[str]]:
@@ -40,10 +41,10 @@ async def snapshot(http: aiohttp.ClientSession, urls: list[str]) -> tuple[dict[s
 
 
 def parse_counters(text: str) -> dict[str, float]:
-    """``pdserve_*`` counter samples (``*_total``) summed over their label sets."""
+    """``pdserve_*`` and ``vllm:prefix_cache_*`` counter samples (``*_total``) summed over their label sets."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.type != "counter" or not family.name.startswith("pdserve_"):
+        if family.type != "counter" or not family.name.startswith(_KEPT):
             continue
         for sample in family.samples:
             if sample.name.endswith("_total"):
@@ -64,9 +65,9 @@ def kv_block(delta: dict[str, float]) -> dict[str, float]:
         for key in ("store_hit_tokens", "local_hit_tokens", "loaded_tokens", "recomputed_tokens"):
             if key in kv:
                 kv[key.replace("_tokens", "_rate")] = kv[key] / total
-    queries = delta.get("pdserve_prefix_cache_queries_total", 0.0)
+    queries = delta.get("vllm:prefix_cache_queries_total", 0.0)
     if queries > 0:
-        kv["prefix_cache_hit_rate"] = delta.get("pdserve_prefix_cache_hits_total", 0.0) / queries
+        kv["prefix_cache_hit_rate"] = delta.get("vllm:prefix_cache_hits_total", 0.0) / queries
     return kv
 
 

@@ -6,7 +6,8 @@ subcommands, ``cli.py``), and the prefill/decode roles, which run the same engin
 
 Here, beside the subpackages: the public API (``llm.py``: LLM, ``sampling_params.py``, ``outputs.py``), the node's
 configuration (``config.py``, ``envs.py``: every PDSERVE_ variable, ``request_limits.py``), ``node.py``
-(``pdserve node``), ``cli.py`` (``pdserve``) and two process-wide helpers (``host_memory.py``, ``private_dir.py``).
+(``pdserve node``), ``cli.py`` (``pdserve``), ``tracing.py`` (OpenTelemetry, ``--otlp-traces-endpoint``, node and
+proxy; off and never imported by default) and two process-wide helpers (``host_memory.py``, ``private_dir.py``).
 
 The subpackages, in the order a request meets them:
     server/       HTTP -> token ids + SamplingParams (OpenAI protocol, limits, metrics); the proxy reuses its checks

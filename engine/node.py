@@ -21,7 +21,7 @@ import signal
 import time
 from pathlib import Path
 
-from pdserve.engine import envs
+from pdserve.engine import envs, tracing
 from pdserve.engine.config import (CacheConfig, EngineConfig, ExecutionConfig, KVTransferConfig, ParallelConfig,
                                    SchedulerConfig)
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
@@ -59,6 +59,9 @@ def register(subparsers) -> None:
                    default=envs.PDSERVE_ENGINE_CORE_PROCESS,
                    help="run the engine core (scheduler, model, KV connector) in a process of its own, beside the "
                         "HTTP process (pdserve.engine.core; default on, PDSERVE_ENGINE_CORE_PROCESS=0 turns it off)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces (OTLP/HTTP) to URL, e.g. http://collector:4318 (vLLM's flag; "
+                        "needs pip install 'pdserve[otel]'); off by default")
     _add_engine_flags(p)
     add_limit_flags(p)
     add_tool_arguments(p)
@@ -206,6 +209,7 @@ def run_node(args) -> int:
         raise SystemExit(f"pdserve node: {exc}") from None
     signals = _StopSignals(args.drain_timeout)
     sock = inherited_socket(args.fd)          # checked before the engine starts: a bad --fd fails at once
+    tracing.setup_or_exit(f"pdserve-{args.role}", args.otlp_traces_endpoint, "pdserve node")
     engine, healthy = None, True
     try:
         from pdserve.engine.core.async_engine import AsyncEngine
@@ -228,6 +232,7 @@ def run_node(args) -> int:
         if engine is not None:
             healthy = engine.is_healthy()
             engine.shutdown()
+        tracing.shutdown()
     if signals.first is not None:
         state = "during start-up" if engine is None else "healthy" if healthy else "the engine had failed: exit 1"
         logger.info("stopped %.1fs after %s (%s)", time.monotonic() - signals.since, signals.first, state)

@@ -28,6 +28,32 @@ def finite_logprob(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 
 
+class RequestTimes(msgspec.Struct, frozen=True, array_like=True):
+    """Where one request's time went, stamped by the engine core (``time.monotonic()`` of the core's process:
+    the API process reads the same clock on the same host). 0.0: not reached. Sent with a request's first
+    output that carries a token and with its final output; read by the node's metrics (queue / prefill /
+    decode / inference times, KV load and publish) and its trace spans (``engine/server/request_trace.py``).
+
+        queued ── scheduled ── first_token ─────── last_token        (vLLM's intervals: queue = scheduled -
+                  kv_load_start ─ kv_load_end                         queued, prefill = first_token - scheduled,
+                  (decode role: the wait in WAITING_FOR_KV,           decode = last_token - first_token,
+                   inside the queue time, as vLLM counts it)          inference = last_token - scheduled)
+                                   kv_publish_start ───── kv_publish_end   (prefill role: first chunk handed
+                                                                            to the store -> all acknowledged)
+    """
+    queued: float
+    scheduled: float = 0.0
+    first_token: float = 0.0          # the first token sampled here (a decode node: after the prefill node's)
+    last_token: float = 0.0
+    num_preemptions: int = 0
+    kv_load_start: float = 0.0
+    kv_load_end: float = 0.0
+    kv_loaded_bytes: int = 0
+    kv_publish_start: float = 0.0
+    kv_publish_end: float = 0.0
+    kv_published_bytes: int = 0
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -43,6 +69,7 @@ class RequestOutput:
     kv_accounting: dict | None = None        # with a KV store: total/local_hit/store_hit/... (final output)
     stop_reason: int | str | None = None     # finish_reason "stop": the stop string or stop token id (None: eos)
     prompt_logprobs: list[PromptLogprob] | None = None   # with the first token: prompt tokens 1.. (params asked)
+    times: RequestTimes | None = None        # with the first sampled token and the final output (engine core)
 
 
 @dataclass
@@ -72,6 +99,13 @@ class EngineStats:
     kv_transfer: dict          # connector counters (load/publish failures, store health)
     num_free_blocks: int
     num_blocks: int
+    num_preemptions: int = 0            # cumulative, every preemption by recompute (vllm:num_preemptions)
+    iteration_tokens: list[int] = field(default_factory=list)   # steps per ITERATION_TOKEN_BUCKETS bucket, +Inf last
+    iteration_tokens_sum: int = 0       # tokens scheduled over every step
+
+
+# vLLM's buckets of vllm:iteration_tokens_total (tokens scheduled in one engine step)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class EngineDeadError(RuntimeError):

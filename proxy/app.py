@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
+from pdserve.engine import tracing
 from pdserve.engine.server.auth import API_KEY_INDEX, BearerAuth
 from pdserve.engine.server.direct import DirectRoutes, FrontedApp
 from pdserve.engine.server.errors import APIError, error_response, install_error_handlers
@@ -137,10 +138,13 @@ def _direct_routes(state: ProxyState) -> dict[str, tuple[type, Any]]:
 async def _serve(state: ProxyState, request: Request, endpoint: str, parsed, body: dict[str, Any]) -> Response:
     """``parsed``: ``body`` (the client's JSON object) as the endpoint's pydantic model."""
     start = time.perf_counter()
+    span = tracing.start_span(f"POST {endpoint}", "server", tracing.extract(request.headers),
+                              attributes={"http.route": endpoint}) if tracing.enabled() else None
 
     def on_end(outcome: str) -> None:
         state.metrics.requests.labels(endpoint, outcome).inc()
         state.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+        tracing.end(span, attributes={"pdserve.outcome": outcome}, error=None if outcome == "ok" else outcome)
 
     try:
         _check_model(state, parsed.model)
@@ -149,7 +153,8 @@ async def _serve(state: ProxyState, request: Request, endpoint: str, parsed, bod
         on_end("client_error")
         raise
     try:
-        return await _unless_disconnected(request, state.orchestrator.handle(req, on_end))
+        with tracing.use(span):                 # the node calls' traceparent: a child of this request's span
+            return await _unless_disconnected(request, state.orchestrator.handle(req, on_end))
     except ClientGone:
         on_end("aborted")
         return error_response(499, "client closed the request")

@@ -15,7 +15,7 @@ import gc
 import logging
 import sys
 
-from pdserve.engine import envs
+from pdserve.engine import envs, tracing
 from pdserve.engine.request_limits import add_limit_flags, limits_from_args
 from pdserve.engine.server.tools.config import add_tool_arguments, tool_config_from_args
 from pdserve.engine.server.auth import api_keys_from_args
@@ -47,6 +47,9 @@ def register(subparsers) -> None:
                    help="the key of the tenant salts' HMAC (>= 16 bytes); default: random per start")
     p.add_argument("--expose-kv-accounting", action=argparse.BooleanOptionalAction, default=False,
                    help="include the nodes' usage.kv_transfer (prefix-cache and store hits, loads) in answers")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces (OTLP/HTTP) to URL, e.g. http://collector:4318 (vLLM's flag; "
+                        "needs pip install 'pdserve[otel]'): a span per request, W3C traceparent to the nodes")
     p.add_argument("--prefill-policy", default="prefix_aware", choices=POLICIES)
     p.add_argument("--decode-policy", default="least_loaded", choices=POLICIES)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health probes")
@@ -90,6 +93,7 @@ def run_proxy(args) -> int:
     except ValueError as exc:
         raise SystemExit(f"pdserve proxy: {exc}") from None
     sock = inherited_socket(args.fd)
+    tracing.setup_or_exit("pdserve-proxy", args.otlp_traces_endpoint, "pdserve proxy")
     tokenizer = load_tokenizer(resolve_model(config.model))
     app = build_app(config, tokenizer)
     logger.info("proxy on http://%s:%d: prefill %s (%s), decode %s (%s)",
@@ -106,7 +110,10 @@ def run_proxy(args) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            access_log=False, proxy_headers=False,
                                            timeout_keep_alive=config.timeout_keep_alive_s))
-    server.run(sockets=[sock] if sock is not None else None)
+    try:
+        server.run(sockets=[sock] if sock is not None else None)
+    finally:
+        tracing.shutdown()
     return 0 if server.started else 3          # 3: uvicorn's start-up failure (the port taken...)
 
 

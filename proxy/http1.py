@@ -109,9 +109,10 @@ class _Origin:
         elif bearer:                                  # the nodes' --api-key (--node-api-key)
             self.extra.append(b"Authorization: Bearer " + bearer.encode("latin-1"))
 
-    def head(self, method: str, path: str, body: bytes | None) -> bytes:
+    def head(self, method: str, path: str, body: bytes | None, headers: tuple[bytes, ...] = ()) -> bytes:
+        """``headers``: more header lines (``name: value``), e.g. the W3C ``traceparent`` (``tracing.inject``)."""
         lines = [b"%s %s%s HTTP/1.1" % (method.encode(), self.prefix, path.encode()), b"Host: " + self.host_header,
-                 b"User-Agent: " + _USER_AGENT, *self.extra]
+                 b"User-Agent: " + _USER_AGENT, *self.extra, *headers]
         if body is not None:
             lines += [b"Content-Type: application/json", b"Content-Length: %d" % len(body)]
         return b"\r\n".join(lines) + b"\r\n\r\n"
@@ -325,16 +326,19 @@ class ConnectionPool:
         self._open: set[_Connection] = set()
         self._tls: ssl.SSLContext | None = None
 
-    async def fetch(self, method: str, base_url: str, path: str, body: bytes | None = None) -> Response:
+    async def fetch(self, method: str, base_url: str, path: str, body: bytes | None = None,
+                    headers: tuple[bytes, ...] = ()) -> Response:
         """One request and its whole answer, within ``timeout_s``."""
         end = asyncio.get_running_loop().time() + self.timeout_s
-        response = await self._request(method, base_url, path, body, end)
+        response = await self._request(method, base_url, path, body, end, headers)
         await response.read(end)
         return response
 
-    async def stream(self, method: str, base_url: str, path: str, body: bytes | None = None) -> Response:
+    async def stream(self, method: str, base_url: str, path: str, body: bytes | None = None,
+                     headers: tuple[bytes, ...] = ()) -> Response:
         """One request; returns once the status line and headers are in (within ``timeout_s``)."""
-        return await self._request(method, base_url, path, body, asyncio.get_running_loop().time() + self.timeout_s)
+        return await self._request(method, base_url, path, body, asyncio.get_running_loop().time() + self.timeout_s,
+                                   headers)
 
     async def aclose(self) -> None:
         for conn in list(self._open):
@@ -355,12 +359,13 @@ class ConnectionPool:
             conn.abort(CallAborted(f"{origin.where}: {why}"))
         return len(silent)
 
-    async def _request(self, method: str, base_url: str, path: str, body: bytes | None, end: float) -> Response:
+    async def _request(self, method: str, base_url: str, path: str, body: bytes | None, end: float,
+                       headers: tuple[bytes, ...] = ()) -> Response:
         """Take a slot and a connection, send the request, wait for the answer's head (until ``end``)."""
         origin = self._origin(base_url)
         await self._take_slot(end)
         try:
-            request = origin.head(method, path, body) + (body or b"")
+            request = origin.head(method, path, body, headers) + (body or b"")
             head_only = method.upper() == "HEAD"
             if (conn := self._idle_connection(origin)) is not None:
                 try:

@@ -31,8 +31,13 @@ class ProxyMetrics:
         self.latency = Histogram("pdserve_proxy_request_latency_seconds", "client request, arrival to last byte",
                                  ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         self.phase_latency = Histogram("pdserve_proxy_phase_latency_seconds",
-                                       "prefill call, and decode call until its first byte",
+                                       "time per phase: prefill (the prefill calls), decode_first_byte (decode "
+                                       "call until its first byte), decode (the decode call to its last byte)",
                                        ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
+
+        for role in ("prefill", "decode"):     # exported at 0 from the start (vLLM pre-creates its labels too)
+            self.retries.labels(role)
+            self.aborted_calls.labels(role)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -45,6 +45,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 import anyio
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.engine import tracing
 from pdserve.engine.server.errors import error_body, error_response
 from pdserve.proxy.accounting import drop_kv_accounting, event_without_kv_accounting, json_without_kv_accounting
 from pdserve.proxy.http1 import ConnectionBroken, ConnectionPool, HTTPError
@@ -112,9 +113,14 @@ class Orchestrator:
         return RelayResponse(stream, on_end, None if self._expose else event_without_kv_accounting)
 
     async def prefill(self, req: ProxyRequest) -> list[dict[str, Any]]:
-        """One prefill answer per prompt, in prompt order."""
+        """One prefill answer per prompt, in prompt order (a "prefill" span around them, tracing on)."""
         start = time.perf_counter()
-        payloads = await _all_or_cancel([self._prefill_one(req, i) for i in range(len(req.prompts))])
+        span = tracing.start_span("prefill", "client") if tracing.enabled() else None
+        try:
+            with tracing.use(span):
+                payloads = await _all_or_cancel([self._prefill_one(req, i) for i in range(len(req.prompts))])
+        finally:
+            tracing.end(span)
         self._metrics.phase_latency.labels("prefill").observe(time.perf_counter() - start)
         return payloads
 
@@ -123,24 +129,41 @@ class Orchestrator:
 
         async def call(node: Node) -> dict[str, Any]:
             with self._prefill.lease(node, len(prompt.ids)):
-                return (await post_json(self._client, node, req.endpoint, body))[0]
+                return (await post_json(self._client, node, req.endpoint, body, tracing.inject()))[0]
 
         return await self._retrying(self._prefill, prompt.chunk_keys, call)
 
     async def _decode_json(self, node: Node, req: ProxyRequest, kv: list[Any]) -> bytes:
-        with self._decode.lease(node, req.decode_tokens):
-            return (await post_json(self._client, node, req.endpoint, decode_body(req, self._model_name(), kv)))[1]
+        start = time.perf_counter()
+        span = tracing.start_span("decode", "client") if tracing.enabled() else None
+        try:
+            with self._decode.lease(node, req.decode_tokens), tracing.use(span):
+                body = decode_body(req, self._model_name(), kv)
+                return (await post_json(self._client, node, req.endpoint, body, tracing.inject()))[1]
+        finally:
+            tracing.end(span)
+            self._metrics.phase_latency.labels("decode").observe(time.perf_counter() - start)
 
     async def _decode_stream(self, node: Node, req: ProxyRequest, kv: list[Any]) -> NodeStream:
+        """The decode node's stream, its lease (and "decode" span, tracing on) held until the stream closes."""
         start = time.perf_counter()
         release = self._decode.acquire(node, req.decode_tokens)
+        span = tracing.start_span("decode", "client") if tracing.enabled() else None
         try:
-            stream = await open_stream(self._client, node, req.endpoint, decode_body(req, self._model_name(), kv))
+            with tracing.use(span):
+                stream = await open_stream(self._client, node, req.endpoint, decode_body(req, self._model_name(), kv),
+                                           tracing.inject())
         except BaseException:
             release()
+            tracing.end(span)
             raise
-        stream.on_close = release                 # the lease lasts as long as the stream
         self._metrics.phase_latency.labels("decode_first_byte").observe(time.perf_counter() - start)
+
+        def closed() -> None:
+            release()
+            tracing.end(span)
+            self._metrics.phase_latency.labels("decode").observe(time.perf_counter() - start)
+        stream.on_close = closed                  # the lease lasts as long as the stream
         return stream
 
     async def _retrying(self, pool: NodePool, keys: list[str], call: Callable[[Node], Awaitable[T]]) -> T:

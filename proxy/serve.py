@@ -77,6 +77,7 @@ NODE_FLAGS = (
     ("--enforce-eager", bool, "no CUDA graphs, no torch.compile"),
     ("--torch-compile", bool, "torch.compile on CPU (off by default)"),
     ("--engine-core-process", bool, "the engine core in its own process (the nodes' default)"),
+    ("--otlp-traces-endpoint", str, "OpenTelemetry traces to this OTLP/HTTP URL (the proxy's too)"),
 )
 
 
@@ -131,7 +132,8 @@ def run(args) -> int:
                        decode_flags=role_flags(args, "decode"), num_threads=args.num_threads,
                        kv_auth_token=token_from_args(args, "pdserve serve"),
                        api_keys=api_keys_from_args(args, "pdserve serve"),
-                       proxy_flags=(("--cache-salt-from-api-key",) if args.cache_salt_from_api_key else ()) + tools,
+                       proxy_flags=(("--cache-salt-from-api-key",) if args.cache_salt_from_api_key else ()) + tools
+                       + (("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ()),
                        expose_kv_accounting=args.expose_kv_accounting, node_api_key=True)
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):      # Ctrl-C, or a supervisor stopping us
@@ -154,6 +156,11 @@ def run(args) -> int:
     return 0
 
 
+def metrics_urls(cluster: LocalCluster) -> list[str]:
+    """Every process that serves /metrics: the proxy, then the prefill and decode nodes."""
+    return [cluster.url, *cluster.prefill_urls, *cluster.decode_urls]
+
+
 def _announce(cluster: LocalCluster, model_name: str) -> None:
     print(f"\npdserve is ready: {cluster.url}  (model {model_name})", flush=True)
     key = ClusterKey(cluster.kv_auth_token)
@@ -161,6 +168,8 @@ def _announce(cluster: LocalCluster, model_name: str) -> None:
           f"  prefill {' '.join(cluster.prefill_urls)}\n  decode  {' '.join(cluster.decode_urls)}\n"
           f"  api key {'required' if cluster.spec.api_keys else 'none (--api-key)'}\n  logs    {cluster.log_dir}\n",
           flush=True)
+    print("  metrics (Prometheus; the store's tiers are in each node's)\n" +
+          "".join(f"    {url}/metrics\n" for url in metrics_urls(cluster)), flush=True)
     print(f"curl -s {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' -d "
           f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
           f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n\nCtrl-C stops everything.", flush=True)

@@ -48,11 +48,12 @@ class NodeRejected(Exception):
         self.status, self.content = status, content
 
 
-async def post_json(client: ConnectionPool, node: Node, path: str,
-                    body: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-    """The node's 200 answer, parsed and as sent (so that it can be passed on without encoding it again)."""
+async def post_json(client: ConnectionPool, node: Node, path: str, body: dict[str, Any],
+                    headers: tuple[bytes, ...] = ()) -> tuple[dict[str, Any], bytes]:
+    """The node's 200 answer, parsed and as sent (so that it can be passed on without encoding it again).
+    ``headers``: more request header lines (the trace context, ``tracing.inject``)."""
     try:
-        response = await client.fetch("POST", node.url, path, encode_json(body))
+        response = await client.fetch("POST", node.url, path, encode_json(body), headers)
     except HTTPError as exc:
         raise _transport_failure(node, exc) from exc
     content = response.content
@@ -96,9 +97,10 @@ class NodeStream:
             self.on_close = lambda: None
 
 
-async def open_stream(client: ConnectionPool, node: Node, path: str, body: dict[str, Any]) -> NodeStream:
+async def open_stream(client: ConnectionPool, node: Node, path: str, body: dict[str, Any],
+                      headers: tuple[bytes, ...] = ()) -> NodeStream:
     try:
-        response = await client.stream("POST", node.url, path, encode_json(body))
+        response = await client.stream("POST", node.url, path, encode_json(body), headers)
     except HTTPError as exc:
         raise _transport_failure(node, exc) from exc
     try:

@@ -135,7 +135,7 @@ def test_random_aborts_leak_nothing(tiny_llama):
 def _aborted(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve_request_success_total{") and 'finished_reason="abort"' in line)
+               if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line)
 
 
 def _aborted_stream(client: httpx.Client, url: str, prompt: str, after_chunks: int) -> None:
@@ -152,5 +152,5 @@ def _free_blocks(url: str) -> float:
 
 def _running(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=5).text
-    return _metric(text, "pdserve_num_requests_running") + _metric(text, "pdserve_num_requests_waiting")
+    return _metric(text, "vllm:num_requests_running") + _metric(text, "vllm:num_requests_waiting")
 

@@ -52,7 +52,7 @@ def _core_of(node: NodeProcess) -> int:
 
 def _running(url: str) -> bool:
     text = httpx.get(url + "/metrics", timeout=5).text
-    return any(line.startswith("pdserve_num_requests_running{") and float(line.rsplit(" ", 1)[1]) >= 1
+    return any(line.startswith("vllm:num_requests_running{") and float(line.rsplit(" ", 1)[1]) >= 1
                for line in text.splitlines())
 
 

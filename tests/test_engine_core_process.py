@@ -114,8 +114,8 @@ def test_abandoned_stream_frees_its_blocks_in_the_core(served):
         with client.stream("POST", url + CMPL, json=body) as r:
             chunks = r.iter_lines()
             assert [next(chunks) for _ in range(6)]          # a few tokens arrived, then the client hangs up
-            wait_until(lambda: _metric(client, url, "pdserve_num_requests_running") == 1, 30, "the core reports it")
-        wait_until(lambda: _metric(client, url, "pdserve_num_requests_running") == 0
+            wait_until(lambda: _metric(client, url, "vllm:num_requests_running") == 1, 30, "the core reports it")
+        wait_until(lambda: _metric(client, url, "vllm:num_requests_running") == 0
                    and _metric(client, url, "pdserve_kv_cache_free_blocks") == total, 30, "the aborted request freed")
         again = {**body, "max_tokens": 8, "stream": False}
         assert client.post(url + CMPL, json=again).json()["choices"][0]["text"] == \
@@ -136,7 +136,7 @@ def test_a_stop_string_frees_its_blocks_in_the_core(served):
         assert not differences(by_choice(answers[1]), by_choice(answers[0]))
         assert answers[1][-2]["choices"][0]["finish_reason"] == "stop"
         assert answers[1][-1]["usage"]["completion_tokens"] <= 6
-        wait_until(lambda: _metric(client, url, "pdserve_num_requests_running") == 0
+        wait_until(lambda: _metric(client, url, "vllm:num_requests_running") == 0
                    and _metric(client, url, "pdserve_kv_cache_free_blocks") == total, 30, "the stopped request freed")
 
 

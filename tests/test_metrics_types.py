@@ -42,7 +42,7 @@ def _node_text(store) -> str:
     engine = SimpleNamespace(stats=lambda: SimpleNamespace(
         num_running=0, num_waiting=0, kv_usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0,
         kv_totals={"total_tokens": 10}, kv_transfer=CONNECTOR, num_free_blocks=8, num_blocks=8,
-        kv_store={**store.stats(), "daemon": DAEMON}))
+        kv_store={**store.stats(), "daemon": DAEMON}, num_preemptions=0, iteration_tokens=[], iteration_tokens_sum=0))
     return ServerMetrics(engine, "m").render().decode()
 
 

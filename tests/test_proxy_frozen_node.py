@@ -101,10 +101,10 @@ def test_calls_in_flight_on_a_frozen_decode_node_end_and_it_serves_again(cluster
     assert answers and answers[0].status_code == 200, answers
     assert metric(cluster.url, "pdserve_proxy_aborted_calls_total") == aborted + 2
 
-    served = metric(frozen.url, "pdserve_request_success_total")
+    served = metric(frozen.url, "vllm:request_success_total")
     for _ in range(2):                     # round robin: one of the two goes to the resumed node
         assert httpx.post(cluster.url + CMPL, json=short, timeout=60).status_code == 200
-    assert metric(frozen.url, "pdserve_request_success_total") > served
+    assert metric(frozen.url, "vllm:request_success_total") > served
 
 
 class Clients:
@@ -161,7 +161,7 @@ def test_64_streaming_clients_through_a_decode_node_frozen_and_resumed(request, 
             await asyncio.sleep(FREEZE_S)                 # the scenario: frozen longer than a client's read timeout
         finally:
             os.kill(frozen.proc.pid, signal.SIGCONT)
-        served.append(await asyncio.to_thread(metric, frozen.url, "pdserve_request_success_total"))
+        served.append(await asyncio.to_thread(metric, frozen.url, "vllm:request_success_total"))
         ok_at_resume = clients.outcomes["ok"]
         while clients.outcomes["ok"] < ok_at_resume + 256:
             await asyncio.sleep(0.05)
@@ -176,4 +176,4 @@ def test_64_streaming_clients_through_a_decode_node_frozen_and_resumed(request, 
     assert not clients.failures, (outcomes, clients.failures[:5])
     assert set(outcomes) <= {"ok", "error event", "503 retry-after=1"}, outcomes
     assert outcomes.get("error event", 0) <= 64, outcomes             # only streams under way on the frozen node
-    assert metric(frozen.url, "pdserve_request_success_total") > served[0]     # the resumed node served again
+    assert metric(frozen.url, "vllm:request_success_total") > served[0]     # the resumed node served again

@@ -19,6 +19,10 @@ def test_serve_answers_and_ctrl_c_stops_everything(tiny_llama):
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        metrics = re.findall(r"(http://\S+)/metrics", output)          # every process's, printed (issue 42)
+        texts = [httpx.get(m + "/metrics", timeout=10).text for m in metrics]
+        assert len(metrics) == 3 and metrics[0] == url and "pdserve_proxy_requests_total" in texts[0]
+        assert all("vllm:num_requests_running{" in t for t in texts[1:])
         ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", output)]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0

@@ -22,7 +22,7 @@ from polling import wait_until
 MAX_MODEL_LEN = 256
 API_KEY = "test-secret"
 PROMPT = "The quick brown fox jumps over the lazy dog"
-ABORTED = {"name": "pdserve_request_success_total", "finished_reason": "abort"}
+ABORTED = {"name": "vllm:request_success_total", "finished_reason": "abort"}
 
 
 @pytest.fixture(scope="module")
@@ -159,15 +159,15 @@ def test_repeated_prompt_reports_cached_tokens(node, client, model):
     client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
     again = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens >= 32
-    assert _metric(node.url, "pdserve_prefix_cache_hits_total") >= 32
+    assert _metric(node.url, "vllm:prefix_cache_hits_total") >= 32
 
 
 def test_metrics_count_requests_tokens_and_latencies(node, client, model):
     """Every figure is a before/after difference of this test's own request (any order, shared node)."""
-    names = [("pdserve_generation_tokens_total", {}), ("pdserve_time_to_first_token_seconds_count", {}),
-             ("pdserve_inter_token_latency_seconds_count", {}), ("pdserve_prompt_tokens_total", {}),
-             ("pdserve_request_success_total", {"finished_reason": "length"}),
-             ("pdserve_prefix_cache_queries_total", {})]
+    names = [("vllm:generation_tokens_total", {}), ("vllm:time_to_first_token_seconds_count", {}),
+             ("vllm:inter_token_latency_seconds_count", {}), ("vllm:prompt_tokens_total", {}),
+             ("vllm:request_success_total", {"finished_reason": "length"}),
+             ("vllm:prefix_cache_queries_total", {})]
     before = [_metric(node.url, n, required=False, **labels) for n, labels in names]
     client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0,
                               extra_body={"ignore_eos": True})
@@ -177,9 +177,9 @@ def test_metrics_count_requests_tokens_and_latencies(node, client, model):
         return [_metric(node.url, n, required=False, **labels) - b for (n, labels), b in zip(names, before)]
 
     _wait_for(lambda: deltas() == [5, 1, 4, prompt_len, 1, prompt_len], f"metric deltas {deltas()}", 10)
-    hits = _metric(node.url, "pdserve_prefix_cache_hits_total")
-    assert _metric(node.url, "pdserve_prefix_cache_queries_total") >= hits
-    assert 0.0 <= _metric(node.url, "pdserve_kv_cache_usage_perc") <= 1.0
+    hits = _metric(node.url, "vllm:prefix_cache_hits_total")
+    assert _metric(node.url, "vllm:prefix_cache_queries_total") >= hits
+    assert 0.0 <= _metric(node.url, "vllm:kv_cache_usage_perc") <= 1.0
 
 
 # -- bad input: 4xx with a clear message, and the node keeps serving ------------------------------
@@ -257,10 +257,10 @@ def test_client_disconnect_mid_stream_aborts_the_request(keyed):
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[len("data: "):])["choices"][0]["index"] == 0
-            assert _metric(keyed.url, "pdserve_num_requests_running") == 1
+            assert _metric(keyed.url, "vllm:num_requests_running") == 1
     # 100k tokens would take minutes: only the abort brings the engine back to idle.
-    _wait_for(lambda: _metric(keyed.url, "pdserve_num_requests_running") == 0, "running == 0 after disconnect")
-    assert _metric(keyed.url, "pdserve_num_requests_waiting") == 0
+    _wait_for(lambda: _metric(keyed.url, "vllm:num_requests_running") == 0, "running == 0 after disconnect")
+    assert _metric(keyed.url, "vllm:num_requests_waiting") == 0
     assert _metric(keyed.url, **ABORTED) == aborted_before + 1
 
 
@@ -274,9 +274,9 @@ def test_client_gone_before_a_non_streaming_answer_aborts_the_request(keyed):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        _wait_for(lambda: _metric(keyed.url, "pdserve_num_requests_running") == 1, "the request is running")
-    _wait_for(lambda: _metric(keyed.url, "pdserve_num_requests_running") == 0, "running == 0 after disconnect")
-    assert _metric(keyed.url, "pdserve_num_requests_waiting") == 0
+        _wait_for(lambda: _metric(keyed.url, "vllm:num_requests_running") == 1, "the request is running")
+    _wait_for(lambda: _metric(keyed.url, "vllm:num_requests_running") == 0, "running == 0 after disconnect")
+    assert _metric(keyed.url, "vllm:num_requests_waiting") == 0
     assert _metric(keyed.url, **ABORTED) == aborted_before + 1
 
 

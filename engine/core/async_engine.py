@@ -203,4 +203,6 @@ def collect_stats(engine: LLMEngine, store_stats: StatsCache | None) -> EngineSt
                        prefix_cache_queries=queries, prefix_cache_hits=hits, kv_totals=dict(engine.outputs.totals),
                        kv_store=store_stats.get() if store_stats else {},
                        kv_transfer=engine.connector.stats() if engine.connector else {},
-                       num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks)
+                       num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
+                       num_preemptions=sched.num_preemptions, iteration_tokens=list(engine.iterations.counts),
+                       iteration_tokens_sum=engine.iterations.total)

@@ -19,6 +19,7 @@ is still publishing is held back until the store acknowledged it (see ``outputs.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import numbers
@@ -35,7 +36,7 @@ from pdserve.engine.kv.store_factory import build_node_store, object_bytes
 from pdserve.engine.models.layers import matmul_path
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.models.model_config import ModelConfig
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import ITERATION_TOKEN_BUCKETS, RequestOutput
 from pdserve.engine.runner.model_runner import ModelRunner, SampleFailure
 from pdserve.engine.sched.block_manager import BlockManager
 from pdserve.engine.sched.request import Request, check_stop
@@ -79,6 +80,7 @@ class LLMEngine:
                                    grammars=self.structured)
         self.outputs = OutputAssembler(self.tokenizer if detokenize else None, self.scheduler, self.runner,
                                        self.connector, config.kv_transfer.role)
+        self.iterations = IterationTokens()
         logger.info("engine ready: model=%s role=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV) "
                     "max_model_len=%d store=%s attention=%s matmuls=%s", config.model_name, config.kv_transfer.role,
                     self.layout.dtype, self.runtime.num_blocks, block_size,
@@ -218,6 +220,7 @@ class LLMEngine:
         cannot be recovered (a dead worker rank, inconsistent block tables) propagates.
         """
         sched_out = self.scheduler.schedule()
+        self.iterations.observe(sched_out.num_batched_tokens)
         try:
             sched_out.grammar_bitmask = self.structured.bitmask(sched_out.scheduled)
             sampled = self.runner.execute(sched_out)
@@ -244,6 +247,20 @@ class LLMEngine:
         outs += self.outputs.collect({}, sched_out.rejected)
         self.scheduler.check_integrity()                     # raises if the step left blocks inconsistent
         return [o for o in outs if o is not None]
+
+
+class IterationTokens:
+    """Steps by tokens scheduled (``ITERATION_TOKEN_BUCKETS``: vllm:iteration_tokens_total), counted per bucket
+    here and made cumulative by the node's ``/metrics``; steps that scheduled nothing are not counted."""
+
+    def __init__(self):
+        self.counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)   # the last: above the largest bucket (+Inf)
+        self.total = 0
+
+    def observe(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+            self.total += num_tokens
 
 
 def check_prompt_ids(ids, vocab_size: int) -> None:

@@ -36,11 +36,11 @@ import msgspec
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv.kv_transfer import KVTransferParams
-from pdserve.engine.outputs import EngineStats, PromptLogprob, RequestOutput
+from pdserve.engine.outputs import EngineStats, PromptLogprob, RequestOutput, RequestTimes
 from pdserve.engine.runner.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 
-VERSION = 7                       # 7: SamplingParams has prompt_logprobs, presence / frequency penalties, logit_bias
+VERSION = 8                       # 8: CoreOutput.times (RequestTimes); EngineStats: preemptions, iteration tokens
 STATS_INTERVAL_S = 0.1            # stats ride along with outputs at most this often (and whenever idle)
 HEARTBEAT_S = 0.5                 # the core says it is alive this often, whatever its loop is doing
 _LENGTH = struct.Struct(">I")
@@ -129,6 +129,7 @@ class CoreOutput(msgspec.Struct, frozen=True, array_like=True):
     kv_accounting: dict[str, int] | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[PromptLogprob] | None = None
+    times: RequestTimes | None = None     # the core's timestamps: with the first sampled token and the final output
 
 
 class Rejected(msgspec.Struct, frozen=True, array_like=True):
@@ -201,7 +202,7 @@ def output_to_wire(out: RequestOutput, seq: int) -> CoreOutput:
     transfer = None if out.kv_transfer_params is None else KVTransferParams.from_json_obj(out.kv_transfer_params)
     return CoreOutput(out.request_id, seq, out.new_token_ids, out.finished, out.finish_reason,
                       out.num_prompt_tokens, out.num_cached_tokens, logprobs, out.error, transfer, out.kv_accounting,
-                      out.stop_reason, out.prompt_logprobs)
+                      out.stop_reason, out.prompt_logprobs, out.times)
 
 
 def output_from_wire(o: CoreOutput) -> RequestOutput:
@@ -211,7 +212,7 @@ def output_from_wire(o: CoreOutput) -> RequestOutput:
     transfer = None if o.kv_transfer_params is None else o.kv_transfer_params.to_json_obj()
     return RequestOutput(o.request_id, o.new_token_ids, "", o.finished, o.finish_reason, o.num_prompt_tokens,
                          o.num_cached_tokens, logprobs, o.error, transfer, o.kv_accounting, o.stop_reason,
-                         o.prompt_logprobs)
+                         o.prompt_logprobs, o.times)
 
 
 def _check(message):

@@ -24,9 +24,10 @@ strings and calls ``stop`` (a ``StopRequests`` message) for a request they end.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
-from pdserve.engine.outputs import RequestOutput, finite_logprob
+from pdserve.engine.outputs import RequestOutput, RequestTimes, finite_logprob
 from pdserve.engine.runner.sampler import SampleResult, generator_draws
 from pdserve.engine.sched.request import Request, RequestStatus
 from pdserve.engine.text.detokenizer import RequestText
@@ -42,6 +43,7 @@ class _Live:
     first: SampleResult | None = None   # the first output token's sample (its logprobs go to the decode node)
     prompt: list | None = None          # PromptLogprob of prompt tokens 1.. so far (None: not asked for)
     prompt_sent: bool = False           # they went out with the first token
+    last: float = 0.0                   # time.monotonic() it finished here (RequestTimes.last_token)
 
 
 class OutputAssembler:
@@ -102,7 +104,7 @@ class OutputAssembler:
         if transfer.first_token_logprob is not None:
             sample = SampleResult(first, transfer.first_token_logprob,
                                   _tops(transfer.first_token_top_logprobs, req.sampling_params.logprobs))
-        out = self._emit_token(req.request_id, first, sample)
+        out = self._emit_token(req.request_id, first, sample, sampled_here=False)
         if out is not None:
             self._ready.append(out)
         return req.status.is_finished
@@ -144,9 +146,12 @@ class OutputAssembler:
         except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
             return self.fail(request_id, f"output processing failed: {type(exc).__name__}: {exc}")
 
-    def _emit_token(self, request_id: str, token_id: int, result) -> RequestOutput | None:
+    def _emit_token(self, request_id: str, token_id: int, result, sampled_here: bool = True) -> RequestOutput | None:
         live = self._live[request_id]
         req = live.req
+        first_here = sampled_here and not req.first_token_time
+        if first_here:
+            req.first_token_time = time.monotonic()
         if live.first is None:
             live.first = result
         prompt = self._prompt_once(live)
@@ -156,7 +161,11 @@ class OutputAssembler:
         logprobs = [result] if result is not None and req.sampling_params.logprobs is not None else None
         out = self._output(req, [token_id], text, logprobs, live.transfer)
         out.prompt_logprobs = prompt
-        return self._finish(live, out) if req.status.is_finished else out
+        if req.status.is_finished:
+            return self._finish(live, out)
+        if first_here:
+            out.times = self._times(live)
+        return out
 
     def _prompt_once(self, live: _Live) -> list | None:
         """The prompt logprobs for the request's first token, all of them (else it fails), once."""
@@ -182,14 +191,17 @@ class OutputAssembler:
 
     def _finish(self, live: _Live, out: RequestOutput) -> RequestOutput | None:
         req = live.req
+        live.last = time.monotonic()
         del self._live[req.request_id]
         self.runner.release(req.request_id)
         if self.connector is None:
+            out.times = self._times(live)
             return out
         acc = self.connector.accounting(req)
         out.kv_accounting = self._account(req, acc)
         if self.role == "decode" or req.status == RequestStatus.FINISHED_ABORTED:
             self._attach_transfer(out, live)
+            out.times = self._times(live)
             self.connector.forget(req.request_id)
             return out
         self.connector.close(req.request_id)
@@ -216,9 +228,17 @@ class OutputAssembler:
             held = self._held.pop(rid, None)
             if held is not None:
                 self._attach_transfer(*held)
+                held[0].times = self._times(held[1])
                 outs.append(held[0])
             self.connector.release(rid)
         return outs
+
+    def _times(self, live: _Live) -> RequestTimes:
+        """The request's ``RequestTimes`` so far (with the KV connector's load / publish figures)."""
+        req = live.req
+        kv = self.connector.timing(req.request_id) if self.connector is not None else ()
+        return RequestTimes(req.arrival_time, req.scheduled_time, req.first_token_time, live.last,
+                            req.num_preemptions, *kv)
 
     def _account(self, req: Request, acc) -> dict:
         logger.info("req=%s %s", req.request_id, acc.log_line())

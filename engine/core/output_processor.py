@@ -102,4 +102,4 @@ class OutputProcessor:
         if wire.kv_transfer_params is not None:
             transfer = wire.kv_transfer_params.to_json_obj()
             transfer["sampler_draws"] = generator_draws(r.params, r.num_tokens)
-        return replace(r.ended, kv_transfer_params=transfer, kv_accounting=wire.kv_accounting)
+        return replace(r.ended, kv_transfer_params=transfer, kv_accounting=wire.kv_accounting, times=wire.times)

@@ -24,6 +24,7 @@ client. A store that fails costs hits (logged once, counted), never a request.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,7 @@ class _Transfer:
     result: PublishResult | None = None # what the store acknowledged, once the publish finished
     accounting: KVAccounting | None = None
     extra: dict = field(default_factory=dict)
+    times: list = field(default_factory=lambda: [0.0, 0.0, 0, 0.0, 0.0, 0])   # see ``timing``
 
 
 class StoreConnector:
@@ -64,6 +66,7 @@ class StoreConnector:
         if chunk_tokens % block_size:
             raise ValueError(f"--kv-chunk-tokens {chunk_tokens} must be a multiple of --block-size {block_size}")
         self.store, self.block_size, self.chunk_tokens, self.role = store, block_size, chunk_tokens, role
+        self.bytes_per_token = layout.bytes_per_token
         self.layout_text = layout.describe()
         self.fingerprint = model_fingerprint(model_config.architecture, weights_identity(model_config.model_dir),
                                              str(layout.dtype), self.layout_text, FORMAT_VERSION,
@@ -111,12 +114,15 @@ class StoreConnector:
         t = self._reqs[req.request_id]
         slots = _slots(req.block_ids, start + num_tokens, self.block_size)
         digests = t.remote.chunk_digests if t.remote is not None else []
+        t.times[0] = time.monotonic()
         self.loader.start(LoadJob(req.request_id, t.keys, t.lens, slots, start, num_tokens, list(digests)))
 
     def finished_loads(self) -> dict[str, int]:
         done = self.loader.finished()
         for rid, loaded in done.items():
             t = self._reqs.get(rid)
+            if t is not None:
+                t.times[1], t.times[2] = time.monotonic(), loaded * self.bytes_per_token
             if t is not None and t.accounting is not None:
                 if loaded < t.accounting.need_to_load:      # a chunk failed its seal (or vanished): ours to publish
                     good = _chunks_covered(t.lens, t.accounting.local_hit_tokens + loaded)
@@ -147,7 +153,11 @@ class StoreConnector:
         """False: the publisher skipped the chunk (its ring stayed full; may have waited for a slot first)."""
         start = index * self.chunk_tokens
         slots = _slots(req.block_ids, start + t.lens[index], self.block_size)[start:]
-        return self.publisher.publish(req.request_id, index, t.keys[index], slots)
+        t.times[3] = t.times[3] or time.monotonic()
+        if not self.publisher.publish(req.request_id, index, t.keys[index], slots):
+            return False
+        t.times[5] += t.lens[index] * self.bytes_per_token
+        return True
 
     def close(self, request_id: str) -> None:
         """The request finished: its publish is complete once ``finished_publishes`` names it."""
@@ -161,10 +171,20 @@ class StoreConnector:
 
     def finished_publishes(self) -> set[str]:
         done = self.publisher.finished()
+        now = time.monotonic()
         for rid, result in done.items():
             if rid in self._reqs:
-                self._reqs[rid].result = result
+                t = self._reqs[rid]
+                t.result = result
+                t.times[4] = now if t.times[3] else 0.0
         return set(done)
+
+    def timing(self, request_id: str) -> tuple:
+        """(load start, load end, bytes loaded, publish start, publish end, bytes handed to the store) of a
+        request still known here (time.monotonic(), 0 where it did not happen; an end is when this thread saw
+        it, within a step). Read by the ``OutputAssembler`` for ``RequestTimes``; () for an unknown request."""
+        t = self._reqs.get(request_id)
+        return () if t is None else tuple(t.times)
 
     # -- results ------------------------------------------------------------------------------
 

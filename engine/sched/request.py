@@ -66,6 +66,8 @@ class Request:
     stop_reason: int | str | None = None  # stop token id, stop string, or an error message when aborted
     sampler_draws: int = 0              # draws its seeded generator made on another node (the prefill node)
     grammar_ends: bool = False          # its structured-output constraint allows nothing but its end (eos) now
+    scheduled_time: float = 0.0         # time.monotonic() it first ran (RUNNING), 0.0 before: set by the Scheduler
+    first_token_time: float = 0.0       # its first token sampled here; set by the OutputAssembler
     _all_token_ids: list[int] = field(init=False, repr=False)
     block_hash_parent: int | None = field(init=False, repr=False)   # parent of block 0's hash: the salt's root
 

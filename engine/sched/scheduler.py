@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,6 +88,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}   # every unfinished request
         self._order: dict[str, tuple[float, int]] = {}
         self._next_seq = 0
+        self.num_preemptions = 0                  # cumulative (vllm:num_preemptions)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -190,6 +192,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
         logger.debug("preempt %s (%d tokens): no free KV block", victim.request_id, victim.num_tokens)
@@ -219,6 +222,7 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
+            req.scheduled_time = req.scheduled_time or time.monotonic()
             bisect.insort(self.running, req, key=lambda r: self._order[r.request_id])
             out.scheduled.append(ScheduledRequest(req, num_new, num_hit))
             budget -= num_new
@@ -272,6 +276,7 @@ class Scheduler:
             req.num_loaded_tokens = loaded
             self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
             req.status = RequestStatus.RUNNING
+            req.scheduled_time = req.scheduled_time or time.monotonic()
             bisect.insort(self.running, req, key=lambda r: self._order[r.request_id])
 
     def _reject(self, req: Request, out: SchedulerOutput) -> None:

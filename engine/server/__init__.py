@@ -20,7 +20,13 @@ reuses ``protocol``, ``checks``, ``limits``, ``prompt_work``, ``direct`` and ``e
     echo.py         echo and prompt_logprobs in answers (completions and chat), vLLM's shapes
     chat.py         POST /v1/chat/completions (chat template)
     info.py         GET /v1/models, /health, /metrics; POST /tokenize, /detokenize
-    metrics.py      Prometheus: running/waiting, KV usage, prefix cache, TTFT/ITL, finish reasons
+    metrics.py      Prometheus under vLLM's names (vllm:*; lmcache:* for KV load / publish times): the registry
+    metrics_engine.py  what /metrics reads from engine.stats() at scrape time (running, KV usage, prefix cache,
+                    preemptions, tokens per step, KV accounting, store tiers)
+    request_metrics.py RequestTracker: one engine request's TTFT / ITL, then the core's RequestTimes -> queue /
+                    prefill / decode / inference, KV load / publish histograms
+    request_trace.py   tracing on: one engine request's spans (llm_request > queue, kv_load, prefill, decode,
+                    kv_publish) from the core's times, under the proxy's traceparent
 """
 
 from __future__ import annotations

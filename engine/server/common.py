@@ -17,6 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from pdserve.engine import tracing
 from pdserve.engine.request_limits import RequestLimits
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server import checks
@@ -80,7 +81,8 @@ def admit(request: Request, body) -> tuple[NodeState, str]:
 async def respond(request: Request, state: NodeState, body, calls: list[EngineCall], arrival: float,
                   stream: Callable, response: Callable):
     """Run ``calls``: an SSE response built by ``stream(generation)``, or ``response(choices)`` once done."""
-    generation = Generation(state.engine, state.metrics, calls, arrival)
+    parent = tracing.extract(request.headers) if tracing.enabled() else None
+    generation = Generation(state.engine, state.metrics, calls, arrival, getattr(body, "n", None) or 1, parent)
     generation.start()                         # the engine has the requests before the response begins
     if body.stream:
         return sse_response(stream(generation), on_close=generation.close)

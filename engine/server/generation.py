@@ -2,7 +2,8 @@
 
 Called by ``completions.py`` and ``chat.py``:
 
-    gen = Generation(engine, metrics, calls, arrival)    # one EngineCall per choice (prompts x n)
+    gen = Generation(engine, metrics, calls, arrival, n, trace_parent)   # one EngineCall per choice (prompts x n);
+                                                         # trace_parent: the caller's trace context (tracing on)
     gen.start()                                          # every call sent to the engine now (no await)
     async with aclosing(gen.outputs()) as it:            # streaming: (choice index, delta) as they come
         async for index, delta in it: ...
@@ -23,7 +24,7 @@ import asyncio
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import anyio
 from starlette.requests import Request
@@ -31,7 +32,10 @@ from starlette.requests import Request
 from pdserve.engine.outputs import EngineDeadError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server.errors import APIError
-from pdserve.engine.server.metrics import RequestTracker, ServerMetrics
+if TYPE_CHECKING:
+    from pdserve.engine.server.request_trace import RequestTrace
+from pdserve.engine.server.metrics import ServerMetrics
+from pdserve.engine.server.request_metrics import RequestTracker
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +82,15 @@ class ClientDisconnected(Exception):
 
 
 class Generation:
-    def __init__(self, engine, metrics: ServerMetrics, calls: list[EngineCall], arrival: float):
-        self._engine, self._calls = engine, calls
-        self._trackers = {c.request_id: metrics.track(arrival) for c in calls}
-        self._finished: set[str] = set()
+    def __init__(self, engine, metrics: ServerMetrics, calls: list[EngineCall], arrival: float, n: int = 1,
+                 trace_parent=None):
+        """``trace_parent``: None unless tracing is on (``tracing.extract`` of the HTTP request's headers, or an
+        empty context for a request without one); then each engine request records its spans (request_trace)."""
+        self._engine, self._calls, self._metrics, self._n = engine, calls, metrics, max(1, n)
+        self._trackers = {c.request_id: RequestTracker(metrics, arrival, c.params.max_tokens,
+                                                       _trace(engine, c, arrival, trace_parent)) for c in calls}
+        self._finished: set[str] = set()             # ended, or being aborted
+        self._ended: set[str] = set()                # their metrics recorded (``_end``, once each)
         self._submitted: dict[str, asyncio.Queue | Exception] | None = None   # id -> its deltas, or why not
 
     def start(self) -> None:
@@ -154,8 +163,7 @@ class Generation:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            tracker.on_end("error")
-            self._finished.add(call.request_id)
+            self._end(call.request_id, "error")
             queue.put_nowait(_as_api_error(call.request_id, exc))
         queue.put_nowait(None)
 
@@ -166,12 +174,29 @@ class Generation:
         return self._engine.stream(call.request_id, submitted)
 
     def _record(self, request_id: str, tracker: RequestTracker, delta) -> None:
-        tracker.on_output(len(delta.new_token_ids), delta.num_prompt_tokens)
+        tracker.on_output(delta)
         if delta.error:
             raise RuntimeError(delta.error)
         if delta.finished:
-            self._finished.add(request_id)
-            tracker.on_end(delta.finish_reason or "stop")
+            self._end(request_id, delta.finish_reason or "stop")
+
+    def _end(self, request_id: str, reason: str) -> None:
+        """An engine request ended (once each); when the last one has, the per-prompt figures (vLLM's n and
+        max generation tokens of a prompt's n choices)."""
+        self._finished.add(request_id)
+        if request_id in self._ended:
+            return
+        self._ended.add(request_id)
+        self._trackers[request_id].on_end(reason)
+        if len(self._ended) < len(self._calls):
+            return
+        tokens: dict[int, int] = {}
+        for call in self._calls:
+            prompt = call.index // self._n
+            tokens[prompt] = max(tokens.get(prompt, 0), self._trackers[call.request_id].num_generation_tokens)
+        for most in tokens.values():
+            self._metrics.n.observe(self._n)
+            self._metrics.max_generation.observe(most)
 
     async def _cleanup(self, pumps: list[asyncio.Task]) -> None:
         for task in pumps:
@@ -185,7 +210,15 @@ class Generation:
                 self._finished.add(call.request_id)
                 logger.info("aborting %s: its client stopped reading", call.request_id)
                 await self._engine.abort(call.request_id)
-                self._trackers[call.request_id].on_end("abort")
+                self._end(call.request_id, "abort")
+
+
+def _trace(engine, call: EngineCall, arrival: float, parent) -> RequestTrace | None:
+    if parent is None:
+        return None
+    from pdserve.engine.server.request_trace import RequestTrace
+    return RequestTrace(parent, call.request_id, engine.model_name, getattr(engine, "role", "both"), arrival,
+                        call.params)
 
 
 async def _raises(exc: Exception) -> AsyncIterator:

@@ -1,145 +1,109 @@
-"""Prometheus metrics of one node, in a registry private to its app (``GET /metrics``).
+"""Prometheus metrics of one node, in a registry private to its app (``GET /metrics``), under vLLM's names.
+
+Names, types, units, buckets and labels (``model_name``, ``engine``) are vLLM's (``vllm/v1/metrics/loggers.py``,
+``PrometheusStatLogger``), so dashboards and alerts written for vLLM read a pdserve node as they are; the README's
+metrics table says which vLLM metric maps to what, which do not apply and why, and what pdserve adds
+(``pdserve_*``, LMCache's ``lmcache:*`` for the KV store's load and publish). ``tests/data/vllm_metrics.json``
+is the list the tests check this against.
 
 Two sources:
-- engine state, read at scrape time from ``engine.stats()`` by ``_EngineStatsCollector``:
-  running / waiting requests, KV usage, prefix-cache queries and hits (tokens), the KV
-  connector's and the attached store's stats (gauges vs counters as ``pdserve.kvstore.metrics``
-  classifies them: ``pdserve_kvstore_bytes`` is a gauge, ``pdserve_kvstore_hits_total`` a counter);
-- per-request timings and counts, recorded by ``generation.py`` through a ``RequestTracker``
-  for every engine request: TTFT, inter-token latency, end-to-end latency, prompt and
-  generation tokens, finished requests by reason (stop, length, abort, error).
-
-Names follow vLLM's (``vllm:num_requests_running`` -> ``pdserve_num_requests_running``), each
-with a ``model_name`` label so that a proxy can scrape several nodes into one view.
+- engine state, read at scrape time from ``engine.stats()`` (``EngineStatsCollector``, ``metrics_engine.py``):
+  running / waiting, KV usage, prefix cache, preemptions, tokens per step, KV accounting and the store's tiers;
+- per-request figures, recorded by ``generation.py`` through a ``RequestTracker`` (``request_metrics.py``) for
+  every engine request: TTFT and ITL as outputs arrive, then at the end the engine core's ``RequestTimes``
+  (queue / prefill / decode / inference, KV load and publish), token counts and the finish reason.
 """
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
-from pdserve.kvstore import metrics as store_metrics
+from pdserve.engine.server.metrics_engine import EngineStatsCollector
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-                0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ENGINE = "0"                          # vLLM's ``engine`` label: the engine index; a pdserve node has one engine
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+# LMCache's buckets of lmcache:time_to_retrieve / lmcache:time_to_store
+KV_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class ServerMetrics:
-    def __init__(self, engine, model_name: str):
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(engine, model_name))
-        label = {"model_name": model_name}
+    def __init__(self, engine, model_name: str, max_model_len: int | None = None):
+        self.registry = r = CollectorRegistry()
+        r.register(EngineStatsCollector(engine, model_name, ENGINE))
+        vllm_labels, lm_labels = ["model_name", "engine"], ["model_name", "worker_id"]
+        mine, lm = {"model_name": model_name, "engine": ENGINE}, {"model_name": model_name, "worker_id": ENGINE}
+        counts = build_1_2_5_buckets(max_model_len or getattr(engine, "max_model_len", 1 << 20))
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(**label)
+        def hist(name: str, doc: str, buckets, labels=vllm_labels, values=mine) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(**values)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ["model_name"], registry=self.registry).labels(**label)
+        def counter(name: str, doc: str, labels=vllm_labels, values=mine) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(**values)
 
-        self.ttft = hist("pdserve_time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
-        self.itl = hist("pdserve_inter_token_latency_seconds", "Time between consecutive tokens", _ITL_BUCKETS)
-        self.e2e = hist("pdserve_e2e_request_latency_seconds", "Request latency, arrival to last token",
-                        _E2E_BUCKETS)
-        self.prompt_tokens = counter("pdserve_prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = counter("pdserve_generation_tokens", "Generated tokens")
-        self._finished = Counter("pdserve_request_success", "Finished requests by finish reason",
-                                 ["model_name", "finished_reason"], registry=self.registry)
-        self._model_name = model_name
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        ITL_BUCKETS)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds",
+                         "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                          REQUEST_LATENCY_BUCKETS)
+        self.inference = hist("vllm:request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill = hist("vllm:request_prefill_time_seconds",
+                            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds",
+                           "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prompt_len = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", counts)
+        self.generation_len = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", counts)
+        self.max_tokens = hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                               counts)
+        self.max_generation = hist("vllm:request_max_num_generation_tokens",
+                                   "Histogram of maximum number of requested generation tokens.", counts)
+        self.n = hist("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*vllm_labels, "finished_reason"], registry=r)
+        self.success = {reason: success.labels(model_name, ENGINE, reason) for reason in FINISH_REASONS}
+        self.kv_load = hist("lmcache:time_to_retrieve", "Time to retrieve KV from the store (seconds): a request's "
+                            "load, start to its last chunk in the cache", KV_TIME_BUCKETS, lm_labels, lm)
+        self.kv_publish = hist("lmcache:time_to_store", "Time to store KV (seconds): a request's publish, first "
+                               "chunk handed to the store to the last acknowledged", KV_TIME_BUCKETS, lm_labels, lm)
+        self.retrieve_requests = counter("lmcache:num_retrieve_requests", "Requests that loaded KV from the store",
+                                         lm_labels, lm)
+        self.store_requests = counter("lmcache:num_store_requests", "Requests that published KV to the store",
+                                      lm_labels, lm)
+        self.kv_loaded_bytes = counter("pdserve_kv_loaded_bytes", "KV bytes loaded from the store into the KV cache",
+                                       ["model_name"], {"model_name": model_name})
+        self.kv_published_bytes = counter("pdserve_kv_published_bytes", "KV bytes handed to the store by publishes "
+                                          "that completed", ["model_name"], {"model_name": model_name})
 
     def finished(self, reason: str) -> None:
-        self._finished.labels(model_name=self._model_name, finished_reason=reason).inc()
-
-    def track(self, arrival: float) -> RequestTracker:
-        return RequestTracker(self, arrival)
+        counter = self.success.get(reason)
+        if counter is not None:
+            counter.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class RequestTracker:
-    """Timings of one engine request; ``on_output`` per delta, ``on_end`` exactly once."""
-
-    def __init__(self, metrics: ServerMetrics, arrival: float):
-        self._m, self._arrival, self._last = metrics, arrival, None
-        self._num_prompt_tokens = 0
-        self.ended = False
-
-    def on_output(self, num_new_tokens: int, num_prompt_tokens: int) -> None:
-        self._num_prompt_tokens = num_prompt_tokens
-        if not num_new_tokens:
-            return
-        now = time.monotonic()
-        if self._last is None:
-            self._m.ttft.observe(now - self._arrival)
-        else:
-            self._m.itl.observe((now - self._last) / num_new_tokens)
-        self._last = now
-        self._m.generation_tokens.inc(num_new_tokens)
-
-    def on_end(self, reason: str) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        self._m.finished(reason)
-        self._m.prompt_tokens.inc(self._num_prompt_tokens)
-        self._m.e2e.observe(time.monotonic() - self._arrival)
-
-
-class _EngineStatsCollector(Collector):
-    """Reads ``engine.stats()`` once per scrape."""
-
-    def __init__(self, engine, model_name: str):
-        self._engine, self._model_name = engine, model_name
-
-    def collect(self):
-        stats = self._engine.stats()
-        labels = [self._model_name]
-        yield _gauge("pdserve_num_requests_running", "Requests in the running batch", stats.num_running, labels)
-        yield _gauge("pdserve_num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting, labels)
-        yield _gauge("pdserve_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)",
-                     stats.kv_usage, labels)
-        yield _counter("pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                       stats.prefix_cache_queries, labels)
-        yield _counter("pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                       stats.prefix_cache_hits, labels)
-        yield _gauge("pdserve_kv_cache_free_blocks", "Free KV blocks (cached-but-free included)",
-                     stats.num_free_blocks, labels)
-        yield _gauge("pdserve_kv_cache_num_blocks", "KV blocks in the cache", stats.num_blocks, labels)
-        yield from _kv_transfer_families(stats, labels)
-
-
-def _kv_transfer_families(stats, labels: list[str]):
-    """KV accounting (tokens, summed over finished requests), the connector's and the store's stats.
-
-    Connector and store stats are gauges or counters as ``pdserve.kvstore.metrics`` classifies
-    them (``bytes`` is a level, ``hits`` an event count): one classification for every exporter.
-    """
-    for name, value in sorted(stats.kv_totals.items()):
-        yield _counter(f"pdserve_kv_{name}", f"KV accounting: {name.replace('_', ' ')}, summed over requests",
-                       value, labels)
-    for name, value in sorted(stats.kv_transfer.items()):
-        family = store_metrics.family(name, f"pdserve_kv_transfer_{name}",
-                                      f"KV connector: {name.replace('_', ' ')}", ["model_name"])
-        family.add_metric(labels, value)
-        yield family
-    if stats.kv_store:
-        yield from store_metrics.families(stats.kv_store, {"model_name": labels[0]})
-
-
-def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=["model_name"])
-    family.add_metric(labels, value)
-    return family
-
-
-def _counter(name: str, doc: str, value: float, labels: list[str]) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc, labels=["model_name"])
-    family.add_metric(labels, value)
-    return family
