@@ -139,8 +139,9 @@ class KVEventPublisher:
     def _send(self, events: list[tuple]) -> None:
         cleared = self._pending_clear or any(e[0] == "cleared" for e in events)
         after = max((i for i, e in enumerate(events) if e[0] == "cleared"), default=-1) + 1
-        stored = [public_hash(self._key, e[1]) for e in events[after:] if e[0] == "stored"]
-        removed = [public_hash(self._key, e[1]) for e in events[after:] if e[0] == "removed"]
+        stored, removed = _net(events[after:])
+        stored = [public_hash(self._key, h) for h in stored]
+        removed = [public_hash(self._key, h) for h in removed]
         self._seq += 1
         batch = EventBatch(self._epoch, self._started, self._seq, cleared, stored, removed)
         try:
@@ -148,3 +149,17 @@ class KVEventPublisher:
             self._pending_clear = False
         except zmq.Again:                             # nobody reads fast enough: the seq gap tells them
             pass
+
+
+def _net(events: list[tuple]) -> tuple[list[int], list[int]]:
+    """(stored, removed) with the batch's order folded in: a subscriber removes, then stores. A block stored and
+    evicted within the batch is only removed; one evicted and stored again is in both (it ends up stored)."""
+    stored: dict[int, None] = {}
+    removed: dict[int, None] = {}
+    for event in events:
+        if event[0] == "stored":
+            stored[event[1]] = None
+        elif event[0] == "removed":
+            stored.pop(event[1], None)
+            removed[event[1]] = None
+    return list(stored), list(removed)
