@@ -31,13 +31,14 @@ import httpx
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster
 
 CHUNK = 64
+PREFIX_SEED = 1     # not the multi-round run's 0: its system prompt (the same first draw) would be in the store already
 NODE_FLAGS = ("--kv-chunk-tokens", str(CHUNK), "--max-num-batched-tokens", "512")
 
 
 def bench(url: str, out: Path, name: str, args: list[str]) -> dict:
     subprocess.run([sys.executable, "-m", "pdserve.engine.cli", "bench", "serve", "--base-url", url,
                     "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json",
-                    "--disable-tqdm", "--seed", "0", *args], check=True, stdout=subprocess.DEVNULL, cwd=out)
+                    "--disable-tqdm", *args], check=True, stdout=subprocess.DEVNULL, cwd=out)
     return json.loads((out / f"{name}.json").read_text())
 
 
@@ -54,13 +55,13 @@ def metric(url: str, name: str, **labels) -> float:
 
 
 def multi_round_args(a) -> list[str]:
-    return ["--dataset-name", "multi-round", "--multi-round-users", str(a.users), "--multi-round-rounds",
+    return ["--seed", "0", "--dataset-name", "multi-round", "--multi-round-users", str(a.users), "--multi-round-rounds",
             str(a.rounds), "--multi-round-system-len", str(a.system_len), "--multi-round-question-len", "32",
             "--multi-round-answer-len", "32", "--max-concurrency", str(a.users)]
 
 
 def shared_prefix_args(a) -> list[str]:
-    return ["--dataset-name", "prefix_repetition", "--num-prompts", str(a.prefix_prompts),
+    return ["--seed", str(PREFIX_SEED), "--dataset-name", "prefix_repetition", "--num-prompts", str(a.prefix_prompts),
             "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-prefix-len", str(a.system_len),
             "--prefix-repetition-suffix-len", "64", "--prefix-repetition-output-len", "8", "--max-concurrency", "1"]
 
@@ -71,7 +72,7 @@ def ideal_store_hits(node_url: str, model: str, a) -> list[int]:
     from pdserve.bench.datasets import sample_requests
     from pdserve.engine.text.tokenizer import load_tokenizer
 
-    cfg = DatasetConfig(name="prefix_repetition", num_prompts=a.prefix_prompts, seed=0,
+    cfg = DatasetConfig(name="prefix_repetition", num_prompts=a.prefix_prompts, seed=PREFIX_SEED,
                         prefix_repetition_num_prefixes=2, prefix_repetition_prefix_len=a.system_len,
                         prefix_repetition_suffix_len=64, prefix_repetition_output_len=8)
     seen, out = [], []

@@ -74,6 +74,7 @@ class KVRouting:
             self._client = DaemonClient(store_url, token, shm_bytes=0, timeout_s=STORE_TIMEOUT_S)
         self.store_space: dict | None = None       # the nodes' {fingerprint, chunk_tokens, num_layers}
         self.block_size = 0
+        self._lookup_failed = False
 
     def on_card(self, node: Node, card: dict, routing: Routing) -> Routing:
         """A node's model card was read: watch its events, learn the store's key space; the gate's new routing."""
@@ -93,6 +94,11 @@ class KVRouting:
         if self._key is not None and self.block_size:
             routing = dataclasses.replace(routing, block_size=self.block_size, events_key=self._key)
         return routing
+
+    @property
+    def active(self) -> bool:
+        """Anything to decide with: a store, KV events or a threshold (else ``orchestrate`` skips ``plan``)."""
+        return bool(self._store_url or self._key or self.threshold)
 
     async def plan(self, req: ProxyRequest, decode_nodes: list[Node]) -> Route:
         hints = tuple([await self._hint(req, i) for i in range(len(req.prompts))])
@@ -129,7 +135,10 @@ class KVRouting:
         try:
             chunks = await asyncio.to_thread(self._lookup, keys)
         except Exception as exc:  # noqa: BLE001 -- a store that fails costs routing hints, not requests
-            logger.warning("store lookup for routing failed (%s: %s); routing as a miss", type(exc).__name__, exc)
+            logger.log(logging.DEBUG if self._lookup_failed else logging.WARNING, "store lookup for routing failed "
+                       "(%s: %s); routing as a miss (counted in pdserve_proxy_store_lookups{outcome=\"error\"}, "
+                       "logged once)", type(exc).__name__, exc)
+            self._lookup_failed = True
             self._metrics.store_lookups.labels("error").inc()
             return 0
         tokens = min(len(ids), chunks * self.store_space["chunk_tokens"])

@@ -21,7 +21,9 @@ from typing import Protocol
 from pdserve.proxy.nodes import Node
 
 LOAD_FROM_STORE_COST = 0.1   # loading a token's KV from the store, in tokens computed (a copy vs. a forward pass)
-IN_FLIGHT_COST = 0.25        # each token in flight on the node (prompt + max output), in tokens computed
+# each token in flight on the node, in tokens computed: on a prefill node a prompt being computed (it delays this one
+# about token for token); on a decode node mostly generation, batched with this request's (prompt + max output)
+IN_FLIGHT_COST = {"prefill": 0.5, "decode": 0.05}
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,11 @@ class KVHint:
 
 def kv_cost(node: Node, hint: KVHint) -> float:
     """Estimated work of the prompt on ``node``, in tokens: what neither its prefix cache nor the store holds,
-    plus the loads from the store, plus a share of what it already has in flight."""
+    plus the loads from the store, plus a share of what it already has in flight (``IN_FLIGHT_COST`` by role)."""
     local = hint.local_tokens(node)
     cached = max(local, hint.store_tokens)
     return (hint.num_tokens - cached) + LOAD_FROM_STORE_COST * max(0, hint.store_tokens - local) + \
-        IN_FLIGHT_COST * node.in_flight_tokens
+        IN_FLIGHT_COST.get(node.role, 0.5) * node.in_flight_tokens
 
 
 class Policy(Protocol):

@@ -27,7 +27,12 @@ def test_kv_aware_prefers_the_node_holding_the_prefix_until_its_load_outweighs_i
     warm, cold = node("http://a", range(12)), node("http://b")
     assert kv_cost(warm, hint) == 16 and kv_cost(cold, hint) == 64
     assert KVAware().choose([cold, warm], [], hint).url == "http://a"
-    warm.in_flight_tokens = 400                        # 0.25 x 400 = 100 tokens of queued work > 48 saved
+    warm.in_flight_tokens = 800                        # 0.05 x 800 = 40 tokens of decode work < 48 saved
+    assert KVAware().choose([cold, warm], [], hint).url == "http://a"
+    warm.in_flight_tokens = 1000                       # 50 > 48
+    assert KVAware().choose([cold, warm], [], hint).url == "http://b"
+    warm.role = cold.role = "prefill"                  # queued prompts weigh 0.5 a token: 100 in flight is 50 > 48
+    warm.in_flight_tokens = 100
     assert KVAware().choose([cold, warm], [], hint).url == "http://b"
     assert KVAware().choose([warm, cold], [], None).url == "http://b"      # no hint: least loaded
 
