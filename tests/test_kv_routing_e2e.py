@@ -9,6 +9,8 @@ process's events followed.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -105,6 +107,11 @@ def test_a_short_prompt_is_prefilled_by_the_decode_node(cluster):
     assert short["usage"]["prompt_tokens"] < THRESHOLD
     assert route(short)["decision"] == "decode_local" and served(cluster, "prefill") == before
     assert "prefill" not in short["usage"]["kv_transfer"]
+    body = {"prompt": "hi there", **GREEDY, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["kv_transfer"]["route"]["decision"] == "decode_local"
+    assert "".join(c["text"] for e in events for c in e["choices"]) == short["choices"][0]["text"]
     cold = complete(cluster.url, "a longer prompt that nobody sent before goes through the prefill node", **GREEDY)
     assert route(cold)["decision"] == "prefill" and served(cluster, "prefill") == before + 1
     assert metric(cluster.url, "pdserve_proxy_pd_decisions_total", decision="decode_local") >= 1
