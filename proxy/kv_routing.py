@@ -83,10 +83,10 @@ class KVRouting:
             self.events.watch(node, kv["events"])
         if isinstance(kv.get("block_size"), int) and kv["block_size"] > 0:
             self.block_size = kv["block_size"]
-        store = kv.get("store")
-        if isinstance(store, dict) and self.store_space is None:
+        store = kv.get("store") if _valid_store_space(kv.get("store")) else None
+        if store is not None and self.store_space is None:
             self.store_space = store
-        elif isinstance(store, dict) and store != self.store_space:
+        elif store is not None and store != self.store_space:
             logger.warning("node %s's store key space %s differs from %s: its KV is not routed by", node.url,
                            store, self.store_space)
         if self.store_space is not None and self._store_url:
@@ -154,3 +154,10 @@ class KVRouting:
             await self.events.stop()
         if self._client is not None:
             await asyncio.to_thread(self._client.close)
+
+
+def _valid_store_space(store) -> bool:
+    """A node card's ``kv.store``: {fingerprint: 32 hex chars, chunk_tokens: int > 0, num_layers: int > 0}."""
+    return isinstance(store, dict) and isinstance(store.get("fingerprint"), str) and \
+        len(store["fingerprint"]) == 32 and all(isinstance(store.get(k), int) and store[k] > 0
+                                               for k in ("chunk_tokens", "num_layers"))

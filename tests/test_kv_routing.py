@@ -79,3 +79,20 @@ def test_route_lands_in_usage_kv_transfer_only_where_there_is_one():
     rewritten = event_with_route(route)(event)
     assert json.loads(rewritten[6:])["usage"]["kv_transfer"]["route"] == route and rewritten.endswith(b"\n\n")
     assert event_with_route(route)(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+
+
+def test_node_cards_switch_the_routing_keys_to_the_stores_only_when_well_formed():
+    from pdserve.kvstore.keys import chunk_keys
+    from pdserve.proxy.inputs import Routing
+
+    before = Routing(4, "proxy:m")
+    kv = KVRouting(ProxyMetrics(), store_url="tcp://127.0.0.1:1")          # never asked here
+    bad = {"kv": {"block_size": 4, "events": None, "store": {"fingerprint": "x", "chunk_tokens": 8, "num_layers": 2}}}
+    assert kv.on_card(node("http://a"), bad, before) == before
+    fp = "0123456789abcdef" * 2
+    good = {"kv": {"block_size": 4, "events": None, "store": {"fingerprint": fp, "chunk_tokens": 8, "num_layers": 2}}}
+    routing = kv.on_card(node("http://a"), good, before)
+    ids = list(range(21))
+    assert routing.keys(ids, "s") == chunk_keys(ids, 8, fp, include_partial=True, cache_salt="s")   # the store's
+    assert len(routing.keys(ids, None)) == 3 and routing.block_hashes(ids, None) == ()                # no token
+    kv._client.close()
