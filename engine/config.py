@@ -106,6 +106,7 @@ class KVTransferConfig:
     kv_auth_token: str = field(default="", repr=False)   # the cluster token (kvstore/auth.py); never printed
     kv_shm_bytes: int = 64 << 20            # shared-memory data plane to a local daemon (0: zmq frames)
     kv_publish_buffer_bytes: int = 256 << 20   # publish ring: chunks gathered, not yet sealed (device + pinned twin)
+    kv_events_port: int | None = None       # KV events on a 127.0.0.1 PUB socket (0: a free port); None: none
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
@@ -119,6 +120,9 @@ class KVTransferConfig:
             raise ConfigError(f"--kv-writethrough-queue-bytes must be >= 1, got {self.kv_writethrough_queue_bytes}")
         if self.kv_publish_buffer_bytes < 1:
             raise ConfigError(f"--kv-publish-buffer-bytes must be >= 1, got {self.kv_publish_buffer_bytes}")
+        if self.kv_events_port is not None and not (0 <= self.kv_events_port < 65536 and self.kv_auth_token):
+            raise ConfigError(f"--kv-events-port {self.kv_events_port} needs a port in [0, 65535] and the cluster "
+                              "token (events are signed with it): set PDSERVE_KV_AUTH_TOKEN or --kv-auth-token-file")
         self._check_key()
 
     def _check_key(self) -> None:

@@ -16,12 +16,15 @@ P->D protocol, per client request (``orchestrate``):
             client body + prompt_token_ids + kv_transfer_params=<what (1) returned>
           <── JSON or SSE (one token per event, usage, [DONE]) passed through unchanged;
               the decode node emits the first token itself.
-    A non-streaming request with max_tokens == 1 is answered from (1).
+    A non-streaming request with max_tokens == 1 is answered from (1). With routing by cache (``kv_routing``) a
+    prompt the store holds, or whose uncached part is under ``--local-prefill-threshold``, skips (1).
     Both calls carry the request's ``cache_salt`` (the client's, or with ``--cache-salt-from-api-key`` its
     tenant's, ``tenants``); ``usage.kv_transfer`` leaves only with ``--expose-kv-accounting`` (``accounting``).
 
 Modules: ``config`` (ProxyConfig), ``nodes`` + ``router`` (node pools, in-flight leases),
-``policies`` (round_robin, least_loaded, prefix_aware), ``health`` (periodic /health probes on their
+``policies`` (round_robin, least_loaded, prefix_aware, kv_aware), ``kv_routing`` (routing by cache: one store lookup
+per request, the P/D decision -- prefill, store_hit, decode_local -- docs/routing.md), ``kv_events`` + ``kv_state``
+(the nodes' KV events: what each node's prefix cache holds), ``health`` (periodic /health probes on their
 own connections; a node they take out has its silent calls in flight failed), ``inputs`` (the nodes' validation and limits, tokenization, downstream bodies),
 ``http1`` (the HTTP/1.1 client of node calls: asyncio protocols and httptools' parser, kept-alive
 connection pools, failure kinds),

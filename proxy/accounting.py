@@ -4,14 +4,16 @@ Called by ``orchestrate`` on every answer it returns when the flag is off (``pds
 ``pdserve serve`` turns it on): the prefill-only answer (a dict), the decode node's JSON answer (bytes) and
 each SSE event of its stream (bytes). ``usage.kv_transfer`` holds each node's figures for the request --
 ``local_hit_tokens``, ``store_hit_tokens``, ``need_to_load``, ``loaded_tokens``, ``recomputed_tokens`` --
-which tell what the prefix cache and the KV store already held. ``usage.prompt_tokens_details.cached_tokens``
+which tell what the prefix cache and the KV store already held. When shown, the proxy adds ``route`` to it
+(``set_route``, ``json_with_route``, ``event_with_route``): its P/D decision and what the store and the decode node's
+prefix cache held at routing (``kv_routing.Route.describe``). ``usage.prompt_tokens_details.cached_tokens``
 (an OpenAI field) stays. Bytes without ``"kv_transfer"`` in them pass unchanged, not parsed.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 _MARK = b'"kv_transfer"'
 _DATA = b"data:"
@@ -44,3 +46,38 @@ def event_without_kv_accounting(event: bytes) -> bytes:
     if not drop_kv_accounting(payload):
         return event
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+def set_route(payload: Any, route: dict) -> bool:
+    """Add ``route`` as ``usage.kv_transfer.route`` of a parsed answer or chunk that has ``usage.kv_transfer``."""
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    block = usage.get("kv_transfer") if isinstance(usage, dict) else None
+    if not isinstance(block, dict):
+        return False
+    block["route"] = route
+    return True
+
+
+def json_with_route(content: bytes, route: dict) -> bytes:
+    """A node's JSON answer with ``usage.kv_transfer.route`` added (when it has ``usage.kv_transfer``)."""
+    if _MARK not in content:
+        return content
+    payload = json.loads(content)
+    if not set_route(payload, route):
+        return content
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def event_with_route(route: dict) -> Callable[[bytes], bytes]:
+    """A rewriter of SSE events that adds ``route`` to the event with ``usage.kv_transfer``."""
+    def rewrite(event: bytes) -> bytes:
+        if _MARK not in event or not event.startswith(_DATA):
+            return event
+        try:
+            payload = json.loads(event[len(_DATA):])
+        except ValueError:
+            return event
+        if not set_route(payload, route):
+            return event
+        return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    return rewrite

@@ -11,12 +11,14 @@ proxy's own pure-ASGI front, outermost first: ``BearerAuth`` with ``--api-key`` 
 The front sits outside FastAPI's middleware stack (``FrontedApp``): a generation request never passes
 Starlette's and FastAPI's layers on its way in or its answer's way out. The lifespan owns the pool of
 node connections (``http1.ConnectionPool``, ``--max-node-connections``) and the prober, which has its own;
-a node the prober takes out of rotation goes to ``Orchestrator.abort_calls`` (its calls in flight fail).
+a node the prober takes out of rotation goes to ``Orchestrator.abort_calls`` (its calls in flight fail); each
+node card it reads goes to ``kv_routing`` (KV events, the store's key space: the gate's routing keys change).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -38,6 +40,7 @@ from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.health import HealthChecker
 from pdserve.proxy.http1 import ConnectionPool
 from pdserve.proxy.inputs import CHAT, COMPLETIONS, Gate, Routing, admit_request
+from pdserve.proxy.kv_routing import KVRouting
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.orchestrate import Orchestrator
 from pdserve.proxy.router import NodePool
@@ -57,16 +60,25 @@ class ProxyState:
         self.decode = NodePool("decode", config.decode_urls, config.decode_policy, self.metrics)
         self.client = ConnectionPool(config.max_node_connections, config.connect_timeout_s, config.request_timeout_s,
                                      bearer=config.node_api_key)
+        self.kv = KVRouting(self.metrics, config.kv_store, config.kv_auth_token, config.local_prefill_threshold,
+                            config.skip_prefill_on_store_hit)
         self.orchestrator = Orchestrator(self.client, self.prefill, self.decode, self.metrics, config.max_attempts,
                                          lambda: self.health.model_name, math.ceil(config.health_interval_s),
-                                         config.expose_kv_accounting)
+                                         config.expose_kv_accounting, self.kv)
         self.health = HealthChecker([self.prefill, self.decode], config.health_interval_s, config.probe_timeout_s,
-                                    on_down=self.orchestrator.abort_calls, node_api_key=config.node_api_key)
+                                    on_down=self.orchestrator.abort_calls, node_api_key=config.node_api_key,
+                                    on_card=self._on_card)
         self.tenants = TenantSalts(config.api_keys, load_secret(config.cache_salt_secret_file)) \
             if config.cache_salt_from_api_key else None
         self.gate = Gate.build(tokenizer, Routing(config.prefix_chunk_tokens, f"proxy:{Path(config.model).name}"),
                                config.limits, lambda: self.health.max_model_len, _model_vocab_size(config.model),
                                config.tools)
+
+    def _on_card(self, node, card: dict) -> None:
+        """A node's /v1/models: its KV events and the store's key space (``kv_routing``) may change the routing keys."""
+        routing = self.kv.on_card(node, card, self.gate.routing)
+        if routing != self.gate.routing:
+            self.gate = dataclasses.replace(self.gate, routing=routing)
 
     @property
     def model_name(self) -> str:
@@ -89,6 +101,7 @@ def build_app(config: ProxyConfig, tokenizer) -> FastAPI:
             yield
         finally:
             await state.health.stop()
+            await state.kv.stop()
             await state.client.aclose()
             state.gate.prompts.shutdown()
 

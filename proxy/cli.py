@@ -3,6 +3,7 @@
     pdserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
                   --model DIR --port 8000 [--api-key KEY [KEY ...] [--cache-salt-from-api-key]]
                   [--[no-]expose-kv-accounting] [--prefill-policy prefix_aware]
+                  [--routing-policy kv_aware --kv-store tcp://HOST:PORT --local-prefill-threshold N]
 
 ``register(subparsers)`` is called by ``pdserve.engine.cli``; ``python -m pdserve.proxy.cli ...``
 runs it stand-alone through ``main(argv)``.
@@ -20,6 +21,7 @@ from pdserve.engine.request_limits import add_limit_flags, limits_from_args
 from pdserve.engine.server.tools.config import add_tool_arguments, tool_config_from_args
 from pdserve.engine.server.auth import api_keys_from_args
 from pdserve.engine.server.listen import add_fd_flag, inherited_socket, served_address
+from pdserve.kvstore.auth import add_token_arguments, token_from_args
 from pdserve.proxy.config import POLICIES, ProxyConfig
 from pdserve.proxy.tenants import load_secret
 
@@ -50,8 +52,20 @@ def register(subparsers) -> None:
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="send OpenTelemetry traces (OTLP/HTTP) to URL, e.g. http://collector:4318 (vLLM's flag; "
                         "needs pip install 'pdserve[otel]'): a span per request, W3C traceparent to the nodes")
-    p.add_argument("--prefill-policy", default="prefix_aware", choices=POLICIES)
-    p.add_argument("--decode-policy", default="least_loaded", choices=POLICIES)
+    p.add_argument("--prefill-policy", default=None, choices=POLICIES, help="default: prefix_aware")
+    p.add_argument("--decode-policy", default=None, choices=POLICIES, help="default: least_loaded")
+    p.add_argument("--routing-policy", default=None, choices=POLICIES,
+                   help="both phases' policy at once (--prefill-policy / --decode-policy override it); kv_aware: "
+                        "by the nodes' KV events, the store's lookup and load (docs/routing.md)")
+    p.add_argument("--kv-store", default=None, metavar="tcp://HOST:PORT",
+                   help="the store daemon the nodes use: the proxy looks each prompt up (needs the cluster token: "
+                        "PDSERVE_KV_AUTH_TOKEN or --kv-auth-token-file, which also verifies the nodes' KV events)")
+    p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
+                   help="a prompt of which fewer tokens are uncached (in the store or the decode node's prefix cache) "
+                        "is prefilled by the decode node itself; 0: never")
+    p.add_argument("--skip-prefill-on-store-hit", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --kv-store: a prompt the store holds all but the last block of skips the prefill node")
+    add_token_arguments(p)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health probes")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a node call may take")
     p.add_argument("--max-attempts", type=int, default=3, help="nodes tried per phase before failing")
@@ -73,7 +87,11 @@ def config_from_args(args) -> ProxyConfig:
         api_keys=api_keys_from_args(args, "pdserve proxy"), cache_salt_from_api_key=args.cache_salt_from_api_key,
         node_api_key=args.node_api_key or envs.PDSERVE_NODE_API_KEY or None,
         cache_salt_secret_file=args.cache_salt_secret_file, expose_kv_accounting=args.expose_kv_accounting,
-        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        prefill_policy=args.prefill_policy or args.routing_policy or "prefix_aware",
+        decode_policy=args.decode_policy or args.routing_policy or "least_loaded",
+        kv_store=args.kv_store, kv_auth_token=token_from_args(args, "pdserve proxy"),
+        local_prefill_threshold=args.local_prefill_threshold,
+        skip_prefill_on_store_hit=args.skip_prefill_on_store_hit,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
         max_attempts=args.max_attempts, prefix_chunk_tokens=args.prefix_chunk_tokens,
         max_node_connections=args.max_node_connections, timeout_keep_alive_s=args.timeout_keep_alive,

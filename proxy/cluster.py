@@ -9,7 +9,8 @@ Used by ``pdserve serve`` (the one-command demo), the benchmark sweeps and the e
 Start order: store daemon -> nodes (all at once, then wait for each /health) -> proxy (waits for
 its /health: >= 1 healthy prefill and decode). The cluster's KV token (``kvstore.auth``: the spec's,
 else the environment's PDSERVE_KV_AUTH_TOKEN, else a new random one) reaches the daemon and the nodes
-in their environment, never on a command line or in a log; the proxy does not get it. With
+in their environment, never on a command line or in a log; the proxy gets it only with ``kv_routing`` (it then
+looks prompts up in the store and verifies the nodes' KV events, ``proxy.kv_routing``). With
 ``node_api_key`` (``pdserve serve``) the nodes also get a random ``--api-key`` that only the proxy holds
 (PDSERVE_API_KEY / PDSERVE_NODE_API_KEY in their environments): a local user cannot drive them directly. Stop order is the reverse; every child is ended
 by PID (SIGTERM, then SIGKILL after a grace period). Logs go to one file per child in ``log_dir``.
@@ -69,6 +70,8 @@ class ClusterSpec:
     store_flags: tuple[str, ...] = ()         # passed to the store daemon (e.g. --kv-cpu-bytes 8388608)
     proxy_flags: tuple[str, ...] = ()
     expose_kv_accounting: bool = True         # the proxy's --[no-]expose-kv-accounting: a local cluster shows it
+    kv_routing: bool = False                  # nodes publish KV events; the proxy holds the KV token and looks
+                                              # prompts up in the store (--kv-store): routing by cache
     num_threads: int = 1
     startup_timeout_s: float = 300.0
     kv_auth_token: str = field(default="", repr=False)   # "" : PDSERVE_KV_AUTH_TOKEN, else a new one
@@ -175,8 +178,9 @@ class LocalCluster:
                 store = ["--kv-store", self.store_url] if self.store_url else []
                 if self.spec.store == "embedded" and not self.spec.colocated:
                     store = ["--kv-store", "embedded", "--kv-redis", self.spec.kv_redis]
+                events = ["--kv-events-port", "0"] if self.spec.kv_routing else []
                 child = self._spawn(f"{role}-{i}", ["node", "--model", self.model_dir, "--role", role,
-                                                    "--host", "127.0.0.1", *store,
+                                                    "--host", "127.0.0.1", *store, *events,
                                                     "--num-threads", str(self.spec.num_threads),
                                                     *self.spec.node_flags, *self._role_flags(role)],
                                     _listen(f"{role}-{i}", 0), secret=True)
@@ -191,10 +195,12 @@ class LocalCluster:
         return {"prefill": self.spec.prefill_flags, "decode": self.spec.decode_flags}.get(role, ())
 
     def _start_proxy(self, sock) -> None:
+        store = ["--kv-store", self.store_url] if self.spec.kv_routing and self.store_url else []
         child = self._spawn("proxy", ["proxy", "--model", self.model_dir, "--host", self.spec.proxy_host,
-                                      "--prefill", *self.prefill_urls, "--decode", *self.decode_urls,
+                                      "--prefill", *self.prefill_urls, "--decode", *self.decode_urls, *store,
                                       "--expose-kv-accounting" if self.spec.expose_kv_accounting
-                                      else "--no-expose-kv-accounting", *self.spec.proxy_flags], sock)
+                                      else "--no-expose-kv-accounting", *self.spec.proxy_flags], sock,
+                            secret=self.spec.kv_routing)
         _wait_healthy(child, self.spec.startup_timeout_s)
 
     def supervise(self, now: float | None = None) -> list[str]:

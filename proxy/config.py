@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.request_limits import RequestLimits
 from pdserve.engine.server.tools.config import ToolConfig
 
-POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,10 @@ class ProxyConfig:
     prefix_chunk_tokens: int = 256               # chunk size of the routing keys (the store's default)
     max_node_connections: int = 1024             # the pool of node calls (health probes have their own)
     timeout_keep_alive_s: float = 75.0           # an idle client connection is closed after this (see cli)
+    kv_store: str | None = None                  # tcp://HOST:PORT of the store daemon: lookups for routing
+    kv_auth_token: str = field(default="", repr=False)   # the cluster token: store requests, KV events' MAC
+    local_prefill_threshold: int = 0             # uncached prompt tokens below this: the decode node prefills
+    skip_prefill_on_store_hit: bool = True       # with kv_store: a full store hit goes to the decode node only
     limits: RequestLimits = field(default_factory=RequestLimits)   # body size, tokenization (as on the nodes)
     tools: ToolConfig = field(default_factory=ToolConfig)           # tool_choice "auto" (as on the nodes)
 
@@ -48,6 +52,10 @@ class ProxyConfig:
         _positive("--prefix-chunk-tokens", self.prefix_chunk_tokens)
         _positive("--max-node-connections", self.max_node_connections)
         _positive("--timeout-keep-alive", self.timeout_keep_alive_s)
+        if self.local_prefill_threshold < 0:
+            raise ValueError(f"--local-prefill-threshold must be >= 0, got {self.local_prefill_threshold}")
+        if self.kv_store is not None and not self.kv_store.startswith("tcp://"):
+            raise ValueError(f"--kv-store {self.kv_store!r} must be tcp://HOST:PORT (a `pdserve kvstore` daemon)")
         for flag, urls in (("--prefill", self.prefill_urls), ("--decode", self.decode_urls)):
             _check_urls(flag, urls)
         _check_tenancy(self)

@@ -16,7 +16,9 @@ Probes use their own small connection pool, never the request pool: with every p
 slow requests a probe would otherwise wait for the pool, time out, and take healthy nodes out of rotation.
 For the same reason a probe that times out waiting for a connection of its own pool (``PoolTimeout``: this
 proxy is short of connections) is no verdict on the node and changes nothing.
-Each node's ``/v1/models`` is read once it is healthy: the first names the model the proxy reports
+Each node's ``/v1/models`` is read once it is healthy, and again each time it comes back (a restart may have
+moved its KV-event endpoint); ``on_card(node, card)`` gets each card (``kv_routing``). The first names the model
+the proxy reports
 (unless ``--served-model-name`` is given), and ``max_model_len`` is the smallest any node reports
 (the proxy refuses prompts that cannot fit it before tokenizing them, as a node would).
 """
@@ -39,8 +41,9 @@ OnDown = Callable[[Node, float, str], None]      # (node, silent since: time.mon
 
 class HealthChecker:
     def __init__(self, pools: list[NodePool], interval_s: float, timeout_s: float,
-                 on_down: OnDown = lambda node, since, why: None, node_api_key: str | None = None):
-        self._pools, self._on_down = pools, on_down
+                 on_down: OnDown = lambda node, since, why: None, node_api_key: str | None = None,
+                 on_card: Callable[[Node, dict], None] = lambda node, card: None):
+        self._pools, self._on_down, self._on_card = pools, on_down, on_card
         self._interval_s, self._timeout_s = interval_s, timeout_s
         num_nodes = sum(len(pool.nodes) for pool in pools)
         self._client = ConnectionPool(2 * num_nodes, connect_timeout_s=timeout_s, timeout_s=timeout_s,
@@ -84,10 +87,11 @@ class HealthChecker:
         except HTTPError as exc:
             ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
             listening = not isinstance(exc, ConnectRefused)
+        was_healthy = node.healthy
         pool.set_health(node, ok, why)
         if not ok and listening:
             self._on_down(node, sent, why)
-        if ok and node.url not in self._max_model_lens:
+        if ok and (node.url not in self._max_model_lens or not was_healthy):
             await self._read_model(node)
 
     async def _read_model(self, node: Node) -> None:
@@ -101,6 +105,11 @@ class HealthChecker:
             self.model_name = card["id"]
         if isinstance(card.get("max_model_len"), int) and card["max_model_len"] > 0:
             self._max_model_lens[node.url] = card["max_model_len"]
+        if isinstance(card, dict):
+            try:
+                self._on_card(node, card)
+            except Exception:                       # noqa: BLE001 -- a bad card costs routing hints only
+                logger.exception("could not use the model card of %s", node.url)
 
     async def _get(self, url: str, path: str) -> tuple[int, bytes]:
         """One GET and its whole answer (connecting, then the rest, each within ``timeout_s``)."""

@@ -46,6 +46,8 @@ from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequ
 from pdserve.engine.server.structured import check_structured
 from pdserve.engine.server.tools.config import ToolConfig
 from pdserve.engine.server.tools.plan import ToolPlan
+from pdserve.engine.kv.kv_events import public_hash
+from pdserve.engine.sched.hashing import block_hashes, salt_root
 from pdserve.kvstore.keys import chunk_keys
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -53,15 +55,32 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 @dataclass(frozen=True)
 class Routing:
-    """How the proxy names prompt chunks for prefix-aware routing (keys only the proxy compares)."""
+    """How the proxy names prompt chunks for routing. Until a node told its store's key space, keys only the
+    proxy compares (``salt`` "proxy:<model name>"); then (``store``) the store's own chunk keys -- ``salt`` the
+    nodes' model fingerprint, the last partial chunk included, as the nodes publish it -- which the proxy looks up.
+    With ``events_key`` each prompt also gets its blocks' public hashes, to match the nodes' KV events."""
     chunk_tokens: int
-    salt: str                      # e.g. "proxy:<model name>"; not the store's model fingerprint
+    salt: str                      # "proxy:<model name>", or the store's model fingerprint (store=True)
+    store: bool = False
+    block_size: int = 0            # the nodes' --block-size (with events_key)
+    events_key: bytes | None = None
+
+    def keys(self, ids: list[int], cache_salt: str | None) -> list[str]:
+        return chunk_keys(ids, self.chunk_tokens, self.salt, include_partial=self.store, cache_salt=cache_salt)
+
+    def block_hashes(self, ids: list[int], cache_salt: str | None) -> tuple[int, ...]:
+        """The public hashes of the prompt's full blocks, as the nodes' KV events name them; () without events."""
+        if self.events_key is None:
+            return ()
+        hashes = block_hashes(ids, self.block_size, parent=salt_root(cache_salt))
+        return tuple(public_hash(self.events_key, h) for h in hashes)
 
 
 @dataclass(frozen=True)
 class Prompt:
     ids: list[int]
-    chunk_keys: list[str]          # full routing chunks of the prompt, in order
+    chunk_keys: list[str]          # routing chunks of the prompt, in order (Routing.keys)
+    block_hashes: tuple[int, ...] = ()   # Routing.block_hashes
 
 
 @dataclass(frozen=True)
@@ -142,8 +161,7 @@ async def admit_request(endpoint: str, body: dict[str, Any], parsed, gate: Gate,
         for ids in prompts:
             resolve_max_tokens(limit, parsed.requested_max_tokens, len(ids))
     routing = gate.routing
-    routed = [Prompt(ids, chunk_keys(ids, routing.chunk_tokens, routing.salt, cache_salt=cache_salt))
-              for ids in prompts]
+    routed = [Prompt(ids, routing.keys(ids, cache_salt), routing.block_hashes(ids, cache_salt)) for ids in prompts]
     return ProxyRequest(endpoint, body, routed, parsed.stream, parsed.requested_max_tokens, parsed.min_tokens,
                         cache_salt)
 

@@ -1,7 +1,8 @@
 """The proxy's Prometheus metrics, in a registry of its own (served by ``app`` at /metrics).
 
-Updated by ``router`` (in-flight, health), ``orchestrate`` (retries, aborted calls, phase latency) and
-``app`` (requests by outcome, end-to-end latency).
+Updated by ``router`` (in-flight, health), ``orchestrate`` (retries, aborted calls, phase latency, P/D decisions),
+``app`` (requests by outcome, end-to-end latency), ``kv_routing`` (store lookups) and ``kv_events`` (events, cached
+blocks per node).
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ class ProxyMetrics:
                                        "time per phase: prefill (the prefill calls), decode_first_byte (decode "
                                        "call until its first byte), decode (the decode call to its last byte)",
                                        ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.pd_decisions = Counter("pdserve_proxy_pd_decisions", "requests by P/D decision: prefill (prefill node, "
+                                    "then decode node), store_hit (the store holds all but the last block: decode "
+                                    "node only), decode_local (the uncached part is under --local-prefill-threshold: "
+                                    "decode node only)", ["decision"], registry=r)
+        self.store_lookups = Counter("pdserve_proxy_store_lookups", "the proxy's store lookups by outcome (hit, miss, "
+                                     "error)", ["outcome"], registry=r)
+        self.store_hit_tokens = Counter("pdserve_proxy_store_hit_tokens", "prompt tokens the store held at routing",
+                                        registry=r)
+        self.kv_events = Counter("pdserve_proxy_kv_events", "KV-event batches from the nodes by outcome (accepted, "
+                                 "reset: accepted after forgetting the node's state, stale: a replayed epoch or "
+                                 "sequence, forged: bad MAC or malformed)", ["outcome"], registry=r)
+        self.node_cached_blocks = Gauge("pdserve_proxy_node_cached_blocks", "blocks a node's KV events say its prefix "
+                                        "cache holds", ["role", "node"], registry=r)
 
         for role in ("prefill", "decode"):     # exported at 0 from the start (vLLM pre-creates its labels too)
             self.retries.labels(role)

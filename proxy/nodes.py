@@ -1,6 +1,6 @@
 """The proxy's view of the engine nodes: health, load and the prefix chunks recently sent to each.
 
-Owned by ``router.NodePool``; mutated by ``health.HealthChecker`` (healthy or not), by
+Owned by ``router.NodePool``; mutated by ``health.HealthChecker`` (healthy or not), ``kv_events`` (``kv``), by
 ``orchestrate`` through ``NodePool.lease`` (in-flight counts) and ``mark_failed`` (a request
 could not reach the node), and read by ``policies`` when they choose a node.
 Everything runs on the proxy's one event loop, so there are no locks.
@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from pdserve.proxy.kv_state import NodeKVState
+
 
 @dataclass
 class Node:
@@ -20,6 +22,7 @@ class Node:
     in_flight: int = 0                         # requests this proxy has open on the node
     in_flight_tokens: int = 0                  # their prompt (+ max output) tokens
     recent_keys: "RecentKeys" = field(default_factory=lambda: RecentKeys(capacity=50_000))
+    kv: NodeKVState = field(default_factory=NodeKVState)   # its prefix cache, from its KV events (kv_aware)
 
     @property
     def load(self) -> tuple[int, int]:

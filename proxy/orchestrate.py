@@ -4,6 +4,10 @@ Called by ``app`` once the request is parsed (``inputs.parse_request``):
 
     response = await orchestrator.handle(req, on_end)    # JSONResponse or StreamingResponse
 
+0. Routing by cache (``kv_routing``): the store lookup, the nodes' KV events and the P/D decision. "store_hit" and
+   "decode_local" skip step 1: the decode node gets the prompt without ``kv_transfer_params``. The decision is
+   counted (``pdserve_proxy_pd_decisions``) and, with ``--expose-kv-accounting``, is ``usage.kv_transfer.route``.
+
 1. Prefill: ``prefill_body`` (max_tokens=1, stream=false, prompt_token_ids, do_remote_decode)
    goes to a prefill node, one call per prompt (a completions prompt list: concurrently, each
    routed by its own prefix); each answer's top-level ``kv_transfer_params`` (opaque here; null
@@ -47,11 +51,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine import tracing
 from pdserve.engine.server.errors import error_body, error_response
-from pdserve.proxy.accounting import drop_kv_accounting, event_without_kv_accounting, json_without_kv_accounting
+from pdserve.proxy.accounting import (drop_kv_accounting, event_with_route, event_without_kv_accounting,
+                                      json_with_route, json_without_kv_accounting, set_route)
 from pdserve.proxy.http1 import ConnectionBroken, ConnectionPool, HTTPError
 from pdserve.proxy.inputs import ProxyRequest, decode_body, prefill_body
+from pdserve.proxy.kv_routing import KVRouting, Route
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.nodes import Node
+from pdserve.proxy.policies import KVHint
 from pdserve.proxy.router import NoHealthyNode, NodePool
 from pdserve.proxy.upstream import NodeBusy, NodeFailed, NodeRejected, NodeStream, open_stream, post_json
 
@@ -64,8 +71,8 @@ OnEnd = Callable[[str], None]          # called once with the request's outcome 
 class Orchestrator:
     def __init__(self, client: ConnectionPool, prefill: NodePool, decode: NodePool, metrics: ProxyMetrics,
                  max_attempts: int, model_name: Callable[[], str | None], retry_after_s: int = 1,
-                 expose_kv_accounting: bool = True):
-        self._client, self._prefill, self._decode = client, prefill, decode
+                 expose_kv_accounting: bool = True, kv: KVRouting | None = None):
+        self._client, self._prefill, self._decode, self._kv = client, prefill, decode, kv
         self._metrics, self._max_attempts, self._model_name = metrics, max_attempts, model_name
         self._retry_after = str(retry_after_s)      # a 503 for want of a healthy node: the next probe round
         self._expose = expose_kv_accounting
@@ -95,43 +102,60 @@ class Orchestrator:
             return error_response(502, f"{exc} (after retries on other nodes)")
 
     async def _handle(self, req: ProxyRequest, on_end: OnEnd) -> Response:
-        prefilled = await self.prefill(req)
-        if req.prefill_only:
-            prefilled[0].pop("kv_transfer_params", None)
-            if not self._expose:
-                drop_kv_accounting(prefilled[0])
-            on_end("ok")
-            return JSONResponse(prefilled[0])
-        kv = [p.get("kv_transfer_params") for p in prefilled]
+        route = await self._kv.plan(req, self._decode.healthy) if self._kv is not None and self._kv.active else None
+        decision = route.decision if route is not None else "prefill"
+        self._metrics.pd_decisions.labels(decision).inc()
+        shown = route.describe() if route is not None and self._expose else None
+        if decision == "prefill":
+            prefilled = await self.prefill(req, route)
+            if req.prefill_only:
+                prefilled[0].pop("kv_transfer_params", None)
+                if not self._expose:
+                    drop_kv_accounting(prefilled[0])
+                elif shown is not None:
+                    set_route(prefilled[0], shown)
+                on_end("ok")
+                return JSONResponse(prefilled[0])
+            kv = [p.get("kv_transfer_params") for p in prefilled]
+        else:                      # the decode node looks the prompt up in the store and computes the rest itself
+            kv = [None] * len(req.prompts)
+        hint = route.hint() if route is not None else None
         if not req.stream:
-            content = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_json(node, req, kv))
+            content = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_json(node, req, kv),
+                                           hint)
             on_end("ok")
             if not self._expose:
                 content = json_without_kv_accounting(content)
+            elif shown is not None:
+                content = json_with_route(content, shown)
             return Response(content, media_type="application/json")      # the node's JSON, as it sent it
-        stream = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_stream(node, req, kv))
-        return RelayResponse(stream, on_end, None if self._expose else event_without_kv_accounting)
+        stream = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_stream(node, req, kv),
+                                      hint)
+        redact = event_without_kv_accounting if not self._expose else \
+            (event_with_route(shown) if shown is not None else None)
+        return RelayResponse(stream, on_end, redact)
 
-    async def prefill(self, req: ProxyRequest) -> list[dict[str, Any]]:
+    async def prefill(self, req: ProxyRequest, route: Route | None = None) -> list[dict[str, Any]]:
         """One prefill answer per prompt, in prompt order (a "prefill" span around them, tracing on)."""
         start = time.perf_counter()
         span = tracing.start_span("prefill", "client") if tracing.enabled() else None
         try:
             with tracing.use(span):
-                payloads = await _all_or_cancel([self._prefill_one(req, i) for i in range(len(req.prompts))])
+                payloads = await _all_or_cancel([self._prefill_one(req, i, route.hint(i) if route else None)
+                                                 for i in range(len(req.prompts))])
         finally:
             tracing.end(span)
         self._metrics.phase_latency.labels("prefill").observe(time.perf_counter() - start)
         return payloads
 
-    async def _prefill_one(self, req: ProxyRequest, index: int) -> dict[str, Any]:
+    async def _prefill_one(self, req: ProxyRequest, index: int, hint: KVHint | None) -> dict[str, Any]:
         body, prompt = prefill_body(req, self._model_name(), index), req.prompts[index]
 
         async def call(node: Node) -> dict[str, Any]:
             with self._prefill.lease(node, len(prompt.ids)):
                 return (await post_json(self._client, node, req.endpoint, body, tracing.inject()))[0]
 
-        return await self._retrying(self._prefill, prompt.chunk_keys, call)
+        return await self._retrying(self._prefill, prompt.chunk_keys, call, hint)
 
     async def _decode_json(self, node: Node, req: ProxyRequest, kv: list[Any]) -> bytes:
         start = time.perf_counter()
@@ -166,12 +190,13 @@ class Orchestrator:
         stream.on_close = closed                  # the lease lasts as long as the stream
         return stream
 
-    async def _retrying(self, pool: NodePool, keys: list[str], call: Callable[[Node], Awaitable[T]]) -> T:
+    async def _retrying(self, pool: NodePool, keys: list[str], call: Callable[[Node], Awaitable[T]],
+                        hint: KVHint | None = None) -> T:
         tried: set[str] = set()
         last: NodeFailed | None = None
         for attempt in range(self._max_attempts):
             try:
-                node = pool.choose(keys, exclude=tried)
+                node = pool.choose(keys, exclude=tried, hint=hint)
             except NoHealthyNode as exc:
                 if last is not None and not last.down:
                     raise last from None

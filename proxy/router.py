@@ -2,7 +2,7 @@
 
 Built by ``app.build_app`` from the config; ``orchestrate`` calls, per phase and attempt:
 
-    node = pool.choose(chunk_keys, exclude=tried)    # NoHealthyNode when none is left
+    node = pool.choose(chunk_keys, exclude=tried, hint=hint)    # NoHealthyNode when none is left (hint: kv_aware)
     with pool.lease(node, tokens):                   # in-flight counts (or acquire() -> release)
         ... call the node ...                        # pool.mark_failed(node, why) if unreachable
 
@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.nodes import Node
-from pdserve.proxy.policies import make_policy
+from pdserve.proxy.policies import KVHint, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +40,12 @@ class NodePool:
     def healthy(self) -> list[Node]:
         return [n for n in self.nodes if n.healthy]
 
-    def choose(self, chunk_keys: list[str], exclude: set[str] = frozenset()) -> Node:
+    def choose(self, chunk_keys: list[str], exclude: set[str] = frozenset(), hint: KVHint | None = None) -> Node:
         candidates = [n for n in self.healthy if n.url not in exclude]
         if not candidates:
             raise NoHealthyNode(f"no healthy {self.role} node left to try (healthy: "
                                 f"{[n.url for n in self.healthy]}, already tried: {sorted(exclude)})")
-        node = self._policy.choose(candidates, chunk_keys)
+        node = self._policy.choose(candidates, chunk_keys, hint)
         node.recent_keys.add(chunk_keys)
         return node
 

@@ -25,6 +25,7 @@ from pdserve.engine.server.auth import api_keys_from_args
 from pdserve.engine.server.tools.config import add_tool_arguments, tool_config_from_args
 from pdserve.kvstore.auth import ClusterKey, add_token_arguments, token_from_args
 from pdserve.proxy.cluster import ClusterSpec, LocalCluster
+from pdserve.proxy.config import POLICIES
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -46,6 +47,12 @@ def register(subparsers) -> None:
     p.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     p.add_argument("--kv-redis", default=None, help="redis://HOST:PORT/DB as the store's second tier")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--routing-policy", default=None, choices=POLICIES,
+                   help="the proxy's policy for both phases; kv_aware also wires the nodes' KV events and the store's "
+                        "lookups into the proxy (docs/routing.md)")
+    p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
+                   help="the proxy's --local-prefill-threshold: fewer uncached prompt tokens are prefilled by the "
+                        "decode node")
     p.add_argument("--expose-kv-accounting", action=argparse.BooleanOptionalAction, default=True,
                    help="the proxy's answers carry usage.kv_transfer (each node's prefix-cache and store hits); "
                         "default on here, off for a stand-alone `pdserve proxy`")
@@ -105,6 +112,13 @@ def role_flags(args, role: str) -> tuple[str, ...]:
     return out + tuple(shlex.split(getattr(args, f"{role}_args")))
 
 
+def routing_flags(args) -> tuple[str, ...]:
+    """--routing-policy / --local-prefill-threshold, passed to the proxy when given."""
+    out = ("--routing-policy", args.routing_policy) if args.routing_policy else ()
+    return out + (("--local-prefill-threshold", str(args.local_prefill_threshold))
+                  if args.local_prefill_threshold else ())
+
+
 def resolve_demo_model(name: str) -> str:
     from pdserve.engine.node import resolve_model
 
@@ -133,7 +147,9 @@ def run(args) -> int:
                        kv_auth_token=token_from_args(args, "pdserve serve"),
                        api_keys=api_keys_from_args(args, "pdserve serve"),
                        proxy_flags=(("--cache-salt-from-api-key",) if args.cache_salt_from_api_key else ()) + tools
-                       + (("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ()),
+                       + (("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ())
+                       + routing_flags(args),
+                       kv_routing=args.routing_policy == "kv_aware" or args.local_prefill_threshold > 0,
                        expose_kv_accounting=args.expose_kv_accounting, node_api_key=True)
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):      # Ctrl-C, or a supervisor stopping us

@@ -46,6 +46,25 @@ def test_serve_passes_flags_to_every_node_and_per_role(tiny_llama):
         assert proc.wait(timeout=60) == 0
 
 
+def test_serve_routing_by_cache_wires_events_store_and_threshold(tiny_llama):
+    """--routing-policy kv_aware: nodes publish KV events, the proxy holds the token (environment only) and the store's
+    address; a short prompt is prefilled by the decode node (its decision in usage.kv_transfer.route)."""
+    with serve(tiny_llama, "--routing-policy", "kv_aware", "--local-prefill-threshold", "64") as (proc, output):
+        url, logs = banner_url(output), Path(re.search(r"logs\s+(\S+)", output).group(1))
+        decode = re.search(r"decode\s+(http://\S+)", output).group(1)
+        auth = {"Authorization": f"Bearer {_node_api_key(logs)}"}
+        card = httpx.get(decode + "/v1/models", timeout=10, headers=auth).json()["data"][0]["kv"]
+        assert card["events"].startswith("tcp://127.0.0.1:") and card["store"]["num_layers"] > 0
+        proxies = [(c, e) for c, e in _children(logs).values() if " proxy " in c]
+        assert len(proxies) == 1 and "PDSERVE_KV_AUTH_TOKEN" in proxies[0][1] and "--kv-store tcp://" in proxies[0][0]
+        assert "--routing-policy kv_aware" in proxies[0][0] and proxies[0][1]["PDSERVE_KV_AUTH_TOKEN"] not in \
+            proxies[0][0]
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["kv_transfer"]["route"]["decision"] == "decode_local"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+
+
 def _children(logs: Path) -> dict[str, tuple[str, dict]]:
     """pid -> (command line, environment) of every process the cluster started (their cwd is its log dir)."""
     children = {}

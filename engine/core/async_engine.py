@@ -42,6 +42,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig):
         self.model_name = config.model_name
         self.role = config.kv_transfer.role
+        self.block_size = config.cache.block_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -100,6 +101,14 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def kv_card(self) -> dict:
+        """What the proxy's kv_aware routing needs to know of this node (``/v1/models``' ``kv`` field): its block
+        size and KV-event endpoint, and its store's key space (fingerprint, chunk size, layers), None without one."""
+        info = self.engine.store_info()
+        store = None if info is None else {"fingerprint": info.fingerprint, "chunk_tokens": info.chunk_tokens,
+                                           "num_layers": info.num_layers}
+        return {"block_size": self.block_size, "events": self.engine.kv_events_endpoint or None, "store": store}
 
     def stats(self) -> EngineStats:
         if self._thread is None:

@@ -76,6 +76,7 @@ class EngineCoreClient:
             raise
         self.pid, self.max_model_len, self._store, self._stats = ready.pid, ready.max_model_len, ready.store, \
             ready.stats
+        self.kv_events_endpoint = ready.kv_events
         self._outputs = OutputProcessor(self.tokenizer, wait_for_core=ready.store is not None)
         logger.info("engine core ready in process %d (%d KV blocks)", ready.pid, ready.num_blocks)
         self._receiver = threading.Thread(target=self._receive_loop, name="pdserve-core-receiver", daemon=True)
@@ -86,6 +87,10 @@ class EngineCoreClient:
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """The in-process engine's checks and messages (``LLMEngine.check_prompt``)."""
         check_prompt_fits(num_prompt_tokens, max_tokens, self.max_model_len)
+
+    def store_info(self) -> m.StoreInfo | None:
+        """The store figures the core reported when ready (``LLMEngine.store_info``)."""
+        return self._store
 
     def check_transfer(self, kv_transfer_params: dict | None) -> None:
         """``LLMEngine.check_transfer`` against the store figures the core reported when ready."""

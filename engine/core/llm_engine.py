@@ -71,6 +71,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runtime.num_blocks, block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
         self.runner = self._build_runner()
+        self.kv_events = self._build_kv_events()
         self.store, self.connector = self._build_connector(store)
         if self.connector is not None:   # an engine dropped without shutdown() must not keep its cache alive
             weakref.finalize(self, _release, self.connector, self.store if self._owns_store else None)
@@ -116,10 +117,37 @@ class LLMEngine:
         compiler = GrammarCompiler(lambda: tokenizer_info(model_dir, vocab, eos, tokenizer))
         return StructuredOutputManager(compiler, vocab)
 
+    def _build_kv_events(self):
+        """The KV-event publisher (``--kv-events-port``), or None; the block manager records for it."""
+        kv = self.config.kv_transfer
+        if kv.kv_events_port is None:
+            return None
+        from pdserve.engine.kv.kv_events import KVEventPublisher
+
+        self.block_manager.events = []
+        return KVEventPublisher(kv.kv_auth_token, kv.kv_events_port)
+
+    def store_info(self):
+        """What the node tells about its KV (``core.messages.StoreInfo``), None without a store."""
+        from pdserve.engine.core.messages import StoreInfo
+
+        c = self.connector
+        if c is None:
+            return None
+        return StoreInfo(fingerprint=c.fingerprint, block_size=c.block_size, chunk_tokens=c.chunk_tokens,
+                         kv_layout=c.layout_text, num_layers=self.model_config.num_layers)
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        return "" if self.kv_events is None else self.kv_events.endpoint
+
     def shutdown(self) -> None:
         """Stop the KV publisher/loader, close a store this engine built (detaching from a daemon),
         then stop the worker ranks of a tp x pp engine. Idempotent."""
         self.structured.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self.connector is not None:
             self.connector.shutdown()
         if self.store is not None and self._owns_store:
@@ -231,6 +259,8 @@ class LLMEngine:
         failed = [self.outputs.fail(rid, sampled.pop(rid).message)
                   for rid in [rid for rid, r in sampled.items() if isinstance(r, SampleFailure)]]
         self.scheduler.update_from_output(sched_out, {rid: r.token_id for rid, r in sampled.items()})
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_manager.take_events())
         outputs = [o for o in failed if o is not None] + \
             self.outputs.collect(sampled, sched_out.rejected, getattr(self.runner, "prompt_logprobs", None))
         if not sched_out.scheduled and not outputs:

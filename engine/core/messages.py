@@ -97,6 +97,7 @@ class StoreInfo(msgspec.Struct, frozen=True):
     block_size: int
     chunk_tokens: int
     kv_layout: str
+    num_layers: int = 0              # the model's layers: a chunk is stored when all of them are (the proxy's lookup)
 
 
 class Ready(msgspec.Struct, frozen=True, tag=True):
@@ -105,6 +106,7 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
     num_blocks: int
     stats: EngineStats
     store: StoreInfo | None = None   # None: the core has no KV store
+    kv_events: str = ""              # the core's KV-event endpoint (``--kv-events-port``); "": none
     version: int = VERSION
 
 

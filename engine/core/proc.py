@@ -211,7 +211,7 @@ def serve(start: m.StartCore) -> int:
         gc.freeze()                          # start-up objects (65k KV blocks...): never scanned again
         loop = CoreLoop(engine, inbox, outbox)
         outbox.send(m.Ready(os.getpid(), engine.max_model_len, engine.runtime.num_blocks, loop.stats(),
-                            _store_info(engine)))
+                            engine.store_info(), engine.kv_events_endpoint))
         heartbeat = Heartbeat(outbox)
         return loop.run()
     except Exception as exc:  # noqa: BLE001 - a failed start (bad config, missing weights): tell the API why
@@ -226,14 +226,6 @@ def serve(start: m.StartCore) -> int:
         if engine is not None:
             engine.shutdown()
         ctx.destroy(linger=2000)
-
-
-def _store_info(engine) -> m.StoreInfo | None:
-    c = engine.connector
-    if c is None:
-        return None
-    return m.StoreInfo(fingerprint=c.fingerprint, block_size=c.block_size, chunk_tokens=c.chunk_tokens,
-                       kv_layout=c.layout_text)
 
 
 def _watch_lifeline(stream) -> None:

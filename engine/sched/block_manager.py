@@ -17,6 +17,8 @@ handed out again: that is the eviction, logged at DEBUG. A request's blocks are 
 block first, so the tail of a prompt is evicted before its head. Only full blocks are hashed.
 A request's ``cache_salt`` roots its chain (``hashing.salt_root``): requests with different salts
 (or one with a salt and one without) never find each other's blocks.
+With ``events`` set to a list, every hash registered, evicted or reset is recorded there for the node's KV
+events (``engine.kv.kv_events``); the engine drains it with ``take_events`` after each step.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._owners: dict[str, Request] = {}                     # requests holding blocks
         self._num_registered: dict[str, int] = {}                 # request -> blocks whose hash is registered
+        self.events: list[tuple] | None = None                    # a list: KV events are kept (``take_events``)
         self._stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------------
@@ -153,6 +156,8 @@ class BlockManager:
             if h not in self._cached and self._hash[block] is None:
                 self._cached[h] = block
                 self._hash[block] = h
+                if self.events is not None:
+                    self.events.append(("stored", h))
         self._num_registered[request.request_id] = full
 
     def free(self, request: Request) -> None:
@@ -176,6 +181,8 @@ class BlockManager:
         for block in self._cached.values():
             self._hash[block] = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(("cleared",))
         logger.info("prefix cache reset: %d cached blocks dropped", dropped)
         return dropped
 
@@ -191,8 +198,17 @@ class BlockManager:
             logger.debug("evict block %d hash=%016x", block, h)
             del self._cached[h]
             self._hash[block] = None
+            if self.events is not None:
+                self.events.append(("removed", h))
         self._ref[block] = 1
         return block
+
+    def take_events(self) -> list[tuple]:
+        """The KV events since the last call, oldest first (``engine.kv.kv_events``); [] when not kept."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
 
     # ---- checks --------------------------------------------------------------------------
 

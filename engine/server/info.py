@@ -26,6 +26,9 @@ async def list_models(request: Request) -> dict[str, Any]:
     name = state.engine.model_name
     card = {"id": name, "object": "model", "created": created(), "owned_by": "pdserve", "root": name,
             "parent": None, "max_model_len": state.max_model_len}
+    kv_card = getattr(state.engine, "kv_card", None)       # the proxy's kv_aware routing reads it
+    if kv_card is not None:
+        card["kv"] = kv_card()
     return {"object": "list", "data": [card]}
 
 

@@ -1,0 +1,163 @@
+"""Routing by cache: what the store and each node hold of a prompt, and whether it needs a prefill node at all.
+
+Who calls what:
+
+    health, once a node's /v1/models was read     kv.on_card(node, card) -> a new ``Routing`` for the gate
+                                                  (the store's key space), and the node's KV events watched
+    orchestrate, per request                      route = await kv.plan(req, decode_nodes)
+                                                  route.decision: "prefill" | "store_hit" | "decode_local"
+                                                  route.hint(i): the ``KVHint`` the kv_aware policy scores with
+    app lifespan                                  await kv.stop()
+
+The store is asked once per request, with one batched ``lookup`` of the prompt's chunk keys (no data): the keys
+are the store's own (``kvstore.keys.chunk_keys`` with the nodes' fingerprint, chunk size and the request's
+``cache_salt``, the last partial chunk included, as the prefill node publishes them). The proxy talks to the
+daemon as any client does, with the cluster token (``--kv-store``, PDSERVE_KV_AUTH_TOKEN); a store that fails
+or is slow is a miss (counted), never a failed request.
+
+The decision, for a request with one prompt (several prompts, a prefill-only answer, prompt logprobs: "prefill"):
+    store_hit      the store holds all but the last block (``--no-skip-prefill-on-store-hit`` turns it off)
+    decode_local   the tokens neither the store nor the best decode node's prefix cache holds are fewer than
+                   ``--local-prefill-threshold`` (a short prompt, or a next turn of a chat the node just served)
+    prefill        otherwise: prefill node, then decode node
+Both skips send the decode node the prompt without ``kv_transfer_params``: it looks the prompt up in the store,
+loads what is there, computes the rest and samples the first token itself (draw 0 of seeded sampling, as the
+prefill node would have), so the answer is the one the prefill path gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from pdserve.engine.kv.kv_events import events_key
+from pdserve.proxy.inputs import ProxyRequest, Routing
+from pdserve.proxy.kv_events import EventSubscriber
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.nodes import Node
+from pdserve.proxy.policies import KVHint
+
+logger = logging.getLogger(__name__)
+STORE_TIMEOUT_S = 2.0
+NO_SKIP_FIELDS = ("prompt_logprobs", "echo")     # the prefill node computes the prompt's logprobs
+
+
+@dataclass(frozen=True)
+class Route:
+    decision: str
+    hints: tuple[KVHint | None, ...]          # per prompt
+    store_tokens: int = 0
+    decode_local_tokens: int = 0
+
+    def hint(self, index: int = 0) -> KVHint | None:
+        return self.hints[index] if self.hints else None
+
+    def describe(self) -> dict:
+        """What ``usage.kv_transfer.route`` says."""
+        return {"decision": self.decision, "store_hit_tokens": self.store_tokens,
+                "decode_local_hit_tokens": self.decode_local_tokens}
+
+
+class KVRouting:
+    def __init__(self, metrics: ProxyMetrics, store_url: str | None = None, token: str = "",
+                 local_prefill_threshold: int = 0, skip_on_store_hit: bool = True):
+        self._metrics, self._store_url = metrics, store_url
+        self.threshold, self.skip_on_store_hit = local_prefill_threshold, skip_on_store_hit
+        self._key = events_key(token) if token else None
+        self.events = EventSubscriber(self._key, metrics) if self._key else None
+        self._client = None
+        if store_url:
+            from pdserve.kvstore.client import DaemonClient
+
+            self._client = DaemonClient(store_url, token, shm_bytes=0, timeout_s=STORE_TIMEOUT_S)
+        self.store_space: dict | None = None       # the nodes' {fingerprint, chunk_tokens, num_layers}
+        self.block_size = 0
+        self._lookup_failed = False
+
+    def on_card(self, node: Node, card: dict, routing: Routing) -> Routing:
+        """A node's model card was read: watch its events, learn the store's key space; the gate's new routing."""
+        kv = card.get("kv") if isinstance(card.get("kv"), dict) else {}
+        if self.events is not None and isinstance(kv.get("events"), str):
+            self.events.watch(node, kv["events"])
+        if isinstance(kv.get("block_size"), int) and kv["block_size"] > 0:
+            self.block_size = kv["block_size"]
+        store = kv.get("store") if _valid_store_space(kv.get("store")) else None
+        if store is not None and self.store_space is None:
+            self.store_space = store
+        elif store is not None and store != self.store_space:
+            logger.warning("node %s's store key space %s differs from %s: its KV is not routed by", node.url,
+                           store, self.store_space)
+        if self.store_space is not None and self._store_url:
+            routing = Routing(self.store_space["chunk_tokens"], self.store_space["fingerprint"], store=True)
+        if self._key is not None and self.block_size:
+            routing = dataclasses.replace(routing, block_size=self.block_size, events_key=self._key)
+        return routing
+
+    @property
+    def active(self) -> bool:
+        """Anything to decide with: a store, KV events or a threshold (else ``orchestrate`` skips ``plan``)."""
+        return bool(self._store_url or self._key or self.threshold)
+
+    async def plan(self, req: ProxyRequest, decode_nodes: list[Node]) -> Route:
+        hints = tuple([await self._hint(req, i) for i in range(len(req.prompts))])
+        first = hints[0]
+        store = first.store_tokens if first else 0
+        local = max((first.local_tokens(n) for n in decode_nodes), default=0) if first else 0
+        return Route(self._decide(req, store, local), hints, store, local)
+
+    def _decide(self, req: ProxyRequest, store: int, local: int) -> str:
+        if len(req.prompts) != 1 or req.prefill_only or any(req.body.get(f) for f in NO_SKIP_FIELDS):
+            return "prefill"
+        n = len(req.prompt_ids)
+        if self.skip_on_store_hit and store > 0 and store >= n - max(self.block_size, 1):
+            return "store_hit"
+        if n - max(store, local) < self.threshold:
+            return "decode_local"
+        return "prefill"
+
+    async def _hint(self, req: ProxyRequest, index: int) -> KVHint | None:
+        prompt = req.prompts[index]
+        if not prompt.block_hashes and not self._routes_by_store:
+            return None                              # nothing known yet: kv_aware is least_loaded
+        store = await self._stored_tokens(prompt.ids, prompt.chunk_keys)
+        return KVHint(len(prompt.ids), self.block_size, prompt.block_hashes, store)
+
+    @property
+    def _routes_by_store(self) -> bool:
+        return self.store_space is not None and bool(self._store_url)
+
+    async def _stored_tokens(self, ids: list[int], keys: list[str]) -> int:
+        """Leading prompt tokens whose every layer the store holds (0 when it cannot tell)."""
+        if not self._routes_by_store or not keys:
+            return 0
+        try:
+            chunks = await asyncio.to_thread(self._lookup, keys)
+        except Exception as exc:  # noqa: BLE001 -- a store that fails costs routing hints, not requests
+            logger.log(logging.DEBUG if self._lookup_failed else logging.WARNING, "store lookup for routing failed "
+                       "(%s: %s); routing as a miss (counted in pdserve_proxy_store_lookups{outcome=\"error\"}, "
+                       "logged once)", type(exc).__name__, exc)
+            self._lookup_failed = True
+            self._metrics.store_lookups.labels("error").inc()
+            return 0
+        tokens = min(len(ids), chunks * self.store_space["chunk_tokens"])
+        self._metrics.store_lookups.labels("hit" if tokens else "miss").inc()
+        self._metrics.store_hit_tokens.inc(tokens)
+        return tokens
+
+    def _lookup(self, keys: list[str]) -> int:
+        return self._client.lookup(keys, self.store_space["num_layers"])
+
+    async def stop(self) -> None:
+        if self.events is not None:
+            await self.events.stop()
+        if self._client is not None:
+            await asyncio.to_thread(self._client.close)
+
+
+def _valid_store_space(store) -> bool:
+    """A node card's ``kv.store``: {fingerprint: 32 hex chars, chunk_tokens: int > 0, num_layers: int > 0}."""
+    return isinstance(store, dict) and isinstance(store.get("fingerprint"), str) and \
+        len(store["fingerprint"]) == 32 and all(isinstance(store.get(k), int) and store[k] > 0
+                                               for k in ("chunk_tokens", "num_layers"))

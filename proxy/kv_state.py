@@ -1,0 +1,71 @@
+"""What one node's prefix cache holds, as its KV events tell the proxy (``engine.kv.kv_events``).
+
+Owned by ``nodes.Node`` (``node.kv``); fed by ``kv_events.EventSubscriber`` with verified batches, read by the
+``kv_aware`` policy and the P/D decision (``kv_routing``). Runs on the proxy's event loop only: no locks.
+
+Epochs and sequence numbers (each node process draws a random epoch and numbers its batches 1, 2, ...):
+    a batch of a new epoch started later than the one known   -> forget everything (the node restarted), apply
+    a batch of an older or the same-start other epoch         -> dropped ("stale": a replay of a dead process)
+    seq <= the last seen                                      -> dropped ("stale": a replay)
+    seq  > the last seen + 1                                  -> events were lost: forget everything, apply
+    ``cleared``                                               -> forget everything, then apply its events
+Forgetting is always safe: it costs cache hits in routing, never a wrong answer (the node checks its own cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_BLOCKS = 1 << 20          # per node; more than any node's KV cache announces (a flood is forgotten, not kept)
+
+
+@dataclass
+class NodeKVState:
+    epoch: str = ""
+    started: float = 0.0
+    seq: int = 0
+    blocks: set[int] = field(default_factory=set)     # public hashes of the blocks the node has cached
+    resets: int = 0                                   # times the state was forgotten (restart, gap, clear)
+
+    def apply(self, batch) -> str:
+        """Apply one verified ``EventBatch``; returns "accepted", "stale" or "reset" (accepted after forgetting)."""
+        outcome = "accepted"
+        if batch.epoch != self.epoch:
+            if self.epoch and batch.started <= self.started:
+                return "stale"
+            first = not self.epoch
+            self.epoch, self.started, self.seq = batch.epoch, batch.started, 0
+            if not first:
+                outcome = self._forget()
+        elif batch.seq <= self.seq:
+            return "stale"
+        elif batch.seq > self.seq + 1:
+            outcome = self._forget()
+        self.seq = batch.seq
+        if batch.cleared and self.blocks:
+            outcome = self._forget()
+        self.blocks.difference_update(batch.removed)
+        self.blocks.update(batch.stored)
+        if len(self.blocks) > MAX_BLOCKS:
+            outcome = self._forget()
+        return outcome
+
+    def forget(self) -> None:
+        """The node is gone (or its events are): nothing it announced is assumed any more. Its epoch is kept:
+        an older process's batches stay refused."""
+        self._forget()
+
+    def leading_blocks(self, public_hashes: list[int]) -> int:
+        """How many of a prompt's blocks, from the first on, the node holds (the chain breaks at the first miss)."""
+        count = 0
+        for h in public_hashes:
+            if h not in self.blocks:
+                break
+            count += 1
+        return count
+
+    def _forget(self) -> str:
+        if self.blocks:
+            self.blocks = set()
+        self.resets += 1
+        return "reset"
