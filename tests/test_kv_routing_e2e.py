@@ -44,7 +44,7 @@ def metric(url: str, name: str, **labels) -> float:
 
 def served(c: LocalCluster, role: str) -> float:
     url = c.prefill_urls[0] if role == "prefill" else c.decode_urls[0]
-    return metric(url, "pdserve_request_success_total")
+    return metric(url, "vllm:request_success_total")
 
 
 def complete(url: str, prompt: str, **body) -> dict:
