@@ -111,4 +111,4 @@ def _combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, T: int
     scaled = y.float() * weights.flatten()[order, None]
     slots = torch.empty_like(scaled)
     slots[order] = scaled
-    return slots.view(T, k, -1).sum(dim=1).to(dtype)
+    return slots.view(T, k, y.shape[1]).sum(dim=1).to(dtype)

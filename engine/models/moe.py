@@ -94,8 +94,9 @@ class MoE(nn.Module):
 
     def load(self, src, prefix: str, tp_rank: int = 0) -> None:
         """Fill from the checkpoint's ``prefix`` (``model.layers.{i}.mlp``; Mixtral's block name replaces ``mlp``)."""
-        fused = f"{prefix}.experts.gate_up_proj"
-        prefix = prefix.rsplit(".", 1)[0] + "." + self.cfg.block_name
+        fused = f"{prefix}.experts.gate_up_proj"           # transformers 5's layout keeps every block at ``mlp``
+        if fused not in src:
+            prefix = prefix.rsplit(".", 1)[0] + "." + self.cfg.block_name
         _copy(self.gate, src.get(f"{prefix}.gate.weight"), f"{prefix}.gate.weight")
         if self.e_score_correction_bias is not None:
             name = f"{prefix}.gate.e_score_correction_bias"

@@ -4,7 +4,7 @@ Called by ``ModelConfig.from_dir`` (``model_config.py``), which keeps the result
 dense model); read by ``moe.py`` (the layer: routing, expert sizes, checkpoint names) and by ``llama.py``'s MLP
 factory (``is_moe_layer``). Families and the keys they use:
 
-    Qwen3-MoE  num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, softmax;
+    Qwen3-MoE  num_experts (transformers 5 writes num_local_experts), num_experts_per_tok, moe_intermediate_size, norm_topk_prob, softmax;
                dense layers: ``mlp_only_layers`` + ``decoder_sparse_step`` (MoE where (i + 1) % step == 0)
     Qwen2-MoE  as Qwen3-MoE, plus one shared expert of ``shared_expert_intermediate_size`` behind a sigmoid gate
     Mixtral    num_local_experts, num_experts_per_tok, ``intermediate_size`` per expert, softmax, always
@@ -59,7 +59,7 @@ class MoEConfig:
     def from_hf(cls, arch: str, cfg: dict) -> MoEConfig | None:
         """The MoE layout of an ``arch`` config, None for a dense one."""
         if arch == "MixtralForCausalLM":
-            moe = cls(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+            moe = cls(num_experts=_num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
                       intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
                       block_name="block_sparse_moe", expert_names=("w1", "w3", "w2"))
         elif arch in _QWEN:
@@ -100,9 +100,17 @@ class MoEConfig:
                                  f"{self.num_groups} leaves {self.num_experts // self.num_groups} per group")
 
 
+def _num_experts(cfg: dict) -> int:
+    """The routed experts, under any family's key (transformers 5 writes ``num_local_experts`` for Qwen3-MoE too)."""
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    raise KeyError("num_experts")
+
+
 def _qwen(arch: str, cfg: dict) -> MoEConfig:
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
-    return MoEConfig(num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+    return MoEConfig(num_experts=_num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
                      intermediate_size=int(cfg["moe_intermediate_size"]),
                      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                      shared_intermediate_size=shared, shared_expert_gate=shared > 0,
@@ -114,7 +122,7 @@ def _deepseek(arch: str, cfg: dict) -> MoEConfig:
     v3 = arch == "DeepseekV3ForCausalLM"
     width = int(cfg["moe_intermediate_size"])
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
-    return MoEConfig(num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+    return MoEConfig(num_experts=_num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
                      intermediate_size=width, scoring=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
                      norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)), topk_method=method,
                      num_groups=int(cfg.get("n_group") or 1), topk_groups=int(cfg.get("topk_group") or 1),
