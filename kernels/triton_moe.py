@@ -27,10 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.kernel_variants import MOE_BLOCK_MS as BLOCK_MS
 from pdserve.kernels.moe_ops import align_block_size, silu_and_mul
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_MS = (16, 32, 64)     # rows per block: decode-sized segments waste less padding at 16, prefill runs 64
 
 
 @dataclass(frozen=True)
