@@ -37,11 +37,13 @@ def _case(T, E, k, H, inter, dtype=torch.float32, seed=0, skew=False):
     x = torch.randn(T, H, generator=g)
     w13 = torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5
     w2 = torch.randn(E, H, inter, generator=g) / inter ** 0.5
-    if skew:        # every token picks expert 0 first; experts past k + 1 are never picked
-        ids = torch.stack([torch.cat([torch.tensor([0]), 1 + torch.randperm(k, generator=g)[:k - 1]])
+    if skew:        # every token picks expert 0 first, then k - 1 of experts 1..min(k, E - 1); the rest never
+        hi = min(k, E - 1)
+        ids = torch.stack([torch.cat([torch.tensor([0]), 1 + torch.randperm(hi, generator=g)[:k - 1]])
                            for _ in range(T)])
     else:
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    assert int(ids.max()) < E
     weights = torch.rand(T, k, generator=g)
     to = dict(device=DEVICE)
     return x.to(dtype=dtype, **to), w13.to(dtype=dtype, **to), w2.to(dtype=dtype, **to), weights.to(**to), \
