@@ -95,3 +95,23 @@ def test_parallel_matches_hf(arch, tp, pp, moe_models, references):
              max_num_batched_tokens=48, block_size=8) as llm:
         outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy(ref, p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cli_writes_a_deterministic_checkpoint_hf_loads_whole(arch, tmp_path):
+    """``pdserve make-tiny-model --arch``: the same bytes twice; transformers finds every tensor it wants and no other
+    (a router or expert it did not load would be initialised at random, and parity could pass by luck elsewhere)."""
+    import argparse
+
+    import transformers
+    from pdserve.engine.checkpoints.tiny_model import register
+
+    parser = argparse.ArgumentParser(prog="pdserve")
+    register(parser.add_subparsers(dest="command", required=True))
+    for name in ("a", "b"):
+        args = parser.parse_args(["make-tiny-model", str(tmp_path / name), "--arch", arch, "--num-layers", "3"])
+        assert args.func(args) == 0
+    for f in sorted(p.name for p in (tmp_path / "a").iterdir()):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
