@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from pdserve.kernels import cpu_attention, cpu_ops, moe_ops, reference
 
 BACKENDS = ("cpu", "torch", "triton")
@@ -69,9 +71,28 @@ def write_to_cache(k, v, cache: dict, slot_mapping, backend: str = "torch") -> N
 
 
 def fused_moe(x, w13, w2, weights, ids, backend: str | None = None):
-    """x: [T, H] through each row's k routed experts (``moe_ops``' shapes) -> [T, H]."""
+    """x: [T, H] through each row's k routed experts (``moe_ops``' shapes) -> [T, H]. Inside torch.compile (the
+    layers' compiled pieces, fullgraph) it is one opaque op, ``pdserve::fused_moe``: its data-dependent segments do
+    not trace."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pdserve.fused_moe(x, w13, w2, weights, ids)
+    return _fused_moe(x, w13, w2, weights, ids, backend)
+
+
+def _fused_moe(x, w13, w2, weights, ids, backend: str | None = None):
     if backend == "triton" or (backend is None and x.device.type == "cuda"):
         from pdserve.kernels import triton_moe
 
         return triton_moe.fused_moe(x, w13, w2, weights, ids)
     return moe_ops.grouped_moe(x, w13, w2, weights, ids)
+
+
+@torch.library.custom_op("pdserve::fused_moe", mutates_args=())
+def _fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    return _fused_moe(x, w13, w2, weights, ids)
+
+
+@_fused_moe_op.register_fake
+def _(x, w13, w2, weights, ids):
+    return torch.empty_like(x)

@@ -32,8 +32,14 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     where each expert's segment of ``order`` ends)."""
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    ends = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
+    ends = expert_counts(flat, num_experts).cumsum(0).to(torch.int32)
     return order, ends
+
+
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """flat: [N] expert ids -> [E] int64 rows per expert. (Not ``torch.bincount``: on CUDA it reads the ids' max
+    back to the host, a sync that a CUDA graph cannot capture.)"""
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -82,7 +88,7 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     without a sync). Pure tensor ops on ``ids``'s device."""
     n = ids.numel()
     flat = ids.flatten()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     pad_ends = padded.cumsum(0)
     order = torch.argsort(flat, stable=True)
