@@ -4,7 +4,8 @@ Tiny checkpoints from ``make_tiny_model(arch="qwen3_moe" | "mixtral")`` (8 exper
 3 layers, layer 1 dense through ``mlp_only_layers``). Covered as for the dense models (test_engine_parity.py,
 test_parallel_engine.py): prompt lengths 1 / 17 / 300, a mixed batch under chunked prefill, a warm prefix cache,
 tensor parallel 2 (each expert's width split, one all-reduce per MoE layer) and pipeline parallel 2 (MoE layers on
-both stages), worker processes on gloo.
+both stages), worker processes on gloo; a vocabulary that does not divide by tp (515) at tp 2 and tp 2 x pp 2;
+the layers torch.compile'd.
 """
 
 from __future__ import annotations
@@ -93,6 +94,21 @@ def test_parallel_matches_hf(arch, tp, pp, moe_models, references):
     prompts = _prompts(ref.config.vocab_size, (1, 17, 90), seed=300)
     with LLM(str(moe_models[arch]), tensor_parallel_size=tp, pipeline_parallel_size=pp,
              max_num_batched_tokens=48, block_size=8) as llm:
+        outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(ref, p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("arch,tp,pp", [("qwen3_moe", 2, 1), ("mixtral", 2, 2)], ids=["qwen3_moe-tp2", "mixtral-tp2pp2"])
+def test_odd_vocabulary_at_tp2_matches_hf(arch, tp, pp, tmp_path):
+    """vocab_size 515 does not divide by 2: the embedding and LM head shards are padded (``models/vocab.py``)."""
+    from pdserve.engine.checkpoints.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / arch, arch=arch, seed=5, num_layers=LAYERS[arch], vocab_size=515)
+    ref = hf_model(path)
+    assert ref.config.vocab_size == 515
+    prompts = _prompts(515, (1, 17, 70), seed=400)
+    with LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=48,
+             block_size=8) as llm:
         outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy(ref, p, 12) for p in prompts]
 

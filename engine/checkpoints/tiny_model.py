@@ -87,7 +87,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, *, 
                                       intermediate_size=intermediate_size, shards=shards,
                                       tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling,
                                       max_position_embeddings=max_position_embeddings, head_dim=head_dim,
-                                      tokenizer=tokenizer)
+                                      tokenizer=tokenizer, vocab_size=vocab_size)
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not one of {sorted(ARCHS) + sorted(EXTRA_ARCHS)}")
     if tokenizer not in FLAVOURS:

@@ -29,7 +29,8 @@ _NAMES = {"qwen3_moe": ("Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "
 def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, *, num_layers: int = 2, hidden_size: int = 64,
                     num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128, shards: int = 1,
                     tie_word_embeddings: bool | None = None, rope_scaling: dict | None = None,
-                    max_position_embeddings: int = 2048, head_dim: int | None = None, tokenizer: str = "bpe") -> Path:
+                    max_position_embeddings: int = 2048, head_dim: int | None = None, tokenizer: str = "bpe",
+                    vocab_size: int | None = None) -> Path:
     """Write a random ``arch`` MoE checkpoint into ``out_dir`` (``tiny_model.make_tiny_model``'s arguments)."""
     if arch not in _NAMES:
         raise ValueError(f"arch={arch!r} is not one of {sorted(_NAMES)}")
@@ -39,10 +40,12 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, *, num_layers
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = flavour.build(tokenizer)
+    if vocab_size is not None and vocab_size < tok.get_vocab_size():
+        raise ValueError(f"vocab_size={vocab_size} is below the tokenizer's {tok.get_vocab_size()} tokens")
     spec = TinySpec(
         arch=base, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim or hidden_size // num_heads * (2 if base == "qwen3" else 1),
-        intermediate_size=intermediate_size, vocab_size=-(-tok.get_vocab_size() // 64) * 64,
+        intermediate_size=intermediate_size, vocab_size=vocab_size or -(-tok.get_vocab_size() // 64) * 64,
         tie_word_embeddings=base == "qwen3" if tie_word_embeddings is None else tie_word_embeddings)
     config = {**hf_config(spec, rope_scaling, max_position_embeddings, flavour), **moe_keys(arch, spec)}
     _write_json(out / "config.json", config)
