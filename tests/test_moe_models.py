@@ -5,7 +5,7 @@ Tiny checkpoints from ``make_tiny_model(arch="qwen3_moe" | "mixtral")`` (8 exper
 test_parallel_engine.py): prompt lengths 1 / 17 / 300, a mixed batch under chunked prefill, a warm prefix cache,
 tensor parallel 2 (each expert's width split, one all-reduce per MoE layer) and pipeline parallel 2 (MoE layers on
 both stages), worker processes on gloo; a vocabulary that does not divide by tp (515) at tp 2 and tp 2 x pp 2;
-the layers torch.compile'd.
+the layers torch.compile'd; prefill -> store -> decode (the decode engine loads the prompt's KV).
 """
 
 from __future__ import annotations
@@ -142,3 +142,26 @@ def test_compiled_layers_match_hf(moe_models, references):
     assert llm.engine.runner.compiled is not None
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(ref, p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_disaggregated_prefill_then_decode_matches_hf(arch, moe_models, references):
+    """Prefill engine -> in-memory store -> decode engine (one process): the decode side loads the prompt's KV
+    (nothing MoE-specific travels: the KV layout is the attention's) and answers as HF."""
+    from test_disagg_engine import _engine, _run
+
+    from pdserve.kvstore.memory import MemoryTier
+    from pdserve.kvstore.tiered import TieredStore
+
+    ref, path = references[arch], moe_models[arch]
+    prompt = random_prompt(ref.config.vocab_size, 100, seed=600)
+    store = TieredStore(MemoryTier(256 << 20))
+    try:
+        prefill, decode = _engine(path, "prefill", store), _engine(path, "decode", store)
+        _, pf = _run(prefill, "p", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                     {"do_remote_decode": True})
+        tokens, df = _run(decode, "d", prompt, GREEDY, pf.kv_transfer_params)
+    finally:
+        store.close()
+    assert tokens == hf_greedy(ref, prompt, 12)
+    assert df.kv_accounting["loaded_tokens"] == 96                  # whole blocks of 8 loaded, not recomputed
