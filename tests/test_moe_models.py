@@ -1,7 +1,8 @@
-"""Qwen3-MoE and Mixtral: greedy token ids of pdserve's engine equal HF transformers' on the same weights (fp32).
+"""Qwen3-MoE, Mixtral and Qwen2-MoE: greedy token ids of pdserve's engine equal HF transformers' on the same weights
+(fp32).
 
-Tiny checkpoints from ``make_tiny_model(arch="qwen3_moe" | "mixtral")`` (8 experts, top 2; the Qwen3-MoE one has
-3 layers, layer 1 dense through ``mlp_only_layers``). Covered as for the dense models (test_engine_parity.py,
+Tiny checkpoints from ``make_tiny_model(arch="qwen3_moe" | "mixtral" | "qwen2_moe")`` (8 experts, top 2; the Qwen
+ones have 3 layers, layer 1 dense through ``mlp_only_layers``; Qwen2-MoE adds its gated shared expert). Covered as for the dense models (test_engine_parity.py,
 test_parallel_engine.py): prompt lengths 1 / 17 / 300, a mixed batch under chunked prefill, a warm prefix cache,
 tensor parallel 2 (each expert's width split, one all-reduce per MoE layer) and pipeline parallel 2 (MoE layers on
 both stages), worker processes on gloo; a vocabulary that does not divide by tp (515) at tp 2 and tp 2 x pp 2;
@@ -20,8 +21,8 @@ from pdserve.engine.models.llama import ShardSizes
 from pdserve.engine.models.model_config import ModelConfig
 from pdserve.engine.models.moe import MoE
 
-ARCHS = ("qwen3_moe", "mixtral")
-LAYERS = {"qwen3_moe": 3, "mixtral": 2}
+ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
+LAYERS = {"qwen3_moe": 3, "mixtral": 2, "qwen2_moe": 3}
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -51,6 +52,8 @@ def test_config_and_layers(moe_models):
     llm = LLM(str(moe_models["qwen3_moe"]))
     kinds = [type(layer.mlp).__name__ for layer in llm.engine.runner.model.layers]
     assert kinds == ["MoE", "GatedMLP", "MoE"]
+    qwen2 = ModelConfig.from_dir(moe_models["qwen2_moe"])
+    assert qwen2.moe.shared_expert_gate and qwen2.moe.shared_intermediate_size == 64 and qwen2.attention_bias
     dense_fits = dataclasses.replace(qwen, num_heads=3, num_kv_heads=3, intermediate_size=3, vocab_size=3)
     with pytest.raises(ValueError, match="32 moe_intermediate_size, not divisible by --tensor-parallel-size 3"):
         ShardSizes.for_tp(dense_fits, 3)

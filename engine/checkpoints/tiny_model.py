@@ -37,7 +37,7 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 # --arch -> module under pdserve.engine.checkpoints whose ``make_tiny_model(out_dir, arch, seed, **same keywords)``
 # writes it
-EXTRA_ARCHS = {"qwen3_moe": "tiny_moe", "mixtral": "tiny_moe"}
+EXTRA_ARCHS = {"qwen3_moe": "tiny_moe", "mixtral": "tiny_moe", "qwen2_moe": "tiny_moe"}
 EMBED_STD = 0.05    # embeddings (and lm_head): small, so a tied lm_head does not just echo the last token
 PROJ_GAIN = 2.0     # projections: std = PROJ_GAIN / sqrt(fan_in), so each layer visibly moves the residual
 NORM_STD = 0.1      # RMSNorm weights: 1 + N(0, 0.1) ...

@@ -15,7 +15,7 @@ Files:
     loader.py        load_model(dir, dtype): our model class filled from safetensors (a rank reads only its share)
     model_config.py  ModelConfig.from_dir: what config.json says (architecture quirks become flags), the KV layout
     registry.py      architecture name (config.json ``architectures[0]``) -> model class
-    llama.py         Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral: one decoder, per-architecture flags from
+    llama.py         Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / Qwen2-MoE: one decoder, per-architecture flags from
                      ModelConfig, each layer's MLP from moe.make_mlp
     moe_config.py    MoEConfig.from_hf: experts, top-k, scoring, groups, shared experts, which layers are MoE
     moe_routing.py   route(logits, cfg): each family's top-k routing, HF's ops in HF's order

@@ -1,5 +1,5 @@
 """Llama-family decoder: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, and the MoE
-members Qwen3MoeForCausalLM and MixtralForCausalLM.
+members Qwen3MoeForCausalLM, MixtralForCausalLM and Qwen2MoeForCausalLM.
 
 One implementation; the differences are ``ModelConfig`` flags (q/k/v bias, o_proj bias, MLP
 bias, q/k norm, per-layer sliding window) and each layer's MLP (``moe.make_mlp``: dense, or the MoE block). Called by the model runner once per step:

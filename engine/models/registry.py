@@ -17,6 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("llama", "LlamaForCausalLM"),      # + MoE layers (moe.py)
     "MixtralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("llama", "LlamaForCausalLM"),
 }
 
 
