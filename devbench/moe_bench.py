@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{shape:8} {tokens:5} tokens  grouped {ms['grouped']:9.3f} ms  loop {ms['loop']:9.3f} ms  "
                   f"loop/grouped {ms['loop'] / ms['grouped']:5.2f}")
     result = {"hardware": {"cpu": _cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
-                           "torch": torch.__version__, "host_memory_tuned": tuned}, "shapes": {s: SHAPES[s] for s in args.shapes}, "rows": rows}
+                           "torch": torch.__version__, "host_memory_tuned": tuned},
+              "shapes": {s: SHAPES[s] for s in args.shapes}, "rows": rows}
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1)
     return result

@@ -178,7 +178,8 @@ def test_no_tokens():
 
 def test_moe_layers_of_each_family_match_hf():
     """``is_moe_layer`` against the rule each HF model builds its layers with."""
-    qwen = tf.Qwen3MoeConfig(num_hidden_layers=8, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[3, 5])
+    qwen = tf.Qwen3MoeConfig(num_hidden_layers=8, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2,
+                             mlp_only_layers=[3, 5])
     cfg = MoEConfig.from_hf(ARCH["qwen3_moe"], qwen.to_dict())
     assert [cfg.is_moe_layer(i) for i in range(8)] == [
         i not in qwen.mlp_only_layers and (i + 1) % qwen.decoder_sparse_step == 0 for i in range(8)]

@@ -2,11 +2,12 @@
 (fp32).
 
 Tiny checkpoints from ``make_tiny_model(arch="qwen3_moe" | "mixtral" | "qwen2_moe")`` (8 experts, top 2; the Qwen
-ones have 3 layers, layer 1 dense through ``mlp_only_layers``; Qwen2-MoE adds its gated shared expert). Covered as for the dense models (test_engine_parity.py,
-test_parallel_engine.py): prompt lengths 1 / 17 / 300, a mixed batch under chunked prefill, a warm prefix cache,
-tensor parallel 2 (each expert's width split, one all-reduce per MoE layer) and pipeline parallel 2 (MoE layers on
-both stages), worker processes on gloo; a vocabulary that does not divide by tp (515) at tp 2 and tp 2 x pp 2;
-the layers torch.compile'd; prefill -> store -> decode (the decode engine loads the prompt's KV).
+ones have 3 layers, layer 1 dense through ``mlp_only_layers``; Qwen2-MoE adds its gated shared expert). Covered as
+for the dense models (test_engine_parity.py, test_parallel_engine.py): prompt lengths 1 / 17 / 300, a mixed batch
+under chunked prefill, a warm prefix cache, tensor parallel 2 (each expert's width split, one all-reduce per MoE
+layer) and pipeline parallel 2 (MoE layers on both stages), worker processes on gloo; a vocabulary that does not
+divide by tp (515) at tp 2 and tp 2 x pp 2; the layers torch.compile'd; prefill -> store -> decode (the decode
+engine loads the prompt's KV).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def test_parallel_matches_hf(arch, tp, pp, moe_models, references):
     assert [o.token_ids for o in outs] == [hf_greedy(ref, p, 12) for p in prompts]
 
 
-@pytest.mark.parametrize("arch,tp,pp", [("qwen3_moe", 2, 1), ("mixtral", 2, 2)], ids=["qwen3_moe-tp2", "mixtral-tp2pp2"])
+@pytest.mark.parametrize("arch,tp,pp", [("qwen3_moe", 2, 1), ("mixtral", 2, 2)],
+                         ids=["qwen3_moe-tp2", "mixtral-tp2pp2"])
 def test_odd_vocabulary_at_tp2_matches_hf(arch, tp, pp, tmp_path):
     """vocab_size 515 does not divide by 2: the embedding and LM head shards are padded (``models/vocab.py``)."""
     from pdserve.engine.checkpoints.tiny_model import make_tiny_model

@@ -24,7 +24,7 @@ from pdserve.engine.checkpoints.tiny_model import (FLAVOURS, TinySpec, _write_js
                                                    random_weights, save_weights, write_tokenizer_files)
 
 NUM_EXPERTS, TOP_K = 8, 2
-_BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2"}        # the dense sibling whose attention it shares
+_BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2"}     # the dense sibling: its attention
 _NAMES = {"qwen3_moe": ("Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
           "mixtral": ("MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2")),
           "qwen2_moe": ("Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"))}
