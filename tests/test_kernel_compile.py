@@ -5,8 +5,8 @@ GPUTarget("cuda", 90, 32) and reads ptxas -v's report (``kernels/offline_compile
 fp32 x head dims 64, 96, 128, 192, 256 x GQA ratios 1..8, every tile choice of the attention planner
 (``kernels/kernel_variants.py``: decode and prefill, with and without split-K) and its reduce, one windowed model,
 the cache write, the chunk gather/scatter, the fused norm / rope and the fused MoE's two GEMMs at each BLOCK_M, each
-as its launch would compile it. Compiled once per test run
-(one subprocess, every core, about 60-100 s on 2); each test checks a part of the table. Skipped, with the
+as its launch would compile it. Compiled once per test run (one subprocess, every core, about 60-100 s on 2 idle
+cores); each test checks a part of the table. Skipped, with the
 reason, where triton or its ptxas is missing.
 """
 
