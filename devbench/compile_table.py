@@ -5,7 +5,8 @@
 
 The matrix: bf16 / fp16 / fp32 x head dims 64..256 x GQA ratios 1..8 (8 KV heads), every tile choice of the
 attention planner for each (``kernels/kernel_variants.py``: decode and prefill, with and without split-K, and the
-reduce of the split), the cache write and the KV connector's gather/scatter; jobs that compile the same kernel
+reduce of the split), the cache write, the KV connector's gather/scatter and the fused MoE's two grouped GEMMs at
+each BLOCK_M; jobs that compile the same kernel
 are built once (the head group is a runtime argument, so the attention kernel does not depend on it). A row fails
 on any register spill or more shared memory than an sm_90 block may use (227 KB). Needs no GPU: Triton's
 bundled ptxas (``kernels/offline_compile.py``); run with TRITON_INTERPRET unset or 0. About 90 s on 2 cores.
@@ -58,6 +59,9 @@ def rows(shape_list: list[ModelShape], workers: int | None) -> list[dict]:
     for shape in shape_list:
         for job in offline_compile.launch_jobs(shape):
             jobs.setdefault(job.key, job)
+    for dtype in sorted({shape.dtype for shape in shape_list}):
+        for job in offline_compile.moe_jobs(dtype):
+            jobs.setdefault(job.key, job)
     jobs = list(jobs.values())
     out = []
     for job, usage in zip(jobs, offline_compile.compile_all(jobs, workers)):
@@ -75,7 +79,7 @@ def summary(table: list[dict]) -> str:
         groups.setdefault((kernel, dt, d[1:] if kernel == "attn" else "all"), []).append(r)
     lines = ["| kernel | dtype | head dim | variants | max registers | spill stores (B) | max smem (KB) |",
              "|---|---|---|---|---|---|---|"]
-    order = {name: i for i, name in enumerate(("attn", "reduce", "write", "gather", "scatter", "norm", "rope"))}
+    order = {name: i for i, name in enumerate(("attn", "reduce", "write", "gather", "scatter", "norm", "rope", "moe"))}
     order.update(bf16=0, fp16=1, fp32=2)          # a kernel not named here sorts last, by name
     for (kernel, dt, d), rs in sorted(groups.items(), key=lambda g: (order.get(g[0][0], 99), g[0][0],
                                                                     order.get(g[0][1], 9),

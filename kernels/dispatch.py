@@ -10,13 +10,19 @@ built) and ``triton`` (``triton_attention.py``: the CUDA path; on CPU only under
 for tests). Chosen by ``--attention-backend``, else ``PDSERVE_ATTENTION_BACKEND``, else triton on CUDA,
 cpu on a CPU where the kernel builds, torch otherwise. The Triton module is imported only when chosen.
 A cache the cpu kernel does not take (head or block size not a multiple of 8) goes to ``torch``.
+
+The MoE layer's routed experts (``engine.models.moe.MoE``) call ``fused_moe``: the Triton grouped GEMM
+(``triton_moe.py``) for CUDA tensors, the torch grouped matmul (``moe_ops.grouped_moe``) elsewhere; ``backend``
+"triton" forces the kernel (tests, under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
 import os
 
-from pdserve.kernels import cpu_attention, cpu_ops, reference
+import torch
+
+from pdserve.kernels import cpu_attention, cpu_ops, moe_ops, reference
 
 BACKENDS = ("cpu", "torch", "triton")
 
@@ -62,3 +68,31 @@ def write_to_cache(k, v, cache: dict, slot_mapping, backend: str = "torch") -> N
 
         return triton_cache.write_to_cache(k, v, cache, slot_mapping)
     return reference.write_to_cache(k, v, cache, slot_mapping)
+
+
+def fused_moe(x, w13, w2, weights, ids, backend: str | None = None):
+    """x: [T, H] through each row's k routed experts (``moe_ops``' shapes) -> [T, H]. Inside torch.compile (the
+    layers' compiled pieces, fullgraph) it is one opaque op, ``pdserve::fused_moe``: its data-dependent segments do
+    not trace."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pdserve.fused_moe(x, w13, w2, weights, ids)
+    return _fused_moe(x, w13, w2, weights, ids, backend)
+
+
+def _fused_moe(x, w13, w2, weights, ids, backend: str | None = None):
+    if backend == "triton" or (backend is None and x.device.type == "cuda"):
+        from pdserve.kernels import triton_moe
+
+        return triton_moe.fused_moe(x, w13, w2, weights, ids)
+    return moe_ops.grouped_moe(x, w13, w2, weights, ids)
+
+
+@torch.library.custom_op("pdserve::fused_moe", mutates_args=())
+def _fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    return _fused_moe(x, w13, w2, weights, ids)
+
+
+@_fused_moe_op.register_fake
+def _(x, w13, w2, weights, ids):
+    return torch.empty_like(x)

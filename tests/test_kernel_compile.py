@@ -4,8 +4,9 @@ No GPU needed: ``devbench/compile_table.py`` builds each kernel with Triton's bu
 GPUTarget("cuda", 90, 32) and reads ptxas -v's report (``kernels/offline_compile.py``). The matrix: bf16 / fp16 /
 fp32 x head dims 64, 96, 128, 192, 256 x GQA ratios 1..8, every tile choice of the attention planner
 (``kernels/kernel_variants.py``: decode and prefill, with and without split-K) and its reduce, one windowed model,
-the cache write, the chunk gather/scatter and the fused norm / rope, each as its launch would compile it. Compiled once per test run
-(one subprocess, every core, about 60-100 s on 2); each test checks a part of the table. Skipped, with the
+the cache write, the chunk gather/scatter, the fused norm / rope and the fused MoE's two GEMMs at each BLOCK_M, each
+as its launch would compile it. Compiled once per test run (one subprocess, every core, about 60-100 s on 2 idle
+cores); each test checks a part of the table. Skipped, with the
 reason, where triton or its ptxas is missing.
 """
 
@@ -23,7 +24,7 @@ from pdserve.kernels.offline_compile import SM90_SMEM_LIMIT, ptxas_missing
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("bf16", "fp16", "fp32")
-KERNELS = ("attn", "reduce", "write", "gather", "scatter", "norm", "rope")
+KERNELS = ("attn", "reduce", "write", "gather", "scatter", "norm", "rope", "moe")
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def table(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("compile") / "table.json"
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     run = subprocess.run([sys.executable, "-P", str(ROOT / "devbench" / "compile_table.py"), "--json", str(out)],
-                         env=env, capture_output=True, text=True, timeout=290)
+                         env=env, capture_output=True, text=True, timeout=600)
     if not out.exists():
         pytest.fail(f"compile_table.py wrote no table (rc {run.returncode}):\n{run.stdout[-3000:]}\n"
                     f"{run.stderr[-3000:]}")
@@ -63,3 +64,14 @@ def test_table_holds_every_planner_tile_choice(table):
                 shape = ModelShape(8 * qpk, 8, d, dtype)
                 for step in attention_steps(shape):
                     assert attention_label(shape, step) in labels, (shape, step)
+
+
+def test_table_holds_every_fused_moe_variant(table):
+    """Per dtype: both grouped GEMMs (gate/up, weighted down) at each BLOCK_M the tile rule can pick."""
+    from pdserve.kernels.kernel_variants import MOE_BLOCK_MS
+
+    for dtype in DTYPES:
+        rows = [r["variant"] for r in table if r["variant"].split()[:2] == ["moe", dtype]]
+        for block_m in MOE_BLOCK_MS:
+            for launch in ("gate_up", "down weighted"):
+                assert any(f" M{block_m} " in v and v.endswith(launch) for v in rows), (dtype, block_m, launch, rows)

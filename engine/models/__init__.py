@@ -15,7 +15,12 @@ Files:
     loader.py        load_model(dir, dtype): our model class filled from safetensors (a rank reads only its share)
     model_config.py  ModelConfig.from_dir: what config.json says (architecture quirks become flags), the KV layout
     registry.py      architecture name (config.json ``architectures[0]``) -> model class
-    llama.py         Llama / Qwen2 / Qwen3 / Mistral: one decoder, per-architecture flags from ModelConfig
+    llama.py         Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / Qwen2-MoE: one decoder, per-architecture flags from
+                     ModelConfig, each layer's MLP from moe.make_mlp
+    moe_config.py    MoEConfig.from_hf: experts, top-k, scoring, groups, shared experts, which layers are MoE
+    moe_routing.py   route(logits, cfg): each family's top-k routing, HF's ops in HF's order
+    moe.py           the MoE block (router, stacked experts [E, 2I, H] / [E, H, I], shared expert), make_mlp; its
+                     tensor-parallel split (each expert's width; one all-reduce per layer)
     layers.py        RMSNorm (+ residual add: add_norm), Linear with explicit shard sizes, fused SiLU-and-mul MLP,
                      embedding, the LM head (logits cut to the vocabulary)
     vocab.py         vocab-parallel padding: padded_vocab(V, tp) rows over the ranks, vocab_rows reads a shard

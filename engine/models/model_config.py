@@ -5,7 +5,7 @@ layout (``config.kv_layout()``), EOS ids and ``max_position_embeddings``. Parses
 directory's ``config.json`` (+ ``generation_config.json``) as written by transformers 4.x
 (``rope_theta`` / ``rope_scaling``) or 5.x (``rope_parameters``). Architecture quirks become
 flags here (Qwen2's q/k/v bias, Qwen3's q/k norm, Mistral's sliding window) so that the model
-code has one path.
+code has one path; an MoE model's routing and expert layout become ``moe`` (``moe_config.MoEConfig``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.kv.kv_layout import KVLayout
+from pdserve.engine.models.moe_config import MoEConfig, MoEConfigError
 from pdserve.engine.models.registry import check_supported
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -71,6 +72,7 @@ class ModelConfig:
     bos_token_id: int | None
     checkpoint_dtype: torch.dtype | None  # what config.json says the weights are
     dtype: torch.dtype                   # what we compute in (resolved ``--dtype``)
+    moe: MoEConfig | None = None         # the MoE layers' layout; None for a dense model
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: str = "auto", device: str = "cpu") -> ModelConfig:
@@ -120,10 +122,13 @@ def _parse(path: Path, cfg: dict, gen: dict, dtype: str, device: str) -> ModelCo
         vocab_size=int(cfg["vocab_size"]), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=_parse_rope(path, cfg), max_position_embeddings=int(cfg["max_position_embeddings"]),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(cfg.get("attention_bias", False)),
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+        or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
+        o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        and bool(cfg.get("attention_bias", False)),
         mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding_window, layer_types=layer_types,
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), sliding_window=sliding_window,
+        layer_types=layer_types, moe=_moe(path, arch, cfg),
         eos_token_ids=_eos_ids(gen, cfg), bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
         checkpoint_dtype=checkpoint_dtype, dtype=resolve_dtype(dtype, checkpoint_dtype, device))
 
@@ -163,11 +168,17 @@ def _head_dim(path: Path, cfg: dict, hidden: int, heads: int) -> int:
 
 
 def _sliding(arch: str, cfg: dict, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """Mistral: every layer slides when ``sliding_window`` is set. Qwen2/3: only with
-    ``use_sliding_window``, on ``layer_types`` (or layers >= ``max_window_layers``)."""
+    """Mistral, Mixtral (Qwen3-MoE with ``use_sliding_window``): every layer slides when ``sliding_window`` is set.
+    Qwen2/3: only with ``use_sliding_window``, on ``layer_types`` (or layers >= ``max_window_layers``); Qwen2-MoE:
+    on ``layer_types`` (or even layers below ``max_window_layers``)."""
     window = cfg.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM") or (arch == "Qwen3MoeForCausalLM"
+                                                                 and cfg.get("use_sliding_window")):
         kinds = ["sliding_attention" if window else "full_attention"] * num_layers
+    elif arch == "Qwen2MoeForCausalLM" and cfg.get("use_sliding_window"):     # HF's rule: every other layer
+        first = int(cfg.get("max_window_layers", num_layers))
+        kinds = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(num_layers)]
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
         first = int(cfg.get("max_window_layers", num_layers))
         kinds = cfg.get("layer_types") or [
@@ -175,6 +186,15 @@ def _sliding(arch: str, cfg: dict, num_layers: int) -> tuple[int | None, tuple[s
     else:
         window, kinds = None, ["full_attention"] * num_layers
     return (int(window) if window else None), tuple(kinds)
+
+
+def _moe(path: Path, arch: str, cfg: dict) -> MoEConfig | None:
+    try:
+        return MoEConfig.from_hf(arch, cfg)
+    except MoEConfigError as exc:
+        raise ModelConfigError(f"{path}/{exc}") from None
+    except KeyError as exc:
+        raise ModelConfigError(f"{path}/config.json: {arch} needs {exc.args[0]!r}") from None
 
 
 def _eos_ids(gen: dict, cfg: dict) -> tuple[int, ...]:

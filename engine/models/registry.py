@@ -15,6 +15,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("llama", "LlamaForCausalLM"),      # + MoE layers (moe.py)
+    "MixtralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("llama", "LlamaForCausalLM"),
 }
 
 

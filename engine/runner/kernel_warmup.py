@@ -3,7 +3,7 @@
 Called by ``ModelRunner`` on CUDA, whatever the attention backend, before the decode graphs are captured (with or
 without ``--enforce-eager``); a no-op anywhere else:
 
-    warm_up(runner)             both of these:
+    warm_up(runner)             all three of these:
     warm_attention(runner)      Triton backend: one fake step per entry of warmup_steps(model_shape(runner)), the time
                                 logged; any other backend: one fake step. The forwards also compile the fused norm /
                                 rope kernels (PDSERVE_FUSED_NORM/ROPE: on for CUDA tensors whatever the attention
@@ -11,6 +11,8 @@ without ``--enforce-eager``); a no-op anywhere else:
     warm_transfer(buffer)       one gather and one scatter of the KV transfer kernels (``triton_transfer``: ``ChunkIO``
                                 uses them on CUDA with any attention backend) over a skipped slot (-1): they compile
                                 here, not in a request's first publish or load
+    warm_moe(runner)            the fused MoE's variants (kernel_variants.MOE_BLOCK_MS x its two GEMMs) for each
+                                distinct expert shape of the model's MoE layers, called on fake routings
 
 ``warmup_steps`` is ``kernel_variants.attention_steps``: each tile choice the planner can make for the model's
 dtype, head dim and GQA ratio (decode and prefill), with and without a key split. A fake step is one sequence of
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.runner.staging import StepArrays, StepStaging
-from pdserve.kernels.kernel_variants import AttentionStep, ModelShape, attention_steps
+from pdserve.kernels.kernel_variants import MOE_BLOCK_MS, AttentionStep, ModelShape, attention_steps, moe_rows
 
 logger = logging.getLogger(__name__)
 OTHER_BACKEND_STEP = SimpleNamespace(max_query_len=16, num_splits=None)   # a fake step for a non-Triton backend
@@ -58,6 +60,7 @@ def warm_up(runner) -> None:
         return
     warm_attention(runner)
     warm_transfer(getattr(runner.kv_caches, "buffer", None))
+    warm_moe(runner)
 
 
 def warm_attention(runner) -> float | None:
@@ -95,6 +98,43 @@ def warm_transfer(buffer: torch.Tensor | None) -> None:
     if buffer.device.type == "cuda":
         torch.cuda.synchronize()
     logger.info("warmed the KV transfer gather/scatter kernels in %.1f s", time.monotonic() - start)
+
+
+@torch.inference_mode()
+def warm_moe(runner) -> float | None:
+    """Launch the fused MoE at each BLOCK_M once per distinct expert shape (the fake steps above are decode-sized:
+    they reach BLOCK_M 16 only); on CUDA. The experts are called straight (``dispatch.fused_moe``), not the layer:
+    no collective runs. -> seconds taken, or None where there is nothing to do."""
+    from pdserve.engine.models.moe import MoE
+    from pdserve.kernels.dispatch import fused_moe
+
+    if runner.device.type != "cuda":
+        return None
+    shapes = {(m.w13.shape, m.w13.dtype): m for m in runner.model.modules() if isinstance(m, MoE)}
+    if not shapes:
+        return None
+    start = time.monotonic()
+    for module in shapes.values():
+        for x, weights, ids in moe_warmup_inputs(module):
+            fused_moe(x, module.w13, module.w2, weights, ids)
+    torch.cuda.synchronize()
+    took = time.monotonic() - start
+    logger.info("warmed the fused MoE kernels of %d expert shape(s) in %.1f s", len(shapes), took)
+    return took
+
+
+def moe_warmup_inputs(module) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(x [T, H], weights [T, k], ids [T, k]) per BLOCK_M: T tokens whose T*k rows make ``triton_moe.moe_tiles``
+    pick it, each token on k distinct experts."""
+    E, k = module.cfg.num_experts, module.cfg.top_k
+    dev, H = module.w13.device, module.w13.shape[2]
+    out = []
+    for block_m in MOE_BLOCK_MS:
+        T = max(1, moe_rows(block_m, E) // k)
+        ids = (torch.arange(T * k, device=dev) % E).view(T, k)
+        out.append((torch.zeros(T, H, dtype=module.w13.dtype, device=dev),
+                    torch.full((T, k), 1.0 / k, device=dev), ids))
+    return out
 
 
 @torch.inference_mode()

@@ -54,7 +54,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             from pdserve.engine.runner.kernel_warmup import warm_up
 
-            warm_up(self)                   # every Triton kernel a request can need (attention, norm / rope, KV I/O)
+            warm_up(self)                   # every Triton kernel a request can need: attention, norm, rope, KV I/O, MoE
         self.graphs = None                  # DecodeGraphs on CUDA unless --enforce-eager (cuda_graphs.py)
         if self.device.type == "cuda" and not enforce_eager:
             from pdserve.engine.runner.cuda_graphs import DecodeGraphs
