@@ -277,6 +277,8 @@ def test_a_cuda_runner_on_the_torch_backend_warms_its_triton_kernels(monkeypatch
     steps, transfers = [], []
     monkeypatch.setattr(kernel_warmup, "run_fake_steps", lambda runner, s: steps.extend(s))
     monkeypatch.setattr(kernel_warmup, "warm_transfer", lambda buffer: transfers.append(buffer))
+    moes = []
+    monkeypatch.setattr(kernel_warmup, "warm_moe", lambda runner: moes.append(runner))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     buffer = torch.empty(0)
     runner = SimpleNamespace(device=torch.device("cuda"), attention_backend="torch", block_size=16,
@@ -285,7 +287,7 @@ def test_a_cuda_runner_on_the_torch_backend_warms_its_triton_kernels(monkeypatch
     assert steps, "nothing warmed the fused norm / rope kernels of a CUDA runner on the torch backend"
     steps.clear()
     kernel_warmup.warm_up(runner)
-    assert steps and transfers == [buffer]
+    assert steps and transfers == [buffer] and moes == [runner]
     steps.clear(), transfers.clear()
     kernel_warmup.warm_up(SimpleNamespace(device=torch.device("cpu"), attention_backend="torch", model=None))
     assert not steps and not transfers                                      # nothing to compile on a CPU node
