@@ -20,6 +20,9 @@ double-buffered scatter (``scatter_pipe.py``).
 and q/k rotary embedding to the Triton kernels ``triton_norm.py`` and ``triton_rope.py`` (CUDA by default), and
 holds their torch references. Each Triton
 kernel is tested against its torch reference under ``TRITON_INTERPRET=1``.
+DeepSeek's MLA writes one latent row per token (``dispatch.write_latent``) and decodes with weight-absorbed
+attention over the latent cache (``dispatch.mla_decode``): ``mla_reference.py`` (torch, the oracle; also the
+prefill path's ``gather_latent``), ``cpu_mla.py`` (the CPU path, batched torch) and ``triton_mla.py`` (CUDA).
 """
 
 from pdserve.kernels.dispatch import BACKENDS, paged_attention, resolve_backend, write_to_cache

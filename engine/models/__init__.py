@@ -16,6 +16,9 @@ Files:
     model_config.py  ModelConfig.from_dir: what config.json says (architecture quirks become flags), the KV layout
     registry.py      architecture name (config.json ``architectures[0]``) -> model class
     llama.py         Llama / Qwen2 / Qwen3 / Mistral: one decoder, per-architecture flags from ModelConfig
+    deepseek.py      DeepSeek V2 / V3: Llama's decoder with the MLA layer (dense MLP layers)
+    mla.py           multi-head latent attention: the latent KV cache, plain prefill, weight-absorbed decode
+    mla_config.py    MLAConfig: config.json's latent-attention dims, rope layout and softmax scale (YaRN mscale)
     layers.py        RMSNorm (+ residual add: add_norm), Linear with explicit shard sizes, fused SiLU-and-mul MLP,
                      embedding
     rope.py          rotary embeddings (default, linear, dynamic, llama3, yarn), cos/sin computed in float32
