@@ -41,7 +41,7 @@ def _write_kernel(x_ptr, cache_ptr, slots_ptr, x_t, c_tok, W: tl.constexpr, BLOC
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK_W)
-    ok = (offs < W) & (slot >= 0)
+    ok = offs < tl.where(slot >= 0, W, 0)                   # a padding slot (-1) writes nothing
     x = tl.load(x_ptr + t.to(tl.int64) * x_t + offs, mask=ok, other=0.0)
     tl.store(cache_ptr + slot * c_tok + offs, x.to(cache_ptr.dtype.element_ty), mask=ok)
 
@@ -116,7 +116,7 @@ def _mla_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_seqs, num_splits, H, 
         s_sum = s_sum * a + ls * c
         acc = acc * a[:, None] + accs * c[:, None]
         m = m_new
-    out = acc / s_sum[:, None]
+    out = acc / tl.where(h_ok, s_sum, 1.0)[:, None]          # padding heads: no 0 / 0
     o_row = out_ptr + b.to(tl.int64) * o_b + heads[:, None] * o_h
     tl.store(o_row + offs_l[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (offs_l < L)[None, :])
 
