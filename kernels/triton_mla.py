@@ -18,7 +18,7 @@ Grid of the attention kernel: (B, cdiv(H, BLOCK_H), num_splits). Split s of num_
 sequence's BLOCK_N-key tiles; a split with no tiles stores (-inf, 0, 0). With one split the kernel normalises and
 stores out itself; otherwise partials acc [S, B, H, BLOCK_L], max and sum [S, B, H] (fp32) go to the reduce (one
 program per sequence and block of heads). Lengths are read on the device only; the grid uses host ints.
-Tiles: BLOCK_H = 16 heads (tl.dot's smallest M), BLOCK_N = 16 keys; 4 warps. At DeepSeek's L = 512 the fp32
+Tiles: BLOCK_H = 16 heads (tl.dot's smallest M), BLOCK_N = 16 keys; 4 warps (fp32: 8, ``num_warps``). At DeepSeek's L = 512 the fp32
 accumulator is 16 x 512 (64 registers a thread) beside one latent tile; ``tests/test_kernel_compile.py`` checks
 that ptxas keeps it without a spill for sm_90.
 """
@@ -33,7 +33,14 @@ from pdserve.kernels.attention_plan import interpreted
 from pdserve.kernels.split_k import splits_for
 from pdserve.kernels.triton_attention import LOG2E, _mma
 
-BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES = 16, 16, 4, 2
+BLOCK_H, BLOCK_N, NUM_STAGES = 16, 16, 2
+
+
+def num_warps(fp32: bool) -> int:
+    """4 warps for 16-bit latents (bf16/fp16 tensor-core dots); fp32 latents run exact fp32 FMA dots ("ieee") over 8
+    warps. At L = 512 on sm_90: ~110 registers and no spill; tf32x3 dots (each operand split in two) spilled
+    ~2.5 KB at 4 or 8 warps (``devbench/compile_table.py``)."""
+    return 8 if fp32 else 4
 
 
 @triton.jit
@@ -160,14 +167,14 @@ def launches(q, latent, out, parts, meta, scale: float, kv_lora_rank: int, num_s
     L, split = kv_lora_rank, num_splits > 1
     block_l, block_r = triton.next_power_of_2(L), max(16, triton.next_power_of_2(W - L))
     fp32 = torch.float32 in (q.dtype, latent.dtype)
-    f32_dot = ("ieee" if interpreted() else "tf32x3") if fp32 or interpreted() else ""
+    f32_dot = "ieee" if fp32 or interpreted() else ""       # the interpreter's bf16 dot is wrong: fp32 there too
     acc, m, l = parts if split else (out, out, out)
     attn = (_mla_kernel, (B, triton.cdiv(H, BLOCK_H), num_splits),
             (q, latent, out, acc, m, l, meta.seq_lens, meta.block_table, B, num_splits, scale * LOG2E, H,
              q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
              latent.stride(0), latent.stride(1)),
             dict(L=L, R=W - L, BLOCK_L=block_l, BLOCK_R=block_r, BS=latent.shape[1], BLOCK_H=BLOCK_H,
-                 BLOCK_N=BLOCK_N, SPLIT=split, F32_DOT=f32_dot, num_warps=NUM_WARPS, num_stages=NUM_STAGES))
+                 BLOCK_N=BLOCK_N, SPLIT=split, F32_DOT=f32_dot, num_warps=num_warps(fp32), num_stages=NUM_STAGES))
     if not split:
         return [attn]
     reduce = (_mla_reduce_kernel, (B, triton.cdiv(H, BLOCK_H)),
