@@ -12,19 +12,21 @@ with every slot -1 (nothing is written into the KV cache) and its split count fi
 the model's own forward: each layer launches the cache write, the attention kernel and (split) its reduce with
 a request's very arguments, windows and strides included. Step lengths, split counts and the alignment of the
 step's metadata views are not specialised by the kernels (``triton_attention.STEP_INTS``), so these launches
-compile every kernel a step of any shape launches.
+compile every kernel a step of any shape launches. An MLA model (DeepSeek) warms its latent decode kernel with and
+without a split and its latent write instead (``mla_steps``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from pdserve.engine.runner.staging import StepArrays, StepStaging
-from pdserve.kernels.kernel_variants import AttentionStep, ModelShape, attention_steps
+from pdserve.kernels.kernel_variants import AttentionStep, ModelShape, attention_steps, mla_splits
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ def warm_attention(runner) -> float | None:
     """Run the fake steps on CUDA with the Triton backend; -> seconds taken, or None where there is nothing to do."""
     if runner.device.type != "cuda" or runner.attention_backend != "triton" or not runner.model.layers:
         return None
-    steps = warmup_steps(model_shape(runner))
+    steps = mla_steps() if runner.layout.kind == "mla" else warmup_steps(model_shape(runner))
     start = time.monotonic()
     run_fake_steps(runner, steps)
     torch.cuda.synchronize()
@@ -55,6 +57,17 @@ def warm_attention(runner) -> float | None:
     logger.info("warmed %d Triton attention kernel variants (decode and prefill, split and not) in %.1f s",
                 len(steps), took)
     return took
+
+
+class MLAStep(NamedTuple):
+    """A fake step of an MLA model: its decode kernel is fixed by the latent's dims and dtype and whether the keys
+    split (``kernel_variants.mla_splits``); a prefill step launches the latent write and torch ops only."""
+    max_query_len: int
+    num_splits: int
+
+
+def mla_steps() -> list[MLAStep]:
+    return [MLAStep(1, splits) for splits in mla_splits()] + [MLAStep(2, 1)]
 
 
 @torch.inference_mode()
