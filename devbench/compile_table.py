@@ -5,8 +5,9 @@
 
 The matrix: bf16 / fp16 / fp32 x head dims 64..256 x GQA ratios 1..8 (8 KV heads), every tile choice of the
 attention planner for each (``kernels/kernel_variants.py``: decode and prefill, with and without split-K, and the
-reduce of the split), the cache write and the KV connector's gather/scatter, and DeepSeek's MLA decode (latent
-512 + rope 64: one split and split-K, its reduce, the latent write); jobs that compile the same kernel
+reduce of the split), the cache write, the KV connector's gather/scatter, the fused MoE's two grouped GEMMs at
+each BLOCK_M and DeepSeek's MLA decode (latent 512 + rope 64: one split and split-K, its reduce, the latent write);
+jobs that compile the same kernel
 are built once (the head group is a runtime argument, so the attention kernel does not depend on it). A row fails
 on any register spill or more shared memory than an sm_90 block may use (227 KB). Needs no GPU: Triton's
 bundled ptxas (``kernels/offline_compile.py``); run with TRITON_INTERPRET unset or 0. About 90 s on 2 cores.
@@ -66,6 +67,9 @@ def rows(shape_list: list[ModelShape], workers: int | None, mla: list[MLAShape] 
     for shape in mla:
         for job in offline_compile.mla_jobs(shape):
             jobs.setdefault(job.key, job)
+    for dtype in sorted({shape.dtype for shape in shape_list}):
+        for job in offline_compile.moe_jobs(dtype):
+            jobs.setdefault(job.key, job)
     jobs = list(jobs.values())
     out = []
     for job, usage in zip(jobs, offline_compile.compile_all(jobs, workers)):
@@ -83,8 +87,8 @@ def summary(table: list[dict]) -> str:
         groups.setdefault((kernel, dt, d[1:] if kernel == "attn" else "all"), []).append(r)
     lines = ["| kernel | dtype | head dim | variants | max registers | spill stores (B) | max smem (KB) |",
              "|---|---|---|---|---|---|---|"]
-    order = {"attn": 0, "reduce": 1, "write": 2, "gather": 3, "scatter": 4, "mla": 5, "mla_reduce": 6, "mla_write": 7,
-             "bf16": 0, "fp16": 1, "fp32": 2}
+    order = {"attn": 0, "reduce": 1, "write": 2, "gather": 3, "scatter": 4, "moe": 5, "mla": 6, "mla_reduce": 7,
+             "mla_write": 8, "bf16": 0, "fp16": 1, "fp32": 2}
     for (kernel, dt, d), rs in sorted(groups.items(), key=lambda g: (order[g[0][0]], order[g[0][1]],
                                                                     int(g[0][2]) if g[0][2].isdigit() else 0)):
         lines.append(f"| {kernel} | {dt} | {d} | {len(rs)} | {max(r['registers'] for r in rs)} | "

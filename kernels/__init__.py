@@ -18,14 +18,16 @@ double-buffered scatter (``scatter_pipe.py``).
 (``cpu_linear.c``, AVX-512 or AVX2) the few-row fp32 matmuls of decode steps, with oneDNN's bits, called by
 ``engine.models.layers.Linear``. ``fused_ops.py`` switches the model's RMSNorm (+ the residual add before it)
 and q/k rotary embedding to the Triton kernels ``triton_norm.py`` and ``triton_rope.py`` (CUDA by default), and
-holds their torch references. Each Triton
+holds their torch references. The MoE layer's routed experts go through ``dispatch.fused_moe``: ``moe_ops.py`` (torch:
+the grouped matmul by expert on CPU, the per-expert-loop oracle, the padded block layout) and ``triton_moe.py`` (the
+fused-MoE grouped GEMM over expert-sorted row blocks, CUDA). Each Triton
 kernel is tested against its torch reference under ``TRITON_INTERPRET=1``.
 DeepSeek's MLA writes one latent row per token (``dispatch.write_latent``) and decodes with weight-absorbed
 attention over the latent cache (``dispatch.mla_decode``): ``mla_reference.py`` (torch, the oracle; also the
 prefill path's ``gather_latent``), ``cpu_mla.py`` (the CPU path, batched torch) and ``triton_mla.py`` (CUDA).
 """
 
-from pdserve.kernels.dispatch import BACKENDS, paged_attention, resolve_backend, write_to_cache
+from pdserve.kernels.dispatch import BACKENDS, fused_moe, paged_attention, resolve_backend, write_to_cache
 from pdserve.kernels.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "BACKENDS", "paged_attention", "resolve_backend", "write_to_cache"]
+__all__ = ["AttentionMetadata", "BACKENDS", "fused_moe", "paged_attention", "resolve_backend", "write_to_cache"]

@@ -15,6 +15,9 @@ DeepSeek's MLA (``engine/models/mla.py``) calls ``write_latent`` (every row of t
 decode rows: weight-absorbed attention over the latent cache): Triton ``triton_mla.py``, the CPU path ``cpu_mla.py``
 (batched torch) for ``cpu``, the reference ``mla_reference.py`` for ``torch``. Its prefill rows take the plain path
 in the model (``mla_reference.gather_latent``, then attention over the decompressed K/V).
+The MoE layer's routed experts (``engine.models.moe.MoE``) call ``fused_moe``: the Triton grouped GEMM
+(``triton_moe.py``) for CUDA tensors, the torch grouped matmul (``moe_ops.grouped_moe``) elsewhere; ``backend``
+"triton" forces the kernel (tests, under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import os
 
 from pdserve.kernels import cpu_attention, cpu_mla, cpu_ops, mla_reference, reference
+from pdserve.kernels import cpu_attention, cpu_ops, moe_ops, reference
 
 BACKENDS = ("cpu", "torch", "triton")
 
@@ -87,3 +91,10 @@ def mla_decode(q, cache: dict, meta, scale: float, kv_lora_rank: int):
     if meta.backend == "cpu":
         return cpu_mla.mla_decode(q, cache, meta, scale, kv_lora_rank)
     return mla_reference.mla_decode(q, cache, meta, scale, kv_lora_rank)
+def fused_moe(x, w13, w2, weights, ids, backend: str | None = None):
+    """x: [T, H] through each row's k routed experts (``moe_ops``' shapes) -> [T, H]."""
+    if backend == "triton" or (backend is None and x.device.type == "cuda"):
+        from pdserve.kernels import triton_moe
+
+        return triton_moe.fused_moe(x, w13, w2, weights, ids)
+    return moe_ops.grouped_moe(x, w13, w2, weights, ids)

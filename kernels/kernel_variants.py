@@ -14,6 +14,10 @@ itself are runtime arguments Triton does not specialise on (``triton_attention.S
 the step through ``max_query_len`` alone and saturates once BLOCK_M reaches its cap (at most TILE_ROWS // 16
 rows), so walking max_query_len 1..TILE_ROWS // 16 meets every tile choice. Each is listed with and without a
 split (a prefill of one long prompt splits its keys too), so a step of any shape finds its kernel compiled.
+
+The fused MoE (``triton_moe.py``) compiles per dtype, BLOCK_M (``MOE_BLOCK_MS``, picked from the mean rows per
+expert) and launch (the gate/up GEMM, the weighted down GEMM); ``moe_rows(block_m, num_experts)`` is a row count
+(T*k) that picks ``block_m``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from pdserve.kernels.attention_plan import TILE_ROWS, Tiles, tiles
 
 SPLIT_REPRESENTATIVE = 2    # any count > 1 runs the same compiled kernel (num_splits is not specialised)
+MOE_BLOCK_MS = (16, 32, 64)     # fused MoE rows per block: decode-sized segments waste less padding at 16
 
 
 @dataclass(frozen=True)
@@ -89,3 +94,6 @@ MLA_SHAPES = ((512, 64),)         # (kv_lora_rank, qk_rope_head_dim) of DeepSeek
 def mla_splits() -> tuple[int, ...]:
     """The MLA decode kernel's variants: one split (it normalises itself) and split-K (partials + the reduce)."""
     return (1, SPLIT_REPRESENTATIVE)
+def moe_rows(block_m: int, num_experts: int) -> int:
+    """A step's (token, slot) row count whose mean per expert makes ``triton_moe.moe_tiles`` pick ``block_m``."""
+    return block_m * num_experts

@@ -5,6 +5,7 @@ Run by ``devbench/compile_table.py`` (the table, and the JSON ``tests/test_kerne
 ``@triton.jit`` compiles nothing) and the wheel's ptxas; no CUDA device, no driver.
 
     jobs = launch_jobs(shape)      # every kernel a model of this shape can launch, as the launch would compile it
+    jobs = moe_jobs("bfloat16")    # every fused-MoE kernel (kernel_variants.MOE_BLOCK_MS x both GEMMs) of a dtype
     usage = compile_job(job)       # {"registers", "spill_stores", "spill_loads", "stack", "smem"}
 
 A job is found the way a launch finds its kernel: the launch's own argument builder (``triton_attention.launches``,
@@ -100,6 +101,30 @@ def mla_jobs(shape) -> list[Job]:
     job = _job(f"mla_write {tag}", *triton_mla.write_launch(rows, latent, torch.zeros(5, dtype=i32)))
     jobs.setdefault(job.key, job)
     return list(jobs.values())
+MOE_SHAPE = (2048, 768, 8, 2)      # hidden, expert width, experts, top-k: Qwen3-30B-A3B's widths (any multiple of 16
+                                   # specialises alike); the expert count and k are runtime arguments
+
+
+def moe_jobs(dtype: str) -> list[Job]:
+    """The fused MoE's two grouped GEMMs at each BLOCK_M, as ``triton_moe.fused_moe`` would launch them."""
+    from pdserve.kernels import kernel_variants, moe_ops, triton_moe
+
+    H, inter, E, k = MOE_SHAPE
+    dt = getattr(torch, dtype)
+    jobs = []
+    for block_m in kernel_variants.MOE_BLOCK_MS:
+        T = kernel_variants.moe_rows(block_m, E) // k
+        tiles = triton_moe.moe_tiles(T * k, E, dt, interpreted=False)
+        assert tiles.block_m == block_m, (tiles, block_m)
+        layout = moe_ops.align_block_size(torch.arange(T * k).view(T, k) % E, E, block_m)
+        x, h, a = torch.empty(T, H, dtype=dt), torch.empty(T * k, 2 * inter, dtype=dt), torch.empty(T * k, inter, dtype=dt)
+        w13, w2 = torch.empty(E, 2 * inter, H, dtype=dt), torch.empty(E, H, inter, dtype=dt)
+        label = (f"moe {_dt(SimpleNamespace(dtype=dtype))} M{block_m} N{tiles.block_n} K{tiles.block_k} "
+                 f"w{tiles.num_warps} s{tiles.num_stages}")
+        jobs.append(_job(f"{label} gate_up", *triton_moe.launch(x, w13, h, None, layout, k, tiles)))
+        y = torch.empty(T * k, H, dtype=torch.float32)
+        jobs.append(_job(f"{label} down weighted", *triton_moe.launch(a, w2, y, torch.empty(T * k), layout, 1, tiles)))
+    return jobs
 
 
 def compile_job(job: Job) -> dict:

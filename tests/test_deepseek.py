@@ -1,6 +1,7 @@
 """DeepSeek V2 / V3 (MLA) against HF transformers on tiny random checkpoints (fp32), and MLA's config and KV layout.
 
-Each model is built by transformers itself (DeepseekV2Config / DeepseekV3Config, all layers dense), saved, loaded
+Each model is built by transformers itself (DeepseekV2Config / DeepseekV3Config; dense layers, or layer 1 MoE with
+the MoE layer of ``moe.py``), saved, loaded
 by pdserve's loader and compared on logits: a 20-token prefill (the plain path) then one decode step through the
 latent cache (the weight-absorbed path), as ``test_models.py`` does for the dense families.
 """
@@ -50,6 +51,11 @@ CASES = {
     "v2-yarn": ("v2", {"q_lora_rank": None, "max_position_embeddings": 64, "rope_parameters": YARN}),
     "v3-yarn": ("v3", {"q_lora_rank": 48, "max_position_embeddings": 64, "rope_parameters": YARN}),
     "v3-bias": ("v3", {"q_lora_rank": 48, "attention_bias": True}),
+    # layer 1 MoE (moe.py): V2 softmax greedy / group-limited, V3 sigmoid noaux_tc with the correction bias
+    "v2-moe": ("v2", {"q_lora_rank": None, "first_k_dense_replace": 1, "n_shared_experts": 1}),
+    "v2-moe-groups": ("v2", {"q_lora_rank": 48, "first_k_dense_replace": 1, "topk_method": "group_limited_greedy",
+                             "n_group": 2, "topk_group": 1}),
+    "v3-moe": ("v3", {"q_lora_rank": 48, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}),
 }
 
 
@@ -89,9 +95,3 @@ def test_v2_always_interleaves_and_default_rope_keeps_scale(tmp_path):
     config = ModelConfig.from_dir(tmp_path)
     m = MLAConfig.from_hf("DeepseekV2ForCausalLM", {**cfg, "rope_interleave": False}, config.rope)
     assert m.rope_interleave and m.softmax_scale == 24 ** -0.5 and m.q_lora_rank is None
-
-
-def test_moe_layers_are_refused_with_the_reason(tmp_path):
-    make_hf_deepseek("v2", tmp_path, q_lora_rank=None, first_k_dense_replace=1)
-    with pytest.raises(ValueError, match="first_k_dense_replace 1 < num_hidden_layers 2"):
-        load_model(tmp_path)

@@ -6,7 +6,10 @@ fp32 safetensors with HF names, the tiny tokenizer), so HF transformers and pdse
 
 MLA shape: ``kv_lora_rank`` 32, ``qk_nope_head_dim`` 16, ``qk_rope_head_dim`` 8, ``v_head_dim`` 16 by default
 (a cached token is 40 values a layer); ``q_lora_rank`` None (V2-Lite's q_proj) or a rank (q_a_proj, q_a_layernorm,
-q_b_proj). Every layer is dense unless ``first_k_dense_replace`` < ``num_layers`` asks for MoE layers. ``rope``
+q_b_proj). Layer 0 is dense and the others MoE (``first_k_dense_replace`` 1, as DeepSeek's own configs start dense):
+4 routed experts of ``moe_intermediate_size`` 32, top 2, one shared expert; V2 routes by softmax (greedy), V3 by
+sigmoid with grouped top-k (2 groups, 1 kept) and ``e_score_correction_bias``; checkpoint names per expert
+(``mlp.experts.{e}.{gate,up,down}_proj``), ``mlp.gate``, ``mlp.shared_experts``. ``rope``
 optionally YaRN with mscale / mscale_all_dim (DeepSeek's own settings); V3 keeps ``rope_interleave`` True unless told.
 Weights are drawn like ``tiny_model.random_weights`` (the same scales, one generator in a fixed order).
 """
@@ -38,7 +41,7 @@ class TinyDeepseek:
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
     intermediate_size: int = 128
-    first_k_dense_replace: int | None = None     # None: every layer dense
+    first_k_dense_replace: int = 1               # >= num_layers: every layer dense
     n_routed_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
@@ -64,7 +67,7 @@ def hf_config(spec: TinyDeepseek, vocab_size: int, bos_id: int | None, eos_id: i
         "rms_norm_eps": 1e-6, "max_position_embeddings": max_pos, "rope_parameters": rope,
         "rope_theta": rope["rope_theta"], "rope_scaling": None if rope["rope_type"] == "default" else rope,
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
-        "first_k_dense_replace": spec.num_layers if spec.first_k_dense_replace is None else spec.first_k_dense_replace,
+        "first_k_dense_replace": spec.first_k_dense_replace, "moe_layer_freq": 1,
         "n_routed_experts": spec.n_routed_experts, "num_experts_per_tok": spec.num_experts_per_tok,
         "moe_intermediate_size": spec.moe_intermediate_size, "n_shared_experts": 1, "norm_topk_prob": True,
         "routed_scaling_factor": 1.0, "bos_token_id": bos_id, "eos_token_id": eos_id, "initializer_range": 0.02,
@@ -73,12 +76,13 @@ def hf_config(spec: TinyDeepseek, vocab_size: int, bos_id: int | None, eos_id: i
     if spec.arch == "deepseek_v2":
         config.update(mlp_bias=False, topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False)
     else:
-        config.update(rope_interleave=spec.rope_interleave, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+        config.update(rope_interleave=spec.rope_interleave, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                      topk_method="noaux_tc", scoring_func="sigmoid")
     return config
 
 
 def param_shapes(spec: TinyDeepseek, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """HF parameter name -> shape of the dense layers, in a fixed order (the order weights are drawn in)."""
+    """HF parameter name -> shape, in a fixed order (the order weights are drawn in)."""
     d, h = spec.hidden_size, spec.num_heads
     qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, d)}
@@ -96,12 +100,42 @@ def param_shapes(spec: TinyDeepseek, vocab_size: int) -> dict[str, tuple[int, ..
         shapes[p + "self_attn.kv_b_proj.weight"] = (h * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank)
         shapes[p + "self_attn.o_proj.weight"] = (d, h * spec.v_head_dim)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
-        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, d)
-        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, d)
-        shapes[p + "mlp.down_proj.weight"] = (d, spec.intermediate_size)
+        shapes.update(_mlp_shapes(spec, i))
     shapes["model.norm.weight"] = (d,)
     shapes["lm_head.weight"] = (vocab_size, d)
     return shapes
+
+
+def _mlp_shapes(spec: TinyDeepseek, layer: int) -> dict[str, tuple[int, ...]]:
+    p, d = f"model.layers.{layer}.mlp.", spec.hidden_size
+    if layer < spec.first_k_dense_replace:
+        return {p + "gate_proj.weight": (spec.intermediate_size, d), p + "up_proj.weight": (spec.intermediate_size, d),
+                p + "down_proj.weight": (d, spec.intermediate_size)}
+    w, shapes = spec.moe_intermediate_size, {p + "gate.weight": (spec.n_routed_experts, d)}
+    if spec.arch == "deepseek_v3":
+        shapes[p + "gate.e_score_correction_bias"] = (spec.n_routed_experts,)
+    for e in range(spec.n_routed_experts):
+        q = f"{p}experts.{e}."
+        shapes.update({q + "gate_proj.weight": (w, d), q + "up_proj.weight": (w, d), q + "down_proj.weight": (d, w)})
+    q = p + "shared_experts."                                                      # n_shared_experts 1
+    shapes.update({q + "gate_proj.weight": (w, d), q + "up_proj.weight": (w, d), q + "down_proj.weight": (d, w)})
+    return shapes
+
+
+def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, *, num_layers: int = 2, hidden_size: int = 64,
+                    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128, shards: int = 1,
+                    tie_word_embeddings: bool | None = None, rope_scaling: dict | None = None,
+                    max_position_embeddings: int = 2048, head_dim: int | None = None, tokenizer: str = "bpe") -> Path:
+    """``tiny_model.make_tiny_model``'s keywords (its ``EXTRA_ARCHS`` hook) -> ``make_tiny_deepseek``. MLA has no KV
+    heads (``num_kv_heads`` does not apply); a tied LM head, another head_dim or rope scaling are refused (DeepSeek
+    has none of them; YaRN: ``make_tiny_deepseek(yarn=True)``)."""
+    for name, value in (("tie_word_embeddings", tie_word_embeddings), ("rope_scaling", rope_scaling),
+                        ("head_dim", head_dim)):
+        if value:
+            raise ValueError(f"{name}={value!r} does not apply to a tiny {arch} (MLA dims are its own fields)")
+    return make_tiny_deepseek(out_dir, arch, seed, shards=shards, tokenizer=tokenizer, num_layers=num_layers,
+                              hidden_size=hidden_size, num_heads=num_heads, intermediate_size=intermediate_size,
+                              max_position_embeddings=max_position_embeddings)
 
 
 def make_tiny_deepseek(out_dir: str | Path, arch: str = "deepseek_v3", seed: int = 0, *, shards: int = 1,
@@ -110,9 +144,6 @@ def make_tiny_deepseek(out_dir: str | Path, arch: str = "deepseek_v3", seed: int
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not one of {sorted(ARCHS)}")
     spec = TinyDeepseek(arch=arch, **shape)
-    if spec.first_k_dense_replace is not None and spec.first_k_dense_replace < spec.num_layers:
-        raise ValueError(f"first_k_dense_replace={spec.first_k_dense_replace} asks for MoE layers; the tiny "
-                         f"DeepSeek builder writes dense layers only (first_k_dense_replace >= num_layers)")
     flavour = FLAVOURS[tokenizer]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,6 +172,8 @@ def _random_weights(spec: TinyDeepseek, vocab: int, seed: int) -> dict[str, torc
             weights[name] = 1.0 + NORM_STD * noise
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             weights[name] = EMBED_STD * noise
+        elif name.endswith("e_score_correction_bias"):
+            weights[name] = 0.1 * noise
         else:
             weights[name] = PROJ_GAIN / shape[1] ** 0.5 * noise
     return weights

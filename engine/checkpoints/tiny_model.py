@@ -1,5 +1,8 @@
 """Tiny random HF checkpoints for tests: ``pdserve make-tiny-model DIR --arch llama``.
 
+Dense architectures are written here; ``EXTRA_ARCHS`` names the module that writes each other ``--arch`` (the MoE
+models: ``tiny_moe.py``, DeepSeek: ``tiny_deepseek.py``) on top of this one's pieces: one line per architecture.
+
 Tests (and the built-in demo model of ``pdserve serve``) call ``make_tiny_model``; it
 writes a directory that both HF transformers and ``pdserve.engine``'s loader read:
 
@@ -20,13 +23,13 @@ a clear argmax, because parity tests compare greedy token ids with transformers.
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pdserve.engine.checkpoints import tiny_deepseek
 from pdserve.engine.checkpoints.tiny_files import (  # noqa: F401 (re-exported)
     EMBED_STD, LOGIT_STD, NORM_STD, PROJ_GAIN, save_weights, write_tokenizer_files)
 from pdserve.engine.checkpoints.tiny_tokenizer import (  # noqa: F401 (re-exported)
@@ -34,6 +37,10 @@ from pdserve.engine.checkpoints.tiny_tokenizer import (  # noqa: F401 (re-export
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+# --arch -> module under pdserve.engine.checkpoints whose ``make_tiny_model(out_dir, arch, seed, **same keywords)``
+# writes it
+EXTRA_ARCHS = {"qwen3_moe": "tiny_moe", "mixtral": "tiny_moe", "deepseek_v2": "tiny_deepseek",
+               "deepseek_v3": "tiny_deepseek"}
 
 
 @dataclass(frozen=True)
@@ -69,13 +76,17 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, *, 
     ``tie_word_embeddings`` defaults to False for llama/mistral and True for qwen2/qwen3;
     ``head_dim`` defaults to hidden_size // num_heads, except qwen3 which gets twice that
     (like Qwen3-0.6B, where num_heads * head_dim != hidden_size). ``tokenizer``: "bpe" or "metaspace".
-    ``deepseek_v2`` / ``deepseek_v3`` go to ``tiny_deepseek.make_tiny_deepseek`` (its own shape fields).
     """
-    if arch in tiny_deepseek.ARCHS:
-        return tiny_deepseek.make_tiny_deepseek(out_dir, arch, seed, num_layers=num_layers, hidden_size=hidden_size,
-                                                shards=shards, tokenizer=tokenizer)
+    if arch in EXTRA_ARCHS:
+        module = importlib.import_module(f"pdserve.engine.checkpoints.{EXTRA_ARCHS[arch]}")
+        return module.make_tiny_model(out_dir, arch, seed, num_layers=num_layers, hidden_size=hidden_size,
+                                      num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                      intermediate_size=intermediate_size, shards=shards,
+                                      tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling,
+                                      max_position_embeddings=max_position_embeddings, head_dim=head_dim,
+                                      tokenizer=tokenizer)
     if arch not in ARCHS:
-        raise ValueError(f"arch={arch!r} is not one of {sorted(ARCHS)}")
+        raise ValueError(f"arch={arch!r} is not one of {sorted(ARCHS) + sorted(EXTRA_ARCHS)}")
     if tokenizer not in FLAVOURS:
         raise ValueError(f"tokenizer={tokenizer!r} is not one of {sorted(FLAVOURS)}")
     flavour = FLAVOURS[tokenizer]
@@ -155,12 +166,13 @@ def param_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_weights(spec: TinySpec, seed: int) -> dict[str, torch.Tensor]:
-    """fp32 weights drawn from one torch.Generator in ``param_shapes`` order."""
+def random_weights(spec: TinySpec, seed: int,
+                   shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
+    """fp32 weights drawn from one torch.Generator in ``shapes`` order (default ``param_shapes(spec)``)."""
     gen = torch.Generator().manual_seed(seed)
     final_norm_scale = LOGIT_STD / (EMBED_STD * spec.hidden_size ** 0.5)
     weights = {}
-    for name, shape in param_shapes(spec).items():
+    for name, shape in (param_shapes(spec) if shapes is None else shapes).items():
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
         if name == "model.norm.weight":
             weights[name] = final_norm_scale * (1.0 + NORM_STD * noise)
@@ -178,7 +190,7 @@ def register(subparsers) -> None:
     """Adds ``make-tiny-model`` to the ``pdserve`` CLI (engine/cli.py calls this)."""
     p = subparsers.add_parser("make-tiny-model", help="write a tiny random HF checkpoint (tests, demos)")
     p.add_argument("dir", type=Path, help="output directory")
-    p.add_argument("--arch", choices=sorted(ARCHS) + sorted(tiny_deepseek.ARCHS), default="llama")
+    p.add_argument("--arch", choices=sorted(ARCHS) + sorted(EXTRA_ARCHS), default="llama")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)

@@ -19,6 +19,12 @@ Files:
     deepseek.py      DeepSeek V2 / V3: Llama's decoder with the MLA layer (dense MLP layers)
     mla.py           multi-head latent attention: the latent KV cache, plain prefill, weight-absorbed decode
     mla_config.py    MLAConfig: config.json's latent-attention dims, rope layout and softmax scale (YaRN mscale)
+    llama.py         Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral: one decoder, per-architecture flags from
+                     ModelConfig, each layer's MLP from moe.make_mlp
+    moe_config.py    MoEConfig.from_hf: experts, top-k, scoring, groups, shared experts, which layers are MoE
+    moe_routing.py   route(logits, cfg): each family's top-k routing, HF's ops in HF's order
+    moe.py           the MoE block (router, stacked experts [E, 2I, H] / [E, H, I], shared expert), make_mlp; its
+                     tensor-parallel split (each expert's width; one all-reduce per layer)
     layers.py        RMSNorm (+ residual add: add_norm), Linear with explicit shard sizes, fused SiLU-and-mul MLP,
                      embedding
     rope.py          rotary embeddings (default, linear, dynamic, llama3, yarn), cos/sin computed in float32

@@ -1,34 +1,34 @@
 """DeepSeek V2 / V3: ``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM`` over HF checkpoints as transformers writes them.
 
 The decoder is Llama's (``llama.LlamaForCausalLM``: embedding, layer loop, final norm, LM head, pipeline stages,
-the fused CUDA path) with another layer, ``DeepseekDecoderLayer``: MLA attention (``mla.py``) and a dense gated
-MLP. Called like every model (``pdserve.engine.models.__init__``):
+the fused CUDA path) with another layer, ``DeepseekDecoderLayer``: MLA attention (``mla.py``) and the MLP that
+``moe.make_mlp`` gives the layer (a dense gated MLP below ``first_k_dense_replace`` / off ``moe_layer_freq``, else
+the MoE block with shared experts, V3's grouped top-k, ``e_score_correction_bias``, ``routed_scaling_factor``:
+``moe.py``, ``moe_config.py``). Called like every model (``pdserve.engine.models.__init__``):
 
     hidden = model(input_ids, positions, kv_caches, attn_meta)     # kv_caches[i]: {"latent": [N, bs, 1, L + R]}
     logits = model.compute_logits(hidden[sample_rows])
 
 Checkpoint names (``model.layers.{i}.``): ``input_layernorm``, ``self_attn.{q_proj | q_a_proj, q_a_layernorm,
 q_b_proj}``, ``self_attn.kv_a_proj_with_mqa``, ``self_attn.kv_a_layernorm``, ``self_attn.kv_b_proj``,
-``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``. V2 and V3 differ in what the
+``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj`` (dense layers) or ``mlp.gate``,
+``mlp.experts.{e}.*``, ``mlp.shared_experts.*`` (MoE layers: ``moe.MoE.load``). V2 and V3 differ in what the
 config says (V3's ``rope_interleave``; their MoE routing), not in code. The rotary embedding covers the
 ``qk_rope_head_dim`` part of a head (``ModelConfig.head_dim``), with YaRN's attention factor on cos/sin.
 
-Mixture-of-experts layers (``first_k_dense_replace`` < num_hidden_layers) are refused here with a clear error until
-the MoE layer is wired in; a config whose layers are all dense is a valid DeepSeek.
 No ``torch.compile`` pieces (``supports_compile``): the layer runs eagerly.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from pdserve.engine.models.layers import GatedMLP, RMSNorm
+from pdserve.engine.models.layers import RMSNorm
 from pdserve.engine.models.llama import LlamaForCausalLM, LogitRows, ShardSizes
 from pdserve.engine.models.mla import MLAAttention
-from pdserve.engine.models.model_config import ModelConfig, ModelConfigError, _read_json
+from pdserve.engine.models.model_config import ModelConfig
+from pdserve.engine.models.moe import make_mlp
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -39,7 +39,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_norm = RMSNorm(config.hidden_size, eps, dt)
         self.attn = MLAAttention(config, layer, shard.num_heads)
         self.post_attn_norm = RMSNorm(config.hidden_size, eps, dt)
-        self.mlp = GatedMLP(config.hidden_size, shard.intermediate_size, config.mlp_bias, dt)
+        self.mlp = make_mlp(config, layer, shard)                        # GatedMLP, or MoE on an MoE layer
 
     def forward(self, h: torch.Tensor, cos, sin, kv_cache, attn_meta, pieces=None) -> torch.Tensor:
         # h: [T, D] -> [T, D]
@@ -76,20 +76,6 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     layer_class = DeepseekDecoderLayer
     supports_compile = False
 
-    def __init__(self, config: ModelConfig, first_layer: int = 0, num_layers: int | None = None,
-                 shard: ShardSizes | None = None):
-        _check_dense(config)
-        super().__init__(config, first_layer, num_layers, shard)
-
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
-    """V3's differences are config values: ``rope_interleave`` (``MLAConfig``) and its MoE routing."""
-
-
-def _check_dense(config: ModelConfig) -> None:
-    cfg = _read_json(Path(config.model_dir) / "config.json", required=False)
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)
-    if cfg.get("n_routed_experts") and first_dense < config.num_layers:
-        raise ModelConfigError(f"{config.model_dir}: layers {first_dense}..{config.num_layers - 1} are mixture-of-"
-                               f"experts (first_k_dense_replace {first_dense} < num_hidden_layers "
-                               f"{config.num_layers}); pdserve's DeepSeek runs dense MLP layers only so far")
+    """V3's differences are config values: ``rope_interleave`` (``MLAConfig``) and its MoE routing (``MoEConfig``)."""

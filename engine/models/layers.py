@@ -324,6 +324,10 @@ class GatedMLP(nn.Module):
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return F.silu(gate) * up
 
+    def rows_independent(self) -> bool:
+        """Whether a row's result has the same bits at any row count (``Linear.rows_independent``, both matmuls)."""
+        return self.gate_up.rows_independent() and self.down.rows_independent()
+
     def load(self, src, prefix: str, tp_rank: int = 0) -> None:
         self.gate_up.load(src, (f"{prefix}.gate_proj", f"{prefix}.up_proj"), tp_rank)
         self.down.load(src, f"{prefix}.down_proj", tp_rank)

@@ -1,7 +1,8 @@
-"""Llama-family decoder: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM.
+"""Llama-family decoder: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, and the MoE
+members Qwen3MoeForCausalLM and MixtralForCausalLM.
 
 One implementation; the differences are ``ModelConfig`` flags (q/k/v bias, o_proj bias, MLP
-bias, q/k norm, per-layer sliding window). Called by the model runner once per step:
+bias, q/k norm, per-layer sliding window) and each layer's MLP (``moe.make_mlp``: dense, or the MoE block). Called by the model runner once per step:
 
     hidden = model(input_ids, positions, kv_caches, attn_meta)   # [T, D], T = all new tokens
     logits = model.compute_logits(hidden[sample_rows])           # [N, V] float32
@@ -47,8 +48,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from pdserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from pdserve.engine.models.layers import Embedding, Linear, RMSNorm
 from pdserve.engine.models.model_config import ModelConfig
+from pdserve.engine.models.moe import make_mlp
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary, apply_rotary_qk
 from pdserve.engine.models.split_qkv import SplitQKV
 from pdserve.kernels import AttentionMetadata, fused_ops, paged_attention, write_to_cache
@@ -61,6 +63,7 @@ class ShardSizes:
     num_kv_heads: int
     intermediate_size: int
     vocab_size: int                  # rows of the embedding / LM head this rank holds
+    tp_size: int = 1                 # the MoE layers split each expert's width by it (``moe.MoE``)
 
     @classmethod
     def full(cls, config: ModelConfig) -> ShardSizes:
@@ -71,10 +74,12 @@ class ShardSizes:
         """One of ``tp_size`` equal shards: heads, KV heads, MLP width and vocab must all divide."""
         sizes = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads,
                  "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
-        for what, n in sizes.items():
+        moe = {} if config.moe is None else {"moe_intermediate_size": config.moe.intermediate_size,
+                                             "shared expert width": config.moe.shared_intermediate_size}
+        for what, n in {**sizes, **moe}.items():
             if n % tp_size:
                 raise ValueError(f"the model has {n} {what}, not divisible by --tensor-parallel-size {tp_size}")
-        return cls(*(n // tp_size for n in sizes.values()))
+        return cls(*(n // tp_size for n in sizes.values()), tp_size=tp_size)
 
 
 class LayerPieces(NamedTuple):
@@ -149,7 +154,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(config.hidden_size, eps, dt)
         self.attn = Attention(config, layer, shard.num_heads, shard.num_kv_heads)
         self.post_attn_norm = RMSNorm(config.hidden_size, eps, dt)
-        self.mlp = GatedMLP(config.hidden_size, shard.intermediate_size, config.mlp_bias, dt)
+        self.mlp = make_mlp(config, layer, shard)                        # GatedMLP, or MoE on an MoE layer
 
     def forward(self, h: torch.Tensor, cos, sin, kv_cache, attn_meta, pieces: LayerPieces | None = None):
         # h: [T, D] -> [T, D]; attention runs eagerly between the two pieces (compiled or not)
@@ -182,7 +187,7 @@ class DecoderLayer(nn.Module):
     def rows_independent(self) -> bool:
         """Whether this layer's matmuls after attention give a row the same bits at any row count (fp32 on
         oneDNN with the few-row panels), so ``forward_rows`` may run them for some rows only."""
-        return all(lin.rows_independent() for lin in (self.attn.o_proj, self.mlp.gate_up, self.mlp.down))
+        return self.attn.o_proj.rows_independent() and self.mlp.rows_independent()
 
     def before_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # h: [T, D] -> q: [T, H, Dh], k, v: [T, Hkv, Dh]

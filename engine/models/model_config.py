@@ -7,7 +7,8 @@ directory's ``config.json`` (+ ``generation_config.json``) as written by transfo
 flags here (Qwen2's q/k/v bias, Qwen3's q/k norm, Mistral's sliding window) so that the model
 code has one path. DeepSeek V2/V3 add ``mla`` (``mla_config.MLAConfig``: latent attention dims, the softmax
 scale); their ``head_dim`` is the rotary part of a head (``qk_rope_head_dim``), as in transformers, and their KV
-layout is one latent component per token (``kv_layout``).
+layout is one latent component per token (``kv_layout``). An MoE model's routing and expert layout become ``moe``
+(``moe_config.MoEConfig``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from pdserve.engine.kv.kv_layout import KVLayout
 from pdserve.engine.models.mla_config import MLAConfig
+from pdserve.engine.models.moe_config import MoEConfig, MoEConfigError
 from pdserve.engine.models.registry import check_supported
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -75,6 +77,7 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype | None  # what config.json says the weights are
     dtype: torch.dtype                   # what we compute in (resolved ``--dtype``)
     mla: MLAConfig | None = None         # DeepSeek V2/V3: multi-head latent attention; None: per-head K/V
+    moe: MoEConfig | None = None         # the MoE layers' layout; None for a dense model
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: str = "auto", device: str = "cpu") -> ModelConfig:
@@ -132,9 +135,11 @@ def _parse(path: Path, cfg: dict, gen: dict, dtype: str, device: str) -> ModelCo
         rope=rope, max_position_embeddings=int(cfg["max_position_embeddings"]),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(cfg.get("attention_bias", False)),
+        o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        and bool(cfg.get("attention_bias", False)),
         mlp_bias=arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM") and bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding_window, layer_types=layer_types,
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), sliding_window=sliding_window,
+        layer_types=layer_types, moe=_moe(path, arch, cfg),
         eos_token_ids=_eos_ids(gen, cfg), bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
         checkpoint_dtype=checkpoint_dtype, dtype=resolve_dtype(dtype, checkpoint_dtype, device), mla=mla)
 
@@ -174,10 +179,11 @@ def _head_dim(path: Path, cfg: dict, hidden: int, heads: int) -> int:
 
 
 def _sliding(arch: str, cfg: dict, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """Mistral: every layer slides when ``sliding_window`` is set. Qwen2/3: only with
-    ``use_sliding_window``, on ``layer_types`` (or layers >= ``max_window_layers``)."""
+    """Mistral, Mixtral (Qwen3-MoE with ``use_sliding_window``): every layer slides when ``sliding_window`` is set.
+    Qwen2/3: only with ``use_sliding_window``, on ``layer_types`` (or layers >= ``max_window_layers``)."""
     window = cfg.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM") or (arch == "Qwen3MoeForCausalLM"
+                                                                 and cfg.get("use_sliding_window")):
         kinds = ["sliding_attention" if window else "full_attention"] * num_layers
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
         first = int(cfg.get("max_window_layers", num_layers))
@@ -186,6 +192,15 @@ def _sliding(arch: str, cfg: dict, num_layers: int) -> tuple[int | None, tuple[s
     else:
         window, kinds = None, ["full_attention"] * num_layers
     return (int(window) if window else None), tuple(kinds)
+
+
+def _moe(path: Path, arch: str, cfg: dict) -> MoEConfig | None:
+    try:
+        return MoEConfig.from_hf(arch, cfg)
+    except MoEConfigError as exc:
+        raise ModelConfigError(f"{path}/{exc}") from None
+    except KeyError as exc:
+        raise ModelConfigError(f"{path}/config.json: {arch} needs {exc.args[0]!r}") from None
 
 
 def _eos_ids(gen: dict, cfg: dict) -> tuple[int, ...]:

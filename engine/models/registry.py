@@ -17,6 +17,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("llama", "LlamaForCausalLM"),      # + MoE layers (moe.py)
+    "MixtralForCausalLM": ("llama", "LlamaForCausalLM"),
 }
 
 

@@ -6,6 +6,7 @@ the ``collective`` of the modules that need one (``pdserve.engine.models.layers`
 
     column-parallel  q|k|v, gate|up           no communication (each rank owns whole heads / columns)
     row-parallel     o_proj, down             y = all_reduce(x_r W_r^T) + b        [T, D]
+    MoE block        each expert's width      y = all_reduce(routed_r + shared_r)  [T, D]  (one per layer; moe.py)
     vocab-parallel   embed_tokens             e = all_reduce(rows of ids in r's vocab range, 0 elsewhere)
     vocab-parallel   lm_head                  logits = all_gather(h W_r^T) along the vocab  [N, V]
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.models.layers import Embedding, Linear
+from pdserve.engine.models.moe import MoE
 
 
 class TPGroup:
@@ -59,5 +61,8 @@ def attach(model, tp: TPGroup) -> None:
             module.collective = tp.all_reduce
         elif isinstance(module, Embedding):
             module.collective = tp.all_reduce
+    for module in model.modules():              # after the Linears: the block takes its shared expert's reduce
+        if isinstance(module, MoE):
+            module.attach_collective(tp.all_reduce)
     if getattr(model, "lm_head", None) is not None:
         model.lm_head.collective = tp.all_gather
