@@ -95,3 +95,17 @@ def test_absorbed_equals_plain_for_every_row(layer):
     torch.testing.assert_close(absorbed, plain, atol=2e-5, rtol=1e-4)
     whole = attn.plain(q_nope, q_pe, latent, caches[0], _Prefill(slice(0, T), T, T, meta.block_table[0]))
     torch.testing.assert_close(whole[prefix:], plain, atol=2e-5, rtol=1e-4)      # no prefix gather == gathered
+
+
+def test_plan_sends_decodes_and_short_extends_absorbed(layer):
+    _, config = layer                                     # tiny dims: absorbed below 32 rows over a prefix
+    from pdserve.engine.models.mla import _plan, absorb_below
+
+    assert absorb_below(config.mla) == 32
+    #        decode   short extend (5 over 20)   long extend (40 over 60)   first chunk (8, no prefix)
+    meta = AttentionMetadata.build([1, 5, 40, 8], [9, 25, 100, 8], [[1, 2, 3], [4] * 7, [5] * 25, [6, 7]], BS)
+    plan = _plan(meta, config.mla)
+    assert plan.decode_rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert plan.decode_meta.seq_lens_cpu.tolist() == [9, 21, 22, 23, 24, 25]       # each row sees up to itself
+    assert [(p.rows, p.q_len, p.seq_len) for p in plan.prefills] == [(slice(6, 46), 40, 100), (slice(46, 54), 8, 8)]
+    assert _plan(AttentionMetadata.build([1, 1], [3, 9], [[1], [2, 3, 4]], BS), config.mla).decode_rows is None

@@ -9,11 +9,13 @@ Per step (``MLAConfig`` names the dims; L = kv_lora_rank, R = qk_rope_head_dim, 
     q         = q_proj(x) | q_b_proj(rms(q_a_proj(x)))     [T, H, nope + R] -> q_nope, q_pe (rotated)
     c, k_pe   = kv_a_proj(x)                               [T, L], [T, R]   c normed, k_pe rotated
     latent    = [c | k_pe]                                 [T, W]  -> the cache at slot_mapping (every row)
-    decode rows (q_len 1): weight-absorbed, attention in the latent space (kernels' ``mla_decode``)
+    decode rows (q_len 1), and the rows of short chunks over a cached prefix (``absorb_below``: cheaper so, e.g. the
+    tail a decode node recomputes after a store load): weight-absorbed, attention in the latent space
+    (kernels' ``mla_decode``, each row a query of its own that sees its sequence up to its position)
         q_lat = q_nope @ W_UK[h]            [B, H, L]     W_UK: kv_b_proj's key rows, [H, nope, L]
         o_lat = MQA([q_lat | q_pe], cache)  [B, H, L]     values = the latent part of the cached rows
         out   = o_lat @ W_UV[h]             [B, H, v]     W_UV: kv_b_proj's value rows, [H, L, v]
-    prefill / extend rows: the plain path, per sequence
+    other prefill / extend chunks: the plain path, per sequence
         ctx   = the sequence's cached latent rows, prefix + this chunk    [S, W]
         k, v  = kv_b_proj(ctx[:, :L]) per head, k = [k_nope | ctx[:, L:]]  [S, H, nope + R], [S, H, v]
         out   = causal attention of q = [q_nope | q_pe] (row i at position S - Q + i) over k, v
@@ -54,7 +56,7 @@ class _Prefill:
 
 @dataclass
 class _Plan:
-    decode_rows: torch.Tensor | None     # flat rows of the decode sequences; None: every row (decode-only step)
+    decode_rows: torch.Tensor | None     # flat rows for the absorbed path; None: every row (decode-only step)
     decode_meta: AttentionMetadata | None
     prefills: list[_Prefill]
 
@@ -106,7 +108,7 @@ class MLAAttention(nn.Module):
         # q_nope: [T, H, nope], q_pe: [T, H, R], latent: [T, W] (already in the cache) -> [T, H, v]
         plan = attn_meta.derived.get("mla")
         if plan is None:
-            plan = attn_meta.derived["mla"] = _plan(attn_meta)
+            plan = attn_meta.derived["mla"] = _plan(attn_meta, self.mla)
         if plan.decode_rows is None:
             return self.absorbed(q_nope, q_pe, kv_cache, attn_meta)
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.mla.v_head_dim)
@@ -167,17 +169,29 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)                    # [T, H, D] -> [1, H, T, D]
 
 
-def _plan(meta: AttentionMetadata) -> _Plan:
-    """The step's decode rows (their metadata re-cut to one query each) and its prefill sequences."""
+def absorb_below(m) -> int:
+    """Query rows below which a chunk over a cached prefix is cheaper absorbed than plain. Per head, for a chunk of
+    Q rows over S cached tokens: plain decompresses S latents (S * L * (nope + v)) and attends Q * S * (qk + v);
+    absorbed attends Q * S * (2L + R) in the latent space. Absorbed wins while Q * (2L + R - qk - v) < L * (nope + v):
+    below ~170 rows for DeepSeek-V2/V3's dims (a decode node's recomputed tail after a store load, short chunks)."""
+    extra = 2 * m.kv_lora_rank + m.qk_rope_head_dim - m.qk_head_dim - m.v_head_dim
+    return m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) // max(1, extra)
+
+
+def _plan(meta: AttentionMetadata, m) -> _Plan:
+    """The step's rows for the absorbed path (decode rows, and short chunks over a cached prefix: ``absorb_below``;
+    their metadata re-cut to one query per row, each seeing its sequence up to its own position) and the
+    sequences for the plain path (a prompt's first chunk, long chunks)."""
     if meta.is_decode_only:
         return _Plan(None, None, [])
     qsl, lens = meta.query_start_loc_cpu.tolist(), meta.seq_lens_cpu.tolist()
-    decode_rows, prefills = [], []
+    limit = absorb_below(m)
+    absorbed, prefills = [], []
     for b, s in enumerate(lens):
         start, n = qsl[b], qsl[b + 1] - qsl[b]
-        if n == 1:
-            decode_rows.append(start)
+        if n == 1 or (n < limit and s > n):
+            absorbed.extend(range(start, start + n))
         elif n > 1:
             prefills.append(_Prefill(slice(start, start + n), n, s, meta.block_table[b]))
-    rows = torch.tensor(decode_rows, dtype=torch.long)
-    return _Plan(rows, meta.for_rows(rows) if decode_rows else None, prefills)
+    rows = torch.tensor(absorbed, dtype=torch.long)
+    return _Plan(rows, meta.for_rows(rows) if absorbed else None, prefills)
