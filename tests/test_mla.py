@@ -1,8 +1,8 @@
 """MLA's two attention paths agree, and the latent-cache decode kernels equal their reference.
 
 * absorbed == plain: for every row of a prompt over a cached prefix, the weight-absorbed path (q through W_UK,
-  attention over the latent cache, out through W_UV) equals the plain path (latent decompressed to per-head K/V)
-  to float32 rounding, on a loaded tiny DeepSeek layer, with and without q_lora_rank, at tp-sized head counts.
+  attention over the latent cache, out through W_UV; row by row as decode rows, and as one short chunk) equals
+  the plain path (latent decompressed to per-head K/V) to float32 rounding, on a loaded tiny DeepSeek layer, with and without q_lora_rank, at tp-sized head counts.
 * ``cpu_mla.mla_decode`` (the CPU path) equals ``mla_reference.mla_decode`` on ragged batches (lengths across
   block edges, shuffled block tables, groups larger than one ``GROUP``), and a float64 oracle written here.
 * ``write_latent`` writes each row at its slot and skips padding slots (-1).
@@ -95,6 +95,9 @@ def test_absorbed_equals_plain_for_every_row(layer):
     torch.testing.assert_close(absorbed, plain, atol=2e-5, rtol=1e-4)
     whole = attn.plain(q_nope, q_pe, latent, caches[0], _Prefill(slice(0, T), T, T, meta.block_table[0]))
     torch.testing.assert_close(whole[prefix:], plain, atol=2e-5, rtol=1e-4)      # no prefix gather == gathered
+    chunk = attn.absorbed_chunk(q_nope[prefix:], q_pe[prefix:], latent[prefix:], caches[0],
+                                _Prefill(slice(prefix, T), T - prefix, T, meta.block_table[0], True))
+    torch.testing.assert_close(chunk, plain, atol=2e-5, rtol=1e-4)              # a short chunk, absorbed
 
 
 def test_plan_sends_decodes_and_short_extends_absorbed(layer):
@@ -105,7 +108,7 @@ def test_plan_sends_decodes_and_short_extends_absorbed(layer):
     #        decode   short extend (5 over 20)   long extend (40 over 60)   first chunk (8, no prefix)
     meta = AttentionMetadata.build([1, 5, 40, 8], [9, 25, 100, 8], [[1, 2, 3], [4] * 7, [5] * 25, [6, 7]], BS)
     plan = _plan(meta, config.mla)
-    assert plan.decode_rows.tolist() == [0, 1, 2, 3, 4, 5]
-    assert plan.decode_meta.seq_lens_cpu.tolist() == [9, 21, 22, 23, 24, 25]       # each row sees up to itself
-    assert [(p.rows, p.q_len, p.seq_len) for p in plan.prefills] == [(slice(6, 46), 40, 100), (slice(46, 54), 8, 8)]
+    assert plan.decode_rows.tolist() == [0] and plan.decode_meta.seq_lens_cpu.tolist() == [9]
+    assert [(p.rows, p.q_len, p.seq_len, p.absorbed) for p in plan.prefills] == [
+        (slice(1, 6), 5, 25, True), (slice(6, 46), 40, 100, False), (slice(46, 54), 8, 8, False)]
     assert _plan(AttentionMetadata.build([1, 1], [3, 9], [[1], [2, 3, 4]], BS), config.mla).decode_rows is None

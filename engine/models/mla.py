@@ -9,12 +9,12 @@ Per step (``MLAConfig`` names the dims; L = kv_lora_rank, R = qk_rope_head_dim, 
     q         = q_proj(x) | q_b_proj(rms(q_a_proj(x)))     [T, H, nope + R] -> q_nope, q_pe (rotated)
     c, k_pe   = kv_a_proj(x)                               [T, L], [T, R]   c normed, k_pe rotated
     latent    = [c | k_pe]                                 [T, W]  -> the cache at slot_mapping (every row)
-    decode rows (q_len 1), and the rows of short chunks over a cached prefix (``absorb_below``: cheaper so, e.g. the
-    tail a decode node recomputes after a store load): weight-absorbed, attention in the latent space
-    (kernels' ``mla_decode``, each row a query of its own that sees its sequence up to its position)
+    decode rows (q_len 1): weight-absorbed, attention in the latent space (kernels' ``mla_decode``)
         q_lat = q_nope @ W_UK[h]            [B, H, L]     W_UK: kv_b_proj's key rows, [H, nope, L]
         o_lat = MQA([q_lat | q_pe], cache)  [B, H, L]     values = the latent part of the cached rows
         out   = o_lat @ W_UV[h]             [B, H, v]     W_UV: kv_b_proj's value rows, [H, L, v]
+    short chunks over a cached prefix (``absorb_below`` rows: e.g. the tail a decode node recomputes after a store
+    load): absorbed too, per sequence (its context gathered once, causal mask; ``absorbed_chunk``)
     other prefill / extend chunks: the plain path, per sequence
         ctx   = the sequence's cached latent rows, prefix + this chunk    [S, W]
         k, v  = kv_b_proj(ctx[:, :L]) per head, k = [k_nope | ctx[:, L:]]  [S, H, nope + R], [S, H, v]
@@ -52,11 +52,12 @@ class _Prefill:
     q_len: int
     seq_len: int
     table: torch.Tensor          # [>= ceil(seq_len / bs)] block ids
+    absorbed: bool = False       # a short chunk over a cached prefix: attention in the latent space
 
 
 @dataclass
 class _Plan:
-    decode_rows: torch.Tensor | None     # flat rows for the absorbed path; None: every row (decode-only step)
+    decode_rows: torch.Tensor | None     # flat rows of the decode sequences; None: every row (decode-only step)
     decode_meta: AttentionMetadata | None
     prefills: list[_Prefill]
 
@@ -116,7 +117,8 @@ class MLAAttention(nn.Module):
             r = plan.decode_rows
             out[r] = self.absorbed(q_nope[r], q_pe[r], kv_cache, plan.decode_meta)
         for p in plan.prefills:
-            out[p.rows] = self.plain(q_nope[p.rows], q_pe[p.rows], latent[p.rows], kv_cache, p)
+            path = self.absorbed_chunk if p.absorbed else self.plain
+            out[p.rows] = path(q_nope[p.rows], q_pe[p.rows], latent[p.rows], kv_cache, p)
         return out
 
     def absorbed(self, q_nope, q_pe, kv_cache: dict, meta: AttentionMetadata) -> torch.Tensor:
@@ -126,6 +128,15 @@ class MLAAttention(nn.Module):
         q = torch.cat((q_lat, q_pe), dim=-1)                                                 # [B, H, W]
         o_lat = dispatch.mla_decode(q, kv_cache, meta, m.softmax_scale, m.kv_lora_rank)      # [B, H, L]
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv).transpose(0, 1)                   # [B, H, v]
+
+    def absorbed_chunk(self, q_nope, q_pe, new_latent, kv_cache: dict, p: _Prefill) -> torch.Tensor:
+        # q_*: [Q, H, *] of one sequence over its [S, W] context, in the latent space -> [Q, H, v]
+        m = self.mla
+        ctx = gather_latent(kv_cache, p.table, p.seq_len).to(new_latent.dtype)              # [S, W]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)                                 # [H, Q, L]
+        q = torch.cat((q_lat, q_pe.transpose(0, 1)), dim=-1)                                 # [H, Q, W]
+        o_lat = causal_latent_attention(q, ctx, p.seq_len - p.q_len, m.softmax_scale, m.kv_lora_rank)
+        return torch.bmm(o_lat, self.w_uv).transpose(0, 1)                                  # [Q, H, v]
 
     def plain(self, q_nope, q_pe, new_latent, kv_cache: dict, p: _Prefill) -> torch.Tensor:
         # q_*: [Q, H, *] of one sequence; its context is [S, W] (new rows last) -> [Q, H, v]
@@ -165,6 +176,16 @@ class MLAAttention(nn.Module):
         self.w_uv.copy_(w[:, m.qk_nope_head_dim:].transpose(1, 2))
 
 
+def causal_latent_attention(q: torch.Tensor, ctx: torch.Tensor, offset: int, scale: float, L: int) -> torch.Tensor:
+    """q: [H, Q, W] (absorbed), ctx: [S, W] one sequence's latent rows; query i at position offset + i sees keys
+    0 .. offset + i -> [H, Q, L] (softmax in float32; values are the latent part of the keys)."""
+    scores = torch.matmul(q, ctx.t()).float() * scale                                        # [H, Q, S]
+    Q, S = q.shape[1], ctx.shape[0]
+    future = torch.arange(S, device=q.device) > (offset + torch.arange(Q, device=q.device)).unsqueeze(1)
+    probs = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1).to(q.dtype)
+    return torch.matmul(probs, ctx[:, :L])
+
+
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)                    # [T, H, D] -> [1, H, T, D]
 
@@ -179,19 +200,18 @@ def absorb_below(m) -> int:
 
 
 def _plan(meta: AttentionMetadata, m) -> _Plan:
-    """The step's rows for the absorbed path (decode rows, and short chunks over a cached prefix: ``absorb_below``;
-    their metadata re-cut to one query per row, each seeing its sequence up to its own position) and the
-    sequences for the plain path (a prompt's first chunk, long chunks)."""
+    """The step's decode rows (their metadata re-cut to one query each) and its prefill / extend sequences, each
+    marked for the absorbed path when it is a short chunk over a cached prefix (``absorb_below``)."""
     if meta.is_decode_only:
         return _Plan(None, None, [])
     qsl, lens = meta.query_start_loc_cpu.tolist(), meta.seq_lens_cpu.tolist()
     limit = absorb_below(m)
-    absorbed, prefills = [], []
+    decodes, prefills = [], []
     for b, s in enumerate(lens):
         start, n = qsl[b], qsl[b + 1] - qsl[b]
-        if n == 1 or (n < limit and s > n):
-            absorbed.extend(range(start, start + n))
+        if n == 1:
+            decodes.append(start)
         elif n > 1:
-            prefills.append(_Prefill(slice(start, start + n), n, s, meta.block_table[b]))
-    rows = torch.tensor(absorbed, dtype=torch.long)
-    return _Plan(rows, meta.for_rows(rows) if absorbed else None, prefills)
+            prefills.append(_Prefill(slice(start, start + n), n, s, meta.block_table[b], n < limit and s > n))
+    rows = torch.tensor(decodes, dtype=torch.long)
+    return _Plan(rows, meta.for_rows(rows) if decodes else None, prefills)
