@@ -5,7 +5,8 @@
 * The store holds the latent + rope part only: its bytes per token are layers x (kv_lora_rank + qk_rope_head_dim)
   x dtype size, asserted from the stored objects (the seal's header aside); the fingerprint names the MLA layout.
 * TP 2 (heads split, the latent replicated: TP rank 0 publishes it, every rank loads all of it) and PP 2 engines
-  give HF's greedy tokens, colocated and as the prefill or decode side of a disaggregated pair.
+  give HF's greedy tokens for V3 and V2 (with and without q_lora_rank), colocated (the prompt chunked), and as the
+  prefill or decode side of a disaggregated pair (V3).
 """
 
 from __future__ import annotations
@@ -39,13 +40,25 @@ def _engine(model_dir, role, store=None, tp=1, pp=1, budget=2048):
     return LLMEngine(cfg, store=store)
 
 
+MODELS = {"v3": ("deepseek_v3", {"q_lora_rank": 24}), "v2-lite": ("deepseek_v2", {}),
+          "v2-q-lora": ("deepseek_v2", {"q_lora_rank": 24})}
+
+
 @pytest.fixture(scope="module")
-def v3(tmp_path_factory):
-    path = make_tiny_deepseek(tmp_path_factory.mktemp("v3") / "m", "deepseek_v3", seed=4, q_lora_rank=24,
-                              num_layers=2)
-    ref = hf_model(path)
-    prompt = random_prompt(ref.config.vocab_size, LENGTH, seed=11)
-    return path, prompt, hf_greedy(ref, prompt, GREEDY.max_tokens)
+def models(tmp_path_factory):
+    """name -> (model dir, prompt, HF's greedy tokens); 2 layers: layer 0 dense, layer 1 MoE."""
+    root, out = tmp_path_factory.mktemp("deepseek"), {}
+    for name, (arch, shape) in MODELS.items():
+        path = make_tiny_deepseek(root / name, arch, seed=4, num_layers=2, **shape)
+        ref = hf_model(path)
+        prompt = random_prompt(ref.config.vocab_size, LENGTH, seed=11)
+        out[name] = (path, prompt, hf_greedy(ref, prompt, GREEDY.max_tokens))
+    return out
+
+
+@pytest.fixture(scope="module")
+def v3(models):
+    return models["v3"]
 
 
 @pytest.fixture()
@@ -97,8 +110,9 @@ def test_store_bytes_per_token_are_the_latent_only(v3, store):
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_parallel_colocated_matches_hf(v3, tp, pp):
-    path, prompt, expected = v3
+@pytest.mark.parametrize("name", list(MODELS))
+def test_parallel_colocated_matches_hf(models, name, tp, pp):
+    path, prompt, expected = models[name]
     engine = _engine(path, "both", tp=tp, pp=pp, budget=48)            # the prompt is chunked across steps
     try:
         tokens, _ = run_request(engine, "r", prompt, GREEDY)

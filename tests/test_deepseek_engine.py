@@ -3,7 +3,8 @@
 Models from ``pdserve make-tiny-model --arch deepseek_v2|deepseek_v3`` (``tiny_deepseek.py``): V2 without
 q_lora_rank (V2-Lite's q_proj), V2 with it, V3 with it and YaRN. Covers prompt lengths 1 / 17 / 300, a mixed
 batch with chunked prefill (the plain path over a cached prefix, decode rows absorbed in the same step), a warm
-prefix cache (the latent blocks reused), tensor parallel 2 (heads split, latent replicated) and pipeline parallel 2.
+prefix cache (the latent blocks reused). Layer 0 is dense, layer 1 MoE. Tensor / pipeline parallel 2 and the
+store: ``test_deepseek_disagg.py``.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def test_mixed_batch_and_chunked_prefill_match_hf(deepseek, name):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.runtime.num_blocks
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_warm_prefix_cache_same_output(deepseek, backend):
-    path, ref = deepseek["v3"]
+@pytest.mark.parametrize("name,backend", [("v3", "cpu"), ("v3", "torch"), ("v2-lite", "cpu"), ("v2-q-lora", "cpu")])
+def test_warm_prefix_cache_same_output(deepseek, name, backend):
+    path, ref = deepseek[name]
     prompt = random_prompt(ref.config.vocab_size, 100, seed=7)
     llm = LLM(str(path), block_size=16, attention_backend=backend)
     [cold] = llm.generate([prompt], GREEDY)
