@@ -87,9 +87,11 @@ def summary(table: list[dict]) -> str:
         groups.setdefault((kernel, dt, d[1:] if kernel == "attn" else "all"), []).append(r)
     lines = ["| kernel | dtype | head dim | variants | max registers | spill stores (B) | max smem (KB) |",
              "|---|---|---|---|---|---|---|"]
-    order = {"attn": 0, "reduce": 1, "write": 2, "gather": 3, "scatter": 4, "moe": 5, "mla": 6, "mla_reduce": 7,
-             "mla_write": 8, "bf16": 0, "fp16": 1, "fp32": 2}
-    for (kernel, dt, d), rs in sorted(groups.items(), key=lambda g: (order[g[0][0]], order[g[0][1]],
+    kernels = ("attn", "reduce", "write", "gather", "scatter", "norm", "rope", "moe", "mla", "mla_reduce", "mla_write")
+    order = {name: i for i, name in enumerate(kernels)}
+    order.update(bf16=0, fp16=1, fp32=2)          # a kernel not named here sorts last, by name
+    for (kernel, dt, d), rs in sorted(groups.items(), key=lambda g: (order.get(g[0][0], 99), g[0][0],
+                                                                    order.get(g[0][1], 9),
                                                                     int(g[0][2]) if g[0][2].isdigit() else 0)):
         lines.append(f"| {kernel} | {dt} | {d} | {len(rs)} | {max(r['registers'] for r in rs)} | "
                      f"{sum(r['spill_stores'] for r in rs)} | {max(r['smem'] for r in rs) / 1024:.1f} |")

@@ -73,7 +73,7 @@ def launch_jobs(shape) -> list[Job]:
     k, v, cache, slots = _write_example(shape)
     job = _job(f"write {_dt(shape)} D{shape.head_dim}", *triton_cache.launch(k, v, cache["k"], cache["v"], slots))
     jobs.setdefault(job.key, job)
-    for job in _transfer_jobs(shape):
+    for job in _transfer_jobs(shape) + _norm_rope_jobs(shape):
         jobs.setdefault(job.key, job)
     return list(jobs.values())
 
@@ -278,6 +278,47 @@ def _transfer_jobs(shape) -> list[Job]:
     label = f"{_dt(shape)} D{D} Hkv{Hkv}"
     return [_job(f"{name} {label}", *tt.launch(kv, obj, slots, to_cache))
             for name, to_cache in (("gather", False), ("scatter", True))]
+
+
+def _norm_rope_jobs(shape) -> list[Job]:
+    """The fused RMSNorm over the hidden rows (H x D wide; with the residual add and not) and over q's heads (the
+    q/k norm of Qwen3), and the in-place rotary of q and k (PDSERVE_FUSED_NORM / PDSERVE_FUSED_ROPE)."""
+    from pdserve.kernels import triton_norm, triton_rope
+
+    H, D, dt = shape.num_heads, shape.head_dim, _dtype(shape)
+    jobs = []
+    for width, heads, residual in ((H * D, 1, False), (H * D, 1, True), (D, H, False)):
+        x = torch.empty(8, heads, width, dtype=dt)
+        out = torch.empty(8, heads, width, dtype=dt)
+        r = torch.empty(8, width, dtype=dt) if residual else x
+        label = f"norm {_dt(shape)} {width}{' +residual' if residual else ''}{f' x{heads} heads' if heads > 1 else ''}"
+        jobs.append(_job(label, *triton_norm.launch(x, r, torch.empty(width, dtype=dt), out, out, 1e-6, residual)))
+    q, k, _ = _qkv(shape, 8)
+    cos = torch.empty(8, D, dtype=torch.float32)
+    jobs.append(_job(f"rope {_dt(shape)} D{D} H{H}/{shape.num_kv_heads}", *triton_rope.launch(q, k, cos, cos)))
+    return jobs
+
+
+def norm_key(rows: int, width: int, dtype: str, residual: bool) -> tuple:
+    """Triton's sm_90 key of the fused RMSNorm over ``rows`` rows of ``width`` (with the residual add or not)."""
+    from pdserve.kernels import triton_norm
+
+    dt = getattr(torch, dtype)
+    x, w = torch.empty(rows, 1, width, dtype=dt), torch.empty(width, dtype=dt)
+    r = torch.empty(rows, width, dtype=dt) if residual else x
+    y, s = torch.empty(rows, width, dtype=dt), torch.empty(rows, width, dtype=dt)
+    return _job("norm", *triton_norm.launch(x, r, w, y, s, 1e-6, residual)).key
+
+
+def transfer_key(shape, tokens: int, to_cache: bool, heads_of: int = 1) -> tuple:
+    """Triton's sm_90 key of a gather / scatter of ``tokens`` slots (scatter: a head slice of an object that holds
+    ``heads_of`` x the cache's KV heads, as a decode node under another TP reads it)."""
+    from pdserve.kernels import triton_transfer as tt
+
+    Hkv, D, dt = shape.num_kv_heads, shape.head_dim, _dtype(shape)
+    kv = torch.empty(2, 2, 4, shape.block_size, Hkv, D, dtype=dt)
+    obj = torch.empty(2, 2, tokens, Hkv * heads_of, D, dtype=dt)[:, :, :, :Hkv]
+    return _job("transfer", *tt.launch(kv, obj, torch.zeros(tokens, dtype=torch.int64), to_cache)).key
 
 
 def _dtype(shape) -> torch.dtype:

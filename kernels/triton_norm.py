@@ -25,7 +25,7 @@ MAX_BLOCK = 65536     # wider rows go to the torch path (``fused_ops``)
 TILE = 2048           # elements per program when rows are narrow
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])      # rows vary per step: one compile serves 1, 16, 17... rows
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, R, H, N, eps,
                      x_t, x_h, r_t, s_t,                      # strides (the last dim is unit-stride)
                      HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -56,13 +56,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, act), device=x.device)
     s = torch.empty(x.shape, dtype=act, device=x.device) if residual is not None else y
     r = residual if residual is not None else x
+    if T * H:
+        kernel, grid, args, kwargs = launch(x3, r, weight, y, s, eps, residual is not None)
+        kernel[grid](*args, **kwargs)
+    return y if residual is None else (y, s)
+
+
+def launch(x3: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, s: torch.Tensor, eps: float,
+           has_residual: bool):
+    """(kernel, grid, args, kwargs) of one norm over x3 [T, H, N]: ``rms_norm`` runs it, ``offline_compile.py``
+    builds it for sm_90 (one compile for every row count: ``R`` is not specialised)."""
+    T, H, n = x3.shape
     block = triton.next_power_of_2(n)
     rows = max(1, min(16, TILE // block))
-    if T * H:
-        _rms_norm_kernel[(triton.cdiv(T * H, rows),)](
-            x3, r, weight, y, s, T * H, H, n, eps, x3.stride(0), x3.stride(1), r.stride(0), s.stride(0),
-            HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block, num_warps=_warps(rows * block))
-    return y if residual is None else (y, s)
+    return (_rms_norm_kernel, (triton.cdiv(T * H, rows),),
+            (x3, r, weight, y, s, T * H, H, n, eps, x3.stride(0), x3.stride(1), r.stride(0), s.stride(0)),
+            dict(HAS_RESIDUAL=has_residual, ROWS=rows, BLOCK=block, num_warps=_warps(rows * block)))
 
 
 def _warps(elements: int) -> int:

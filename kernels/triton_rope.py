@@ -59,15 +59,21 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HK, q_t, q_h, k_t, k_h, c_t
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, H, D] and k [T, Hkv, D] in place by cos, sin [T, D] (any float dtype)."""
     _check(q, k, cos, sin)
+    if q.shape[0]:
+        kernel, grid, args, kwargs = launch(q, k, cos, sin)
+        kernel[grid](*args, **kwargs)
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(kernel, grid, args, kwargs) of one rotation: ``rotary_qk`` runs it, ``offline_compile.py`` builds it."""
     T, hq, d = q.shape
-    if T == 0:
-        return
     half = d // 2
     block_hq, block_hk = triton.next_power_of_2(hq), triton.next_power_of_2(k.shape[1])
     block_d = triton.next_power_of_2(half)
-    _rope_kernel[(T,)](q, k, cos, sin, hq, k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                       cos.stride(0), sin.stride(0), HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-                       BLOCK_D=block_d, num_warps=max(1, min(8, block_hq * block_d // 256)), enable_fp_fusion=False)
+    return (_rope_kernel, (T,), (q, k, cos, sin, hq, k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                 cos.stride(0), sin.stride(0)),
+            dict(HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d,
+                 num_warps=max(1, min(8, block_hq * block_d // 256)), enable_fp_fusion=False))
 
 
 def _check(q, k, cos, sin) -> None:

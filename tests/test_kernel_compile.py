@@ -4,9 +4,9 @@ No GPU needed: ``devbench/compile_table.py`` builds each kernel with Triton's bu
 GPUTarget("cuda", 90, 32) and reads ptxas -v's report (``kernels/offline_compile.py``). The matrix: bf16 / fp16 /
 fp32 x head dims 64, 96, 128, 192, 256 x GQA ratios 1..8, every tile choice of the attention planner
 (``kernels/kernel_variants.py``: decode and prefill, with and without split-K) and its reduce, one windowed model,
-the cache write, the chunk gather/scatter, the fused MoE's two GEMMs at each BLOCK_M, and DeepSeek's MLA latent
-decode (one split and split-K), its reduce and the latent write (``kernels/triton_mla.py``), each as its launch
-would compile it. Compiled once per test run
+the cache write, the chunk gather/scatter, the fused norm / rope, the fused MoE's two GEMMs at each BLOCK_M, and
+DeepSeek's MLA latent decode (one split and split-K), its reduce and the latent write (``kernels/triton_mla.py``),
+each as its launch would compile it. Compiled once per test run
 (one subprocess, every core, about 60-100 s on 2); each test checks a part of the table. Skipped, with the
 reason, where triton or its ptxas is missing.
 """
@@ -25,7 +25,7 @@ from pdserve.kernels.offline_compile import SM90_SMEM_LIMIT, ptxas_missing
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("bf16", "fp16", "fp32")
-KERNELS = ("attn", "reduce", "write", "gather", "scatter", "moe", "mla", "mla_reduce", "mla_write")
+KERNELS = ("attn", "reduce", "write", "gather", "scatter", "norm", "rope", "moe", "mla", "mla_reduce", "mla_write")
 
 
 @pytest.fixture(scope="module")

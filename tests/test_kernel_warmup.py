@@ -81,3 +81,24 @@ def test_model_shape_of_a_runner(tiny_llama):
     assert model_shape(llm.engine.runner) == ModelShape(config.num_heads, config.num_kv_heads, config.head_dim,
                                                         "float32", llm.engine.runner.block_size, None)
     llm.shutdown()
+
+
+def test_norm_row_counts_and_transfer_lengths_share_the_warmed_compile():
+    """The fused RMSNorm's row count and a chunk's length are not specialised: the warm-up's launches (a fake step's
+    rows, one skipped slot each way) compile what any step or chunk launches, for an sm_90 target."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    code = ("import json; from pdserve.kernels.offline_compile import norm_key, transfer_key; "
+            "from pdserve.kernels.kernel_variants import ModelShape; "
+            "norm = {f'{w} {dt} {res}': len({norm_key(r, w, dt, res) for r in (1, 2, 16, 17, 255, 4096)}) "
+            "for w in (128, 2048, 4096) for dt in ('bfloat16', 'float32') for res in (False, True)}; "
+            "shapes = [ModelShape(32, 8, 128, 'bfloat16'), ModelShape(16, 2, 64, 'float16'), "
+            "ModelShape(8, 8, 256, 'float32', 32)]; "
+            "xfer = {f'{s} {tc}': len({transfer_key(s, 1, tc)} | {transfer_key(s, n, tc, h) "
+            "for n in (5, 16, 256) for h in (1, 2, 4)}) for s in shapes for tc in (False, True)}; "
+            "print(json.dumps({'norm': norm, 'transfer': xfer}))")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert all(n == 1 for n in got["norm"].values()), got["norm"]
+    assert all(n == 1 for n in got["transfer"].values()), got["transfer"]

@@ -121,6 +121,24 @@ def test_valid_object_that_is_not_what_prefill_published_is_refused(tiny_llama, 
     assert decode.connector.loader.digest_mismatches == 1 and out.kv_accounting["loaded_tokens"] == 0
 
 
+def test_the_last_chunks_digest_is_checked_too(tiny_llama, reference, store):
+    """Mutation caught (issue 43): ``index < len(job.digests) - 1`` in the loader -- the last chunk's digest is never
+    checked, and a validly sealed object holding other KV there is loaded: 64 prompt tokens in two 32-token chunks,
+    the last one replaced in every layer."""
+    prompt = random_prompt(reference.config.vocab_size, 64, seed=14)
+    params = _prefill(tiny_llama, store, prompt)
+    assert len(params["chunk_keys"]) == len(params["chunk_digests"]) == 2
+    for layer in range(reference.config.num_hidden_layers):
+        key = object_key(params["chunk_keys"][1], layer)
+        view, _ = unseal(key, store.get([key])[0], KEY)
+        store.put([(key, seal(key, view + 1.0, KEY)[0])])             # correctly sealed, different KV
+    decode = _engine(tiny_llama, "decode", store)
+    tokens, out = _run(decode, "d", prompt, SamplingParams(max_tokens=8, **GREEDY), params)
+    assert tokens == hf_greedy(reference, prompt, 8)
+    assert decode.connector.loader.digest_mismatches == 1
+    assert out.kv_accounting["loaded_tokens"] == 32                   # chunk 0 only; the last chunk recomputed
+
+
 def test_unpublished_chunks_are_not_advertised(tiny_llama, reference, store, monkeypatch):
     """Mutation caught: ``num_tokens`` counted chunks handed to the publisher, not those the store took."""
     prompt = random_prompt(reference.config.vocab_size, 70, seed=14)

@@ -178,3 +178,31 @@ def test_parse_rejects_bad_input_with_400(tokenizer, endpoint, body, message):
     with pytest.raises(APIError) as info:
         parse(endpoint, body, tokenizer)
     assert info.value.status == 400 and message in info.value.message
+
+
+# -- every client field reaches the nodes (issue 43) ---------------------------------------------------------------
+
+PROXY_SETS = {"model", "prompt_token_ids", "kv_transfer_params", "cache_salt"}     # the proxy's, in both bodies
+PREFILL_SETS = PROXY_SETS | {"max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "min_tokens"}
+
+
+def _fields(model) -> set[str]:
+    return {f.alias or name for name, f in model.model_fields.items()}
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_the_node_bodies_carry_every_field_the_client_sent(endpoint):
+    """Mutation caught (issue 43; before, only the slow P/D parity tests noticed): the proxy dropping ``seed`` from
+    the decode body. Every field of the request model, so a field added later cannot be forgotten: each client
+    value reaches the decode node as sent, and the prefill node too unless the proxy sets it (``PREFILL_SETS``)."""
+    from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+    from pdserve.proxy.inputs import Prompt, ProxyRequest
+
+    fields = _fields(CompletionRequest if endpoint == COMPLETIONS else ChatCompletionRequest)
+    assert {"seed", "temperature", "top_p", "logprobs", "stop", "logit_bias", "min_tokens"} <= fields
+    body = {name: f"client's {name}" for name in fields}
+    req = ProxyRequest(endpoint, body, [Prompt([5, 6, 7], [])], stream=True, max_tokens=9, min_tokens=3)
+    decode, prefill = decode_body(req, "m", [{"k": 1}]), prefill_body(req, "m")
+    assert {n for n in fields - PROXY_SETS if decode.get(n) != body[n]} == set()
+    assert {n for n in fields - PREFILL_SETS if prefill.get(n) != body[n]} == set()
+    assert decode["prompt_token_ids"] == [5, 6, 7] and decode["kv_transfer_params"] == {"k": 1}

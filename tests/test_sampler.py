@@ -81,6 +81,17 @@ def test_top_k_never_picks_outside_the_k_largest():
     assert picked <= allowed and len(picked) > 1
 
 
+def test_top_k_draws_from_exactly_k_tokens():
+    """Mutation caught (issue 43): ``logits <= kth`` in ``_top_k`` -- the k-th largest was dropped, ``top_k=5``
+    sampled from 4. Five nearly flat leaders (no ties), the rest far below: 400 seeded draws name all five."""
+    logits = torch.full((1, VOCAB), -30.0)
+    leaders = [3, 17, 29, 40, 63]
+    logits[0, leaders] = torch.tensor([5.0, 4.99, 4.98, 4.97, 4.96])
+    logits[0, 50] = 4.0                                          # the sixth largest: outside top_k=5
+    assert _allowed_counts(logits, SamplingParams(temperature=1.0, top_k=5)) == set(leaders)
+    assert _allowed_counts(logits, SamplingParams(temperature=1.0, top_k=6)) == set(leaders) | {50}
+
+
 def test_top_p_never_picks_outside_the_nucleus():
     logits = _logits(1, seed=7) / 3.0
     probs, order = logits[0].softmax(-1).sort(descending=True)

@@ -321,3 +321,41 @@ def test_random_add_step_abort_sequences_keep_integrity_and_match_reference(seed
             assert req.output_token_ids == want[:req.num_output_tokens]     # cut short: a prefix
         else:
             assert req.output_token_ids == want, req.request_id
+
+
+class ScriptedLoads:
+    """The scheduler's side of the KV connector (``num_loadable_tokens``, ``start_load``, ``finished_loads``) with
+    the store's answers set by the test: the unit layer under ``kv_connector``'s own tests."""
+
+    def __init__(self, loadable: int):
+        self.loadable, self.started, self.done = loadable, {}, {}
+
+    def num_loadable_tokens(self, req, local_hit: int) -> int:
+        return self.loadable
+
+    def start_load(self, req, start: int, num_tokens: int) -> None:
+        self.started[req.request_id] = (start, num_tokens, list(req.block_ids))
+
+    def finished_loads(self) -> dict[str, int]:
+        done, self.done = self.done, {}
+        return done
+
+
+def test_an_aborted_load_keeps_its_blocks_until_the_loader_reports_then_frees_them():
+    """Mutation caught (issue 43; before, only end-to-end tests noticed): ``_finish_loads`` skipping ``free`` for a
+    request aborted while loading -- its blocks leaked for good. Freeing them at the abort instead would let the
+    loader write into blocks another request owns: they must stay taken until the load reports back."""
+    h = Harness(num_blocks=16, block_size=4)
+    loads = ScriptedLoads(loadable=12)
+    h.sched.connector = loads
+    a = h.add("a", range(1, 17), max_tokens=4, ignore_eos=True)
+    h.step()
+    assert a.status == RequestStatus.WAITING_FOR_KV and loads.started["a"][:2] == (0, 12)
+    held = h.bm.num_blocks - h.bm.num_free_blocks
+    assert held > 0 and h.sched.abort_request("a") is a
+    h.step()                                                   # the loader is still writing: nothing freed yet
+    assert h.bm.num_blocks - h.bm.num_free_blocks == held and h.sched.has_unfinished()
+    loads.done = {"a": 12}
+    h.step()
+    assert not h.sched.has_unfinished() and h.bm.num_free_blocks == h.bm.num_blocks
+    h.sched.check_integrity()

@@ -267,3 +267,14 @@ def test_scatter_chunk_bit_exact_with_tp_head_slice(device, dtype, head_start):
     transfer.scatter_chunk(expected, slots, obj, head_start)
     assert torch.equal(kv, expected)
     assert torch.equal(gather_chunk(kv, slots), obj[:, :, :, head_start:head_start + 2])
+
+
+def test_the_start_up_transfer_warmup_touches_nothing(device):
+    """``kernel_warmup.warm_transfer`` launches both directions over one skipped slot: the cache is left as it was."""
+    from pdserve.engine.runner.kernel_warmup import warm_transfer
+
+    kv = _kv(torch.bfloat16, device)
+    before = kv.clone()
+    warm_transfer(kv)
+    warm_transfer(None)                                  # caches not made by KVLayout.allocate: nothing to do
+    assert torch.equal(kv, before)

@@ -70,12 +70,14 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, *, 
                     hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
                     intermediate_size: int = 128, shards: int = 1, tie_word_embeddings: bool | None = None,
                     rope_scaling: dict | None = None, max_position_embeddings: int = 2048,
-                    head_dim: int | None = None, tokenizer: str = "bpe") -> Path:
+                    head_dim: int | None = None, tokenizer: str = "bpe", vocab_size: int | None = None) -> Path:
     """Write a random ``arch`` checkpoint into ``out_dir`` and return its path.
 
     ``tie_word_embeddings`` defaults to False for llama/mistral and True for qwen2/qwen3;
     ``head_dim`` defaults to hidden_size // num_heads, except qwen3 which gets twice that
     (like Qwen3-0.6B, where num_heads * head_dim != hidden_size). ``tokenizer``: "bpe" or "metaspace".
+    ``vocab_size`` (rows of the embedding / LM head) defaults to the tokenizer's size rounded up to 64; any size
+    >= the tokenizer's may be asked for (an odd one: a vocabulary that does not divide by the TP size).
     """
     if arch in EXTRA_ARCHS:
         module = importlib.import_module(f"pdserve.engine.checkpoints.{EXTRA_ARCHS[arch]}")
@@ -96,12 +98,14 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, *, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = flavour.build(tokenizer)
+    if vocab_size is not None and vocab_size < tok.get_vocab_size():
+        raise ValueError(f"vocab_size={vocab_size} is below the tokenizer's {tok.get_vocab_size()} tokens")
     spec = TinySpec(
         arch=arch, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim or hidden_size // num_heads * (2 if arch == "qwen3" else 1),
         intermediate_size=intermediate_size,
-        vocab_size=-(-tok.get_vocab_size() // 64) * 64,
+        vocab_size=vocab_size or -(-tok.get_vocab_size() // 64) * 64,
         tie_word_embeddings=arch in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings)
     _write_json(out / "config.json", hf_config(spec, rope_scaling, max_position_embeddings, flavour))
     _write_json(out / "generation_config.json", {
@@ -195,6 +199,8 @@ def register(subparsers) -> None:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="rows of the embedding / LM head (default: the tokenizer's size rounded up to 64)")
     p.add_argument("--tokenizer", choices=sorted(FLAVOURS), default="bpe",
                    help="bpe: byte-level BPE + ChatML; metaspace: SentencePiece-style (Llama-2 / Mistral-v0.1)")
     p.set_defaults(func=_main)
@@ -202,7 +208,8 @@ def register(subparsers) -> None:
 
 def _main(args) -> int:
     path = make_tiny_model(args.dir, args.arch, args.seed, num_layers=args.num_layers,
-                           hidden_size=args.hidden_size, shards=args.shards, tokenizer=args.tokenizer)
+                           hidden_size=args.hidden_size, shards=args.shards, tokenizer=args.tokenizer,
+                           vocab_size=args.vocab_size)
     print(path)
     return 0
 

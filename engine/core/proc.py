@@ -94,21 +94,30 @@ class CoreLoop:
     def run(self) -> int:
         """-> the exit code: 0 after Shutdown, 1 after a Fatal."""
         while True:
-            rejected, stop = self._apply(self._receive())
-            if stop:
-                return 0
-            failure = getattr(self.engine.runner, "failure", None)
-            if failure is not None:                            # a tp x pp rank died or stalled, even while idle
-                return self._fatal(f"engine stopped: {failure}")
-            outputs = []
-            if self.engine.has_unfinished():
-                try:
-                    faults.before_core_step()
-                    outputs = self.engine.step()
-                except Exception as exc:  # noqa: BLE001 - unrecoverable (LLMEngine.step isolated what it could)
-                    logger.exception("engine step failed beyond recovery")
-                    return self._fatal(f"engine step failed: {type(exc).__name__}: {exc}")
-            self._send(outputs, rejected)
+            code = self.turn()
+            if code is not None:
+                return code
+
+    def turn(self) -> int | None:
+        """One turn of the loop (the module docstring's steps 1-5): None, or the exit code when it must end.
+        Every add that reached the socket before the step is applied before it (``_receive`` drains), so a
+        burst's first step schedules all of the burst that has arrived; nothing waits for more."""
+        rejected, stop = self._apply(self._receive())
+        if stop:
+            return 0
+        failure = getattr(self.engine.runner, "failure", None)
+        if failure is not None:                            # a tp x pp rank died or stalled, even while idle
+            return self._fatal(f"engine stopped: {failure}")
+        outputs = []
+        if self.engine.has_unfinished():
+            try:
+                faults.before_core_step()
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - unrecoverable (LLMEngine.step isolated what it could)
+                logger.exception("engine step failed beyond recovery")
+                return self._fatal(f"engine step failed: {type(exc).__name__}: {exc}")
+        self._send(outputs, rejected)
+        return None
 
     def stats(self):
         from pdserve.engine.core.async_engine import collect_stats

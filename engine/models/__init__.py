@@ -26,7 +26,8 @@ Files:
     moe.py           the MoE block (router, stacked experts [E, 2I, H] / [E, H, I], shared expert), make_mlp; its
                      tensor-parallel split (each expert's width; one all-reduce per layer)
     layers.py        RMSNorm (+ residual add: add_norm), Linear with explicit shard sizes, fused SiLU-and-mul MLP,
-                     embedding
+                     embedding, the LM head (logits cut to the vocabulary)
+    vocab.py         vocab-parallel padding: padded_vocab(V, tp) rows over the ranks, vocab_rows reads a shard
     rope.py          rotary embeddings (default, linear, dynamic, llama3, yarn), cos/sin computed in float32
 
 Tensor/pipeline parallelism stays out of the model: layer constructors take this rank's sizes

@@ -1,4 +1,4 @@
-"""Building blocks with explicit shard sizes: RMSNorm, Linear, Embedding, the gated MLP.
+"""Building blocks with explicit shard sizes: RMSNorm, Linear, Embedding, the LM head, the gated MLP.
 
 Constructors take the sizes this rank holds; ``load(src, ..., tp_rank)`` reads exactly that
 share of the checkpoint through ``WeightSource.get_slice`` (``pdserve.engine.models.loader``). With
@@ -13,6 +13,8 @@ share of the checkpoint through ``WeightSource.get_slice`` (``pdserve.engine.mod
 A Linear's ``collective`` (None on one rank) runs on ``x W^T`` before the bias is added: the
 tensor-parallel all-reduce of a row-parallel layer, the all-gather of a vocab-parallel LM head
 (``pdserve.engine.parallel.tp`` sets them). ``Embedding`` may hold a vocab shard the same way.
+
+``Embedding`` and ``LMHead`` hold a padded vocabulary's shard where V does not divide by tp (``vocab.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import envs
+from pdserve.engine.models.vocab import vocab_rows
 from pdserve.kernels import cpu_linear, cpu_ops, fused_ops
 
 
@@ -270,14 +273,17 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token id -> row of the embedding table ``[vocab, hidden]``; ``vocab_size`` is this rank's rows.
+    """Token id -> row of the embedding table ``[vocab, hidden]``; ``rows`` is this rank's rows, ``vocab_size`` the
+    checkpoint's (default ``rows``: one rank).
 
-    Vocab-parallel (``collective`` set): rank r holds rows [r*V, (r+1)*V); ids outside give zeros and
-    the all-reduce sums the ranks' rows, so every rank ends with the full embedding."""
+    Vocab-parallel (``collective`` set): rank r holds rows [r*R, (r+1)*R) of the padded table (``padded_vocab``;
+    rows past ``vocab_size`` are zeros); ids outside give zeros and the all-reduce sums the ranks' rows, so every
+    rank ends with the full embedding."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, rows: int, hidden_size: int, dtype: torch.dtype, vocab_size: int | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype), requires_grad=False)
+        self.vocab_size = rows if vocab_size is None else vocab_size
         self.vocab_start = 0
         self.collective = None
 
@@ -293,8 +299,27 @@ class Embedding(nn.Module):
     def load(self, src, name: str, tp_rank: int = 0) -> None:
         rows = self.weight.shape[0]
         self.vocab_start = tp_rank * rows
-        _copy(self.weight, src.get_slice(f"{name}.weight", 0, self.vocab_start, self.vocab_start + rows),
+        _copy(self.weight, vocab_rows(src, f"{name}.weight", self.vocab_start, rows, self.vocab_size),
               f"{name}.weight")
+
+
+class LMHead(Linear):
+    """hidden -> logits over the vocabulary, no bias; ``rows`` this rank's share of the padded vocabulary
+    (``padded_vocab``), ``vocab_size`` the checkpoint's. Rows past ``vocab_size`` load as zeros, and the logits
+    come back with exactly ``vocab_size`` columns: on one rank its own, at tp > 1 the all-gather's
+    (``collective``) with the padding's columns cut off (a contiguous copy)."""
+
+    def __init__(self, hidden_size: int, rows: int, dtype: torch.dtype, vocab_size: int | None = None):
+        super().__init__(hidden_size, rows, False, dtype, "column")
+        self.vocab_size = rows if vocab_size is None else vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, D] -> [N, vocab_size]
+        y = super().forward(x)                                   # [N, rows], or [N, rows * tp] gathered
+        return y[:, :self.vocab_size].contiguous() if y.shape[-1] > self.vocab_size else y
+
+    def _read(self, src, name: str, rows: int, tp_rank: int) -> torch.Tensor:
+        return vocab_rows(src, name, tp_rank * rows, rows, self.vocab_size)
 
 
 class GatedMLP(nn.Module):

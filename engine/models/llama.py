@@ -48,11 +48,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from pdserve.engine.models.layers import Embedding, Linear, RMSNorm
+from pdserve.engine.models.layers import Embedding, Linear, LMHead, RMSNorm
 from pdserve.engine.models.model_config import ModelConfig
 from pdserve.engine.models.moe import make_mlp
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary, apply_rotary_qk
 from pdserve.engine.models.split_qkv import SplitQKV
+from pdserve.engine.models.vocab import padded_vocab
 from pdserve.kernels import AttentionMetadata, fused_ops, paged_attention, write_to_cache
 
 
@@ -62,7 +63,7 @@ class ShardSizes:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
-    vocab_size: int                  # rows of the embedding / LM head this rank holds
+    vocab_size: int                  # rows of the embedding / LM head this rank holds (of the padded vocabulary)
     tp_size: int = 1                 # the MoE layers split each expert's width by it (``moe.MoE``)
 
     @classmethod
@@ -71,9 +72,10 @@ class ShardSizes:
 
     @classmethod
     def for_tp(cls, config: ModelConfig, tp_size: int) -> ShardSizes:
-        """One of ``tp_size`` equal shards: heads, KV heads, MLP width and vocab must all divide."""
+        """One of ``tp_size`` equal shards: heads, KV heads and MLP width must divide; the vocabulary is padded
+        (``vocab.padded_vocab``) where it does not."""
         sizes = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads,
-                 "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+                 "intermediate_size": config.intermediate_size, "vocab_size": padded_vocab(config.vocab_size, tp_size)}
         moe = {} if config.moe is None else {"moe_intermediate_size": config.moe.intermediate_size,
                                              "shared expert width": config.moe.shared_intermediate_size}
         for what, n in {**sizes, **moe}.items():
@@ -223,10 +225,11 @@ class LlamaForCausalLM(nn.Module):
         shard = shard or ShardSizes.full(config)
         dt = config.dtype
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings)
-        self.embed_tokens = Embedding(shard.vocab_size, config.hidden_size, dt) if self.is_first else None
+        v = config.vocab_size
+        self.embed_tokens = Embedding(shard.vocab_size, config.hidden_size, dt, v) if self.is_first else None
         self.layers = nn.ModuleList(self.layer_class(config, first_layer + i, shard) for i in range(num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt) if self.is_last else None
-        self.lm_head = Linear(config.hidden_size, shard.vocab_size, False, dt, "column") if self.is_last else None
+        self.lm_head = LMHead(config.hidden_size, shard.vocab_size, dt, v) if self.is_last else None   # -> [N, v]
         if config.tie_word_embeddings and self.is_first and self.is_last:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -8,7 +8,10 @@ the ``collective`` of the modules that need one (``pdserve.engine.models.layers`
     row-parallel     o_proj, down             y = all_reduce(x_r W_r^T) + b        [T, D]
     MoE block        each expert's width      y = all_reduce(routed_r + shared_r)  [T, D]  (one per layer; moe.py)
     vocab-parallel   embed_tokens             e = all_reduce(rows of ids in r's vocab range, 0 elsewhere)
-    vocab-parallel   lm_head                  logits = all_gather(h W_r^T) along the vocab  [N, V]
+    vocab-parallel   lm_head                  logits = all_gather(h W_r^T)[:, :V] along the vocab  [N, V]
+
+A vocabulary that does not divide by tp is padded to ``padded_vocab(V, tp)`` rows (zeros past V); the LM head
+cuts the gathered logits back to V columns (``pdserve.engine.models.vocab``).
 
 Each collective records its phase in the rank's heartbeat (``all_reduce`` / ``all_gather``, then back
 to ``forward``) so the watchdog can say who is waiting in which collective; with ``--debug-sync`` it

@@ -1,9 +1,13 @@
-"""Compile at start-up every Triton attention kernel a request can need: none compiles inside a request (~2.5 s each).
+"""Compile at start-up every Triton kernel a request can need: none compiles inside a request (~2.5 s each).
 
 Called by ``ModelRunner`` on CUDA with the Triton backend, before the decode graphs are captured (with or without
 ``--enforce-eager``); a no-op anywhere else:
 
-    warm_attention(runner)      one fake step per entry of warmup_steps(model_shape(runner)), the time logged
+    warm_attention(runner)      one fake step per entry of warmup_steps(model_shape(runner)), the time logged;
+                                its forwards also compile the fused norm / rope kernels (PDSERVE_FUSED_NORM/ROPE),
+                                whose row counts are not specialised either (``triton_norm``)
+    warm_transfer(buffer)       one gather and one scatter of the KV transfer kernels (``triton_transfer``) over a
+                                skipped slot (-1): they compile here, not in a request's first publish or load
 
 ``warmup_steps`` is ``kernel_variants.attention_steps``: each tile choice the planner can make for the model's
 dtype, head dim and GQA ratio (decode and prefill), with and without a key split. A fake step is one sequence of
@@ -68,6 +72,23 @@ class MLAStep(NamedTuple):
 
 def mla_steps() -> list[MLAStep]:
     return [MLAStep(1, splits) for splits in mla_splits()] + [MLAStep(2, 1)]
+
+
+def warm_transfer(buffer: torch.Tensor | None) -> None:
+    """Compile both directions of the chunk gather/scatter for the cache ``buffer`` [L, C, N, bs, Hkv, D] (None:
+    caches not made by ``KVLayout.allocate``, nothing to do). The one slot is -1: nothing is read or written in
+    the cache; the gathered object is zeros. The chunk length is not specialised (``triton_transfer``)."""
+    if buffer is None:
+        return
+    from pdserve.kernels import triton_transfer
+
+    start = time.monotonic()
+    skipped = torch.full((1,), -1, dtype=torch.int64, device=buffer.device)
+    obj = triton_transfer.gather_chunk(buffer, skipped)
+    triton_transfer.scatter_chunk(buffer, skipped, obj)
+    if buffer.device.type == "cuda":
+        torch.cuda.synchronize()
+    logger.info("warmed the KV transfer gather/scatter kernels in %.1f s", time.monotonic() - start)
 
 
 @torch.inference_mode()
