@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import os
 
-from pdserve.kernels import cpu_attention, cpu_mla, cpu_ops, mla_reference, reference
-from pdserve.kernels import cpu_attention, cpu_ops, moe_ops, reference
+import torch
+
+from pdserve.kernels import cpu_attention, cpu_mla, cpu_ops, mla_reference, moe_ops, reference
 
 BACKENDS = ("cpu", "torch", "triton")
 
@@ -91,10 +92,31 @@ def mla_decode(q, cache: dict, meta, scale: float, kv_lora_rank: int):
     if meta.backend == "cpu":
         return cpu_mla.mla_decode(q, cache, meta, scale, kv_lora_rank)
     return mla_reference.mla_decode(q, cache, meta, scale, kv_lora_rank)
+
+
 def fused_moe(x, w13, w2, weights, ids, backend: str | None = None):
-    """x: [T, H] through each row's k routed experts (``moe_ops``' shapes) -> [T, H]."""
+    """x: [T, H] through each row's k routed experts (``moe_ops``' shapes) -> [T, H]. Inside torch.compile (the
+    layers' compiled pieces, fullgraph) it is one opaque op, ``pdserve::fused_moe``: its data-dependent segments do
+    not trace."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pdserve.fused_moe(x, w13, w2, weights, ids)
+    return _fused_moe(x, w13, w2, weights, ids, backend)
+
+
+def _fused_moe(x, w13, w2, weights, ids, backend: str | None = None):
     if backend == "triton" or (backend is None and x.device.type == "cuda"):
         from pdserve.kernels import triton_moe
 
         return triton_moe.fused_moe(x, w13, w2, weights, ids)
     return moe_ops.grouped_moe(x, w13, w2, weights, ids)
+
+
+@torch.library.custom_op("pdserve::fused_moe", mutates_args=())
+def _fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    return _fused_moe(x, w13, w2, weights, ids)
+
+
+@_fused_moe_op.register_fake
+def _(x, w13, w2, weights, ids):
+    return torch.empty_like(x)

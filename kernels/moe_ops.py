@@ -14,8 +14,9 @@ the layer's stacked weights and the router's choice:
 
 ``grouped_moe``: the T*k (token, slot) rows sorted by expert (a stable sort: a segment keeps token order), one
 matmul per expert segment over contiguous rows via ``torch.nn.functional.grouped_mm`` (a loop in C++; no host
-sync, no Python per expert), weighted in float32, put back in slot order and summed over the k slots. Widths that
-grouped_mm does not take (a row not a multiple of 16 bytes) run each nonempty segment through ``F.linear``.
+sync, no Python per expert), weighted in float32 and added into each token's row in expert order (``index_add_``:
+the loop's order of adds, so the two give the same bits). Widths that grouped_mm does not take (a row not a
+multiple of 16 bytes) run each nonempty segment through ``F.linear``.
 """
 
 from __future__ import annotations
@@ -23,14 +24,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_ops
+
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids: [T, k] -> (order [T*k]: flat (token, slot) rows by expert, token order within one; ends [E] int32:
     where each expert's segment of ``order`` ends)."""
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    ends = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
+    ends = expert_counts(flat, num_experts).cumsum(0).to(torch.int32)
     return order, ends
+
+
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """flat: [N] expert ids -> [E] int64 rows per expert. (Not ``torch.bincount``: on CUDA it reads the ids' max
+    back to the host, a sync that a CUDA graph cannot capture.)"""
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -38,10 +47,13 @@ def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
     """The grouped matmul by expert (module docstring)."""
     T, k = ids.shape
     order, ends = sort_by_expert(ids, w13.shape[0])
-    xs = x[order // k]                                                       # [T*k, H], by expert
+    token = order // k
+    xs = x.index_select(0, token)                                            # [T*k, H], by expert
     h = _segments_mm(xs, w13, ends)                                          # [T*k, 2I]
     y = _segments_mm(silu_and_mul(h), w2, ends)                              # [T*k, H]
-    return _combine(y, weights, order, T, k, x.dtype)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, token, y.float() * weights.flatten()[order, None])    # by expert, as the loop adds
+    return out.to(x.dtype)
 
 
 def loop_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -57,7 +69,11 @@ def loop_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
 
 
 def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
-    # h: [N, 2I] -> silu(gate) * up: [N, I]
+    # h: [N, 2I] -> silu(gate) * up: [N, I]; float32 on CPU: one C pass (kernels/cpu_ops.c), as the dense MLP
+    if h.dtype == torch.float32 and h.device.type == "cpu" and not torch.compiler.is_compiling():
+        y = cpu_ops.silu_and_mul(h)
+        if y is not None:
+            return y
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -72,7 +88,7 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     without a sync). Pure tensor ops on ``ids``'s device."""
     n = ids.numel()
     flat = ids.flatten()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     pad_ends = padded.cumsum(0)
     order = torch.argsort(flat, stable=True)
@@ -104,11 +120,3 @@ def _grouped_mm_takes(a: torch.Tensor, w: torch.Tensor) -> bool:
     size = a.element_size()
     return (a.shape[1] * size) % 16 == 0 and (w.shape[1] * size) % 16 == 0 and a.shape[0] > 0
 
-
-def _combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, T: int, k: int,
-             dtype: torch.dtype) -> torch.Tensor:
-    """y: [T*k, H] by expert -> [T, H]: each row times its float32 weight, back in slot order, summed over k."""
-    scaled = y.float() * weights.flatten()[order, None]
-    slots = torch.empty_like(scaled)
-    slots[order] = scaled
-    return slots.view(T, k, y.shape[1]).sum(dim=1).to(dtype)

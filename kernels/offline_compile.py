@@ -117,7 +117,8 @@ def moe_jobs(dtype: str) -> list[Job]:
         tiles = triton_moe.moe_tiles(T * k, E, dt, interpreted=False)
         assert tiles.block_m == block_m, (tiles, block_m)
         layout = moe_ops.align_block_size(torch.arange(T * k).view(T, k) % E, E, block_m)
-        x, h, a = torch.empty(T, H, dtype=dt), torch.empty(T * k, 2 * inter, dtype=dt), torch.empty(T * k, inter, dtype=dt)
+        x, h = torch.empty(T, H, dtype=dt), torch.empty(T * k, 2 * inter, dtype=dt)
+        a = torch.empty(T * k, inter, dtype=dt)
         w13, w2 = torch.empty(E, 2 * inter, H, dtype=dt), torch.empty(E, H, inter, dtype=dt)
         label = (f"moe {_dt(SimpleNamespace(dtype=dtype))} M{block_m} N{tiles.block_n} K{tiles.block_k} "
                  f"w{tiles.num_warps} s{tiles.num_stages}")

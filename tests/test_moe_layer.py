@@ -3,8 +3,8 @@ matmul against the per-expert loop, the whole block against HF's block, and its 
 
 Routing is compared bit for bit (the same expert ids in the same order, the same float32 weights) with the router
 modules of transformers itself, fed the same weights and inputs, for every family and top-k method; gate rows are
-duplicated so that scores tie. The grouped matmul (``moe_ops.grouped_moe``) is bit-identical to the loop where the
-sum over slots is (k <= 2), close elsewhere.
+duplicated so that scores tie. The grouped matmul (``moe_ops.grouped_moe``) is bit-identical to the loop in fp32,
+close in bf16.
 """
 
 from __future__ import annotations
@@ -155,10 +155,11 @@ def _routed(T, k, H_, inter, experts, seed, dtype=torch.float32, skew=False):
 
 
 @pytest.mark.parametrize("T,k,H_,inter,skew", [(1, 2, 32, 16, False), (50, 2, 64, 32, False), (50, 2, 64, 32, True),
-                                               (33, 1, 32, 8, False), (7, 2, 30, 10, False)])
+                                               (33, 1, 32, 8, False), (7, 2, 30, 10, False),
+                                               (40, 6, 32, 16, False)])
 def test_grouped_matmul_equals_the_per_expert_loop_bit_for_bit(T, k, H_, inter, skew):
-    """k <= 2: the same rows through the same matmuls and one add per row -- the same bits. (H 30, I 10: widths
-    grouped_mm refuses, run segment by segment.)"""
+    """The same rows through the same matmuls, added into each token in expert order -- the same bits. (H 30, I 10:
+    widths grouped_mm refuses, run segment by segment.)"""
     args = _routed(T, k, H_, inter, 8, seed=T, skew=skew)
     assert torch.equal(moe_ops.grouped_moe(*args), moe_ops.loop_moe(*args))
 
@@ -177,7 +178,8 @@ def test_no_tokens():
 
 def test_moe_layers_of_each_family_match_hf():
     """``is_moe_layer`` against the rule each HF model builds its layers with."""
-    qwen = tf.Qwen3MoeConfig(num_hidden_layers=8, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[3, 5])
+    qwen = tf.Qwen3MoeConfig(num_hidden_layers=8, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2,
+                             mlp_only_layers=[3, 5])
     cfg = MoEConfig.from_hf(ARCH["qwen3_moe"], qwen.to_dict())
     assert [cfg.is_moe_layer(i) for i in range(8)] == [
         i not in qwen.mlp_only_layers and (i + 1) % qwen.decoder_sparse_step == 0 for i in range(8)]
@@ -201,3 +203,49 @@ def test_bad_layouts_are_refused_with_the_value(over, match):
            "topk_group": 2, **over}
     with pytest.raises(MoEConfigError, match=match):
         MoEConfig.from_hf(ARCH["deepseek_v3"], cfg)
+
+
+def _plain_route(logits: list[float], cfg: MoEConfig, bias: list[float]) -> dict[int, float]:
+    """One token's routing written out plainly (no ties here): -> {expert: weight}."""
+    import math
+
+    E, per = cfg.num_experts, cfg.num_experts // cfg.num_groups
+    if cfg.scoring == "softmax":
+        z = sum(math.exp(v - max(logits)) for v in logits)
+        scores = [math.exp(v - max(logits)) / z for v in logits]
+    else:
+        scores = [1 / (1 + math.exp(-v)) for v in logits]
+    choice = [s + b for s, b in zip(scores, bias)] if cfg.topk_method == "noaux_tc" else scores
+    allowed = set(range(E))
+    if cfg.grouped:
+        def group_score(g):
+            best = sorted(choice[g * per:(g + 1) * per], reverse=True)
+            return best[0] if cfg.topk_method == "group_limited_greedy" else best[0] + best[1]
+        groups = sorted(range(cfg.num_groups), key=group_score, reverse=True)[:cfg.topk_groups]
+        allowed = {e for g in groups for e in range(g * per, (g + 1) * per)}
+    chosen = sorted(allowed, key=lambda e: choice[e], reverse=True)[:cfg.top_k]
+    weights = {e: scores[e] for e in chosen}
+    total = sum(weights.values())
+    return {e: w / (total if cfg.norm_topk_prob else 1.0) * cfg.routed_scaling_factor for e, w in weights.items()}
+
+
+@pytest.mark.parametrize("over", [
+    dict(scoring="softmax", norm_topk_prob=True),
+    dict(scoring="softmax", routed_scaling_factor=16.0, topk_method="group_limited_greedy", num_groups=4,
+         topk_groups=2),
+    dict(scoring="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, topk_method="noaux_tc", num_groups=4,
+         topk_groups=2),
+    dict(scoring="sigmoid", norm_topk_prob=False, topk_method="noaux_tc", num_groups=2, topk_groups=1),
+], ids=["softmax-renorm", "v2-groups-scaled", "v3-noaux", "v3-one-of-two-groups"])
+def test_routing_equals_a_plain_per_token_reference(over):
+    from pdserve.engine.models.moe_routing import route
+
+    cfg = MoEConfig(num_experts=16, top_k=3, intermediate_size=8, **over)
+    g = torch.Generator().manual_seed(11)
+    logits, bias = torch.randn(40, 16, generator=g) * 2, torch.randn(16, generator=g) * 0.3
+    weights, ids = route(logits, cfg, bias)
+    for t in range(40):
+        want = _plain_route(logits[t].tolist(), cfg, bias.tolist())
+        got = dict(zip(ids[t].tolist(), weights[t].tolist()))
+        assert set(got) == set(want), t
+        assert all(abs(got[e] - want[e]) < 1e-5 * max(1.0, abs(want[e])) for e in want), (t, got, want)

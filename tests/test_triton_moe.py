@@ -37,11 +37,13 @@ def _case(T, E, k, H, inter, dtype=torch.float32, seed=0, skew=False):
     x = torch.randn(T, H, generator=g)
     w13 = torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5
     w2 = torch.randn(E, H, inter, generator=g) / inter ** 0.5
-    if skew:        # every token picks expert 0 first; experts past k + 1 are never picked
-        ids = torch.stack([torch.cat([torch.tensor([0]), 1 + torch.randperm(k, generator=g)[:k - 1]])
+    if skew:        # every token picks expert 0 first, then k - 1 of experts 1..min(k, E - 1); the rest never
+        hi = min(k, E - 1)
+        ids = torch.stack([torch.cat([torch.tensor([0]), 1 + torch.randperm(hi, generator=g)[:k - 1]])
                            for _ in range(T)])
     else:
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    assert int(ids.max()) < E
     weights = torch.rand(T, k, generator=g)
     to = dict(device=DEVICE)
     return x.to(dtype=dtype, **to), w13.to(dtype=dtype, **to), w2.to(dtype=dtype, **to), weights.to(**to), \
@@ -99,3 +101,19 @@ def test_align_block_size_pads_each_expert_to_whole_blocks(block_m):
         assert real == sorted(r for r in range(n) if ids.flatten()[r] == e)     # token order within an expert
         assert block[len(real):] == [n] * (block_m - len(real))                  # padding after
     assert (rows[used:] == n).all()
+
+
+def test_start_up_warm_up_reaches_every_block_m():
+    """``kernel_warmup.warm_moe``'s inputs: one per BLOCK_M the tile rule picks, valid routings of k experts."""
+    from types import SimpleNamespace
+
+    from pdserve.engine.runner.kernel_warmup import moe_warmup_inputs
+
+    for E, k in ((8, 2), (128, 8), (64, 6), (4, 4)):
+        module = SimpleNamespace(cfg=SimpleNamespace(num_experts=E, top_k=k), w13=torch.empty(E, 32, 16))
+        picked = []
+        for x, weights, ids in moe_warmup_inputs(module):
+            assert x.shape == (ids.shape[0], 16) and weights.shape == ids.shape == (ids.shape[0], k)
+            assert int(ids.max()) < E and all(len(set(row)) == k for row in ids.tolist())
+            picked.append(moe_tiles(ids.numel(), E, torch.bfloat16).block_m)
+        assert picked == list(BLOCK_MS), (E, k, picked)

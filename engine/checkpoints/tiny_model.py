@@ -39,7 +39,7 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 # --arch -> module under pdserve.engine.checkpoints whose ``make_tiny_model(out_dir, arch, seed, **same keywords)``
 # writes it
-EXTRA_ARCHS = {"qwen3_moe": "tiny_moe", "mixtral": "tiny_moe", "deepseek_v2": "tiny_deepseek",
+EXTRA_ARCHS = {"qwen3_moe": "tiny_moe", "mixtral": "tiny_moe", "qwen2_moe": "tiny_moe", "deepseek_v2": "tiny_deepseek",
                "deepseek_v3": "tiny_deepseek"}
 
 
@@ -86,7 +86,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, *, 
                                       intermediate_size=intermediate_size, shards=shards,
                                       tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling,
                                       max_position_embeddings=max_position_embeddings, head_dim=head_dim,
-                                      tokenizer=tokenizer)
+                                      tokenizer=tokenizer, vocab_size=vocab_size)
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not one of {sorted(ARCHS) + sorted(EXTRA_ARCHS)}")
     if tokenizer not in FLAVOURS:

@@ -1,7 +1,8 @@
-"""Tiny random MoE checkpoints: ``pdserve make-tiny-model DIR --arch qwen3_moe|mixtral``.
+"""Tiny random MoE checkpoints: ``pdserve make-tiny-model DIR --arch qwen3_moe|mixtral|qwen2_moe``.
 
 Reached through ``tiny_model.make_tiny_model`` (its ``EXTRA_ARCHS``). Each is its dense sibling's checkpoint
-(``tiny_model``: Qwen3's attention with q/k norm for qwen3_moe, Mistral's for mixtral; the same tokenizer files)
+(``tiny_model``: Qwen3's attention with q/k norm for qwen3_moe, Mistral's for mixtral, Qwen2's with q/k/v bias for
+qwen2_moe; the same tokenizer files)
 with MoE blocks in place of the MLPs, stored one expert at a time as transformers' ``save_pretrained`` writes them:
 
     qwen3_moe  8 experts, top 2, renormalised, moe_intermediate_size = intermediate_size / 4;
@@ -9,6 +10,8 @@ with MoE blocks in place of the MLPs, stored one expert at a time as transformer
                model.layers.{i}.mlp.gate.weight [E, H], mlp.experts.{e}.gate_proj|up_proj|down_proj.weight
     mixtral    8 experts, top 2, every layer MoE, each expert intermediate_size / 2 wide
                model.layers.{i}.block_sparse_moe.gate.weight, block_sparse_moe.experts.{e}.w1|w3|w2.weight
+    qwen2_moe  as qwen3_moe (not renormalised), plus a shared expert intermediate_size / 2 wide behind a sigmoid gate:
+               mlp.shared_expert.gate_proj|up_proj|down_proj.weight, mlp.shared_expert_gate.weight [1, H]
 
 Deterministic like ``tiny_model``: the same arguments give byte-identical files.
 """
@@ -21,15 +24,17 @@ from pdserve.engine.checkpoints.tiny_model import (FLAVOURS, TinySpec, _write_js
                                                    random_weights, save_weights, write_tokenizer_files)
 
 NUM_EXPERTS, TOP_K = 8, 2
-_BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral"}        # the dense sibling whose attention it shares
+_BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2"}     # the dense sibling: its attention
 _NAMES = {"qwen3_moe": ("Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
-          "mixtral": ("MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2"))}
+          "mixtral": ("MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2")),
+          "qwen2_moe": ("Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, *, num_layers: int = 2, hidden_size: int = 64,
                     num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128, shards: int = 1,
                     tie_word_embeddings: bool | None = None, rope_scaling: dict | None = None,
-                    max_position_embeddings: int = 2048, head_dim: int | None = None, tokenizer: str = "bpe") -> Path:
+                    max_position_embeddings: int = 2048, head_dim: int | None = None, tokenizer: str = "bpe",
+                    vocab_size: int | None = None) -> Path:
     """Write a random ``arch`` MoE checkpoint into ``out_dir`` (``tiny_model.make_tiny_model``'s arguments)."""
     if arch not in _NAMES:
         raise ValueError(f"arch={arch!r} is not one of {sorted(_NAMES)}")
@@ -39,10 +44,12 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, *, num_layers
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = flavour.build(tokenizer)
+    if vocab_size is not None and vocab_size < tok.get_vocab_size():
+        raise ValueError(f"vocab_size={vocab_size} is below the tokenizer's {tok.get_vocab_size()} tokens")
     spec = TinySpec(
         arch=base, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim or hidden_size // num_heads * (2 if base == "qwen3" else 1),
-        intermediate_size=intermediate_size, vocab_size=-(-tok.get_vocab_size() // 64) * 64,
+        intermediate_size=intermediate_size, vocab_size=vocab_size or -(-tok.get_vocab_size() // 64) * 64,
         tie_word_embeddings=base == "qwen3" if tie_word_embeddings is None else tie_word_embeddings)
     config = {**hf_config(spec, rope_scaling, max_position_embeddings, flavour), **moe_keys(arch, spec)}
     _write_json(out / "config.json", config)
@@ -62,9 +69,11 @@ def moe_keys(arch: str, spec: TinySpec) -> dict:
     if arch == "mixtral":
         return {**keys, "num_local_experts": NUM_EXPERTS, "intermediate_size": spec.intermediate_size // 2,
                 "router_jitter_noise": 0.0}
-    return {**keys, "num_experts": NUM_EXPERTS, "moe_intermediate_size": spec.intermediate_size // 4,
-            "norm_topk_prob": True, "decoder_sparse_step": 1,
+    keys = {**keys, "num_experts": NUM_EXPERTS, "moe_intermediate_size": spec.intermediate_size // 4,
+            "norm_topk_prob": arch == "qwen3_moe", "decoder_sparse_step": 1,
             "mlp_only_layers": [1] if spec.num_layers > 1 else []}
+    return keys if arch == "qwen3_moe" else {**keys, "shared_expert_intermediate_size": spec.intermediate_size // 2,
+                                             "qkv_bias": True}
 
 
 def moe_shapes(arch: str, spec: TinySpec, config: dict) -> dict[str, tuple[int, ...]]:
@@ -83,4 +92,10 @@ def moe_shapes(arch: str, spec: TinySpec, config: dict) -> dict[str, tuple[int, 
             for e in range(NUM_EXPERTS):
                 shapes.update({f"{p}.experts.{e}.{gate}.weight": (width, d), f"{p}.experts.{e}.{up}.weight": (width, d),
                                f"{p}.experts.{e}.{down}.weight": (d, width)})
+            shared = config.get("shared_expert_intermediate_size")
+            if shared:
+                shapes.update({f"{p}.shared_expert.gate_proj.weight": (shared, d),
+                               f"{p}.shared_expert.up_proj.weight": (shared, d),
+                               f"{p}.shared_expert.down_proj.weight": (d, shared),
+                               f"{p}.shared_expert_gate.weight": (1, d)})
     return shapes

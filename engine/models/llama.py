@@ -1,8 +1,9 @@
 """Llama-family decoder: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, and the MoE
-members Qwen3MoeForCausalLM and MixtralForCausalLM.
+members Qwen3MoeForCausalLM, MixtralForCausalLM and Qwen2MoeForCausalLM.
 
 One implementation; the differences are ``ModelConfig`` flags (q/k/v bias, o_proj bias, MLP
-bias, q/k norm, per-layer sliding window) and each layer's MLP (``moe.make_mlp``: dense, or the MoE block). Called by the model runner once per step:
+bias, q/k norm, per-layer sliding window) and each layer's MLP (``moe.make_mlp``: dense, or the MoE block). Called by
+the model runner once per step:
 
     hidden = model(input_ids, positions, kv_caches, attn_meta)   # [T, D], T = all new tokens
     logits = model.compute_logits(hidden[sample_rows])           # [N, V] float32

@@ -134,7 +134,8 @@ def _parse(path: Path, cfg: dict, gen: dict, dtype: str, device: str) -> ModelCo
         vocab_size=int(cfg["vocab_size"]), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=rope, max_position_embeddings=int(cfg["max_position_embeddings"]),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+        or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
         o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         and bool(cfg.get("attention_bias", False)),
         mlp_bias=arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM") and bool(cfg.get("mlp_bias", False)),
@@ -180,11 +181,16 @@ def _head_dim(path: Path, cfg: dict, hidden: int, heads: int) -> int:
 
 def _sliding(arch: str, cfg: dict, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """Mistral, Mixtral (Qwen3-MoE with ``use_sliding_window``): every layer slides when ``sliding_window`` is set.
-    Qwen2/3: only with ``use_sliding_window``, on ``layer_types`` (or layers >= ``max_window_layers``)."""
+    Qwen2/3: only with ``use_sliding_window``, on ``layer_types`` (or layers >= ``max_window_layers``); Qwen2-MoE:
+    on ``layer_types`` (or even layers below ``max_window_layers``)."""
     window = cfg.get("sliding_window")
     if arch in ("MistralForCausalLM", "MixtralForCausalLM") or (arch == "Qwen3MoeForCausalLM"
                                                                  and cfg.get("use_sliding_window")):
         kinds = ["sliding_attention" if window else "full_attention"] * num_layers
+    elif arch == "Qwen2MoeForCausalLM" and cfg.get("use_sliding_window"):     # HF's rule: every other layer
+        first = int(cfg.get("max_window_layers", num_layers))
+        kinds = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(num_layers)]
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
         first = int(cfg.get("max_window_layers", num_layers))
         kinds = cfg.get("layer_types") or [

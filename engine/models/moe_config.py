@@ -4,7 +4,8 @@ Called by ``ModelConfig.from_dir`` (``model_config.py``), which keeps the result
 dense model); read by ``moe.py`` (the layer: routing, expert sizes, checkpoint names) and by ``llama.py``'s MLP
 factory (``is_moe_layer``). Families and the keys they use:
 
-    Qwen3-MoE  num_experts (transformers 5 writes num_local_experts), num_experts_per_tok, moe_intermediate_size, norm_topk_prob, softmax;
+    Qwen3-MoE  num_experts (transformers 5 writes num_local_experts), num_experts_per_tok, moe_intermediate_size,
+               norm_topk_prob, softmax;
                dense layers: ``mlp_only_layers`` + ``decoder_sparse_step`` (MoE where (i + 1) % step == 0)
     Qwen2-MoE  as Qwen3-MoE, plus one shared expert of ``shared_expert_intermediate_size`` behind a sigmoid gate
     Mixtral    num_local_experts, num_experts_per_tok, ``intermediate_size`` per expert, softmax, always

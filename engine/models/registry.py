@@ -19,6 +19,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("llama", "LlamaForCausalLM"),      # + MoE layers (moe.py)
     "MixtralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("llama", "LlamaForCausalLM"),
 }
 
 

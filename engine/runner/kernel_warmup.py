@@ -8,6 +8,8 @@ Called by ``ModelRunner`` on CUDA with the Triton backend, before the decode gra
                                 whose row counts are not specialised either (``triton_norm``)
     warm_transfer(buffer)       one gather and one scatter of the KV transfer kernels (``triton_transfer``) over a
                                 skipped slot (-1): they compile here, not in a request's first publish or load
+    warm_moe(runner)            the fused MoE's variants (kernel_variants.MOE_BLOCK_MS x its two GEMMs) for each
+                                distinct expert shape of the model's MoE layers, called on fake routings
 
 ``warmup_steps`` is ``kernel_variants.attention_steps``: each tile choice the planner can make for the model's
 dtype, head dim and GQA ratio (decode and prefill), with and without a key split. A fake step is one sequence of
@@ -30,7 +32,8 @@ import numpy as np
 import torch
 
 from pdserve.engine.runner.staging import StepArrays, StepStaging
-from pdserve.kernels.kernel_variants import AttentionStep, ModelShape, attention_steps, mla_splits
+from pdserve.kernels.kernel_variants import (MOE_BLOCK_MS, AttentionStep, ModelShape, attention_steps, mla_splits,
+                                             moe_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,43 @@ def warm_transfer(buffer: torch.Tensor | None) -> None:
     if buffer.device.type == "cuda":
         torch.cuda.synchronize()
     logger.info("warmed the KV transfer gather/scatter kernels in %.1f s", time.monotonic() - start)
+
+
+@torch.inference_mode()
+def warm_moe(runner) -> float | None:
+    """Launch the fused MoE at each BLOCK_M once per distinct expert shape (the fake steps above are decode-sized:
+    they reach BLOCK_M 16 only); on CUDA. The experts are called straight (``dispatch.fused_moe``), not the layer:
+    no collective runs. -> seconds taken, or None where there is nothing to do."""
+    from pdserve.engine.models.moe import MoE
+    from pdserve.kernels.dispatch import fused_moe
+
+    if runner.device.type != "cuda":
+        return None
+    shapes = {(m.w13.shape, m.w13.dtype): m for m in runner.model.modules() if isinstance(m, MoE)}
+    if not shapes:
+        return None
+    start = time.monotonic()
+    for module in shapes.values():
+        for x, weights, ids in moe_warmup_inputs(module):
+            fused_moe(x, module.w13, module.w2, weights, ids)
+    torch.cuda.synchronize()
+    took = time.monotonic() - start
+    logger.info("warmed the fused MoE kernels of %d expert shape(s) in %.1f s", len(shapes), took)
+    return took
+
+
+def moe_warmup_inputs(module) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(x [T, H], weights [T, k], ids [T, k]) per BLOCK_M: T tokens whose T*k rows make ``triton_moe.moe_tiles``
+    pick it, each token on k distinct experts."""
+    E, k = module.cfg.num_experts, module.cfg.top_k
+    dev, H = module.w13.device, module.w13.shape[2]
+    out = []
+    for block_m in MOE_BLOCK_MS:
+        T = max(1, moe_rows(block_m, E) // k)
+        ids = (torch.arange(T * k, device=dev) % E).view(T, k)
+        out.append((torch.zeros(T, H, dtype=module.w13.dtype, device=dev),
+                    torch.full((T, k), 1.0 / k, device=dev), ids))
+    return out
 
 
 @torch.inference_mode()

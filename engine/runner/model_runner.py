@@ -50,10 +50,11 @@ class ModelRunner:
         self._draws: dict[str, int] = {}       # seeded request id -> draws made so far (here and before it came)
         self.decode_splits = DecodeSplits(max_num_seqs, max_model_len, layout.num_kv_heads)   # Triton decode steps
         if self.device.type == "cuda" and self.attention_backend == "triton":
-            from pdserve.engine.runner.kernel_warmup import warm_attention, warm_transfer
+            from pdserve.engine.runner.kernel_warmup import warm_attention, warm_moe, warm_transfer
 
             warm_attention(self)            # every attention kernel a request can need, compiled now
             warm_transfer(getattr(self.kv_caches, "buffer", None))   # and the KV publish / load kernels
+            warm_moe(self)                  # and every fused-MoE kernel of an MoE model
         self.graphs = None                  # DecodeGraphs on CUDA unless --enforce-eager (cuda_graphs.py)
         if self.device.type == "cuda" and not enforce_eager:
             from pdserve.engine.runner.cuda_graphs import DecodeGraphs
