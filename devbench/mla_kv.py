@@ -101,8 +101,8 @@ def _weights(model_dir: Path):
 
 def report(results: dict) -> str:
     base = results["deepseek"]
-    lines = ["| model | params (M) | KV B/token | store B/token | x deepseek | TTFT recompute (ms) | TTFT store hit (ms) |"
-             " hit speed-up |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | params (M) | KV B/token | store B/token | x deepseek | TTFT recompute (ms) "
+             "| TTFT store hit (ms) | hit speed-up |", "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['params_m']} | {r['kv_bytes_per_token']} | {r['store_bytes_per_token']:.0f} | "
                      f"{r['store_bytes_per_token'] / base['store_bytes_per_token']:.2f} | "

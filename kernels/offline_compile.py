@@ -79,8 +79,8 @@ def launch_jobs(shape) -> list[Job]:
 
 
 def mla_jobs(shape) -> list[Job]:
-    """The MLA decode kernel (one split, split-K) with its reduce, and the latent write, of a ``kernel_variants.MLAShape``
-    (``triton_mla.launches`` / ``write_launch`` on CPU tensors of the model's shapes, 16 heads per rank)."""
+    """The MLA decode kernel (one split, split-K) with its reduce, and the latent write, of a
+    ``kernel_variants.MLAShape`` (``triton_mla.launches`` / ``write_launch`` on CPU tensors of the model's shapes, 16 heads per rank)."""
     from pdserve.kernels import triton_mla
     from pdserve.kernels.kernel_variants import mla_splits
 

@@ -18,9 +18,9 @@ Grid of the attention kernel: (B, cdiv(H, BLOCK_H), num_splits). Split s of num_
 sequence's BLOCK_N-key tiles; a split with no tiles stores (-inf, 0, 0). With one split the kernel normalises and
 stores out itself; otherwise partials acc [S, B, H, BLOCK_L], max and sum [S, B, H] (fp32) go to the reduce (one
 program per sequence and block of heads). Lengths are read on the device only; the grid uses host ints.
-Tiles: BLOCK_H = 16 heads (tl.dot's smallest M), BLOCK_N = 16 keys; 4 warps (fp32: 8, ``num_warps``). At DeepSeek's L = 512 the fp32
-accumulator is 16 x 512 (64 registers a thread) beside one latent tile; ``tests/test_kernel_compile.py`` checks
-that ptxas keeps it without a spill for sm_90.
+Tiles: BLOCK_H = 16 heads (tl.dot's smallest M), BLOCK_N = 16 keys; 4 warps (fp32: 8, ``num_warps``). At
+DeepSeek's L = 512 the fp32 accumulator is 16 x 512 (64 registers a thread at 4 warps) beside one latent tile;
+``tests/test_kernel_compile.py`` checks that ptxas keeps it without a spill for sm_90.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 * absorbed == plain: for every row of a prompt over a cached prefix, the weight-absorbed path (q through W_UK,
   attention over the latent cache, out through W_UV; row by row as decode rows, and as one short chunk) equals
-  the plain path (latent decompressed to per-head K/V) to float32 rounding, on a loaded tiny DeepSeek layer, with and without q_lora_rank, at tp-sized head counts.
+  the plain path (latent decompressed to per-head K/V) to float32 rounding, on a loaded tiny DeepSeek layer, with
+  and without q_lora_rank.
 * ``cpu_mla.mla_decode`` (the CPU path) equals ``mla_reference.mla_decode`` on ragged batches (lengths across
   block edges, shuffled block tables, groups larger than one ``GROUP``), and a float64 oracle written here.
 * ``write_latent`` writes each row at its slot and skips padding slots (-1).

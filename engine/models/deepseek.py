@@ -1,4 +1,5 @@
-"""DeepSeek V2 / V3: ``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM`` over HF checkpoints as transformers writes them.
+"""DeepSeek V2 / V3: ``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, over HF checkpoints as transformers
+writes them.
 
 The decoder is Llama's (``llama.LlamaForCausalLM``: embedding, layer loop, final norm, LM head, pipeline stages,
 the fused CUDA path) with another layer, ``DeepseekDecoderLayer``: MLA attention (``mla.py``) and the MLP that

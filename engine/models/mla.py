@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.models.layers import Linear, RMSNorm
@@ -151,7 +152,11 @@ class MLAAttention(nn.Module):
         if S != p.q_len:
             q_pos = torch.arange(S - p.q_len, S, device=q.device).unsqueeze(1)
             mask = torch.arange(S, device=q.device).unsqueeze(0) <= q_pos                   # [Q, S]
-        o = _math_sdpa(_heads_first(q), _heads_first(k), _heads_first(v), mask, m.softmax_scale)
+        q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
+        if q.device.type == "cpu":                            # the unfused math path: a row's bits do not depend
+            o = _math_sdpa(q, k, v, mask, m.softmax_scale)    # on the chunk's length (reference._heads_first)
+        else:                                                 # fused SDPA: no [H, Q, S] score matrix in memory
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=m.softmax_scale)
         return o[0].transpose(0, 1)                                                          # [Q, H, v]
 
     def load(self, src, prefix: str, tp_rank: int) -> None:

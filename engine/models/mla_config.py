@@ -61,7 +61,8 @@ class MLAConfig:
                 raise MLAConfigError(f"config.json: {architecture} needs a positive {name}, got {cfg.get(name)!r}")
             dims[name] = int(cfg[name])
         if dims["qk_rope_head_dim"] % 2:
-            raise MLAConfigError(f"config.json: qk_rope_head_dim {dims['qk_rope_head_dim']} must be even (rotary pairs)")
+            raise MLAConfigError(f"config.json: qk_rope_head_dim {dims['qk_rope_head_dim']} must be even "
+                                 f"(rotary pairs)")
         q_lora = cfg.get("q_lora_rank")
         interleave = True if architecture == "DeepseekV2ForCausalLM" else bool(cfg.get("rope_interleave", True))
         scale = (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]) ** -0.5 * _mscale_all_dim_correction(rope)
