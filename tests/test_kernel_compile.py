@@ -6,9 +6,9 @@ fp32 x head dims 64, 96, 128, 192, 256 x GQA ratios 1..8, every tile choice of t
 (``kernels/kernel_variants.py``: decode and prefill, with and without split-K) and its reduce, one windowed model,
 the cache write, the chunk gather/scatter, the fused norm / rope, the fused MoE's two GEMMs at each BLOCK_M, and
 DeepSeek's MLA latent decode (one split and split-K), its reduce and the latent write (``kernels/triton_mla.py``),
-each as its launch would compile it. Compiled once per test run
-(one subprocess, every core: 351 kernels, ~130 s of CPU, 2-5 min on 2 busy cores); each test checks a part of the table. Skipped, with the
-reason, where triton or its ptxas is missing.
+each as its launch would compile it. Compiled once per test run (one subprocess, every core: 351 kernels, ~130 s
+of CPU, 2-5 min on 2 busy cores); each test checks a part of the table. Skipped, with the reason, where triton or
+its ptxas is missing.
 """
 
 from __future__ import annotations
