@@ -5,8 +5,9 @@
 * The store holds the latent + rope part only: its bytes per token are layers x (kv_lora_rank + qk_rope_head_dim)
   x dtype size, asserted from the stored objects (the seal's header aside); the fingerprint names the MLA layout.
 * TP 2 (heads split, the latent replicated: TP rank 0 publishes it, every rank loads all of it) and PP 2 engines
-  give HF's greedy tokens for V3 and V2 (with and without q_lora_rank), colocated (the prompt chunked), and as the
-  prefill or decode side of a disaggregated pair (V3).
+  give HF's greedy tokens for V3 and V2 (with and without q_lora_rank) and a V3 whose vocabulary does not divide
+  by tp (the padded embedding / LM head), colocated (the prompt chunked), and as the prefill or decode side of a
+  disaggregated pair (V3).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def _engine(model_dir, role, store=None, tp=1, pp=1, budget=2048):
 
 
 MODELS = {"v3": ("deepseek_v3", {"q_lora_rank": 24}), "v2-lite": ("deepseek_v2", {}),
-          "v2-q-lora": ("deepseek_v2", {"q_lora_rank": 24})}
+          "v2-q-lora": ("deepseek_v2", {"q_lora_rank": 24}),
+          "v3-vocab-515": ("deepseek_v3", {"q_lora_rank": 24, "vocab_size": 515})}   # 515 rows: not a multiple of tp
 
 
 @pytest.fixture(scope="module")

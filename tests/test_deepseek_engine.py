@@ -58,3 +58,18 @@ def test_warm_prefix_cache_same_output(deepseek, name, backend):
     assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 96     # latent blocks of the prefix reused
     assert warm.token_ids == cold.token_ids == hf_greedy(ref, prompt, 12)
     llm.engine.block_manager.check_integrity()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_make_tiny_model_cli_writes_a_deepseek_both_sides_read(tmp_path, arch):
+    import transformers
+
+    from pdserve.engine.cli import main
+    from pdserve.engine.models.model_config import ModelConfig
+
+    assert main(["make-tiny-model", str(tmp_path / arch), "--arch", arch, "--num-layers", "3"]) == 0
+    hf = transformers.AutoConfig.from_pretrained(tmp_path / arch)
+    ours = ModelConfig.from_dir(tmp_path / arch)
+    assert hf.architectures == [ours.architecture] and ours.mla.latent_dim == 40 and ours.num_layers == 3
+    assert [ours.moe.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    assert ours.mla.rope_interleave and (arch == "deepseek_v3") == (ours.moe.topk_method == "noaux_tc")

@@ -125,7 +125,8 @@ def _mlp_shapes(spec: TinyDeepseek, layer: int) -> dict[str, tuple[int, ...]]:
 def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, *, num_layers: int = 2, hidden_size: int = 64,
                     num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128, shards: int = 1,
                     tie_word_embeddings: bool | None = None, rope_scaling: dict | None = None,
-                    max_position_embeddings: int = 2048, head_dim: int | None = None, tokenizer: str = "bpe") -> Path:
+                    max_position_embeddings: int = 2048, head_dim: int | None = None, tokenizer: str = "bpe",
+                    vocab_size: int | None = None) -> Path:
     """``tiny_model.make_tiny_model``'s keywords (its ``EXTRA_ARCHS`` hook) -> ``make_tiny_deepseek``. MLA has no KV
     heads (``num_kv_heads`` does not apply); a tied LM head, another head_dim or rope scaling are refused (DeepSeek
     has none of them; YaRN: ``make_tiny_deepseek(yarn=True)``)."""
@@ -133,14 +134,16 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, *, num_layers
                         ("head_dim", head_dim)):
         if value:
             raise ValueError(f"{name}={value!r} does not apply to a tiny {arch} (MLA dims are its own fields)")
-    return make_tiny_deepseek(out_dir, arch, seed, shards=shards, tokenizer=tokenizer, num_layers=num_layers,
+    return make_tiny_deepseek(out_dir, arch, seed, shards=shards, tokenizer=tokenizer, vocab_size=vocab_size,
+                              num_layers=num_layers,
                               hidden_size=hidden_size, num_heads=num_heads, intermediate_size=intermediate_size,
                               max_position_embeddings=max_position_embeddings)
 
 
 def make_tiny_deepseek(out_dir: str | Path, arch: str = "deepseek_v3", seed: int = 0, *, shards: int = 1,
-                       tokenizer: str = "bpe", **shape) -> Path:
-    """Write a random ``arch`` checkpoint (``TinyDeepseek`` fields in ``shape``) into ``out_dir``; -> its path."""
+                       tokenizer: str = "bpe", vocab_size: int | None = None, **shape) -> Path:
+    """Write a random ``arch`` checkpoint (``TinyDeepseek`` fields in ``shape``) into ``out_dir``; -> its path.
+    ``vocab_size``: rows of the embedding / LM head (default: the tokenizer's size rounded up to 64)."""
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not one of {sorted(ARCHS)}")
     spec = TinyDeepseek(arch=arch, **shape)
@@ -148,7 +151,9 @@ def make_tiny_deepseek(out_dir: str | Path, arch: str = "deepseek_v3", seed: int
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = flavour.build(tokenizer)
-    vocab = -(-tok.get_vocab_size() // 64) * 64
+    if vocab_size is not None and vocab_size < tok.get_vocab_size():
+        raise ValueError(f"vocab_size={vocab_size} is below the tokenizer's {tok.get_vocab_size()} tokens")
+    vocab = vocab_size or -(-tok.get_vocab_size() // 64) * 64
     (out / "config.json").write_text(json.dumps(hf_config(spec, vocab, flavour.bos_id, flavour.eos_ids[0]),
                                                 indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({
