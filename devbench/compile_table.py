@@ -5,8 +5,9 @@
 
 The matrix: bf16 / fp16 / fp32 x head dims 64..256 x GQA ratios 1..8 (8 KV heads), every tile choice of the
 attention planner for each (``kernels/kernel_variants.py``: decode and prefill, with and without split-K, and the
-reduce of the split), the cache write, the KV connector's gather/scatter and the fused MoE's two grouped GEMMs at
-each BLOCK_M; jobs that compile the same kernel
+reduce of the split), the cache write, the KV connector's gather/scatter, the fused MoE's two grouped GEMMs at
+each BLOCK_M and DeepSeek's MLA decode (latent 512 + rope 64: one split and split-K, its reduce, the latent write);
+jobs that compile the same kernel
 are built once (the head group is a runtime argument, so the attention kernel does not depend on it). A row fails
 on any register spill or more shared memory than an sm_90 block may use (227 KB). Needs no GPU: Triton's
 bundled ptxas (``kernels/offline_compile.py``); run with TRITON_INTERPRET unset or 0. About 90 s on 2 cores.
@@ -25,7 +26,7 @@ os.environ["TRITON_INTERPRET"] = "0"                  # before triton: the inter
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # the launch's default, without Triton 3.9's warning
 
 from pdserve.kernels import offline_compile  # noqa: E402
-from pdserve.kernels.kernel_variants import ModelShape  # noqa: E402
+from pdserve.kernels.kernel_variants import MLA_SHAPES, MLAShape, ModelShape  # noqa: E402
 
 DTYPES = ("bfloat16", "float16", "float32")
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -53,11 +54,18 @@ def shapes(args) -> list[ModelShape]:
     return plain + [ModelShape(8 * q, 8, d, dt, args.block_size, window) for dt in dtypes]
 
 
-def rows(shape_list: list[ModelShape], workers: int | None) -> list[dict]:
+def mla_shapes(args) -> list[MLAShape]:
+    return [MLAShape(L, R, dt, args.block_size) for dt in args.dtypes.split(",") for L, R in MLA_SHAPES]
+
+
+def rows(shape_list: list[ModelShape], workers: int | None, mla: list[MLAShape] = ()) -> list[dict]:
     """One row per distinct kernel: label, usage, pass/fail."""
     jobs = {}
     for shape in shape_list:
         for job in offline_compile.launch_jobs(shape):
+            jobs.setdefault(job.key, job)
+    for shape in mla:
+        for job in offline_compile.mla_jobs(shape):
             jobs.setdefault(job.key, job)
     for dtype in sorted({shape.dtype for shape in shape_list}):
         for job in offline_compile.moe_jobs(dtype):
@@ -79,7 +87,8 @@ def summary(table: list[dict]) -> str:
         groups.setdefault((kernel, dt, d[1:] if kernel == "attn" else "all"), []).append(r)
     lines = ["| kernel | dtype | head dim | variants | max registers | spill stores (B) | max smem (KB) |",
              "|---|---|---|---|---|---|---|"]
-    order = {name: i for i, name in enumerate(("attn", "reduce", "write", "gather", "scatter", "norm", "rope", "moe"))}
+    kernels = ("attn", "reduce", "write", "gather", "scatter", "norm", "rope", "moe", "mla", "mla_reduce", "mla_write")
+    order = {name: i for i, name in enumerate(kernels)}
     order.update(bf16=0, fp16=1, fp32=2)          # a kernel not named here sorts last, by name
     for (kernel, dt, d), rs in sorted(groups.items(), key=lambda g: (order.get(g[0][0], 99), g[0][0],
                                                                     order.get(g[0][1], 9),
@@ -104,7 +113,7 @@ def main(argv=None) -> int:
         print(f"no offline compile: {missing}")
         return 0
     start = time.monotonic()
-    table = rows(shapes(args), args.workers)
+    table = rows(shapes(args), args.workers, mla_shapes(args))
     failed = [r["variant"] for r in table if not r["ok"]]
     text = (f"{summary(table)}\n\n{markdown(table)}\n\n{len(table)} kernels compiled for sm_90 in "
             f"{time.monotonic() - start:.0f} s; {len(failed)} spill or exceed "

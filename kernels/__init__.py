@@ -22,6 +22,9 @@ holds their torch references. The MoE layer's routed experts go through ``dispat
 the grouped matmul by expert on CPU, the per-expert-loop oracle, the padded block layout) and ``triton_moe.py`` (the
 fused-MoE grouped GEMM over expert-sorted row blocks, CUDA). Each Triton
 kernel is tested against its torch reference under ``TRITON_INTERPRET=1``.
+DeepSeek's MLA writes one latent row per token (``dispatch.write_latent``) and decodes with weight-absorbed
+attention over the latent cache (``dispatch.mla_decode``): ``mla_reference.py`` (torch, the oracle; also the
+prefill path's ``gather_latent``), ``cpu_mla.py`` (the CPU path, batched torch) and ``triton_mla.py`` (CUDA).
 """
 
 from pdserve.kernels.dispatch import BACKENDS, fused_moe, paged_attention, resolve_backend, write_to_cache

@@ -82,7 +82,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def supports(cache: dict) -> bool:
-    """Whether the kernel takes this cache (dtype, head size, block size); else the caller uses torch."""
+    """Whether the kernel takes this cache (dtype, head size, block size); else the caller uses torch. An MLA
+    latent cache (no "k") is never this kernel's."""
+    if "k" not in cache:
+        return False
     k = cache["k"]
     v = cache["v"]
     return (k.device.type == "cpu" and k.dtype in CACHE_DTYPES and v.dtype == k.dtype and v.shape == k.shape

@@ -11,6 +11,10 @@ for tests). Chosen by ``--attention-backend``, else ``PDSERVE_ATTENTION_BACKEND`
 cpu on a CPU where the kernel builds, torch otherwise. The Triton module is imported only when chosen.
 A cache the cpu kernel does not take (head or block size not a multiple of 8) goes to ``torch``.
 
+DeepSeek's MLA (``engine/models/mla.py``) calls ``write_latent`` (every row of the step) and ``mla_decode`` (its
+decode rows: weight-absorbed attention over the latent cache): Triton ``triton_mla.py``, the CPU path ``cpu_mla.py``
+(batched torch) for ``cpu``, the reference ``mla_reference.py`` for ``torch``. Its prefill rows take the plain path
+in the model (``mla_reference.gather_latent``, then attention over the decompressed K/V).
 The MoE layer's routed experts (``engine.models.moe.MoE``) call ``fused_moe``: the Triton grouped GEMM
 (``triton_moe.py``) for CUDA tensors, the torch grouped matmul (``moe_ops.grouped_moe``) elsewhere; ``backend``
 "triton" forces the kernel (tests, under ``TRITON_INTERPRET=1``).
@@ -22,7 +26,7 @@ import os
 
 import torch
 
-from pdserve.kernels import cpu_attention, cpu_ops, moe_ops, reference
+from pdserve.kernels import cpu_attention, cpu_mla, cpu_ops, mla_reference, moe_ops, reference
 
 BACKENDS = ("cpu", "torch", "triton")
 
@@ -68,6 +72,26 @@ def write_to_cache(k, v, cache: dict, slot_mapping, backend: str = "torch") -> N
 
         return triton_cache.write_to_cache(k, v, cache, slot_mapping)
     return reference.write_to_cache(k, v, cache, slot_mapping)
+
+
+def write_latent(latent, cache: dict, slot_mapping, backend: str = "torch") -> None:
+    """MLA: the step's latent rows [T, W] into ``cache["latent"]`` at ``slot_mapping``."""
+    if backend == "triton":
+        from pdserve.kernels import triton_mla
+
+        return triton_mla.write_latent(latent, cache, slot_mapping)
+    return mla_reference.write_latent(latent, cache, slot_mapping)
+
+
+def mla_decode(q, cache: dict, meta, scale: float, kv_lora_rank: int):
+    """MLA decode rows: q [B, H, W] (absorbed) over the latent cache -> [B, H, kv_lora_rank]."""
+    if meta.backend == "triton":
+        from pdserve.kernels import triton_mla
+
+        return triton_mla.mla_decode(q, cache, meta, scale, kv_lora_rank)
+    if meta.backend == "cpu":
+        return cpu_mla.mla_decode(q, cache, meta, scale, kv_lora_rank)
+    return mla_reference.mla_decode(q, cache, meta, scale, kv_lora_rank)
 
 
 def fused_moe(x, w13, w2, weights, ids, backend: str | None = None):

@@ -6,6 +6,7 @@ shared memory; ``tests/test_kernel_compile.py``, ``devbench/compile_table.py``).
 
     shape = ModelShape(num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_size=16, window=None)
     attention_steps(shape)   -> [AttentionStep(max_query_len, num_splits, tiles)], one per compiled kernel
+    MLAShape(kv_lora_rank=512, rope_dim=64, dtype="bfloat16")   DeepSeek's latent decode: ``mla_splits()`` variants
 
 A compiled attention kernel is fixed by the model (dtype, head dim, block size, window) and the plan's tiles
 plus whether the keys split (``attention_plan.py``); the head group, the step's lengths and the split count
@@ -74,6 +75,25 @@ def attention_steps(shape: ModelShape) -> list[AttentionStep]:
             for t, lens in seen.items() for splits in (1, SPLIT_REPRESENTATIVE)]
 
 
+@dataclass(frozen=True)
+class MLAShape:
+    """What a DeepSeek model's MLA decode kernels are compiled for (heads per rank are a runtime argument)."""
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: str                    # the latent cache's torch dtype name
+    block_size: int = 16
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+
+MLA_SHAPES = ((512, 64),)         # (kv_lora_rank, qk_rope_head_dim) of DeepSeek V2, V2-Lite and V3
+
+
+def mla_splits() -> tuple[int, ...]:
+    """The MLA decode kernel's variants: one split (it normalises itself) and split-K (partials + the reduce)."""
+    return (1, SPLIT_REPRESENTATIVE)
 def moe_rows(block_m: int, num_experts: int) -> int:
     """A step's (token, slot) row count whose mean per expert makes ``triton_moe.moe_tiles`` pick ``block_m``."""
     return block_m * num_experts

@@ -78,6 +78,29 @@ def launch_jobs(shape) -> list[Job]:
     return list(jobs.values())
 
 
+def mla_jobs(shape) -> list[Job]:
+    """The MLA decode kernel (one split, split-K) with its reduce, and the latent write, of a
+    ``kernel_variants.MLAShape`` (``triton_mla.launches`` / ``write_launch`` on CPU tensors of the model's shapes, 16 heads per rank)."""
+    from pdserve.kernels import triton_mla
+    from pdserve.kernels.kernel_variants import mla_splits
+
+    L, W, dt, B, H = shape.kv_lora_rank, shape.latent_dim, _dtype(shape), 2, 16
+    q, latent = torch.empty(B, H, W, dtype=dt), torch.empty(4, shape.block_size, 1, W, dtype=dt)
+    out = torch.empty(B, H, L, dtype=dt)
+    i32 = torch.int32
+    meta = SimpleNamespace(seq_lens=torch.zeros(B, dtype=i32), block_table=torch.zeros(B, 8, dtype=i32))
+    tag = f"{_dt(shape)} L{L} R{shape.rope_dim}"
+    jobs = {}
+    for splits in mla_splits():
+        parts = triton_mla._partials(splits, B, H, triton_mla.triton.next_power_of_2(L), "cpu") if splits > 1 else None
+        labels = (f"mla {tag}{' split' if splits > 1 else ''}", f"mla_reduce {tag}")
+        for label, launch in zip(labels, triton_mla.launches(q, latent, out, parts, meta, 0.1, L, splits)):
+            job = _job(label, *launch)
+            jobs.setdefault(job.key, job)
+    rows = torch.empty(5, W, dtype=dt)
+    job = _job(f"mla_write {tag}", *triton_mla.write_launch(rows, latent, torch.zeros(5, dtype=i32)))
+    jobs.setdefault(job.key, job)
+    return list(jobs.values())
 MOE_SHAPE = (2048, 768, 8, 2)      # hidden, expert width, experts, top-k: Qwen3-30B-A3B's widths (any multiple of 16
                                    # specialises alike); the expert count and k are runtime arguments
 

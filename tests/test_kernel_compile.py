@@ -4,10 +4,11 @@ No GPU needed: ``devbench/compile_table.py`` builds each kernel with Triton's bu
 GPUTarget("cuda", 90, 32) and reads ptxas -v's report (``kernels/offline_compile.py``). The matrix: bf16 / fp16 /
 fp32 x head dims 64, 96, 128, 192, 256 x GQA ratios 1..8, every tile choice of the attention planner
 (``kernels/kernel_variants.py``: decode and prefill, with and without split-K) and its reduce, one windowed model,
-the cache write, the chunk gather/scatter, the fused norm / rope and the fused MoE's two GEMMs at each BLOCK_M, each
-as its launch would compile it. Compiled once per test run (one subprocess, every core, about 60-100 s on 2 idle
-cores); each test checks a part of the table. Skipped, with the
-reason, where triton or its ptxas is missing.
+the cache write, the chunk gather/scatter, the fused norm / rope, the fused MoE's two GEMMs at each BLOCK_M, and
+DeepSeek's MLA latent decode (one split and split-K), its reduce and the latent write (``kernels/triton_mla.py``),
+each as its launch would compile it. Compiled once per test run (one subprocess, every core: 351 kernels, ~130 s
+of CPU, 2-5 min on 2 busy cores); each test checks a part of the table. Skipped, with the reason, where triton or
+its ptxas is missing.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pdserve.kernels.offline_compile import SM90_SMEM_LIMIT, ptxas_missing
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("bf16", "fp16", "fp32")
-KERNELS = ("attn", "reduce", "write", "gather", "scatter", "norm", "rope", "moe")
+KERNELS = ("attn", "reduce", "write", "gather", "scatter", "norm", "rope", "moe", "mla", "mla_reduce", "mla_write")
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,14 @@ def test_table_holds_every_planner_tile_choice(table):
                 shape = ModelShape(8 * qpk, 8, d, dtype)
                 for step in attention_steps(shape):
                     assert attention_label(shape, step) in labels, (shape, step)
+
+
+def test_table_holds_mla_decode_with_and_without_split(table):
+    labels = {r["variant"] for r in table}
+    for dt in DTYPES:
+        for label in (f"mla {dt} L512 R64", f"mla {dt} L512 R64 split", f"mla_reduce {dt} L512 R64",
+                      f"mla_write {dt} L512 R64"):
+            assert label in labels, label
 
 
 def test_table_holds_every_fused_moe_variant(table):

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve.engine import envs
-from pdserve.engine.checkpoints.tiny_model import write_tokenizer_files
+from pdserve.engine.checkpoints.tiny_files import write_tokenizer_files
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ Called by ``LLMEngine`` (the store and the connector, once at start; publishes a
     kv_connector.py   StoreConnector: look up and load a prompt's chunks before prefill, publish them after
                       (the chunk publisher is ``pdserve.prefill``, the loader ``pdserve.decode``)
     kv_transfer.py    kv_transfer_params: what a prefill node returns and a decode node checks before loading
-    kv_layout.py      KVLayout: the cache's shape per layer, read by the runner, the attention and the store
+    kv_layout.py      KVLayout: the cache's shape per layer (MHA/GQA: k and v; MLA: one latent), read by the runner, the
+                      attention and the store
     store_factory.py  the store a node talks to, from its KVTransferConfig (embedded tiers or a daemon client)
     kv_events.py      KV events (blocks cached / evicted) signed and published over ZMQ for the proxy's routing
 

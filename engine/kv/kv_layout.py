@@ -2,9 +2,16 @@
 
 A layer's paged cache is one tensor ``[num_blocks, block_size, *token_shape]`` per
 component. Standard attention (MHA/GQA) has two components, ``k`` and ``v``, each with
-token shape ``[num_kv_heads, head_dim]``. DeepSeek MLA will have one component, the
-latent vector plus its rope part, token shape ``[1, kv_lora_rank + rope_dim]``. Nothing
-outside this module needs to know which one it is: it iterates ``components``.
+token shape ``[num_kv_heads, head_dim]``. DeepSeek MLA (``KVLayout.mla``) has one component,
+``latent``: the compressed KV followed by its rope key, token shape ``[1, kv_lora_rank + rope_dim]``,
+nothing per head. The block manager and the scheduler count blocks and never look inside; the runner,
+the chunk copies and the store iterate ``components`` and read ``token_shape``. Only the attention
+(``engine/models/mla.py``) and the tensor-parallel KV copy (``engine/parallel/kv.py``: ``tp_replicated``,
+the latent is the same on every TP rank, so one rank publishes it and every rank loads all of it) care
+which kind it is.
+
+    mha:  per layer {"k": [N, bs, Hkv, D], "v": [N, bs, Hkv, D]}   bytes/token/layer = 2 * Hkv * D * size
+    mla:  per layer {"latent": [N, bs, 1, L + R]}                   bytes/token/layer = (L + R) * size
 """
 
 from __future__ import annotations
@@ -24,6 +31,23 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     first_layer: int = 0         # global index of this rank's first layer (pipeline stages)
+    rope_dim: int = 0            # mla: the trailing rope part of head_dim (head_dim - rope_dim = kv_lora_rank)
+
+    @classmethod
+    def mla(cls, num_layers: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
+            first_layer: int = 0) -> "KVLayout":
+        """DeepSeek's latent cache: one ``[kv_lora_rank + rope_dim]`` vector per token and layer."""
+        return cls(kind="mla", num_layers=num_layers, num_kv_heads=1, head_dim=kv_lora_rank + rope_dim,
+                   dtype=dtype, first_layer=first_layer, rope_dim=rope_dim)
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.head_dim - self.rope_dim
+
+    @property
+    def tp_replicated(self) -> bool:
+        """Whether every tensor-parallel rank holds the same cache (MLA) rather than its own KV heads."""
+        return self.kind == "mla"
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -58,6 +82,8 @@ class KVLayout:
 
     def describe(self) -> str:
         """Stable text used in model fingerprints (store keys must change when this does)."""
+        if self.kind == "mla":
+            return f"mla:latent={self.kv_lora_rank}:rope={self.rope_dim}:{self.dtype}"
         return f"{self.kind}:kv_heads={self.num_kv_heads}:head_dim={self.head_dim}:{self.dtype}"
 
 

@@ -17,6 +17,9 @@ Files:
     registry.py      architecture name (config.json ``architectures[0]``) -> model class
     llama.py         Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / Qwen2-MoE: one decoder, per-architecture flags from
                      ModelConfig, each layer's MLP from moe.make_mlp
+    deepseek.py      DeepSeek V2 / V3: Llama's decoder with the MLA layer; MLP or MoE per layer (moe.make_mlp)
+    mla.py           multi-head latent attention: the latent KV cache, plain prefill, weight-absorbed decode
+    mla_config.py    MLAConfig: config.json's latent-attention dims, rope layout and softmax scale (YaRN mscale)
     moe_config.py    MoEConfig.from_hf: experts, top-k, scoring, groups, shared experts, which layers are MoE
     moe_routing.py   route(logits, cfg): each family's top-k routing, HF's ops in HF's order
     moe.py           the MoE block (router, stacked experts [E, 2I, H] / [E, H, I], shared expert), make_mlp; its

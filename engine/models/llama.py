@@ -210,6 +210,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class = DecoderLayer           # DeepSeek's model is this one with its MLA layer (``deepseek.py``)
+    supports_compile = True              # the runner may torch.compile this layer's pieces (``runner/compile.py``)
+
     def __init__(self, config: ModelConfig, first_layer: int = 0, num_layers: int | None = None,
                  shard: ShardSizes | None = None):
         super().__init__()
@@ -225,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings)
         v = config.vocab_size
         self.embed_tokens = Embedding(shard.vocab_size, config.hidden_size, dt, v) if self.is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(config, first_layer + i, shard) for i in range(num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, first_layer + i, shard) for i in range(num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt) if self.is_last else None
         self.lm_head = LMHead(config.hidden_size, shard.vocab_size, dt, v) if self.is_last else None   # -> [N, v]
         if config.tie_word_embeddings and self.is_first and self.is_last:

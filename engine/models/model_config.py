@@ -5,7 +5,10 @@ layout (``config.kv_layout()``), EOS ids and ``max_position_embeddings``. Parses
 directory's ``config.json`` (+ ``generation_config.json``) as written by transformers 4.x
 (``rope_theta`` / ``rope_scaling``) or 5.x (``rope_parameters``). Architecture quirks become
 flags here (Qwen2's q/k/v bias, Qwen3's q/k norm, Mistral's sliding window) so that the model
-code has one path; an MoE model's routing and expert layout become ``moe`` (``moe_config.MoEConfig``).
+code has one path. DeepSeek V2/V3 add ``mla`` (``mla_config.MLAConfig``: latent attention dims, the softmax
+scale); their ``head_dim`` is the rotary part of a head (``qk_rope_head_dim``), as in transformers, and their KV
+layout is one latent component per token (``kv_layout``). An MoE model's routing and expert layout become ``moe``
+(``moe_config.MoEConfig``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.kv.kv_layout import KVLayout
+from pdserve.engine.models.mla_config import MLAConfig
 from pdserve.engine.models.moe_config import MoEConfig, MoEConfigError
 from pdserve.engine.models.registry import check_supported
 
@@ -72,6 +76,7 @@ class ModelConfig:
     bos_token_id: int | None
     checkpoint_dtype: torch.dtype | None  # what config.json says the weights are
     dtype: torch.dtype                   # what we compute in (resolved ``--dtype``)
+    mla: MLAConfig | None = None         # DeepSeek V2/V3: multi-head latent attention; None: per-head K/V
     moe: MoEConfig | None = None         # the MoE layers' layout; None for a dense model
 
     @classmethod
@@ -87,7 +92,11 @@ class ModelConfig:
 
     def kv_layout(self, num_kv_heads: int | None = None, num_layers: int | None = None,
                   first_layer: int = 0) -> KVLayout:
-        """KV layout of one rank; defaults cover every KV head of every layer."""
+        """KV layout of one rank; defaults cover every KV head of every layer. MLA: one latent vector per token
+        and layer, the same on every tensor-parallel rank (``num_kv_heads`` does not apply)."""
+        if self.mla is not None:
+            return KVLayout.mla(num_layers or self.num_layers, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim,
+                                self.dtype, first_layer)
         return KVLayout(kind="mha", num_layers=num_layers or self.num_layers,
                         num_kv_heads=num_kv_heads or self.num_kv_heads, head_dim=self.head_dim,
                         dtype=self.dtype, first_layer=first_layer)
@@ -115,22 +124,25 @@ def _parse(path: Path, cfg: dict, gen: dict, dtype: str, device: str) -> ModelCo
         raise ModelConfigError(f"{path}/config.json: hidden_act {act!r} is not supported (only 'silu')")
     sliding_window, layer_types = _sliding(arch, cfg, num_layers)
     checkpoint_dtype = _DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")))
+    rope = _parse_rope(path, cfg)
+    mla = MLAConfig.from_hf(arch, cfg, rope)
     return ModelConfig(
         model_dir=str(path), architecture=arch, hidden_size=hidden, num_layers=num_layers,
-        num_heads=heads, num_kv_heads=_kv_heads(path, cfg, heads),
-        head_dim=_head_dim(path, cfg, hidden, heads), intermediate_size=int(cfg["intermediate_size"]),
+        num_heads=heads, num_kv_heads=heads if mla else _kv_heads(path, cfg, heads),   # MLA: no KV heads
+        head_dim=mla.qk_rope_head_dim if mla else _head_dim(path, cfg, hidden, heads),
+        intermediate_size=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=_parse_rope(path, cfg), max_position_embeddings=int(cfg["max_position_embeddings"]),
+        rope=rope, max_position_embeddings=int(cfg["max_position_embeddings"]),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
         or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
         o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         and bool(cfg.get("attention_bias", False)),
-        mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
+        mlp_bias=arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM") and bool(cfg.get("mlp_bias", False)),
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), sliding_window=sliding_window,
         layer_types=layer_types, moe=_moe(path, arch, cfg),
         eos_token_ids=_eos_ids(gen, cfg), bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
-        checkpoint_dtype=checkpoint_dtype, dtype=resolve_dtype(dtype, checkpoint_dtype, device))
+        checkpoint_dtype=checkpoint_dtype, dtype=resolve_dtype(dtype, checkpoint_dtype, device), mla=mla)
 
 
 def _read_json(path: Path, required: bool) -> dict:

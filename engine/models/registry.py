@@ -2,7 +2,7 @@
 
 ``ModelConfig.from_dir`` calls ``check_supported`` (this module imports no model code, so the
 config can be parsed without torch modules); ``loader.load_model`` calls ``model_class``.
-A new architecture (DeepSeek V2/V3) is one line in ``_MODELS`` plus its module.
+A new architecture is one line in ``_MODELS`` plus its module.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("llama", "LlamaForCausalLM"),      # + MoE layers (moe.py)
     "MixtralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2MoeForCausalLM": ("llama", "LlamaForCausalLM"),

@@ -85,6 +85,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] whose rotary pairs are interleaved, (x0, x1), (x2, x3), ... (DeepSeek's checkpoints); cos, sin:
+    [T, D] as ``RotaryEmbedding`` makes them (two copies of the D/2 angles) -> [T, H, D], the rotated pairs written
+    de-interleaved: all first members, then all second members (transformers' DeepSeek-V3 layout). q and k go
+    through the same permutation, so their dot products are those of the interleaved rotation. Called by
+    ``mla.MLAAttention``."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half].to(x.dtype), sin[:, None, :half].to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

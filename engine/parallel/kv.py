@@ -14,6 +14,10 @@ so an embedded (in-process) store works as well as a daemon or Redis.
         store.borrow(every layer's object) -> [L, C, n, Hkv, D] ──KVScatter──> every rank writes its
         layers and heads (``scatter_kv(heads=...)``) and acks with an empty KVPart
 
+MLA (``layout.tp_replicated``): every TP rank of a stage holds the same latent cache (the latent is computed
+from the replicated hidden state), so only TP rank 0 of each stage gathers it (one writer; the others ack with
+an empty part) and every rank scatters all of it (one KV "head": nothing to slice).
+
 Both are synchronous round trips; ranks handle messages in queue order, so a gather always sees
 the step before it and a scatter lands before any step scheduled after the load reported back.
 A copy that fails on a rank comes back as the part's ``error`` (the rank lives on): ``KVCopyError``
@@ -57,7 +61,9 @@ def from_wire(w: m.Tensor) -> torch.Tensor:
 
 # -- worker side --------------------------------------------------------------------------------
 
-def gather_part(runner, rank: int, op: m.KVGather) -> m.KVPart:
+def gather_part(runner, rank: int, op: m.KVGather, tp: int = 0) -> m.KVPart:
+    if runner.layout.tp_replicated and tp != 0:           # MLA: TP rank 0 of the stage sends the one copy
+        return m.KVPart(op.op_id, rank, runner.layout.first_layer)
     slots = torch.tensor(op.slots, dtype=torch.long)
     part = torch.stack([gather_kv(layer, slots) for layer in runner.kv_caches])   # [L_r, C, n, H_r, D]
     return m.KVPart(op.op_id, rank, runner.layout.first_layer, to_wire(part))
@@ -67,8 +73,9 @@ def scatter_part(runner, rank: int, tp: int, op: m.KVScatter) -> m.KVPart:
     data = from_wire(op.data)                                                       # [L, C, n, Hkv, D]
     slots = torch.tensor(op.slots, dtype=torch.long)
     first, h = runner.layout.first_layer, runner.layout.num_kv_heads
+    heads = slice(None) if runner.layout.tp_replicated else slice(tp * h, (tp + 1) * h)   # MLA: all of it, every rank
     for i, cache in enumerate(runner.kv_caches):
-        scatter_kv(cache, slots, data[first + i], heads=slice(tp * h, (tp + 1) * h))
+        scatter_kv(cache, slots, data[first + i], heads=heads)
     return m.KVPart(op.op_id, rank, first)
 
 
@@ -95,7 +102,8 @@ class KVRelay:
         parts = self._call(lambda op_id: m.KVGather(op_id, slots.tolist()))
         stages: dict[int, list] = {}
         for p in sorted(parts, key=lambda p: p.rank):               # rank = pp * T + tp: tp order within a stage
-            stages.setdefault(p.first_layer, []).append(from_wire(p.data))
+            if p.data is not None:                                  # MLA: only TP rank 0 of a stage sends
+                stages.setdefault(p.first_layer, []).append(from_wire(p.data))
         layers = torch.cat([torch.cat(stages[first], dim=3) for first in sorted(stages)])   # [L, C, n, Hkv, D]
         if layers.shape[0] != self.num_layers:
             raise RuntimeError(f"gathered {layers.shape[0]} layers from the ranks; the model has {self.num_layers}")

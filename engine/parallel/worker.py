@@ -140,7 +140,7 @@ class Worker:
         gather = isinstance(msg, m.KVGather)
         self.heartbeat.enter("kv_save" if gather else "kv_load")
         try:
-            part = gather_part(runner, c.rank, msg) if gather else scatter_part(runner, c.rank, c.tp, msg)
+            part = gather_part(runner, c.rank, msg, c.tp) if gather else scatter_part(runner, c.rank, c.tp, msg)
         except Exception as exc:  # noqa: BLE001 - reported to the driver in the reply
             logger.warning("rank %d (%s): KV %s op %d failed: %s: %s", c.rank, c, "gather" if gather else "scatter",
                            msg.op_id, type(exc).__name__, exc)

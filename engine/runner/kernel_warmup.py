@@ -21,7 +21,8 @@ with every slot -1 (nothing is written into the KV cache) and its split count fi
 the model's own forward: each layer launches the cache write, the attention kernel and (split) its reduce with
 a request's very arguments, windows and strides included. Step lengths, split counts and the alignment of the
 step's metadata views are not specialised by the kernels (``triton_attention.STEP_INTS``), so these launches
-compile every kernel a step of any shape launches.
+compile every kernel a step of any shape launches. An MLA model (DeepSeek) warms its latent decode kernel with and
+without a split and its latent write instead (``mla_steps``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from __future__ import annotations
 import logging
 import time
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from pdserve.engine.runner.staging import StepArrays, StepStaging
-from pdserve.kernels.kernel_variants import MOE_BLOCK_MS, AttentionStep, ModelShape, attention_steps, moe_rows
+from pdserve.kernels.kernel_variants import (MOE_BLOCK_MS, AttentionStep, ModelShape, attention_steps, mla_splits,
+                                             moe_rows)
 
 logger = logging.getLogger(__name__)
 OTHER_BACKEND_STEP = SimpleNamespace(max_query_len=16, num_splits=None)   # a fake step for a non-Triton backend
@@ -69,7 +72,11 @@ def warm_attention(runner) -> float | None:
     if runner.device.type != "cuda" or not runner.model.layers:
         return None
     triton = runner.attention_backend == "triton"
-    steps = warmup_steps(model_shape(runner)) if triton else [OTHER_BACKEND_STEP]
+    mla = getattr(getattr(runner, "layout", None), "kind", None) == "mla"
+    if not triton:
+        steps = [OTHER_BACKEND_STEP]
+    else:
+        steps = mla_steps() if mla else warmup_steps(model_shape(runner))
     start = time.monotonic()
     run_fake_steps(runner, steps)
     torch.cuda.synchronize()
@@ -81,6 +88,17 @@ def warm_attention(runner) -> float | None:
         logger.info("warmed the fused norm / rope kernels (attention backend %s) in %.1f s", runner.attention_backend,
                     took)
     return took
+
+
+class MLAStep(NamedTuple):
+    """A fake step of an MLA model: its decode kernel is fixed by the latent's dims and dtype and whether the keys
+    split (``kernel_variants.mla_splits``); a prefill step launches the latent write and torch ops only."""
+    max_query_len: int
+    num_splits: int
+
+
+def mla_steps() -> list[MLAStep]:
+    return [MLAStep(1, splits) for splits in mla_splits()] + [MLAStep(2, 1)]
 
 
 def warm_transfer(buffer: torch.Tensor | None) -> None:

@@ -63,7 +63,7 @@ class ModelRunner:
             if self.graphs is not None:                 # decode steps are staged straight into its buffers
                 self.input_batch.staging.graph_inputs = self.graphs.inputs
         self.compiled = None                # CompiledLayers when torch_compile (compile.py: CPU, one process)
-        if torch_compile:
+        if torch_compile and getattr(model, "supports_compile", True):
             from pdserve.engine.runner.compile import compile_layers
 
             self.compiled = compile_layers(model)
