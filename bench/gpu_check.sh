@@ -34,16 +34,17 @@
 # the end ($OUT/summary.txt) has one line per test file and part; the exit status is 1 if any failed.
 # On the device a part fails when CUDA is not usable: "device" (torch.cuda.is_available() false) and each test
 # file that skipped a test for want of CUDA (skips there mean the kernels never ran).
-# PARTS (default: all) runs some of them, e.g. a rerun of one that failed: PARTS="parity bf16" -- names: device
-# tests compile parity bf16 bench engine serve; TEST_FILES (name:seconds ...) the files of "tests".
+#   7. optional, not in the default: "parallel", tp/pp ranks sharing this GPU (bench/gpu_parallel_check.sh, ~5 min)
+# PARTS (default: all but parallel) runs some of them, e.g. a rerun of one that failed: PARTS="parity bf16" -- names:
+# device tests compile parity bf16 bench engine serve parallel; TEST_FILES (name:seconds ...) the files of "tests".
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SMALL=${SMALL:-0}
 ALL_PARTS="device tests compile parity bf16 bench engine serve"
 PARTS=" ${PARTS:-$ALL_PARTS} "
-for p in $PARTS; do   # a misspelt part would run nothing and pass
-  [[ " $ALL_PARTS " == *" $p "* ]] || { echo "PARTS: unknown part '$p' (parts: $ALL_PARTS)" >&2; exit 2; }
+for p in $PARTS; do   # a misspelt part would run nothing and pass; "parallel" is known but not in the default
+  [[ " $ALL_PARTS parallel " == *" $p "* ]] || { echo "PARTS: unknown part '$p' (parts: $ALL_PARTS parallel)" >&2; exit 2; }
 done
 TEST_FILES=${TEST_FILES:-test_triton_kernels:300 test_decode_splits:180 test_cuda_graphs:240 test_fused_ops:180}
 want() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -178,6 +179,14 @@ CLUSTER=$!; PIDS+=("$CLUSTER")
 if wait_http http://127.0.0.1:8310/health "$CLUSTER" 150; then serve_bench 1p1d 8310
 else result "bench serve 1p1d" 1 "the cluster did not come up: $OUT/cluster.log"; fi
 kill -INT "$CLUSTER" 2>/dev/null; sleep 3; kill "$CLUSTER" 2>/dev/null; wait "$CLUSTER" 2>/dev/null
+fi
+
+if want parallel; then   # optional (PARTS="... parallel"): tp/pp ranks on this GPU, bench/gpu_parallel_check.sh
+part "tp x pp ranks on one GPU (bench/gpu_parallel_check.sh)"
+timeout 330 env OUT="$OUT/parallel" SMALL="$SMALL" bash bench/gpu_parallel_check.sh > "$OUT/parallel.log" 2>&1
+rc=$?
+tail -7 "$OUT/parallel.log"
+result "tp x pp on one GPU" $rc "$(grep -c PASS "$OUT/parallel/summary.txt" 2>/dev/null) parts passed; $OUT/parallel/"
 fi
 
 echo; echo "=== summary ($(date +%T), $([ "$SMALL" = 1 ] && echo "CPU dry run" || echo "$DEV")); results in $OUT"

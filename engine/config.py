@@ -55,6 +55,7 @@ class ParallelConfig:
     node_rank: int = 0                # --node-rank: 0 runs the scheduler (driver); others run workers only
     master_addr: str = "127.0.0.1"    # --master-addr: where node 0's rendezvous listens
     master_port: int = 0              # --master-port: 0 picks a free port (single node only)
+    dist_backend: str = "auto"        # --dist-backend auto | nccl | gloo: the ranks' collectives (parallel/devices.py)
 
     def __post_init__(self) -> None:
         for flag, value in (("--tensor-parallel-size", self.tensor_parallel_size),
@@ -67,6 +68,8 @@ class ParallelConfig:
             raise ConfigError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
         if self.world_size % self.nnodes:
             raise ConfigError(f"tp x pp = {self.world_size} ranks do not split evenly over --nnodes {self.nnodes}")
+        if self.dist_backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"--dist-backend must be auto, nccl or gloo, got {self.dist_backend!r}")
         if self.nnodes > 1 and self.master_port == 0:
             raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr) so the nodes can meet")
 
@@ -181,8 +184,8 @@ class EngineConfig:
             raise ConfigError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"--device must be cpu, cuda or auto, got {self.device!r}")
-        if self.resolved_device != "cpu" and (self.parallel.world_size > 1 or self.parallel.debug_sync):
-            raise ConfigError("tensor/pipeline parallel ranks run on CPU (gloo) only; use --device cpu")
+        if self.parallel.dist_backend == "nccl" and self.device == "cpu":
+            raise ConfigError("--dist-backend nccl needs --device cuda; CPU ranks use gloo")
         if self.engine_core_process and self.parallel.rank_timeout < CORE_MIN_TIMEOUT_S:
             raise ConfigError(f"--rank-timeout {self.parallel.rank_timeout:g} is too short for --engine-core-process "
                               f"(its heartbeat comes every 0.5 s); use >= {CORE_MIN_TIMEOUT_S:g} s, or "

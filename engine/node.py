@@ -114,6 +114,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index; 0 runs the scheduler and HTTP")
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0's rendezvous")
     p.add_argument("--master-port", type=int, default=0, help="port of node 0's rendezvous (0: any, one node)")
+    p.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"],
+                   help="the ranks' collectives with --device cuda; auto: nccl when each rank on a machine has its "
+                        "own GPU, else gloo with CUDA tensors (ranks sharing a GPU); CPU ranks always use gloo")
 
 
 def resolve_model(model: str) -> Path:
@@ -142,7 +145,8 @@ def config_from_args(args) -> EngineConfig:
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 rank_timeout=args.rank_timeout, debug_sync=args.debug_sync,
                                 nnodes=args.nnodes, node_rank=args.node_rank,
-                                master_addr=args.master_addr, master_port=args.master_port),
+                                master_addr=args.master_addr, master_port=args.master_port,
+                                dist_backend=args.dist_backend),
         kv_transfer=KVTransferConfig(role=args.role, kv_store=args.kv_store, kv_chunk_tokens=args.kv_chunk_tokens,
                                      kv_cpu_bytes=args.kv_cpu_bytes, kv_redis=args.kv_redis,
                                      kv_disk_dir=args.kv_disk_dir, kv_auth_token=token_from_args(args, "pdserve node"),

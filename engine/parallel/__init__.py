@@ -3,7 +3,8 @@
 Used by ``LLMEngine`` instead of ``ModelRunner`` when ``--tensor-parallel-size`` x
 ``--pipeline-parallel-size`` > 1 (or with ``--debug-sync``). Map, in the order a step meets it:
 
-    executor    driver side: starts the ranks (gloo, the rendezvous store), sends steps, collects tokens
+    executor    driver side: starts the ranks (the rendezvous store), sends steps, collects tokens
+    devices     which device and backend a rank uses (CPU + gloo; a GPU each + nccl; a shared GPU + gloo)
     rendezvous  the rendezvous store (a FileStore in a 0700 dir; a TCPStore with --nnodes > 1) and the
                 launcher process (fds, lifeline)
     channels    the driver's queues to and from the ranks

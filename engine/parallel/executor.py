@@ -72,6 +72,7 @@ class ParallelExecutor:
         ShardSizes.for_tp(model_config, par.tensor_parallel_size)       # fail here, not in every rank
         stage_layers(model_config.num_layers, par.pipeline_parallel_size)
         self.config, self.par, self.step = config, par, 0
+        self._max_model_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         self.failure: str | None = None          # the watchdog's report, set once every rank is gone
         self._report: str | None = None
         self._released: list[str] = []
@@ -127,7 +128,9 @@ class ParallelExecutor:
         return m.WorkerSpec(model=config.model, dtype=config.dtype, seed=config.seed, tp=par.tensor_parallel_size,
                             pp=par.pipeline_parallel_size, num_blocks=num_blocks, block_size=config.cache.block_size,
                             local_ranks=local, rank_timeout=par.rank_timeout, debug_sync=par.debug_sync,
-                            attention_backend=config.execution.attention_backend, **self.ch.spec_fields())
+                            attention_backend=config.execution.attention_backend, device=config.resolved_device,
+                            dist_backend=par.dist_backend, max_num_seqs=config.scheduler.max_num_seqs,
+                            max_model_len=self._max_model_len, **self.ch.spec_fields())
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

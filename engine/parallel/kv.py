@@ -14,6 +14,10 @@ so an embedded (in-process) store works as well as a daemon or Redis.
         store.borrow(every layer's object) -> [L, C, n, Hkv, D] ──KVScatter──> every rank writes its
         layers and heads (``scatter_kv(heads=...)``) and acks with an empty KVPart
 
+On GPUs each rank gathers its share on its device and makes one device -> host copy for the wire; a
+scatter slices the rank's layers and heads on the host and makes one copy from pinned memory to the
+device, after which every layer is written device side (no host round trip per layer).
+
 MLA (``layout.tp_replicated``): every TP rank of a stage holds the same latent cache (the latent is computed
 from the replicated hidden state), so only TP rank 0 of each stage gathers it (one writer; the others ack with
 an empty part) and every rank scatters all of it (one KV "head": nothing to slice).
@@ -37,7 +41,7 @@ import torch
 from pdserve.decode.loader import ChunkLoader
 from pdserve.engine.parallel import messages as m
 from pdserve.kernels.chunk_io import Gathered
-from pdserve.kernels.transfer import gather_kv, scatter_kv
+from pdserve.kernels.transfer import scatter_kv
 from pdserve.prefill.publisher import ChunkPublisher
 
 logger = logging.getLogger(__name__)
@@ -62,21 +66,45 @@ def from_wire(w: m.Tensor) -> torch.Tensor:
 # -- worker side --------------------------------------------------------------------------------
 
 def gather_part(runner, rank: int, op: m.KVGather, tp: int = 0) -> m.KVPart:
+    """This rank's layers and heads at ``op.slots``: gathered on its device, one copy to the host."""
     if runner.layout.tp_replicated and tp != 0:           # MLA: TP rank 0 of the stage sends the one copy
         return m.KVPart(op.op_id, rank, runner.layout.first_layer)
-    slots = torch.tensor(op.slots, dtype=torch.long)
-    part = torch.stack([gather_kv(layer, slots) for layer in runner.kv_caches])   # [L_r, C, n, H_r, D]
-    return m.KVPart(op.op_id, rank, runner.layout.first_layer, to_wire(part))
+    device = _cache_device(runner)
+    slots = torch.tensor(op.slots, dtype=torch.long).to(device)
+    part = torch.stack([_gather_layer(layer, slots) for layer in runner.kv_caches])   # [L_r, C, n, H_r, D] on device
+    return m.KVPart(op.op_id, rank, runner.layout.first_layer, to_wire(part.cpu()))
 
 
 def scatter_part(runner, rank: int, tp: int, op: m.KVScatter) -> m.KVPart:
+    """The store's [L, C, n, Hkv, D] -> this rank's layers and heads: sliced on the host, one copy to the device
+    (from pinned memory on CUDA), then every layer written on the device."""
     data = from_wire(op.data)                                                       # [L, C, n, Hkv, D]
-    slots = torch.tensor(op.slots, dtype=torch.long)
-    first, h = runner.layout.first_layer, runner.layout.num_kv_heads
+    first, h, count = runner.layout.first_layer, runner.layout.num_kv_heads, len(runner.kv_caches)
     heads = slice(None) if runner.layout.tp_replicated else slice(tp * h, (tp + 1) * h)   # MLA: all of it, every rank
+    device = _cache_device(runner)
+    mine = _to_device(data[first:first + count, :, :, heads], device)              # [L_r, C, n, H_r, D]
+    slots = torch.tensor(op.slots, dtype=torch.long).to(device)
     for i, cache in enumerate(runner.kv_caches):
-        scatter_kv(cache, slots, data[first + i], heads=heads)
+        scatter_kv(cache, slots, mine[i])
     return m.KVPart(op.op_id, rank, first)
+
+
+def _cache_device(runner) -> torch.device:
+    return next(iter(runner.kv_caches[0].values())).device if runner.kv_caches else torch.device("cpu")
+
+
+def _gather_layer(layer_cache: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """-> [C, n, H_r, D] on the cache's device (``gather_kv`` without its copy to the host)."""
+    return torch.stack([t.view(-1, *t.shape[2:]).index_select(0, slots) for t in layer_cache.values()])
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One host -> device copy through pinned memory (the caching host allocator keeps the buffer until it is done)."""
+    if device.type != "cuda":
+        return t
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.copy_(t)
+    return pinned.to(device, non_blocking=True)
 
 
 # -- driver side --------------------------------------------------------------------------------

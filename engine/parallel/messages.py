@@ -109,6 +109,10 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     rank_timeout: float
     debug_sync: bool = False
     attention_backend: str | None = None   # --attention-backend (None: the env variable, else cpu or torch on a CPU)
+    device: str = "cpu"             # the engine's resolved --device: cpu | cuda (parallel/devices.py picks the GPU)
+    dist_backend: str = "auto"      # --dist-backend
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
     version: int = VERSION
 
 

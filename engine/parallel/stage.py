@@ -11,7 +11,8 @@ rank cuts the same way, so stage k works on micro-batch i + 1 while stage k + 1 
     stage 1:             └ recv mb0 ──┴ recv mb1 ...        (last stage: logits -> sample, tp rank 0)
 
 Hidden states travel as one float tensor [T_mb, D] per micro-batch from (tp t, pp k) to
-(tp t, pp k + 1) (TP ranks hold identical hidden states after each all-reduce).
+(tp t, pp k + 1) (TP ranks hold identical hidden states after each all-reduce): on CPU through gloo; with
+nccl (one GPU per rank) device to device; with gloo over a shared GPU (``via_host``) through host memory.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
 
 
 class StageRunner:
-    def __init__(self, model, runner, coords: Coords, heartbeat, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, model, runner, coords: Coords, heartbeat, hidden_size: int, dtype: torch.dtype,
+                 via_host: bool = False):
         self.model, self.runner, self.coords, self.heartbeat = model, runner, coords, heartbeat
-        self.hidden_size, self.dtype = hidden_size, dtype
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, runner.device
+        self.via_host = via_host        # gloo with CUDA tensors: send/recv through the host (gloo has no GPU p2p)
         for layer in model.layers:                 # progress inside a long forward: not a stall
             layer.register_forward_pre_hook(lambda *_: heartbeat.tick())
 
@@ -81,17 +84,17 @@ class StageRunner:
 
     def _micro_batch(self, index: int, batch: list[StepRequest]) -> tuple[list, list[SampledToken]]:
         items = [_Item(r) for r in batch]
-        inputs = build_step_inputs(items, self.runner.block_size, backend=self.runner.attention_backend)
+        inputs = build_step_inputs(items, self.runner.block_size, self.device, backend=self.runner.attention_backend)
         self.runner.decode_splits.apply(inputs.attn)             # the same split-K rule as one rank's steps
         hidden = None
         if not self.coords.is_first:
             self.heartbeat.enter("recv_from_prev_stage")
-            hidden = torch.empty(len(inputs.input_ids), self.hidden_size, dtype=self.dtype)   # [T, D]
-            dist.recv(hidden, src=self.coords.rank - self.coords.tp_size, tag=index)
+            hidden = self._recv(len(inputs.input_ids), index)                                  # [T, D]
         self.heartbeat.enter("forward")
         h = self.model(inputs.input_ids, inputs.positions, self.runner.kv_caches, inputs.attn, hidden=hidden)
         if not self.coords.is_last:
-            return [dist.isend(h.contiguous(), dst=self.coords.rank + self.coords.tp_size, tag=index)], []
+            h = h.cpu() if self.via_host else h.contiguous()                                    # [T, D]
+            return [dist.isend(h, dst=self.coords.rank + self.coords.tp_size, tag=index)], []
         if not inputs.sample_requests:
             return [], []
         logits = self.model.compute_logits(h[inputs.sample_rows])                 # [S, V]
@@ -101,6 +104,14 @@ class StageRunner:
         bitmask = GrammarBitmask.from_row_bytes({r.request_id: r.bitmask for r in batch if r.bitmask is not None})
         results = self.runner.sample_requests(logits, inputs.sample_requests, bitmask)
         return [], [SampledToken(rid, r.token_id, r.logprob, r.top_logprobs) for rid, r in results.items()]
+
+
+    def _recv(self, rows: int, tag: int) -> torch.Tensor:
+        """The previous stage's hidden states [rows, D] on this rank's device (nccl: straight into device memory)."""
+        hidden = torch.empty(rows, self.hidden_size, dtype=self.dtype,
+                             device="cpu" if self.via_host else self.device)
+        dist.recv(hidden, src=self.coords.rank - self.coords.tp_size, tag=tag)
+        return hidden.to(self.device)
 
 
 def micro_batches(requests: list[StepRequest], n: int) -> list[list[StepRequest]]:

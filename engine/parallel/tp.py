@@ -14,8 +14,11 @@ A vocabulary that does not divide by tp is padded to ``padded_vocab(V, tp)`` row
 cuts the gathered logits back to V columns (``pdserve.engine.models.vocab``).
 
 Each collective records its phase in the rank's heartbeat (``all_reduce`` / ``all_gather``, then back
-to ``forward``) so the watchdog can say who is waiting in which collective; with ``--debug-sync`` it
-synchronises the device after every collective.
+to ``forward``) so the watchdog can say who is waiting in which collective; with ``--debug-sync`` the
+heartbeat synchronises the device as each phase ends. Backends (``devices.py``): gloo on CPU; nccl with one
+GPU per rank (collectives device to device); gloo when ranks share a GPU (``via_host``): each collective copies
+its CUDA tensor to the host, runs gloo there and copies back (gloo's own CUDA support is partial: all-reduce yes,
+all_gather and send/recv no; one rule for all is simpler and costs what gloo's CUDA all-reduce copies anyway).
 """
 
 from __future__ import annotations
@@ -30,29 +33,33 @@ from pdserve.engine.models.moe import MoE
 class TPGroup:
     """One pipeline stage's tensor-parallel ranks and the heartbeat that sees their collectives."""
 
-    def __init__(self, group, size: int, heartbeat, debug_sync: bool = False):
-        self.group, self.size, self.heartbeat, self.debug_sync = group, size, heartbeat, debug_sync
+    def __init__(self, group, size: int, heartbeat, via_host: bool = False):
+        self.group, self.size, self.heartbeat = group, size, heartbeat
+        self.via_host = via_host          # gloo over CUDA tensors (ranks share a GPU): collectives through the host
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] partial sums -> [T, D] on every rank
         self.heartbeat.enter("all_reduce")
-        dist.all_reduce(x, group=self.group)
+        if self.via_host:
+            host = x.cpu()
+            dist.all_reduce(host, group=self.group)
+            x.copy_(host)
+        else:
+            dist.all_reduce(x, group=self.group)
         self._after()
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, V / tp] -> [N, V], rank order along the last dim
         self.heartbeat.enter("all_gather")
-        x = x.contiguous()
+        device, x = x.device, (x.cpu() if self.via_host else x.contiguous())
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)
         self._after()
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=-1).to(device)
 
     def _after(self) -> None:
-        if self.debug_sync and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.heartbeat.enter("forward")
+        self.heartbeat.enter("forward")          # --debug-sync: the heartbeat synchronises the device first
 
 
 def attach(model, tp: TPGroup) -> None:

@@ -1,7 +1,12 @@
 """Which rank is dead or stuck, where, and for how long: a shared-memory heartbeat per rank + its reader.
 
 Each worker rank (``worker.py``) writes its record at every phase boundary, and ``tick``s inside long
-phases (every decoder layer), so a slow step that keeps moving is never reported:
+phases (every decoder layer), so a slow step that keeps moving is never reported. The record is plain
+shared memory written by the rank's main thread: a thread blocked anywhere (a gloo wait, a CUDA
+synchronise, an NCCL call, a SIGSTOP) simply stops moving it, and the age grows. With --debug-sync the
+rank synchronises its device as each phase ends (``sync``), so a rank stuck in a GPU collective shows
+that collective's phase; without it, NCCL ops are asynchronous and the host blocks at the step's next
+synchronisation (sampling, the stage hand-off), whose phase is the one named:
 
     record[rank] = [step, phase, seq (moves within the step), monotonic ns of the last move, pid, exit, stopped]
 
@@ -60,8 +65,9 @@ class Heartbeat:
     """``create`` (driver) the shared records of ``world_size`` ranks -> an fd its descendants inherit
     (``shm.py``); a rank maps it with its index and writes, the launcher and the driver map it to read."""
 
-    def __init__(self, fd: int, rank: int | None = None, log_phases: bool = False, coords: str = ""):
+    def __init__(self, fd: int, rank: int | None = None, log_phases: bool = False, coords: str = "", sync=None):
         self.fd, self.rank, self.log_phases, self.coords = fd, rank, log_phases, coords
+        self.sync = sync                  # --debug-sync: synchronise the device as each phase ends (worker.py)
         self._mm = shm.map(fd)
         self._rec = np.frombuffer(self._mm, dtype=np.int64).reshape(-1, _FIELDS)
         self.step = 0
@@ -82,6 +88,10 @@ class Heartbeat:
 
     def enter(self, phase: str) -> None:
         r = self._rec[self.rank]
+        if self.sync is not None and r[3]:          # the phase ending is recorded while its work drains
+            self.sync()
+            logger.info("rank %d (%s) step %d: device synchronised after %s", self.rank, self.coords, self.step,
+                        PHASES[r[1]])
         if self.log_phases:
             logger.info("rank %d (%s) step %d: %s -> %s", self.rank, self.coords, self.step, PHASES[r[1]], phase)
         r[2] = r[2] + 1 if r[0] == self.step else 0

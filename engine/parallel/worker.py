@@ -4,8 +4,9 @@ Called in a process forked for the rank by ``launcher.py`` (started by ``Paralle
 Start-up, in order:
 
     store client (FileStore in the node's 0700 dir; TCPStore with --nnodes > 1) -> WorkerSpec (JSON,
-    "pdserve/spec") -> heartbeat "starting"
-    torch.distributed gloo over the same store; one TP group per pipeline stage
+    "pdserve/spec") -> the rank's device and backend (``devices.py``: CPU + gloo; one GPU per rank + nccl;
+    ranks sharing a GPU + gloo), the GPU bound -> heartbeat "starting"
+    torch.distributed (that backend) over the same store; one TP group per pipeline stage
     load this rank's layers and heads (safetensors slices); allocate its KV cache shard
     store.add("pdserve/ready", 1)
 
@@ -39,6 +40,7 @@ from pdserve.engine.models.loader import load_model
 from pdserve.engine.parallel import faults
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle, WriterDeadError
+from pdserve.engine.parallel.devices import DeviceChoice, select_device
 from pdserve.engine.parallel.kv import gather_part, scatter_part
 from pdserve.engine.parallel.stage import Coords, StageRunner, stage_layers
 from pdserve.engine.parallel.tp import TPGroup, attach
@@ -72,9 +74,11 @@ class Worker:
         local = rank in spec.local_ranks
         if spec.debug_sync:
             logging.getLogger("pdserve.engine.parallel.watchdog").setLevel(logging.INFO)
-        self.heartbeat = Heartbeat(heartbeat_fd, rank, spec.debug_sync, str(self.coords))
+        self.choice = bind_device(spec, rank)
+        self.heartbeat = Heartbeat(heartbeat_fd, rank, spec.debug_sync, str(self.coords),
+                                   sync=device_sync(self.choice) if spec.debug_sync else None)
         torch.manual_seed(spec.seed)
-        dist.init_process_group("gloo", store=dist.PrefixStore("pdserve/pg", store), rank=rank,
+        dist.init_process_group(self.choice.backend, store=dist.PrefixStore("pdserve/pg", store), rank=rank,
                                 world_size=spec.tp * spec.pp, timeout=collective_timeout(spec.rank_timeout))
         self.tp_group = self._tp_groups()[self.coords.pp]
         self.stage = self._load()
@@ -90,7 +94,7 @@ class Worker:
         timeout = collective_timeout(self.spec.rank_timeout)       # new_group does not inherit it (gloo: 30 min)
         groups = [dist.new_group(list(range(p * t, (p + 1) * t)), timeout=timeout)
                   for p in range(self.spec.pp)]                                # all ranks, same order
-        return [TPGroup(g, t, self.heartbeat, self.spec.debug_sync) for g in groups]
+        return [TPGroup(g, t, self.heartbeat, via_host=self.choice.shared) for g in groups]
 
     def _load(self) -> StageRunner:
         spec, c = self.spec, self.coords
@@ -100,13 +104,15 @@ class Worker:
         first, count = stage_layers(num_layers, spec.pp)[c.pp]
         faults.before_load()
         model, config = load_model(spec.model, spec.dtype, first_layer=first, num_layers=count,
-                                   tp_rank=c.tp, tp_size=c.tp_size)
+                                   device=self.choice.device, tp_rank=c.tp, tp_size=c.tp_size)
         attach(model, self.tp_group)
         layout = config.kv_layout(num_kv_heads=config.num_kv_heads // c.tp_size, num_layers=count, first_layer=first)
-        runner = ModelRunner(model, layout, spec.num_blocks, spec.block_size,
-                             attention_backend=spec.attention_backend)
+        runner = ModelRunner(model, layout, spec.num_blocks, spec.block_size, device=self.choice.device,
+                             max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
+                             attention_backend=spec.attention_backend)          # eager: no graphs on ranks (docs)
         faults.install(model, c.rank, self.heartbeat)
-        return StageRunner(model, runner, c, self.heartbeat, config.hidden_size, config.dtype)
+        return StageRunner(model, runner, c, self.heartbeat, config.hidden_size, config.dtype,
+                           via_host=self.choice.shared)
 
     def run(self) -> int:
         step = 0
@@ -146,6 +152,24 @@ class Worker:
                            msg.op_id, type(exc).__name__, exc)
             part = m.KVPart(msg.op_id, c.rank, runner.layout.first_layer, error=f"{type(exc).__name__}: {exc}")
         self.kv_out.enqueue(m.encode(part))
+
+
+def bind_device(spec: m.WorkerSpec, rank: int) -> DeviceChoice:
+    """Pick this rank's device and backend (``devices.py``), bind the GPU, log why (once per rank)."""
+    per_node = len(spec.local_ranks)                        # every machine runs as many ranks as the driver's
+    visible = torch.cuda.device_count() if spec.device == "cuda" else 0   # honours CUDA_VISIBLE_DEVICES
+    choice = select_device(spec.device, per_node, rank % per_node, visible, spec.dist_backend)
+    if choice.index is not None:
+        torch.cuda.set_device(choice.index)
+    logger.info("rank %d: %s, %s (%s)", rank, choice.device, choice.backend, choice.reason)
+    return choice
+
+
+def device_sync(choice: DeviceChoice):
+    """--debug-sync: the heartbeat calls this at every phase boundary (the CUDA_LAUNCH_BLOCKING analogue)."""
+    if choice.index is None:
+        return lambda: None                                 # CPU ops are synchronous already
+    return torch.cuda.synchronize
 
 
 def run_rank(master_addr: str, master_port: int, rank: int, heartbeat_fd: int,

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# TP x PP ranks on a GPU, one command (from the repo root; aimed at <= 5 minutes on one H200, not yet timed on one).
+# On the device, after the same set-up as bench/gpu_check.sh:
+#     bash .device/setup.sh && source /tmp/pdserve-env.sh && bash bench/gpu_parallel_check.sh
+# Dry run on a CPU box (every part, ranks on CPU over gloo; about 3 minutes on 2 cores):
+#     SMALL=1 bash bench/gpu_parallel_check.sh
+#
+#   device  torch sees CUDA (dry run: reports the CPU) and the visible GPU count
+#   units   tests/test_parallel_devices.py: the rank -> device / backend rule, --debug-sync's sync + log
+#   parity  tp1, tp2, pp2, tp2pp2 greedy ids == HF fp32 and == tp1 (devbench/parallel_check.py parity): on one GPU
+#           the ranks share it over gloo with CUDA tensors; the rank logs must say so ("share")
+#   stall   tp2pp2, rank 1 SIGSTOPped mid-run: the step fails naming "rank 1 (tp 1, pp 0) stalled ... (process
+#           stopped)" within --rank-timeout (3 s) + 5 s, and every rank is gone after
+#   kv      prefill tp1 -> decode tp2 and pp2 through an embedded store: 72 of 77 prompt tokens loaded into the
+#           ranks' shards, decode ids == HF
+# Each part runs in the background under its own time limit; the wait loop checks the process is alive and
+# reports its last lines while it runs. $OUT/summary.txt has one line per part; exit status 1 if any failed.
+# PARTS (default: all) picks some: PARTS="parity stall".
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SMALL=${SMALL:-0}
+ALL_PARTS="device units parity stall kv"
+PARTS=" ${PARTS:-$ALL_PARTS} "
+for p in $PARTS; do
+  [[ " $ALL_PARTS " == *" $p "* ]] || { echo "PARTS: unknown part '$p' (parts: $ALL_PARTS)" >&2; exit 2; }
+done
+want() { [[ "$PARTS" == *" $1 "* ]]; }
+if [ "$SMALL" = 1 ]; then DEV=cpu; export TRITON_INTERPRET=1; else DEV=cuda; export TRITON_INTERPRET=0; fi
+export PDSERVE_LOG_LEVEL=${PDSERVE_LOG_LEVEL:-INFO}   # the ranks log their device / backend choice
+PIDS=(); RESULTS=(); FAILED=0
+cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
+trap cleanup EXIT
+result() {   # name rc [detail]
+  local status=PASS
+  [ "$2" = 124 ] && status=TIMEOUT || { [ "$2" != 0 ] && status="FAIL (rc $2)"; }
+  [ "$status" = PASS ] || FAILED=1
+  RESULTS+=("$(printf '%-28s %-14s %s' "$1" "$status" "${3:-}")")
+}
+# run_part NAME LIMIT_S CMD...: runs CMD in the background into $OUT/NAME.log; waits while it is alive, up to LIMIT_S
+run_part() {
+  local name=$1 limit=$2; shift 2
+  echo; echo "=== $name ($(date +%T), limit ${limit}s)"
+  "$@" > "$OUT/$name.log" 2>&1 &
+  local pid=$! start=$SECONDS rc
+  PIDS+=("$pid")
+  while kill -0 "$pid" 2>/dev/null; do
+    if (( SECONDS - start > limit )); then
+      echo "$name: over ${limit}s; stopping pid $pid"; kill -TERM "$pid" 2>/dev/null; sleep 2; kill -KILL "$pid" 2>/dev/null
+      wait "$pid" 2>/dev/null; grep -E '^(PASS|FAIL)' "$OUT/$name.log"; return 124
+    fi
+    sleep 1
+  done
+  wait "$pid"; rc=$?
+  grep -E '^(PASS|FAIL)' "$OUT/$name.log" || tail -20 "$OUT/$name.log"
+  return $rc
+}
+py() { python3 -P "$@"; }
+passes() { grep -c '^PASS' "$OUT/$1.log"; }
+lines() { grep -cE '^(PASS|FAIL)' "$OUT/$1.log"; }
+
+if want device; then
+  run_part device 60 py -c "import sys, torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'gpus', n)
+sys.exit(sys.argv[1] == 'cuda' and n < 1)" "$DEV"
+  rc=$?; result device $rc "$(head -1 "$OUT/device.log")"
+fi
+if want units; then
+  run_part units 120 py -m pytest -q -p no:cacheprovider tests/test_parallel_devices.py
+  rc=$?; result "units (devices, debug-sync)" $rc "$(grep -E '(passed|failed|error)' "$OUT/units.log" | tail -1)"
+fi
+if want parity; then
+  run_part parity 150 py devbench/parallel_check.py parity --device $DEV
+  rc=$?
+  shared=$(grep -c "ranks share GPUs" "$OUT/parity.log")
+  if [ "$DEV" = cuda ] && [ "$rc" = 0 ] && [ "$shared" = 0 ]; then rc=1; fi     # one GPU: the ranks must share it
+  result "parity tp/pp == HF fp32" $rc "$(passes parity)/$(lines parity) layouts; $shared rank log(s) say shared"
+fi
+if want stall; then
+  run_part stall 90 py devbench/parallel_check.py stall --device $DEV
+  rc=$?; result "stall: SIGSTOP named" $rc "$(grep -E '^(PASS|FAIL)' "$OUT/stall.log" | cut -c40-120)"
+fi
+if want kv; then
+  run_part kv 120 py devbench/parallel_check.py kv --device $DEV
+  rc=$?; result "kv tp1 -> tp2 / pp2" $rc "$(passes kv)/$(lines kv) layouts"
+fi
+
+{ echo "gpu_parallel_check (SMALL=$SMALL, device $DEV) $(date -u +%FT%TZ)"; printf '%s\n' "${RESULTS[@]}"; } \
+  | tee "$OUT/summary.txt"
+exit $FAILED

@@ -1,0 +1,182 @@
+"""TP x PP ranks on one device, end to end: the checks ``bench/gpu_parallel_check.sh`` runs (one part per call).
+
+    python3 -P devbench/parallel_check.py parity --device cuda   # tp1, tp2, pp2, tp2pp2 greedy ids == HF fp32
+    python3 -P devbench/parallel_check.py stall --device cuda    # a SIGSTOPped rank named within --rank-timeout + 5 s
+    python3 -P devbench/parallel_check.py kv --device cuda       # prefill tp1 -> decode tp2 / pp2 through the store
+
+Every engine is in this process (its ranks are worker processes); on one GPU the ranks share it and run gloo
+with CUDA tensors (``engine/parallel/devices.py`` logs the choice in each rank). A tiny random Llama
+(4 heads, 2 KV heads, 4 layers, fp32) so tp 2 splits heads and pp 2 splits layers. Prints one line per
+case and ``PASS``/``FAIL``; exits 1 on any failure. Fixed seeds; the timings are wall seconds on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+from pdserve.engine.checkpoints.tiny_model import make_tiny_model
+from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
+from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.engine.parallel.executor import RankFailedError
+from pdserve.engine.sampling_params import SamplingParams
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+TOKENS = 10
+
+
+def engine(model: str, device: str, tp: int = 1, pp: int = 1, role: str = "both", store=None,
+           rank_timeout: float = 60.0, **parallel) -> LLMEngine:
+    kv = KVTransferConfig(role=role, kv_store="embedded", kv_chunk_tokens=32) if store is not None else None
+    cfg = EngineConfig(model=model, dtype="float32", device=device, cache=CacheConfig(block_size=8),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=48),
+                       parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                               rank_timeout=rank_timeout, **parallel),
+                       **({"kv_transfer": kv} if kv else {}))
+    return LLMEngine(cfg, store=store) if store is not None else LLMEngine(cfg)
+
+
+def run(e: LLMEngine, prompts: list[list[int]], params: SamplingParams, transfer=None) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        e.add_request(f"r{i}", p, params, transfer)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    finals = {}
+    while e.has_unfinished():
+        for o in e.step():
+            out[o.request_id] += o.new_token_ids
+            if o.finished:
+                finals[o.request_id] = o
+    run.finals = finals
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def hf_greedy(model: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def prompts_for(model: str) -> list[list[int]]:
+    from pdserve.engine.models.model_config import ModelConfig
+
+    vocab = ModelConfig.from_dir(model).vocab_size
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 17, 300, 5)]
+
+
+def check(name: str, ok: bool, detail: str) -> bool:
+    print(f"{'PASS' if ok else 'FAIL'}  {name:<34} {detail}", flush=True)
+    return ok
+
+
+def part_parity(model: str, device: str) -> bool:
+    prompts = prompts_for(model)
+    want = hf_greedy(model, prompts, TOKENS)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    ok, single = True, None
+    for tp, pp in LAYOUTS:
+        t0 = time.monotonic()
+        e = engine(model, device, tp, pp)
+        try:
+            got = run(e, prompts, params)
+        finally:
+            e.shutdown()
+        single = got if (tp, pp) == (1, 1) else single
+        same = sum(g == w for g, w in zip(got, want))
+        ok &= check(f"greedy tp{tp} pp{pp} == HF fp32", got == want and got == single,
+                    f"{same}/{len(want)} prompts equal HF; == tp1: {got == single}; {time.monotonic() - t0:.1f}s")
+    return ok
+
+
+def part_stall(model: str, device: str, rank_timeout: float = 3.0, rank: int = 1) -> bool:
+    """SIGSTOP rank ``rank`` (tp 1, pp 0) while tp2 x pp2 generates; the step must raise naming it in time."""
+    e = engine(model, device, 2, 2, rank_timeout=rank_timeout)
+    ex = e.runner
+    pid = ex.heartbeat.states()[rank].pid
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts_for(model)):
+        e.add_request(f"r{i}", p, params)
+    stopped_at: list[float] = []
+    pids = ex.pids()
+
+    def stop_soon():
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at.append(time.monotonic())
+
+    threading.Thread(target=stop_soon, daemon=True).start()
+    message, deadline = "", time.monotonic() + rank_timeout + 60
+    try:
+        while e.has_unfinished() and time.monotonic() < deadline:
+            e.step()
+    except RankFailedError as exc:
+        message = str(exc)
+    except Exception as exc:  # noqa: BLE001 - the engine may wrap it; its text is what counts
+        message = f"{type(exc).__name__}: {exc}"
+    elapsed = time.monotonic() - stopped_at[0] if stopped_at else float("inf")
+    e.shutdown()
+    gone = all(not _alive(p) for p in pids)
+    named = "rank 1 (tp 1, pp 0) stalled" in message and "(process stopped)" in message
+    return check("SIGSTOPped rank named", named and elapsed <= rank_timeout + 5 and gone,
+                 f"{elapsed:.1f}s after SIGSTOP (limit {rank_timeout + 5:.0f}s); ranks gone: {gone}; {message[:160]!r}")
+
+
+def part_kv(model: str, device: str) -> bool:
+    """Prefill tp1 publishes to an embedded store; decode tp2 and pp2 load it into their shards."""
+    from pdserve.kvstore.memory import MemoryTier
+    from pdserve.kvstore.tiered import TieredStore
+
+    prompt = prompts_for(model)[2][:77]                      # 2 full chunks of 32 + a partial one
+    want = hf_greedy(model, [prompt], 8)[0]
+    ok = True
+    for tp, pp in ((2, 1), (1, 2)):
+        store = TieredStore(MemoryTier(64 << 20))
+        engines = [engine(model, device, role="prefill", store=store), engine(model, device, tp, pp, "decode", store)]
+        try:
+            run(engines[0], [prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                {"do_remote_decode": True})
+            params = run.finals["r0"].kv_transfer_params
+            got = run(engines[1], [prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), params)[0]
+            loaded = run.finals["r0"].kv_accounting["loaded_tokens"]
+        finally:
+            for x in engines:
+                x.shutdown()
+            store.close()
+        ok &= check(f"KV prefill tp1 -> decode tp{tp} pp{pp}", got == want and loaded == 72,
+                    f"loaded {loaded} tokens (want 72); == HF: {got == want}")
+    return ok
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("part", choices=["parity", "stall", "kv"])
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="pdserve-parallel-check-") as tmp:
+        model = str(make_tiny_model(os.path.join(tmp, "llama"), arch="llama", seed=0, num_layers=4))
+        ok = {"parity": part_parity, "stall": part_stall, "kv": part_kv}[args.part](model, args.device)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
