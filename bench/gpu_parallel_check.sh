@@ -8,7 +8,9 @@
 #   device  torch sees CUDA (dry run: reports the CPU) and the visible GPU count
 #   units   tests/test_parallel_devices.py: the rank -> device / backend rule, --debug-sync's sync + log
 #   parity  tp1, tp2, pp2, tp2pp2 greedy ids == HF fp32 and == tp1 (devbench/parallel_check.py parity): on one GPU
-#           the ranks share it over gloo with CUDA tensors; the rank logs must say so ("share")
+#           the ranks share it over gloo with CUDA tensors; each of the 8 ranks must log that choice ("share"; dry
+#           run: "CPU ranks: gloo")
+#   debugsync  tp2pp2 under --debug-sync == HF; the ranks must log "device synchronised after all_reduce"
 #   stall   tp2pp2, rank 1 SIGSTOPped mid-run: the step fails naming "rank 1 (tp 1, pp 0) stalled ... (process
 #           stopped)" within --rank-timeout (3 s) + 5 s, and every rank is gone after
 #   kv      prefill tp1 -> decode tp2 and pp2 through an embedded store: 72 of 77 prompt tokens loaded into the
@@ -20,7 +22,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SMALL=${SMALL:-0}
-ALL_PARTS="device units parity stall kv"
+ALL_PARTS="device units parity debugsync stall kv"
 PARTS=" ${PARTS:-$ALL_PARTS} "
 for p in $PARTS; do
   [[ " $ALL_PARTS " == *" $p "* ]] || { echo "PARTS: unknown part '$p' (parts: $ALL_PARTS)" >&2; exit 2; }
@@ -72,13 +74,21 @@ fi
 if want parity; then
   run_part parity 150 py devbench/parallel_check.py parity --device $DEV
   rc=$?
-  shared=$(grep -c "ranks share GPUs" "$OUT/parity.log")
-  if [ "$DEV" = cuda ] && [ "$rc" = 0 ] && [ "$shared" = 0 ]; then rc=1; fi     # one GPU: the ranks must share it
-  result "parity tp/pp == HF fp32" $rc "$(passes parity)/$(lines parity) layouts; $shared rank log(s) say shared"
+  if [ "$DEV" = cuda ]; then choice="ranks share GPUs"; else choice="CPU ranks: gloo"; fi   # one GPU: shared, gloo
+  chosen=$(grep -c "$choice" "$OUT/parity.log")
+  [ "$rc" = 0 ] && [ "$chosen" != 8 ] && rc=1                 # one line per rank: tp2 + pp2 + tp2pp2 = 2 + 2 + 4
+  result "parity tp/pp == HF fp32" $rc "$(passes parity)/$(lines parity) layouts; $chosen rank logs say '$choice'"
+fi
+if want debugsync; then
+  run_part debugsync 90 py devbench/parallel_check.py debugsync --device $DEV
+  rc=$?
+  syncs=$(grep -c "device synchronised after all_reduce" "$OUT/debugsync.log")
+  [ "$rc" = 0 ] && [ "$syncs" = 0 ] && rc=1                       # the ranks must have logged their syncs
+  result "--debug-sync tp2pp2" $rc "$(passes debugsync)/1 == HF; $syncs 'synchronised after all_reduce' log lines"
 fi
 if want stall; then
   run_part stall 90 py devbench/parallel_check.py stall --device $DEV
-  rc=$?; result "stall: SIGSTOP named" $rc "$(grep -E '^(PASS|FAIL)' "$OUT/stall.log" | cut -c40-120)"
+  rc=$?; result "stall: SIGSTOP named" $rc "$(grep -E '^(PASS|FAIL)' "$OUT/stall.log" | cut -c42-100)"
 fi
 if want kv; then
   run_part kv 120 py devbench/parallel_check.py kv --device $DEV

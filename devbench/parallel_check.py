@@ -1,6 +1,7 @@
 """TP x PP ranks on one device, end to end: the checks ``bench/gpu_parallel_check.sh`` runs (one part per call).
 
     python3 -P devbench/parallel_check.py parity --device cuda   # tp1, tp2, pp2, tp2pp2 greedy ids == HF fp32
+    python3 -P devbench/parallel_check.py debugsync --device cuda  # tp2 x pp2 under --debug-sync == HF
     python3 -P devbench/parallel_check.py stall --device cuda    # a SIGSTOPped rank named within --rank-timeout + 5 s
     python3 -P devbench/parallel_check.py kv --device cuda       # prefill tp1 -> decode tp2 / pp2 through the store
 
@@ -99,6 +100,18 @@ def part_parity(model: str, device: str) -> bool:
     return ok
 
 
+def part_debugsync(model: str, device: str) -> bool:
+    """tp2 x pp2 under --debug-sync: the same ids (the ranks then log a device sync at every phase end)."""
+    prompts = prompts_for(model)[:2]
+    want = hf_greedy(model, prompts, 4)
+    e = engine(model, device, 2, 2, debug_sync=True)
+    try:
+        got = run(e, prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    finally:
+        e.shutdown()
+    return check("--debug-sync tp2 pp2 == HF fp32", got == want, f"== HF: {got == want}")
+
+
 def part_stall(model: str, device: str, rank_timeout: float = 3.0, rank: int = 1) -> bool:
     """SIGSTOP rank ``rank`` (tp 1, pp 0) while tp2 x pp2 generates; the step must raise naming it in time."""
     e = engine(model, device, 2, 2, rank_timeout=rank_timeout)
@@ -127,7 +140,7 @@ def part_stall(model: str, device: str, rank_timeout: float = 3.0, rank: int = 1
     elapsed = time.monotonic() - stopped_at[0] if stopped_at else float("inf")
     e.shutdown()
     gone = all(not _alive(p) for p in pids)
-    named = "rank 1 (tp 1, pp 0) stalled" in message and "(process stopped)" in message
+    named = "rank 1 (tp 1, pp 0) stalled" in message and "(process stopped)" in message and "waiting in" in message
     return check("SIGSTOPped rank named", named and elapsed <= rank_timeout + 5 and gone,
                  f"{elapsed:.1f}s after SIGSTOP (limit {rank_timeout + 5:.0f}s); ranks gone: {gone}; {message[:160]!r}")
 
@@ -168,13 +181,14 @@ def _alive(pid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("part", choices=["parity", "stall", "kv"])
+    p.add_argument("part", choices=["parity", "debugsync", "stall", "kv"])
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="pdserve-parallel-check-") as tmp:
         model = str(make_tiny_model(os.path.join(tmp, "llama"), arch="llama", seed=0, num_layers=4))
-        ok = {"parity": part_parity, "stall": part_stall, "kv": part_kv}[args.part](model, args.device)
+        part = {"parity": part_parity, "debugsync": part_debugsync, "stall": part_stall, "kv": part_kv}[args.part]
+        ok = part(model, args.device)
     return 0 if ok else 1
 
 

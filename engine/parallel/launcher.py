@@ -9,7 +9,9 @@ Started by ``ParallelExecutor`` on the driver's machine (with the driver's heart
 ``pdserve node --node-rank N`` on another machine (it then creates its own heartbeat and mirrors it
 to the driver, ``mirror.py``). Importing torch costs seconds of CPU per process; forked ranks share
 the imported modules copy-on-write, so tp x pp ranks start about as fast as one. The launcher has
-run no torch op and started no thread when it forks (a fork after that would inherit thread pools).
+run no torch op and started no thread when it forks (a fork after that would inherit thread pools),
+and has made no CUDA call, not even a device count (a CUDA driver initialised before fork() is
+unusable in the children): each rank counts and binds its GPU itself (``devices.py``).
 It then waits for its children, writes each one's exit status into the heartbeat (the driver is
 not their parent, so it cannot ``waitpid`` them), and exits once every rank did.
 
