@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from pdserve.engine.config import ConfigError, EngineConfig, ParallelConfig
-from pdserve.engine.parallel.devices import DeviceChoice, DeviceSelectionError, select_device
+from pdserve.engine.parallel.devices import DeviceChoice, DeviceSelectionError, local_rank_of, select_device
 from pdserve.engine.parallel.watchdog import Heartbeat
 
 
@@ -115,3 +115,24 @@ def test_without_debug_sync_nothing_synchronises(caplog):
     hb.enter("forward")
     assert not [r for r in caplog.records if "synchronised" in r.getMessage()]
     hb.close()
+
+
+def test_the_local_rank_is_the_index_on_the_machine():
+    # tp 4 x pp 4 over 2 machines of 8 GPUs: ranks 8-15 on machine 1 bind its GPUs 0-7
+    assert [local_rank_of(r, 8) for r in range(16)] == [*range(8), *range(8)]
+    assert select_device("cuda", 8, local_rank_of(13, 8), 8).device == "cuda:5"
+
+
+def test_a_cpu_rank_binds_nothing_and_logs_its_choice(caplog):
+    from pdserve.engine.parallel import messages as m
+    from pdserve.engine.parallel.worker import bind_device, device_sync
+
+    spec = m.WorkerSpec(model="x", dtype="float32", seed=0, tp=2, pp=2, num_blocks=4, block_size=8, broadcast={},
+                        results={}, kv_parts=[], heartbeat_mirror={}, local_ranks=[0, 1], rank_timeout=1.0)
+    caplog.set_level(logging.INFO, logger="pdserve.worker")
+    for rank in range(4):
+        assert bind_device(spec, rank) == DeviceChoice("cpu", None, "gloo", "CPU ranks: gloo")
+    assert "rank 3: cpu, gloo (CPU ranks: gloo)" in caplog.text
+    assert device_sync(DeviceChoice("cpu", None, "gloo", ""))() is None
+    with pytest.raises(DeviceSelectionError, match="nccl needs --device cuda"):
+        bind_device(m.WorkerSpec(**{**{f: getattr(spec, f) for f in spec.__struct_fields__}, "dist_backend": "nccl"}), 0)

@@ -2,7 +2,7 @@
 
 Called by ``Worker`` (``worker.py``) at start-up, before ``init_process_group``:
 
-    choice = select_device(device, ranks_per_node, local_rank, visible_devices, requested)
+    choice = select_device(device, ranks_per_node, local_rank_of(rank, ranks_per_node), visible_devices, requested)
     # DeviceChoice(device="cuda:1", index=1, backend="nccl", reason="8 ranks on this machine, 8 visible GPUs ...")
 
     device    cpu      -> cpu, gloo (nccl asked: refused)
@@ -40,6 +40,11 @@ class DeviceChoice:
     def shared(self) -> bool:
         """Ranks share this GPU: collectives and stage hand-offs go through gloo (send/recv via the host)."""
         return self.index is not None and self.backend == "gloo"
+
+
+def local_rank_of(rank: int, ranks_per_node: int) -> int:
+    """A rank's index on its machine: machine n runs ranks [n * R, (n + 1) * R) (``--node-rank n``)."""
+    return rank % ranks_per_node
 
 
 def select_device(device: str, ranks_per_node: int, local_rank: int, visible_devices: int,

@@ -40,7 +40,7 @@ from pdserve.engine.models.loader import load_model
 from pdserve.engine.parallel import faults
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle, WriterDeadError
-from pdserve.engine.parallel.devices import DeviceChoice, select_device
+from pdserve.engine.parallel.devices import DeviceChoice, local_rank_of, select_device
 from pdserve.engine.parallel.kv import gather_part, scatter_part
 from pdserve.engine.parallel.stage import Coords, StageRunner, stage_layers
 from pdserve.engine.parallel.tp import TPGroup, attach
@@ -158,7 +158,7 @@ def bind_device(spec: m.WorkerSpec, rank: int) -> DeviceChoice:
     """Pick this rank's device and backend (``devices.py``), bind the GPU, log why (once per rank)."""
     per_node = len(spec.local_ranks)                        # every machine runs as many ranks as the driver's
     visible = torch.cuda.device_count() if spec.device == "cuda" else 0   # honours CUDA_VISIBLE_DEVICES
-    choice = select_device(spec.device, per_node, rank % per_node, visible, spec.dist_backend)
+    choice = select_device(spec.device, per_node, local_rank_of(rank, per_node), visible, spec.dist_backend)
     if choice.index is not None:
         torch.cuda.set_device(choice.index)
     logger.info("rank %d: %s, %s (%s)", rank, choice.device, choice.backend, choice.reason)
