@@ -1,9 +1,11 @@
 """L2: Redis (or Redis Cluster) holding serialised objects under a key prefix.
 
 Who calls it: ``TieredStore`` (write-through worker and read misses), the bench, tests.
-All I/O is batched: one pipeline of SETs per put, one pipeline of GETRANGEs per get (each reads
+All I/O is batched: one MULTI/EXEC per put (SET header + APPEND payload per object: the payload leaves
+from the tensor's own memory; Redis Cluster and lz4: one pipeline of SETs of joined blobs), one pipeline of GETRANGEs per get (each reads
 at most ``max_blob_bytes``: a huge value someone else wrote is cut short and fails its checks, never
-read whole), one pipeline of EXISTS per contains. redis-py's connection pool is shared by the threads that call in.
+read whole), one pipeline of EXISTS per contains. A get's payload stays in the reply's ``bytes`` (codec.decode uses it in place); with
+hiredis installed (the ``fast`` extra) redis-py parses replies in C. redis-py's connection pool is shared by the threads that call in.
 ``redis+cluster://host:port`` uses redis-py's cluster client (the scale-out path).
 Connection errors propagate (counted in ``errors``); ``TieredStore`` marks the tier down.
 Redis is shared by many writers, so ``objects``/``bytes`` are not tracked here (Redis's
@@ -13,10 +15,13 @@ INFO has them); ``bytes_in``/``bytes_out`` count this client's traffic.
 from __future__ import annotations
 
 import redis
+import torch
 from redis.cluster import RedisCluster
 
+from pdserve.kvstore import codec
 from pdserve.kvstore.blob import BlobTier
 from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
+from pdserve.kvstore.keys import check_key
 
 CLUSTER_SCHEME = "redis+cluster://"
 
@@ -37,6 +42,25 @@ class RedisTier(BlobTier):
             self._client = RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME):], **opts)
         else:
             self._client = redis.Redis.from_url(url, **opts)
+
+    def put(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """One transaction: per object SET header, APPEND payload (the tensor's memory, sent as it is; no
+        header+payload copy). MULTI/EXEC makes each object appear whole or not at all. Redis Cluster (one
+        transaction cannot span slots) and lz4 take the joined blob of ``BlobTier.put``."""
+        if self._cluster or self.codec_name != "none":
+            return super().put(items)
+        fits = [(check_key(k), t) for k, t in items if t.numel() * t.element_size() <= self.max_object_bytes]
+        self._stats.add(rejected=len(items) - len(fits))
+        pipe = self._client.pipeline(transaction=True)
+        nbytes = 0
+        for key, tensor in fits:
+            header, payload = codec.encode_parts(tensor, "none", key)
+            pipe.set(self.prefix + key, header, ex=self.ttl_s)
+            pipe.append(self.prefix + key, memoryview(payload))
+            nbytes += len(header) + len(payload)
+        if fits:
+            self._guarded(lambda _: pipe.execute(), None)
+        self._stats.add(bytes_in=nbytes)
 
     def _write(self, blobs: list[tuple[str, bytes]]) -> None:
         pipe = self._client.pipeline(transaction=False)

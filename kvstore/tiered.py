@@ -74,6 +74,51 @@ class TieredStore(KVStore):
         self.l1.adopt(items)
         self._enqueue(items)
 
+    @property
+    def arena(self):
+        """L1's shared-memory arena (an ``ArenaTier`` L1: the daemon's store), else None."""
+        return getattr(self.l1, "arena", None)
+
+    # --- arena L1 only (the daemon, see daemon_arena.py): slots are written/read in place --------------
+
+    def store_bytes(self, meta, data) -> None:
+        """Copy one object's bytes (any buffer) into a new L1 slot, and queue it for the lower tiers."""
+        slot = self.l1.store_bytes(meta, data, pin=bool(self.lower))
+        if slot is not None and self.lower:
+            self._enqueue_slots([slot])
+
+    def reserve(self, meta):
+        return self.l1.reserve(meta)
+
+    def cancel(self, slots: list) -> None:
+        self.l1.cancel(slots)
+
+    def commit(self, slots: list) -> None:
+        """Serve reserved slots whose bytes are written; their bytes go to the lower tiers from the arena."""
+        self.l1.commit(slots, pin=bool(self.lower))
+        if self.lower:
+            self._enqueue_slots(slots)
+
+    def lease(self, keys: list[str]) -> list:
+        """Per key: its pinned L1 slot, else a lower tier's tensor that could not be promoted, else None."""
+        out: list = self.l1.pin(keys)
+        fresh = self._fill_from_lower(keys, out)
+        if fresh:
+            self.l1.adopt([(keys[i], out[i]) for i in fresh])
+            for i, slot in zip(fresh, self.l1.pin([keys[i] for i in fresh])):
+                out[i] = slot if slot is not None else out[i]
+        return out
+
+    def unpin(self, slots: list) -> None:
+        self.l1.unpin(slots)
+
+    def tensor_of(self, slot) -> torch.Tensor:
+        return self.l1.tensor_of(slot)
+
+    def _enqueue_slots(self, slots: list) -> None:
+        """Queue pinned slots' arena views for write-through; unpinned once written (or dropped)."""
+        self._enqueue([(s.key, self.l1.tensor_of(s)) for s in slots], release=lambda: self.l1.unpin(slots))
+
     def get(self, keys: list[str]) -> list[torch.Tensor | None]:
         out = self.l1.get(keys)
         for i in self._fill_from_lower(keys, out):
@@ -154,7 +199,8 @@ class TieredStore(KVStore):
 
     # -- write-through: callers enqueue, one worker thread writes ---------------------------
 
-    def _enqueue(self, items: Items) -> None:
+    def _enqueue(self, items: Items, release=None) -> None:
+        """``release``: called once the lower tiers are done with the items' bytes (or the batch is dropped)."""
         if not self.lower or not items:
             return
         nbytes = sum(t.numel() * t.element_size() for _, t in items)
@@ -163,11 +209,13 @@ class TieredStore(KVStore):
             if self._queued_objects and self._queued_bytes + nbytes > self.queue_bytes:
                 self._drop(len(items), nbytes)
                 self._queue.put(("dropped", (len(items), writer)))
+                if release is not None:
+                    release()
                 return
             self._end_full_episode()
             self._queued_bytes += nbytes
             self._queued_objects += len(items)
-            self._queue.put(("put", (items, nbytes, writer)))
+            self._queue.put(("put", (items, nbytes, writer, release)))
 
     def _drop(self, n: int, nbytes: int) -> None:
         """Count a dropped batch (lock held); WARNING once per full episode."""
@@ -211,8 +259,10 @@ class TieredStore(KVStore):
     def _count_lost(self, n: int, writer: int) -> None:
         self._unreported_lost[writer] = self._unreported_lost.get(writer, 0) + n
 
-    def _write_batch(self, items: Items, nbytes: int, writer: int) -> None:
+    def _write_batch(self, items: Items, nbytes: int, writer: int, release) -> None:
         outcomes = [self._write_to(tier, items) for tier in self.lower]
+        if release is not None:
+            release()
         lost = any(o != "wt_written" for o in outcomes)
         with self._lock:
             for tier, outcome in zip(self.lower, outcomes):
