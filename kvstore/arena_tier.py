@@ -116,9 +116,8 @@ class ArenaTier(KVStore):
         """A slot for ``meta``'s bytes (evicting unpinned LRU objects for room); None -- counted -- if none fits."""
         with self._lock:
             offset = self.arena.alloc(meta.nbytes)
-            victims = iter([s for s in self._index.values() if s.pins == 0])
             while offset is None:
-                victim = next(victims, None)
+                victim = next((s for s in self._index.values() if s.pins == 0), None)    # the oldest unpinned
                 if victim is None:
                     self._stats.add(rejected=1)
                     log.debug("arena tier rejected %s (%d bytes; the rest is pinned or reserved)", meta.key, meta.nbytes)

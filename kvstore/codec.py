@@ -39,8 +39,11 @@ import numpy as np
 import torch
 import xxhash
 
-# decode hands out tensors over a private ``bytes`` (see _to_tensor); torch's one-time note about it is noise
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+# decode hands out tensors over a private ``bytes`` (see _to_tensor); torch notes that once per process: spend
+# that note here, silenced, so it never shows
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 MAGIC = b"PDKV"
 FORMAT_VERSION = 2                     # 2: key hash in the header
 CODECS = {"none": 0, "lz4": 1}

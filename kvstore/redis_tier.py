@@ -2,8 +2,8 @@
 
 Who calls it: ``TieredStore`` (write-through worker and read misses), the bench, tests.
 All I/O is batched: one MULTI/EXEC per put (SET header + APPEND payload per object: the payload leaves
-from the tensor's own memory; Redis Cluster and lz4: one pipeline of SETs of joined blobs), one pipeline of GETRANGEs per get (each reads
-at most ``max_blob_bytes``: a huge value someone else wrote is cut short and fails its checks, never
+from the tensor's own memory; Redis Cluster and lz4: one pipeline of SETs of joined blobs), one GETRANGE per key in one Lua script per get
+(Redis Cluster: a pipeline of them; each reads at most ``max_blob_bytes``: a huge value someone else wrote is cut short and fails its checks, never
 read whole), one pipeline of EXISTS per contains. A get's payload stays in the reply's ``bytes`` (codec.decode uses it in place); with
 hiredis installed (the ``fast`` extra) redis-py parses replies in C. redis-py's connection pool is shared by the threads that call in.
 ``redis+cluster://host:port`` uses redis-py's cluster client (the scale-out path).
@@ -24,6 +24,7 @@ from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
 from pdserve.kvstore.keys import check_key
 
 CLUSTER_SCHEME = "redis+cluster://"
+APPEND_FROM = 256 << 10     # payloads from this size are APPENDed from the tensor's memory, smaller ones joined
 
 
 class RedisTier(BlobTier):
@@ -49,8 +50,12 @@ class RedisTier(BlobTier):
         transaction cannot span slots) and lz4 take the joined blob of ``BlobTier.put``."""
         if self._cluster or self.codec_name != "none":
             return super().put(items)
-        fits = [(check_key(k), t) for k, t in items if t.numel() * t.element_size() <= self.max_object_bytes]
-        self._stats.add(rejected=len(items) - len(fits))
+        small = [(k, t) for k, t in items if t.numel() * t.element_size() < APPEND_FROM]
+        if small:                                  # a small copy costs less than a second command in a transaction
+            super().put(small)
+        fits = [(check_key(k), t) for k, t in items
+                if APPEND_FROM <= t.numel() * t.element_size() <= self.max_object_bytes]
+        self._stats.add(rejected=len(items) - len(small) - len(fits))
         pipe = self._client.pipeline(transaction=True)
         nbytes = 0
         for key, tensor in fits:
@@ -71,10 +76,31 @@ class RedisTier(BlobTier):
     def _read(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
             return []
+        if not self._cluster:
+            return [blob or None for blob in self._lean_pipeline([("GETRANGE", self.prefix + k, 0, self.max_blob_bytes)
+                                                                  for k in keys])]
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.getrange(self.prefix + key, 0, self.max_blob_bytes)   # one byte past the limit: cut, refused
         return [blob or None for blob in pipe.execute()]                 # a missing key reads as b""
+
+    def _lean_pipeline(self, commands: list[tuple]) -> list:
+        """Send every command at once and read the replies in order on one pooled connection: a pipeline without
+        redis-py's per-command layers (callbacks, command stack), which cost more than a 64 KiB read."""
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+            replies = [conn.read_response() for _ in commands]
+        except BaseException:
+            conn.disconnect()                      # replies may still be in flight: never reuse this connection
+            raise
+        finally:
+            pool.release(conn)
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        return replies
 
     def _exists(self, keys: list[str]) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)
