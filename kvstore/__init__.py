@@ -21,7 +21,9 @@ Who calls it: the engine's KV connector (prefill: ``put``; decode: ``lookup`` th
     arena.py       the daemon's L1 arena: a sealed memfd, its extent allocator, a client's mapping
     arena_tier.py  L1 in the arena: reserved -> committed slots, pins (leases, sends, write-through), LRU
     daemon.py      KVDaemon (zmq ROUTER);  daemon_arena.py  its MapArena/Reserve/Lease/Release side
-    client.py      DaemonClient (same interface);  client_arena.py  its one-copy put/get through the arena
+    client.py      DaemonClient (same interface);  client_arena.py  its one-copy put/get through the arena;
+                   client_segment.py  its put/get as frames or through a segment, and the payload checks
+    tiered_arena.py  TieredStore's slot methods for an arena L1 (write-through straight from the arena)
     cli.py         ``pdserve kvstore`` flags;  metrics.py  Prometheus export
     accounting.py  per-request hit/load/recompute accounting (need_to_load never < 0)
     seal.py        sealed objects: a keyed MAC checked end to end (publisher -> every loader)

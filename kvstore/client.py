@@ -45,7 +45,7 @@ import time
 import torch
 import zmq
 
-from pdserve.kvstore import client_arena
+from pdserve.kvstore import client_arena, client_segment
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.arena import ArenaMap
 from pdserve.kvstore.auth import ClusterKey
@@ -53,7 +53,7 @@ from pdserve.kvstore.session import daemon_proof, new_nonce, request_token
 from pdserve.kvstore.base import KVStore, StatsDict
 from pdserve.kvstore.codec import tensor_bytes
 from pdserve.kvstore.keys import check_key
-from pdserve.kvstore.shm import ShmSegment, align
+from pdserve.kvstore.shm import ShmSegment
 from pdserve.kvstore.zmq_context import shared_context
 
 log = logging.getLogger(__name__)
@@ -155,72 +155,11 @@ class DaemonClient(KVStore):
                 return fn(self._segment())
 
     def _put_batch(self, objs: list, start: int, seg: ShmSegment | ArenaMap | None) -> int:
-        """Send objs[start:] up to the batch limit and what fits in ``seg``; the next start."""
-        if isinstance(seg, ArenaMap):
-            return client_arena.put_batch(self, objs, start, seg)
-        metas, frames, offset = [], [], 0
-        for meta, data in objs[start:start + self.max_batch]:
-            meta.digest = P.digest_of(meta.key, data)
-            if seg is not None and meta.nbytes <= seg.size:
-                if offset + meta.nbytes > seg.size:
-                    break
-                seg.write(offset, data)
-                meta.offset, offset = offset, align(offset + meta.nbytes)
-            else:
-                meta.offset = P.FRAME
-                frames.append(data)
-            metas.append(meta)
-        self._count(len(metas) - len(frames), len(frames))
-        self._call(P.Put(objs=metas, gen=seg.gen if len(frames) < len(metas) else 0), frames)
-        return start + len(metas)
+        """Send objs[start:] up to the batch limit (and what fits in ``seg``); the next start."""
+        return (client_arena if isinstance(seg, ArenaMap) else client_segment).put_batch(self, objs, start, seg)
 
     def _get_batch(self, keys: list[str], seg: ShmSegment | ArenaMap | None) -> list[torch.Tensor | None]:
-        if isinstance(seg, ArenaMap):
-            return client_arena.get_batch(self, keys, seg)
-        out: list[torch.Tensor | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        while todo:
-            reply, frames = self._call(P.Get(keys=[keys[i] for i in todo], gen=seg.gen if seg else 0))
-            if len(reply.objs) != len(todo):
-                raise DaemonError(f"KV daemon at {self.url} answered {len(reply.objs)} objects for {len(todo)} keys")
-            frames, deferred = iter(frames), []
-            for i, meta in zip(todo, reply.objs):
-                if meta is not None and meta.offset == P.DEFERRED:
-                    deferred.append(i)
-                elif meta is not None:
-                    out[i] = self._own(keys[i], meta, self._payload(meta, frames, seg))
-            seg = seg if len(deferred) < len(todo) else None    # nothing fit: fall back to frames
-            todo = deferred
-        return out
-
-    def _own(self, key: str, meta: P.ObjMeta, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        """The object only if the reply names the key that was asked for (else a counted miss)."""
-        if tensor is not None and meta.key != key:
-            self._counters["checksum_failures"] += 1
-            log.warning("KV daemon at %s answered object %r for key %r; treated as a miss", self.url,
-                        meta.key[:80], key)
-            return None
-        return tensor
-
-    def _payload(self, meta: P.ObjMeta, frames, seg: ShmSegment | None) -> torch.Tensor | None:
-        """Our own copy of one object; None (a counted miss) when its digest is wrong."""
-        if meta.offset == P.FRAME:
-            frame = next(frames)
-            if len(frame) != meta.nbytes or P.nbytes_of(meta) != meta.nbytes:
-                self._counters["checksum_failures"] += 1
-                log.warning("KV daemon at %s: object %r has a %d-byte frame for %d bytes of %s%s; treated as a "
-                            "miss", self.url, meta.key[:80], len(frame), meta.nbytes, meta.dtype, meta.shape[:8])
-                return None
-            raw = P.frame_tensor(frame)
-        else:
-            raw = seg.read(meta.offset, meta.nbytes)
-        self._count(meta.offset != P.FRAME, meta.offset == P.FRAME)
-        if not P.check_digest(meta, raw.numpy()):
-            self._counters["checksum_failures"] += 1
-            log.warning("KV daemon at %s: object %r failed its digest check (%d bytes); treated as a miss",
-                        self.url, meta.key, meta.nbytes)
-            return None
-        return raw.view(P.dtype_of(meta.dtype)).reshape(meta.shape)
+        return (client_arena if isinstance(seg, ArenaMap) else client_segment).get_batch(self, keys, seg)
 
     def _segment(self) -> ShmSegment | ArenaMap | None:
         """The mapped arena or attached segment, mapping when due; None means zmq frames."""

@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from pdserve.kvstore import client_segment
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.arena import ArenaMap
 
@@ -57,7 +58,7 @@ def get_batch(client, keys: list[str], amap: ArenaMap) -> list[torch.Tensor | No
 
 def _one(client, key: str, meta: P.ObjMeta, frames, amap: ArenaMap) -> torch.Tensor | None:
     if meta.offset == P.FRAME:
-        return client._own(key, meta, client._payload(meta, frames, None))
+        return client_segment.own(client, key, meta, client_segment.payload(client, meta, frames, None))
     if meta.key != key or P.nbytes_of(meta) != meta.nbytes or not 0 <= meta.offset <= amap.size - meta.nbytes:
         client._counters["checksum_failures"] += 1
         log.warning("KV daemon at %s: arena reply for key %r names %r at [%d, +%d) (%s%s); treated as a miss",

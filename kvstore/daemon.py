@@ -22,7 +22,6 @@ Standalone: ``python -m pdserve.kvstore --port 5557`` (same flags as ``pdserve k
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 import time
@@ -33,7 +32,7 @@ import torch
 import zmq
 
 from pdserve.kvstore import protocol as P
-from pdserve.kvstore.auth import TOKEN_HELP, ClusterKey
+from pdserve.kvstore.auth import ClusterKey, check_exposure
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
 from pdserve.kvstore.daemon_arena import ArenaServer
@@ -60,7 +59,7 @@ class KVDaemon:
     def __init__(self, store: KVStore, host: str = "127.0.0.1", port: int = 5557, token: str = "",
                  limits: DaemonLimits = DaemonLimits(), allow_unauthenticated: bool = False) -> None:
         """``token``: the cluster token (``kvstore.auth``); "" serves anyone who can connect."""
-        _check_exposure(token, host, allow_unauthenticated)
+        check_exposure(token, host, allow_unauthenticated)
         self.store, self.limits = store, limits
         self._sessions = Sessions(ClusterKey(token).wire_key) if token else None
         self._sock = shared_context().socket(zmq.ROUTER)
@@ -301,25 +300,6 @@ def _check_version(req) -> None:
             return
     if req.v != P.PROTOCOL_VERSION:
         raise ValueError(f"protocol version {req.v}; this daemon speaks {P.PROTOCOL_VERSION}")
-
-
-def _check_exposure(token: str, host: str, allow_unauthenticated: bool) -> None:
-    if token:
-        return
-    if not _is_loopback(host) and not allow_unauthenticated:
-        raise ValueError(f"binding {host} (not loopback) without a token would let anyone who reaches it read and "
-                         f"write the cluster's KV: {TOKEN_HELP} (or pass --allow-unauthenticated)")
-    log.warning("KV store daemon WITHOUT an auth token on %s: every local user (and anyone who reaches %s) can "
-                "read, write, delete and attach shared memory; %s", host, host, TOKEN_HELP)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 if __name__ == "__main__":      # the flags and the runner are cli.py's, which imports this module: no circle

@@ -1,11 +1,14 @@
 """L2: Redis (or Redis Cluster) holding serialised objects under a key prefix.
 
 Who calls it: ``TieredStore`` (write-through worker and read misses), the bench, tests.
-All I/O is batched: one MULTI/EXEC per put (SET header + APPEND payload per object: the payload leaves
-from the tensor's own memory; Redis Cluster and lz4: one pipeline of SETs of joined blobs), one GETRANGE per key in one Lua script per get
-(Redis Cluster: a pipeline of them; each reads at most ``max_blob_bytes``: a huge value someone else wrote is cut short and fails its checks, never
-read whole), one pipeline of EXISTS per contains. A get's payload stays in the reply's ``bytes`` (codec.decode uses it in place); with
-hiredis installed (the ``fast`` extra) redis-py parses replies in C. redis-py's connection pool is shared by the threads that call in.
+All I/O is batched. A put: objects from ``APPEND_FROM`` bytes go in one MULTI/EXEC, per object SET header +
+APPEND payload (the payload leaves from the tensor's own memory, no header+payload copy; the transaction
+makes each object appear whole or not at all); smaller ones, lz4 and Redis Cluster (a transaction cannot
+span slots) in a pipeline of SETs of joined blobs. A get: one GETRANGE per key, each reading at most
+``max_blob_bytes`` (a huge value someone else wrote is cut short and fails its checks, never read whole),
+sent at once on one pooled connection (``_lean_pipeline``; Redis Cluster: redis-py's pipeline); the payload
+stays in the reply's ``bytes`` (codec.decode uses it in place). hiredis (a dependency) parses replies in C.
+Contains: one pipeline of EXISTS. redis-py's connection pool is shared by the threads that call in.
 ``redis+cluster://host:port`` uses redis-py's cluster client (the scale-out path).
 Connection errors propagate (counted in ``errors``); ``TieredStore`` marks the tier down.
 Redis is shared by many writers, so ``objects``/``bytes`` are not tracked here (Redis's

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 import torch
 
 from pdserve.kvstore.base import KVStore, StatsDict
+from pdserve.kvstore.tiered_arena import ArenaSlots
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.memory import MemoryTier
 
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 Items = list[tuple[str, torch.Tensor]]
 
 
-class TieredStore(KVStore):
+class TieredStore(ArenaSlots, KVStore):
     name = "tiered"
 
     def __init__(self, l1: MemoryTier, lower: list[KVStore] = (), queue_bytes: int = 256 << 20,
@@ -73,51 +74,6 @@ class TieredStore(KVStore):
     def adopt(self, items: Items) -> None:
         self.l1.adopt(items)
         self._enqueue(items)
-
-    @property
-    def arena(self):
-        """L1's shared-memory arena (an ``ArenaTier`` L1: the daemon's store), else None."""
-        return getattr(self.l1, "arena", None)
-
-    # --- arena L1 only (the daemon, see daemon_arena.py): slots are written/read in place --------------
-
-    def store_bytes(self, meta, data) -> None:
-        """Copy one object's bytes (any buffer) into a new L1 slot, and queue it for the lower tiers."""
-        slot = self.l1.store_bytes(meta, data, pin=bool(self.lower))
-        if slot is not None and self.lower:
-            self._enqueue_slots([slot])
-
-    def reserve(self, meta):
-        return self.l1.reserve(meta)
-
-    def cancel(self, slots: list) -> None:
-        self.l1.cancel(slots)
-
-    def commit(self, slots: list) -> None:
-        """Serve reserved slots whose bytes are written; their bytes go to the lower tiers from the arena."""
-        self.l1.commit(slots, pin=bool(self.lower))
-        if self.lower:
-            self._enqueue_slots(slots)
-
-    def lease(self, keys: list[str]) -> list:
-        """Per key: its pinned L1 slot, else a lower tier's tensor that could not be promoted, else None."""
-        out: list = self.l1.pin(keys)
-        fresh = self._fill_from_lower(keys, out)
-        if fresh:
-            self.l1.adopt([(keys[i], out[i]) for i in fresh])
-            for i, slot in zip(fresh, self.l1.pin([keys[i] for i in fresh])):
-                out[i] = slot if slot is not None else out[i]
-        return out
-
-    def unpin(self, slots: list) -> None:
-        self.l1.unpin(slots)
-
-    def tensor_of(self, slot) -> torch.Tensor:
-        return self.l1.tensor_of(slot)
-
-    def _enqueue_slots(self, slots: list) -> None:
-        """Queue pinned slots' arena views for write-through; unpinned once written (or dropped)."""
-        self._enqueue([(s.key, self.l1.tensor_of(s)) for s in slots], release=lambda: self.l1.unpin(slots))
 
     def get(self, keys: list[str]) -> list[torch.Tensor | None]:
         out = self.l1.get(keys)
