@@ -257,6 +257,31 @@ class DaemonClient(KVStore):
     def _exchange(self, req, frames) -> tuple[P.Reply, list]:
         """One request, one reply (matched by id; late replies are discarded)."""
         self._sock.send_multipart([P.ENCODER.encode(req), *frames], copy=False)
+        return self._await(req)
+
+    def _call_many(self, reqs):
+        """``reqs``: (request, frames) pairs, made as they are sent -- back to back, so the daemon works on one
+        while the next is on the wire and this thread prepares the one after; -> their replies, in order, as
+        they come (so the caller checks one while the next arrives). Says Hello again once if the daemon lost
+        the session (it then did nothing: every request was refused)."""
+        sent = [self._send_signed(req, frames) for req, frames in reqs]
+        try:
+            first = self._await(sent[0][0])
+        except _NoSession:
+            self._daemon_nonce = None
+            sent = [self._send_signed(req, frames) for req, frames in sent]
+            first = self._await(sent[0][0])
+        yield first
+        for req, _ in sent[1:]:
+            yield self._await(req)
+
+    def _send_signed(self, req, frames) -> tuple:
+        self._sign(req)
+        self._sock.send_multipart([P.ENCODER.encode(req), *frames], copy=False)
+        return req, frames
+
+    def _await(self, req) -> tuple[P.Reply, list]:
+        """The reply to ``req`` (earlier, late replies are discarded); raises what it says."""
         while True:
             if not self._sock.poll(self.timeout_ms):
                 self._counters["timeouts"] += 1

@@ -21,8 +21,13 @@ from pdserve.kvstore.shm import ShmSegment, align
 log = logging.getLogger(__name__)
 
 
+PART_BYTES = 4 << 20      # frames: a batch goes as requests of about this many bytes, sent back to back
+
+
 def put_batch(client, objs: list, start: int, seg: ShmSegment | None) -> int:
     """Send objs[start:] up to the batch limit and what fits in ``seg``; the next start."""
+    if seg is None:
+        return _put_frames(client, objs, start)
     metas, frames, offset = [], [], 0
     for meta, data in objs[start:start + client.max_batch]:
         meta.digest = P.digest_of(meta.key, data)
@@ -40,7 +45,45 @@ def put_batch(client, objs: list, start: int, seg: ShmSegment | None) -> int:
     return start + len(metas)
 
 
+def _put_frames(client, objs: list, start: int) -> int:
+    """objs[start:] up to the batch limit as frames, in parts sent back to back (each part's digests are computed
+    while the previous part is on the wire, and checked by the daemon while the next one arrives)."""
+    batch = objs[start:start + client.max_batch]
+    parts, size = [[]], 0
+    for meta, data in batch:
+        if parts[-1] and size + meta.nbytes > PART_BYTES:
+            parts.append([])
+            size = 0
+        parts[-1].append((meta, data))
+        size += meta.nbytes
+
+    def requests():
+        for part in parts:
+            for meta, data in part:
+                meta.offset, meta.digest = P.FRAME, P.digest_of(meta.key, data)
+            yield P.Put(objs=[m for m, _ in part]), [d for _, d in part]
+    for _ in client._call_many(requests()):
+        pass
+    client._count(0, len(batch))
+    return start + len(batch)
+
+
+def _get_frames(client, keys: list[str]) -> list[torch.Tensor | None]:
+    """Frames for ``keys`` in parts asked back to back: one part is checked while the next arrives."""
+    step = max(8, -(-len(keys) // 8))
+    parts = [keys[i:i + step] for i in range(0, len(keys), step)]
+    out: list[torch.Tensor | None] = []
+    for part, (reply, frames) in zip(parts, client._call_many((P.Get(keys=p), []) for p in parts)):
+        if len(reply.objs) != len(part):
+            raise client.error(f"answered {len(reply.objs)} objects for {len(part)} keys")
+        frames = iter(frames)
+        out += [None if m is None else own(client, k, m, payload(client, m, frames, None)) for k, m in zip(part, reply.objs)]
+    return out
+
+
 def get_batch(client, keys: list[str], seg: ShmSegment | None) -> list[torch.Tensor | None]:
+    if seg is None:
+        return _get_frames(client, keys)
     out: list[torch.Tensor | None] = [None] * len(keys)
     todo = list(range(len(keys)))
     while todo:

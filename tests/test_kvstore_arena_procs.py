@@ -139,3 +139,26 @@ def _answers(client: DaemonClient) -> bool:
         return False
     finally:
         client.timeout_ms = saved
+
+
+def test_a_tcp_client_puts_in_parts_right_after_the_daemon_restarts():
+    """Frames go as several requests back to back; the first one after a restart finds no session: the client says
+    Hello again and sends every part again (the restarted daemon stored none of them)."""
+    port = free_port()
+    items = [(f"part{i}:0", torch.full((1 << 19,), i, dtype=torch.int32)) for i in range(12)]   # 24 MiB: 6 parts
+    proc = DaemonProcess("--port", str(port), "--kv-cpu-bytes", str(64 << 20), "--log-level", "ERROR", token=TOKEN)
+    client = DaemonClient(proc.url, token=TOKEN, timeout_s=20)
+    try:
+        client.put(items[:1])
+        proc.stop()
+        proc = DaemonProcess("--port", str(port), "--kv-cpu-bytes", str(64 << 20), "--log-level", "ERROR",
+                             token=TOKEN)
+        with DaemonClient(proc.url, token=TOKEN, timeout_s=20) as probe:
+            wait_for(lambda: _answers(probe), what="the restarted daemon answers")
+        client.put(items)                                        # no ping first: the put meets NO_SESSION
+        got = client.get([k for k, _ in items])
+        assert all(torch.equal(g, t) for g, (_, t) in zip(got, items))
+        assert client.stats()["client"]["frame_objects"] == 2 * len(items) + 1
+    finally:
+        client.close()
+        proc.stop()
