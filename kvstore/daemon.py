@@ -41,6 +41,7 @@ from pdserve.kvstore.shm import MAP_GRACE_S, NoSegment, SegmentTable, ShmSegment
 from pdserve.kvstore.zmq_context import shared_context
 
 log = logging.getLogger(__name__)
+TRACK_FROM = 256 << 10      # arena frames from this size are sent in place (tracked); smaller ones are copied
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,9 @@ class KVDaemon:
             reply = self.handle(ident, body)
             pinned, self._pinned_reply = self._pinned_reply, []
             if pinned:                    # arena bytes go out in place: unpinned once zmq is done with them
-                reply = [reply[0], *(zmq.Frame(p, track=True) for p in reply[1:])]
-                self._sending.append(([f.tracker for f in reply[1:]], pinned))
+                reply = [reply[0], *(zmq.Frame(p, track=True) if p.nbytes >= TRACK_FROM else zmq.Frame(p.tobytes())
+                                     for p in reply[1:])]     # a small one: a copy costs less than tracking it
+                self._sending.append(([f.tracker for f in reply[1:] if f.tracker is not None], pinned))
             self._sock.send_multipart([ident, *reply], copy=False)
 
     def _sweep_sent(self) -> None:
