@@ -13,6 +13,8 @@ Who owns what:
   * The bytes of an extent belong to whoever ``ArenaTier`` says: a writing client between Reserve and
     Commit, else the tier (read by leasing clients, the daemon's zmq sends and the write-through thread
     while they hold a pin). ``ArenaMap`` is the client's mapping (``open``, ``write``, ``read``, ``close``).
+    Every client that maps the arena can write all of it: it holds the cluster key, and is trusted as the
+    seal is -- a slot changed by anyone but its writer fails its seal (checked by every loader), a miss.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Arena:
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd, self.size = fd, size
+        self.inode = os.fstat(fd).st_ino
         self._mm = mmap.mmap(fd, size)
         self.tensor = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8))   # [size] uint8, the whole arena
         self._starts: list[int] = [0]            # free extents, sorted by start
@@ -113,17 +116,19 @@ class ArenaMap:
         self.buf = np.frombuffer(mm, dtype=np.uint8)
 
     @classmethod
-    def open(cls, pid: int, fd: int, size: int, gen: int) -> "ArenaMap":
-        """Map fd ``fd`` of process ``pid`` (the daemon that proved it holds the key), if it is a sealed file of
-        this user's of ``size`` bytes: nothing can truncate it under us, so no access to it can SIGBUS."""
+    def open(cls, pid: int, fd: int, size: int, gen: int, inode: int) -> "ArenaMap":
+        """Map fd ``fd`` of process ``pid`` (the daemon that proved it holds the key), if it is the sealed file of
+        this user's of ``size`` bytes and inode ``inode`` the daemon named: nothing can truncate it under us, so
+        no access to it can SIGBUS, and a pid that names another process here (another pid namespace) opens
+        another file, which is refused."""
         if pid <= 0 or fd < 0:
             raise ValueError(f"arena names pid {pid}, fd {fd}")
         fd_here = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         try:
             st = os.fstat(fd_here)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
-                raise ValueError(f"/proc/{pid}/fd/{fd} is not the daemon's {size}-byte arena (uid {st.st_uid}, "
-                                 f"{st.st_size} bytes)")
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size or st.st_ino != inode:
+                raise ValueError(f"/proc/{pid}/fd/{fd} is not the daemon's {size}-byte arena, inode {inode} (uid "
+                                 f"{st.st_uid}, {st.st_size} bytes, inode {st.st_ino})")
             if fcntl.fcntl(fd_here, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
                 raise ValueError(f"/proc/{pid}/fd/{fd} is not sealed against shrinking: not the daemon's arena")
             return cls(mmap.mmap(fd_here, size), size, gen)

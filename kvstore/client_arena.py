@@ -71,4 +71,4 @@ def _one(client, key: str, meta: P.ObjMeta, frames, amap: ArenaMap) -> torch.Ten
 def open_arena(info: P.ArenaInfo | None) -> ArenaMap:
     if info is None:
         raise ValueError("MapArena reply names no arena")
-    return ArenaMap.open(info.pid, info.fd, info.size, info.gen)
+    return ArenaMap.open(info.pid, info.fd, info.size, info.gen, info.inode)

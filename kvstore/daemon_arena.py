@@ -68,7 +68,7 @@ class ArenaServer:
         self.drop(ident)
         self._clients[ident] = _Client(req.pid, start)
         self.counters["arena_clients"] = len(self._clients)
-        return P.Reply(arena=P.ArenaInfo(os.getpid(), self.arena.fd, self.arena.size, self.gen))
+        return P.Reply(arena=P.ArenaInfo(os.getpid(), self.arena.fd, self.arena.size, self.gen, self.arena.inode))
 
     def reserve(self, ident: bytes, req: P.Reserve, max_object_bytes: int) -> P.Reply:
         client = self._client(ident, req.gen)

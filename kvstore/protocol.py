@@ -65,6 +65,7 @@ class ArenaInfo(msgspec.Struct, array_like=True):
     fd: int
     size: int
     gen: int            # names this arena (random per daemon process)
+    inode: int = 0      # the memfd's inode: the client checks it maps that very file
 
 
 class SegmentInfo(msgspec.Struct, array_like=True):

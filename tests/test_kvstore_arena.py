@@ -8,6 +8,7 @@ and writes through to a lower tier from the arena.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -16,7 +17,7 @@ import torch
 from kvstore_fixtures import TOKEN, wait_for
 
 from pdserve.kvstore import protocol as P
-from pdserve.kvstore.arena import ALIGN, Arena, align
+from pdserve.kvstore.arena import ALIGN, Arena, ArenaMap, align
 from pdserve.kvstore.arena_tier import ArenaTier
 from pdserve.kvstore.client import DaemonClient
 from pdserve.kvstore.daemon import KVDaemon
@@ -140,3 +141,21 @@ def test_threads_sharing_one_client_and_clients_of_their_own_get_exact_bytes(are
         t.join()
     shared.close()
     assert errors == []
+
+
+def test_a_client_maps_only_the_sealed_arena_the_daemon_named():
+    arena = Arena.create(1 << 16)
+    try:
+        amap = ArenaMap.open(os.getpid(), arena.fd, arena.size, 7, arena.inode)
+        amap.write(64, torch.arange(16, dtype=torch.uint8).numpy())
+        assert torch.equal(arena.view(64, 16), torch.arange(16, dtype=torch.uint8))
+        amap.close()
+        with pytest.raises(ValueError, match="not the daemon's"):
+            ArenaMap.open(os.getpid(), arena.fd, arena.size, 7, arena.inode + 1)      # another file
+        fd = os.memfd_create("unsealed")
+        os.ftruncate(fd, 1 << 16)
+        with pytest.raises(ValueError, match="not sealed"):
+            ArenaMap.open(os.getpid(), fd, 1 << 16, 7, os.fstat(fd).st_ino)
+        os.close(fd)
+    finally:
+        arena.close()
