@@ -6,8 +6,8 @@ The daemon runs as ``pdserve serve`` runs it: with a cluster token, every reques
 The seal table puts the keyed MAC (BLAKE3, ``kvstore/seal.py``) beside xxh3 (the old, public
 checksum), keyed BLAKE2b (the standard library's) and memcpy, and times ``seal``/``unseal`` whole.
 Prints the hardware and the lz4 (+ byte shuffle) compression ratios; ``--json`` writes
-the numbers. Run: ``python devbench/kvstore_bench.py [--redis-url ...]`` (the lead
-wires it as ``pdserve bench kvstore``).
+the numbers. Run: ``python devbench/kvstore_bench.py [--redis-url ...]`` (the data-plane table alone,
+with raw pyzmq as the TCP baseline: ``pdserve bench kvstore``).
 """
 
 from __future__ import annotations
