@@ -13,7 +13,10 @@ The store is asked once per request, with one batched ``lookup`` of the prompt's
 are the store's own (``kvstore.keys.chunk_keys`` with the nodes' fingerprint, chunk size and the request's
 ``cache_salt``, the last partial chunk included, as the prefill node publishes them). The proxy talks to the
 daemon as any client does, with the cluster token (``--kv-store``, PDSERVE_KV_AUTH_TOKEN); a store that fails
-or is slow is a miss (counted), never a failed request.
+or is slow is a miss (counted), never a failed request. Lookups run on one thread of their own (the client
+serves one request at a time); a request waits at most ``STORE_TIMEOUT_S`` for its lookup, and after a failure
+or a timeout the store is not asked for ``STORE_RETRY_S`` (then one lookup tries again): a hung store costs the
+requests of one timeout, not a queue of timeouts (``skipped`` in ``pdserve_proxy_store_lookups``).
 
 The decision, for a request with one prompt (several prompts, a prefill-only answer, prompt logprobs: "prefill"):
     store_hit      the store holds all but the last block (``--no-skip-prefill-on-store-hit`` turns it off)
@@ -28,8 +31,10 @@ prefill node would have), so the answer is the one the prefill path gives.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 from pdserve.engine.kv.kv_events import events_key
@@ -41,6 +46,8 @@ from pdserve.proxy.policies import KVHint
 
 logger = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 2.0
+STORE_RETRY_S = 5.0          # after a failed or timed-out lookup, routing does not ask the store for this long
+MAX_PENDING_LOOKUPS = 8      # lookups queued beyond this are misses (a slow store, not a failing one)
 NO_SKIP_FIELDS = ("prompt_logprobs", "echo")     # the prefill node computes the prompt's logprobs
 
 
@@ -68,7 +75,11 @@ class KVRouting:
         self._key = events_key(token) if token else None
         self.events = EventSubscriber(self._key, metrics) if self._key else None
         self._client = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._down_until = 0.0                      # monotonic: no lookups before it (the store failed)
+        self._pending = 0                           # lookups submitted and not finished
         if store_url:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdserve-store-lookup")
             from pdserve.kvstore.client import DaemonClient
 
             self._client = DaemonClient(store_url, token, shm_bytes=0, timeout_s=STORE_TIMEOUT_S)
@@ -132,12 +143,23 @@ class KVRouting:
         """Leading prompt tokens whose every layer the store holds (0 when it cannot tell)."""
         if not self._routes_by_store or not keys:
             return 0
+        if time.monotonic() < self._down_until or self._pending >= MAX_PENDING_LOOKUPS:
+            self._metrics.store_lookups.labels("skipped").inc()
+            return 0
+        self._pending += 1
+        future = self._pool.submit(self._lookup, keys)
+        future.add_done_callback(self._done)
         try:
-            chunks = await asyncio.to_thread(self._lookup, keys)
+            chunks = await asyncio.wait_for(asyncio.wrap_future(future), STORE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 -- a store that fails costs routing hints, not requests
+            if isinstance(exc, _StoreDown):
+                self._metrics.store_lookups.labels("skipped").inc()
+                return 0
+            self._down_until = time.monotonic() + STORE_RETRY_S
             logger.log(logging.DEBUG if self._lookup_failed else logging.WARNING, "store lookup for routing failed "
-                       "(%s: %s); routing as a miss (counted in pdserve_proxy_store_lookups{outcome=\"error\"}, "
-                       "logged once)", type(exc).__name__, exc)
+                       "(%s: %s); routing as a miss, the store not asked for %.0f s (counted in "
+                       "pdserve_proxy_store_lookups{outcome=\"error\"}, logged once)", type(exc).__name__, exc,
+                       STORE_RETRY_S)
             self._lookup_failed = True
             self._metrics.store_lookups.labels("error").inc()
             return 0
@@ -146,7 +168,16 @@ class KVRouting:
         self._metrics.store_hit_tokens.inc(tokens)
         return tokens
 
+    def _done(self, future) -> None:
+        self._pending -= 1          # the lookup thread's callback; an int store under the GIL, read by the loop
+        if not future.cancelled() and future.exception() is not None and not isinstance(future.exception(),
+                                                                                        _StoreDown):
+            self._down_until = time.monotonic() + STORE_RETRY_S
+
     def _lookup(self, keys: list[str]) -> int:
+        """The lookup thread: one lookup, unless the store failed while this one was queued."""
+        if time.monotonic() < self._down_until:
+            raise _StoreDown()
         return self._client.lookup(keys, self.store_space["num_layers"])
 
     async def stop(self) -> None:
@@ -154,6 +185,12 @@ class KVRouting:
             await self.events.stop()
         if self._client is not None:
             await asyncio.to_thread(self._client.close)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _StoreDown(Exception):
+    """A lookup that waited in the queue while another found the store failing: not asked."""
 
 
 def _valid_store_space(store) -> bool:

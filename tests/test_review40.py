@@ -1,0 +1,84 @@
+"""Review of issue 40: reproductions of what the hostile review found (each test failed before its fix).
+
+- A store that hangs stalled routing for everyone: the proxy's lookups shared one ``DaemonClient``, whose lock
+  serialises requests, so N concurrent requests waited up to N x 2 s (each lookup timing out in turn) and filled
+  the default thread pool the proxy's other ``to_thread`` work shares.
+- An object that can never fit the arena (larger than it, or than all it could free with the rest pinned) evicted
+  every unpinned object before it was rejected: one put over TCP (any size up to --kv-max-object-bytes) emptied L1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+
+from pdserve.kvstore import protocol as P
+from pdserve.kvstore.arena_tier import ArenaTier
+from pdserve.proxy import kv_routing
+from pdserve.proxy.inputs import Prompt, ProxyRequest
+from pdserve.proxy.kv_routing import KVRouting
+from pdserve.proxy.metrics import ProxyMetrics
+
+TIMEOUT_S = 0.3
+SPACE = {"fingerprint": "ab" * 16, "chunk_tokens": 8, "num_layers": 2}
+
+
+@pytest.fixture
+def hung_daemon():
+    """A ROUTER that takes every request and never answers (a daemon stuck in a long copy, or SIGSTOPped)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield f"tcp://127.0.0.1:{port}"
+    sock.close()
+    ctx.term()
+
+
+def request(i: int) -> ProxyRequest:
+    ids = [i] * 32
+    return ProxyRequest("/v1/completions", {}, [Prompt(ids, [f"{i:032x}{c}" for c in range(4)])], False, 8)
+
+
+def test_a_hung_store_does_not_stall_concurrent_routing(hung_daemon, monkeypatch):
+    monkeypatch.setattr(kv_routing, "STORE_TIMEOUT_S", TIMEOUT_S)
+    metrics = ProxyMetrics()
+    kv = KVRouting(metrics, store_url=hung_daemon, token="r40" * 16)
+    kv.store_space, kv.block_size = dict(SPACE), 4
+
+    async def main() -> tuple[float, list[str]]:
+        start = time.monotonic()
+        routes = await asyncio.gather(*[kv.plan(request(i), []) for i in range(8)])
+        took = time.monotonic() - start
+        again = time.monotonic()
+        later = await kv.plan(request(99), [])          # the store is known down: no wait at all
+        later_took = time.monotonic() - again
+        await kv.stop()
+        return took, later_took, [r.decision for r in routes] + [later.decision]
+
+    took, later_took, decisions = asyncio.run(main())
+    assert set(decisions) == {"prefill"}                 # a miss, never a failed request
+    assert took < 2.5 * TIMEOUT_S, f"8 concurrent lookups took {took:.2f} s against a hung store"
+    assert later_took < TIMEOUT_S / 2, f"a lookup right after took {later_took:.2f} s"
+
+
+def test_an_object_that_cannot_fit_the_arena_evicts_nothing():
+    import torch
+
+    tier = ArenaTier(64 * 1024)
+    small = [(f"small-{i}", torch.full((1024,), float(i))) for i in range(12)]       # 12 x 4 KiB
+    try:
+        tier.put(small)
+        tier.put([("too-big", torch.zeros(32 * 1024))])                              # 128 KiB > the arena
+        assert tier.contains(["too-big"]) == [False]
+        assert all(tier.contains([k for k, _ in small])), "a put that could not fit emptied the arena"
+        pinned = tier.pin([k for k, _ in small[:10]])                                # 40 KiB pinned
+        meta = P.meta_of("too-big-now", torch.zeros(8 * 1024))                       # 32 KiB: free + evictable < it
+        assert tier.reserve(meta) is None
+        assert all(tier.contains([k for k, _ in small])), "a reserve that could not fit evicted what it could"
+        tier.unpin(pinned)
+    finally:
+        tier.close()
