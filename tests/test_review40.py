@@ -82,3 +82,61 @@ def test_an_object_that_cannot_fit_the_arena_evicts_nothing():
         tier.unpin(pinned)
     finally:
         tier.close()
+
+
+STALLED_READER = r'''
+import sys
+from pdserve.kvstore import protocol as P
+from pdserve.kvstore.client import DaemonClient
+c = DaemonClient(sys.argv[1], sys.argv[2])
+with c._lock:                                  # a get whose reply this process will not read: it is stopped
+    c._call(P.Ping())
+    req = P.Get(keys=["big:0"] * 6)
+    c._sign(req)
+    c._sock.send_multipart([P.ENCODER.encode(req)])
+print("sent", flush=True)
+sys.stdin.readline()
+'''
+
+
+def test_a_stopped_tcp_reader_does_not_keep_other_clients_slots_pinned(tmp_path):
+    """The daemon unpinned sent arena frames in FIFO order: a reply stuck to one stopped process kept every later
+    TCP get's slots pinned (never evicted: L1 fills with pins and refuses puts)."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import torch
+    from kvstore_fixtures import TOKEN, wait_for
+
+    from pdserve.kvstore.client import DaemonClient
+    from pdserve.kvstore.daemon import KVDaemon
+    from pdserve.kvstore.tiered import TieredStore
+
+    store = TieredStore(ArenaTier(256 << 20), [])
+    daemon = KVDaemon(store, port=0, token=TOKEN)
+    stop = threading.Event()
+    thread = threading.Thread(target=daemon.serve, args=(stop,))
+    thread.start()
+    child = None
+    try:
+        with DaemonClient(daemon.endpoint, token=TOKEN, timeout_s=20) as tcp:
+            tcp.put([("big:0", torch.ones(8 << 20)), ("small:0", torch.ones(1 << 18))])      # 32 MiB, 1 MiB
+            child = subprocess.Popen([sys.executable, "-P", "-c", STALLED_READER, daemon.endpoint, TOKEN],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert child.stdout.readline().strip() == "sent"
+            child.send_signal(signal.SIGSTOP)
+            wait_for(lambda: tcp.stats()["memory"]["pinned"] == 1, what="the stopped reader's reply pinned")
+            assert torch.equal(tcp.get(["small:0"])[0], torch.ones(1 << 18))
+            wait_for(lambda: tcp.stats()["memory"]["pinned"] == 1, timeout_s=3.0,
+                     what="the small object unpinned once its reply was sent (the big one still pinned)")
+    finally:
+        if child is not None:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+            child.wait()
+        stop.set()
+        thread.join()
+        daemon.close()
+        store.close()
