@@ -5,6 +5,10 @@
   the default thread pool the proxy's other ``to_thread`` work shares.
 - An object that can never fit the arena (larger than it, or than all it could free with the rest pinned) evicted
   every unpinned object before it was rejected: one put over TCP (any size up to --kv-max-object-bytes) emptied L1.
+- The daemon unpinned sent arena frames in FIFO order: one stopped TCP reader kept every later reply's slots pinned.
+- KV-event batches did not say which node sent them: a local user who took a dead node's events port could relay
+  another node's live batches there (a newer epoch: accepted as the dead node's restart). The docs said only that
+  node's old batches could be replayed there (dropped as stale).
 """
 
 from __future__ import annotations
@@ -140,3 +144,23 @@ def test_a_stopped_tcp_reader_does_not_keep_other_clients_slots_pinned(tmp_path)
         thread.join()
         daemon.close()
         store.close()
+
+
+def test_a_batch_relayed_from_another_nodes_socket_is_refused():
+    from pdserve.engine.kv.kv_events import EventBatch, encode_batch, events_key
+    from pdserve.proxy.kv_events import EventSubscriber
+    from pdserve.proxy.nodes import Node
+
+    key = events_key("k" * 32)
+    metrics, x = ProxyMetrics(), Node("http://x", "decode")
+    sub = EventSubscriber(key, metrics)
+    try:
+        x_end, y_end = "tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"
+        assert sub.handle(x, encode_batch(key, EventBatch("ex", 1.0, 1, endpoint=x_end, stored=[1])), x_end) == \
+            "accepted"
+        # x died; a local user bound x's port and relays y's batches (y started later: a "restart" of x)
+        relayed = encode_batch(key, EventBatch("ey", 2.0, 1, cleared=True, endpoint=y_end, stored=[66, 67]))
+        assert sub.handle(x, relayed, x_end) == "forged"
+        assert x.kv.blocks == {1} and x.kv.epoch == "ex"
+    finally:
+        sub._ctx.term()
