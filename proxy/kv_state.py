@@ -10,12 +10,18 @@ Epochs and sequence numbers (each node process draws a random epoch and numbers 
     seq  > the last seen + 1                                  -> events were lost: forget everything, apply
     ``cleared``                                               -> forget everything, then apply its events
 Forgetting is always safe: it costs cache hits in routing, never a wrong answer (the node checks its own cache).
+A node silent for ``SILENT_S`` (no batch, not even its heartbeat every ``HEARTBEAT_S``: its publisher died, the
+socket broke, the process is stopped) is credited with nothing until it speaks again.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+from pdserve.engine.kv.kv_events import HEARTBEAT_S
+
+SILENT_S = 10 * HEARTBEAT_S   # no batch for this long: what the node announced is not assumed
 MAX_BLOCKS = 1 << 20          # per node; more than any node's KV cache announces (a flood is forgotten, not kept)
 
 
@@ -26,6 +32,7 @@ class NodeKVState:
     seq: int = 0
     blocks: set[int] = field(default_factory=set)     # public hashes of the blocks the node has cached
     resets: int = 0                                   # times the state was forgotten (restart, gap, clear)
+    heard: float = 0.0                                # monotonic time of its last verified batch
 
     def apply(self, batch) -> str:
         """Apply one verified ``EventBatch``; returns "accepted", "stale" or "reset" (accepted after forgetting)."""
@@ -44,6 +51,7 @@ class NodeKVState:
         self.seq = batch.seq
         if batch.cleared and self.blocks:
             outcome = self._forget()
+        self.heard = time.monotonic()
         self.blocks.difference_update(batch.removed)
         self.blocks.update(batch.stored)
         if len(self.blocks) > MAX_BLOCKS:
@@ -56,7 +64,10 @@ class NodeKVState:
         self._forget()
 
     def leading_blocks(self, public_hashes: list[int]) -> int:
-        """How many of a prompt's blocks, from the first on, the node holds (the chain breaks at the first miss)."""
+        """How many of a prompt's blocks, from the first on, the node holds (the chain breaks at the first miss);
+        0 while the node is silent."""
+        if time.monotonic() - self.heard > SILENT_S:
+            return 0
         count = 0
         for h in public_hashes:
             if h not in self.blocks:

@@ -6,6 +6,10 @@
 - An object that can never fit the arena (larger than it, or than all it could free with the rest pinned) evicted
   every unpinned object before it was rejected: one put over TCP (any size up to --kv-max-object-bytes) emptied L1.
 - The daemon unpinned sent arena frames in FIFO order: one stopped TCP reader kept every later reply's slots pinned.
+- A node that stopped publishing (publisher dead, socket broken, process stopped: not even the 0.5 s heartbeat)
+  kept its announced blocks in routing forever: kv_aware and decode_local went on crediting it with them.
+- The Redis tier's gets call ``ConnectionPool.get_connection()`` without a command name, which redis-py accepts
+  from 5.3 on (5.0-5.2 raise TypeError: every get an error, the tier marked down); pyproject allowed redis>=5.
 - KV-event batches did not say which node sent them: a local user who took a dead node's events port could relay
   another node's live batches there (a newer epoch: accepted as the dead node's restart). The docs said only that
   node's old batches could be replayed there (dropped as stale).
@@ -164,3 +168,25 @@ def test_a_batch_relayed_from_another_nodes_socket_is_refused():
         assert x.kv.blocks == {1} and x.kv.epoch == "ex"
     finally:
         sub._ctx.term()
+
+
+def test_the_declared_redis_minimum_has_get_connection_without_a_command_name():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    low = re.search(r'"redis>=([0-9.]+)"', text).group(1)
+    assert tuple(int(p) for p in low.split(".")) >= (5, 3), f"redis>={low} allows get_connection(command_name)"
+
+
+def test_a_silent_node_is_credited_with_nothing():
+    from pdserve.engine.kv.kv_events import EventBatch
+    from pdserve.proxy import kv_state
+
+    state = kv_state.NodeKVState()
+    assert state.apply(EventBatch("e", 1.0, 1, stored=[1, 2, 3])) == "accepted"
+    assert state.leading_blocks([1, 2, 3]) == 3
+    state.heard -= kv_state.SILENT_S + 1                   # no batch since, not even a heartbeat
+    assert state.leading_blocks([1, 2, 3]) == 0
+    assert state.apply(EventBatch("e", 1.0, 2)) == "accepted"   # a heartbeat: it speaks again
+    assert state.leading_blocks([1, 2, 3]) == 3
