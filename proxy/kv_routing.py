@@ -4,7 +4,7 @@ Who calls what:
 
     health, once a node's /v1/models was read     kv.on_card(node, card) -> a new ``Routing`` for the gate
                                                   (the store's key space), and the node's KV events watched
-    orchestrate, per request                      route = await kv.plan(req, decode_nodes)
+    orchestrate, per request                      route = await kv.plan(req, decode_nodes, pool.picks_by_cache)
                                                   route.decision: "prefill" | "store_hit" | "decode_local"
                                                   route.hint(i): the ``KVHint`` the kv_aware policy scores with
     app lifespan                                  await kv.stop()
@@ -21,7 +21,8 @@ requests of one timeout, not a queue of timeouts (``skipped`` in ``pdserve_proxy
 The decision, for a request with one prompt (several prompts, a prefill-only answer, prompt logprobs: "prefill"):
     store_hit      the store holds all but the last block (``--no-skip-prefill-on-store-hit`` turns it off)
     decode_local   the tokens neither the store nor the best decode node's prefix cache holds are fewer than
-                   ``--local-prefill-threshold`` (a short prompt, or a next turn of a chat the node just served)
+                   ``--local-prefill-threshold`` (a short prompt, or a next turn of a chat the node just served);
+                   "best" is the worst when the decode policy is not ``kv_aware``: it may pick any node
     prefill        otherwise: prefill node, then decode node
 Both skips send the decode node the prompt without ``kv_transfer_params``: it looks the prompt up in the store,
 loads what is there, computes the rest and samples the first token itself (draw 0 of seeded sampling, as the
@@ -111,11 +112,14 @@ class KVRouting:
         """Anything to decide with: a store, KV events or a threshold (else ``orchestrate`` skips ``plan``)."""
         return bool(self._store_url or self._key or self.threshold)
 
-    async def plan(self, req: ProxyRequest, decode_nodes: list[Node]) -> Route:
+    async def plan(self, req: ProxyRequest, decode_nodes: list[Node], best_is_picked: bool = True) -> Route:
+        """``best_is_picked``: the decode pool picks the node holding most of the prompt (``kv_aware``); else any
+        of ``decode_nodes`` may get it, and a decode node's prefix cache counts only as far as all of them hold it."""
         hints = tuple([await self._hint(req, i) for i in range(len(req.prompts))])
         first = hints[0]
         store = first.store_tokens if first else 0
-        local = max((first.local_tokens(n) for n in decode_nodes), default=0) if first else 0
+        pick = max if best_is_picked else min
+        local = pick((first.local_tokens(n) for n in decode_nodes), default=0) if first else 0
         return Route(self._decide(req, store, local), hints, store, local)
 
     def _decide(self, req: ProxyRequest, store: int, local: int) -> str:

@@ -8,6 +8,8 @@
 - The daemon unpinned sent arena frames in FIFO order: one stopped TCP reader kept every later reply's slots pinned.
 - A node that stopped publishing (publisher dead, socket broken, process stopped: not even the 0.5 s heartbeat)
   kept its announced blocks in routing forever: kv_aware and decode_local went on crediting it with them.
+- decode_local counted the best decode node's prefix cache even when the decode policy (round_robin, least_loaded,
+  prefix_aware) could pick another node: that node then prefilled a long prompt itself, past the threshold.
 - The Redis tier's gets call ``ConnectionPool.get_connection()`` without a command name, which redis-py accepts
   from 5.3 on (5.0-5.2 raise TypeError: every get an error, the tier marked down); pyproject allowed redis>=5.
 - KV-event batches did not say which node sent them: a local user who took a dead node's events port could relay
@@ -18,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -190,3 +193,62 @@ def test_a_silent_node_is_credited_with_nothing():
     assert state.leading_blocks([1, 2, 3]) == 0
     assert state.apply(EventBatch("e", 1.0, 2)) == "accepted"   # a heartbeat: it speaks again
     assert state.leading_blocks([1, 2, 3]) == 3
+
+
+OTHER_USER_MAP = r'''
+import os, sys
+os.setgid(65534)
+os.setuid(65534)                                  # another local user ("nobody"), without the token
+try:
+    fd = os.open(f"/proc/{sys.argv[1]}/fd/{sys.argv[2]}", os.O_RDONLY)
+except PermissionError:
+    print("refused")
+else:
+    print("opened", os.read(fd, 16).hex())
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_another_local_user_cannot_open_the_arena_through_proc():
+    """The threat model's claim, checked: the arena's memfd opens through /proc/<daemon pid>/fd only for its user."""
+    import subprocess
+    import sys
+
+    tier = ArenaTier(1 << 20)
+    try:
+        out = subprocess.run([sys.executable, "-I", "-c", OTHER_USER_MAP, str(os.getpid()), str(tier.arena.fd)],
+                             capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == "refused", (out.stdout, out.stderr)
+    finally:
+        tier.close()
+
+
+def test_decode_local_counts_a_nodes_cache_only_when_the_decode_policy_picks_that_node():
+    import time as _time
+
+    from pdserve.proxy.nodes import Node
+    from pdserve.proxy.policies import KVHint
+    from pdserve.proxy.router import NodePool
+
+    metrics = ProxyMetrics()
+    kv = KVRouting(metrics, token="r40" * 16, local_prefill_threshold=32)
+    kv.block_size = 4
+    warm, cold = Node("http://a", "decode", healthy=True), Node("http://b", "decode", healthy=True)
+    blocks = tuple(range(25))                                   # 100 tokens in blocks of 4
+    warm.kv.blocks, warm.kv.heard = set(blocks), _time.monotonic()
+    req = ProxyRequest("/v1/completions", {}, [Prompt([1] * 100, [], blocks)], False, 8)
+    kv._hint = lambda r, i: _hint(KVHint(100, 4, blocks, 0))
+
+    async def main():
+        rr, aware = NodePool("decode", ("http://a", "http://b"), "round_robin", metrics), \
+            NodePool("decode", ("http://a", "http://b"), "kv_aware", metrics)
+        by_rr = await kv.plan(req, [warm, cold], rr.picks_by_cache)
+        by_aware = await kv.plan(req, [warm, cold], aware.picks_by_cache)
+        await kv.stop()
+        return by_rr.decision, by_aware.decision
+
+    assert asyncio.run(main()) == ("prefill", "decode_local")
+
+
+async def _hint(hint):
+    return hint
