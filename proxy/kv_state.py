@@ -5,7 +5,10 @@ Owned by ``nodes.Node`` (``node.kv``); fed by ``kv_events.EventSubscriber`` with
 
 Epochs and sequence numbers (each node process draws a random epoch and numbers its batches 1, 2, ...):
     a batch of a new epoch started later than the one known   -> forget everything (the node restarted), apply
-    a batch of an older or the same-start other epoch         -> dropped ("stale": a replay of a dead process)
+    a batch of an older or the same-start other epoch         -> dropped ("stale": a replay of a dead process),
+                                                                 unless the current epoch is silent (``SILENT_S``):
+                                                                 a restart across a clock stepped back
+    a batch of an epoch the node had before                   -> dropped ("stale")
     seq <= the last seen                                      -> dropped ("stale": a replay)
     seq  > the last seen + 1                                  -> events were lost: forget everything, apply
     ``cleared``                                               -> forget everything, then apply its events
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.kv.kv_events import HEARTBEAT_S
 
 SILENT_S = 10 * HEARTBEAT_S   # no batch for this long: what the node announced is not assumed
+MAX_RETIRED = 64              # past epochs remembered per node (refused if they come back)
 MAX_BLOCKS = 1 << 20          # per node; more than any node's KV cache announces (a flood is forgotten, not kept)
 
 
@@ -33,14 +37,17 @@ class NodeKVState:
     blocks: set[int] = field(default_factory=set)     # public hashes of the blocks the node has cached
     resets: int = 0                                   # times the state was forgotten (restart, gap, clear)
     heard: float = 0.0                                # monotonic time of its last verified batch
+    retired: frozenset = frozenset()                  # epochs this node had before (never taken back)
 
     def apply(self, batch) -> str:
         """Apply one verified ``EventBatch``; returns "accepted", "stale" or "reset" (accepted after forgetting)."""
         outcome = "accepted"
         if batch.epoch != self.epoch:
-            if self.epoch and batch.started <= self.started:
+            if batch.epoch in self.retired or self.epoch and batch.started <= self.started and not self._silent():
                 return "stale"
             first = not self.epoch
+            if not first:
+                self.retired = (self.retired | {self.epoch}) if len(self.retired) < MAX_RETIRED else {self.epoch}
             self.epoch, self.started, self.seq = batch.epoch, batch.started, 0
             if not first:
                 outcome = self._forget()
@@ -66,7 +73,7 @@ class NodeKVState:
     def leading_blocks(self, public_hashes: list[int]) -> int:
         """How many of a prompt's blocks, from the first on, the node holds (the chain breaks at the first miss);
         0 while the node is silent."""
-        if time.monotonic() - self.heard > SILENT_S:
+        if self._silent():
             return 0
         count = 0
         for h in public_hashes:
@@ -74,6 +81,9 @@ class NodeKVState:
                 break
             count += 1
         return count
+
+    def _silent(self) -> bool:
+        return time.monotonic() - self.heard > SILENT_S
 
     def _forget(self) -> str:
         if self.blocks:

@@ -8,6 +8,8 @@
 - The daemon unpinned sent arena frames in FIFO order: one stopped TCP reader kept every later reply's slots pinned.
 - A node that stopped publishing (publisher dead, socket broken, process stopped: not even the 0.5 s heartbeat)
   kept its announced blocks in routing forever: kv_aware and decode_local went on crediting it with them.
+- A node restarted while the wall clock stepped back (NTP) started "before" its old process: every batch of the new
+  process was dropped as stale, forever -- its cache never counted in routing again.
 - decode_local counted the best decode node's prefix cache even when the decode policy (round_robin, least_loaded,
   prefix_aware) could pick another node: that node then prefilled a long prompt itself, past the threshold.
 - The Redis tier's gets call ``ConnectionPool.get_connection()`` without a command name, which redis-py accepts
@@ -252,3 +254,16 @@ def test_decode_local_counts_a_nodes_cache_only_when_the_decode_policy_picks_tha
 
 async def _hint(hint):
     return hint
+
+
+def test_a_restart_across_a_clock_stepped_back_is_followed_once_the_old_process_is_silent():
+    from pdserve.engine.kv.kv_events import EventBatch
+    from pdserve.proxy import kv_state
+
+    state = kv_state.NodeKVState()
+    assert state.apply(EventBatch("old", 100.0, 1, stored=[1, 2])) == "accepted"
+    assert state.apply(EventBatch("new", 99.0, 1, cleared=True)) == "stale"      # the old process still speaks
+    state.heard -= kv_state.SILENT_S + 1                                           # ... and then it is gone
+    assert state.apply(EventBatch("new", 99.0, 2, stored=[7])) == "reset"
+    assert state.blocks == {7} and state.leading_blocks([7]) == 1
+    assert state.apply(EventBatch("old", 100.0, 9, stored=[1])) == "stale"        # the old epoch never comes back
