@@ -14,9 +14,10 @@ are the store's own (``kvstore.keys.chunk_keys`` with the nodes' fingerprint, ch
 ``cache_salt``, the last partial chunk included, as the prefill node publishes them). The proxy talks to the
 daemon as any client does, with the cluster token (``--kv-store``, PDSERVE_KV_AUTH_TOKEN); a store that fails
 or is slow is a miss (counted), never a failed request. Lookups run on one thread of their own (the client
-serves one request at a time); a request waits at most ``STORE_TIMEOUT_S`` for its lookup, and after a failure
-or a timeout the store is not asked for ``STORE_RETRY_S`` (then one lookup tries again): a hung store costs the
-requests of one timeout, not a queue of timeouts (``skipped`` in ``pdserve_proxy_store_lookups``).
+serves one request at a time); a request waits at most ``STORE_TIMEOUT_S`` for its lookup; after a failure or a
+timeout requests route without it (``skipped`` in ``pdserve_proxy_store_lookups``) while one lookup in the
+background, every ``STORE_RETRY_S``, tells when it answers again: a hung store costs the requests of one timeout,
+not a queue of timeouts.
 
 The decision, for a request with one prompt (several prompts, a prefill-only answer, prompt logprobs: "prefill"):
     store_hit      the store holds all but the last block (``--no-skip-prefill-on-store-hit`` turns it off)
@@ -47,7 +48,7 @@ from pdserve.proxy.policies import KVHint
 
 logger = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 2.0
-STORE_RETRY_S = 5.0          # after a failed or timed-out lookup, routing does not ask the store for this long
+STORE_RETRY_S = 5.0          # a failing store is probed (in the background) this often
 MAX_PENDING_LOOKUPS = 8      # lookups queued beyond this are misses (a slow store, not a failing one)
 NO_SKIP_FIELDS = ("prompt_logprobs", "echo")     # the prefill node computes the prompt's logprobs
 
@@ -77,7 +78,8 @@ class KVRouting:
         self.events = EventSubscriber(self._key, metrics) if self._key else None
         self._client = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._down_until = 0.0                      # monotonic: no lookups before it (the store failed)
+        self._failing = False                       # the last lookup failed: requests skip it, a probe retries
+        self._down_until = 0.0                      # monotonic: no probe before it
         self._pending = 0                           # lookups submitted and not finished
         if store_url:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdserve-store-lookup")
@@ -147,22 +149,21 @@ class KVRouting:
         """Leading prompt tokens whose every layer the store holds (0 when it cannot tell)."""
         if not self._routes_by_store or not keys:
             return 0
-        if time.monotonic() < self._down_until or self._pending >= MAX_PENDING_LOOKUPS:
+        if self._failing or self._pending >= MAX_PENDING_LOOKUPS:
+            if self._failing and time.monotonic() >= self._down_until and not self._pending:
+                self._submit(keys)                  # a probe in the background: no request waits on a failing store
             self._metrics.store_lookups.labels("skipped").inc()
             return 0
-        self._pending += 1
-        future = self._pool.submit(self._lookup, keys)
-        future.add_done_callback(self._done)
         try:
-            chunks = await asyncio.wait_for(asyncio.wrap_future(future), STORE_TIMEOUT_S)
+            chunks = await asyncio.wait_for(asyncio.wrap_future(self._submit(keys)), STORE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 -- a store that fails costs routing hints, not requests
             if isinstance(exc, _StoreDown):
                 self._metrics.store_lookups.labels("skipped").inc()
                 return 0
-            self._down_until = time.monotonic() + STORE_RETRY_S
+            self._fail()
             logger.log(logging.DEBUG if self._lookup_failed else logging.WARNING, "store lookup for routing failed "
-                       "(%s: %s); routing as a miss, the store not asked for %.0f s (counted in "
-                       "pdserve_proxy_store_lookups{outcome=\"error\"}, logged once)", type(exc).__name__, exc,
+                       "(%s: %s); routing as a miss, the store asked again in the background every %.0f s (counted "
+                       "in pdserve_proxy_store_lookups{outcome=\"error\"}, logged once)", type(exc).__name__, exc,
                        STORE_RETRY_S)
             self._lookup_failed = True
             self._metrics.store_lookups.labels("error").inc()
@@ -172,11 +173,23 @@ class KVRouting:
         self._metrics.store_hit_tokens.inc(tokens)
         return tokens
 
+    def _submit(self, keys: list[str]) -> concurrent.futures.Future:
+        self._pending += 1
+        future = self._pool.submit(self._lookup, keys)
+        future.add_done_callback(self._done)
+        return future
+
     def _done(self, future) -> None:
-        self._pending -= 1          # the lookup thread's callback; an int store under the GIL, read by the loop
-        if not future.cancelled() and future.exception() is not None and not isinstance(future.exception(),
-                                                                                        _StoreDown):
-            self._down_until = time.monotonic() + STORE_RETRY_S
+        """The lookup thread, after each lookup: a failure marks the store failing, an answer healthy again."""
+        self._pending -= 1          # plain stores under the GIL, read by the event loop
+        error = None if future.cancelled() else future.exception()
+        if error is None and not future.cancelled():
+            self._failing = False
+        elif error is not None and not isinstance(error, _StoreDown):
+            self._fail()
+
+    def _fail(self) -> None:
+        self._failing, self._down_until = True, time.monotonic() + STORE_RETRY_S
 
     def _lookup(self, keys: list[str]) -> int:
         """The lookup thread: one lookup, unless the store failed while this one was queued."""

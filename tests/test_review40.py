@@ -36,6 +36,7 @@ from pdserve.proxy.kv_routing import KVRouting
 from pdserve.proxy.metrics import ProxyMetrics
 
 TIMEOUT_S = 0.3
+RETRY_S = 0.2
 SPACE = {"fingerprint": "ab" * 16, "chunk_tokens": 8, "num_layers": 2}
 
 
@@ -58,6 +59,7 @@ def request(i: int) -> ProxyRequest:
 
 def test_a_hung_store_does_not_stall_concurrent_routing(hung_daemon, monkeypatch):
     monkeypatch.setattr(kv_routing, "STORE_TIMEOUT_S", TIMEOUT_S)
+    monkeypatch.setattr(kv_routing, "STORE_RETRY_S", RETRY_S)
     metrics = ProxyMetrics()
     kv = KVRouting(metrics, store_url=hung_daemon, token="r40" * 16)
     kv.store_space, kv.block_size = dict(SPACE), 4
@@ -66,9 +68,12 @@ def test_a_hung_store_does_not_stall_concurrent_routing(hung_daemon, monkeypatch
         start = time.monotonic()
         routes = await asyncio.gather(*[kv.plan(request(i), []) for i in range(8)])
         took = time.monotonic() - start
-        again = time.monotonic()
-        later = await kv.plan(request(99), [])          # the store is known down: no wait at all
-        later_took = time.monotonic() - again
+        later_took, later = 0.0, None
+        for i in range(3):                               # known down, then probed in the background: no waits
+            again = time.monotonic()
+            later = await kv.plan(request(99 + i), [])
+            later_took = max(later_took, time.monotonic() - again)
+            await asyncio.sleep(RETRY_S)
         await kv.stop()
         return took, later_took, [r.decision for r in routes] + [later.decision]
 
@@ -76,6 +81,46 @@ def test_a_hung_store_does_not_stall_concurrent_routing(hung_daemon, monkeypatch
     assert set(decisions) == {"prefill"}                 # a miss, never a failed request
     assert took < 2.5 * TIMEOUT_S, f"8 concurrent lookups took {took:.2f} s against a hung store"
     assert later_took < TIMEOUT_S / 2, f"a lookup right after took {later_took:.2f} s"
+
+
+def test_a_store_that_answers_again_is_asked_again(monkeypatch):
+    import threading
+
+    from kvstore_fixtures import TOKEN
+
+    from pdserve.kvstore.daemon import KVDaemon
+    from pdserve.kvstore.tiered import TieredStore
+
+    monkeypatch.setattr(kv_routing, "STORE_RETRY_S", RETRY_S)
+    store = TieredStore(ArenaTier(1 << 20), [])
+    daemon = KVDaemon(store, port=0, token=TOKEN)
+    stop = threading.Event()
+    thread = threading.Thread(target=daemon.serve, args=(stop,))
+    thread.start()
+    metrics = ProxyMetrics()
+    kv = KVRouting(metrics, store_url=daemon.endpoint, token=TOKEN)
+    kv.store_space, kv.block_size = dict(SPACE), 4
+
+    async def main() -> None:
+        kv._fail()                                        # as after a timeout
+        await kv.plan(request(1), [])
+        deadline = time.monotonic() + 5.0
+        while kv._failing:                                # probes after RETRY_S, in the background
+            assert time.monotonic() < deadline, "the store was never asked again"
+            await kv.plan(request(2), [])
+            await asyncio.sleep(0.05)
+        await kv.plan(request(3), [])
+        await kv.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop.set()
+        thread.join()
+        daemon.close()
+        store.close()
+    assert metrics.store_lookups.labels("skipped")._value.get() >= 1
+    assert metrics.store_lookups.labels("miss")._value.get() == 1        # request 3 was looked up
 
 
 def test_an_object_that_cannot_fit_the_arena_evicts_nothing():
