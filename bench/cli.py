@@ -1,4 +1,4 @@
-"""``pdserve bench serve`` and ``pdserve bench sweep``.
+"""``pdserve bench serve``, ``pdserve bench sweep`` and ``pdserve bench kvstore``.
 
 ``register(subparsers)`` is called by ``pdserve.engine.cli``; ``python -m pdserve.bench.cli serve ...``
 runs the same commands stand-alone.
@@ -7,6 +7,7 @@ runs the same commands stand-alone.
         --random-output-len 64 --num-prompts 32 --save-result --plot run.png
     pdserve bench sweep --model DIR --mode colocated,disagg,disagg+warm-store \\
         --param max_num_batched_tokens=256,512,1024 --num-prompts 16 --output-dir sweep/
+    pdserve bench kvstore --json kv.json       # the store's data plane vs memcpy / raw pyzmq / raw redis-py
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def register(subparsers) -> None:
     bench_args.add_workload_args(sweep, target_model=False)
     sweep.set_defaults(target_model=None)
     sweep.set_defaults(func=run_sweep)
+    kv = sub.add_parser("kvstore", help="the KV store's put/get GB/s per path against raw baselines from the same run")
+    from pdserve.bench.kvstore_bench import add_arguments as add_kvstore_args
+
+    add_kvstore_args(kv)
+    kv.set_defaults(func=run_kvstore)
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
@@ -113,6 +119,12 @@ def run_sweep(args) -> int:
     from pdserve.bench.sweep import run_sweep_command
 
     return run_sweep_command(args)
+
+
+def run_kvstore(args) -> int:
+    from pdserve.bench.kvstore_bench import run_command
+
+    return run_command(args)
 
 
 def main(argv: list[str] | None = None) -> int:

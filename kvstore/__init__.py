@@ -17,8 +17,13 @@ Who calls it: the engine's KV connector (prefill: ``put``; decode: ``lookup`` th
     tiered.py      TieredStore: L1 -> L2 -> L3, async write-through, promotion
     config.py      KVStoreConfig (frozen) and build_store
     protocol.py    daemon wire messages (msgspec msgpack + raw frames)
-    shm.py         shared-memory data plane for same-host clients
-    daemon.py      KVDaemon (zmq ROUTER);  client.py  DaemonClient (same interface)
+    shm.py         per-client shared-memory segments (the data plane when the daemon has no arena)
+    arena.py       the daemon's L1 arena: a sealed memfd, its extent allocator, a client's mapping
+    arena_tier.py  L1 in the arena: reserved -> committed slots, pins (leases, sends, write-through), LRU
+    daemon.py      KVDaemon (zmq ROUTER);  daemon_arena.py  its MapArena/Reserve/Lease/Release side
+    client.py      DaemonClient (same interface);  client_arena.py  its one-copy put/get through the arena;
+                   client_segment.py  its put/get as frames or through a segment, and the payload checks
+    tiered_arena.py  TieredStore's slot methods for an arena L1 (write-through straight from the arena)
     cli.py         ``pdserve kvstore`` flags;  metrics.py  Prometheus export
     accounting.py  per-request hit/load/recompute accounting (need_to_load never < 0)
     seal.py        sealed objects: a keyed MAC checked end to end (publisher -> every loader)

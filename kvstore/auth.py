@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import ipaddress
 import logging
 import os
 import secrets
@@ -122,3 +123,23 @@ def token_from_args(args: argparse.Namespace, what: str) -> str:
     from pdserve.engine import envs
 
     return resolve_token(args.kv_auth_token_file, args.kv_auth_token, envs.PDSERVE_KV_AUTH_TOKEN, what)
+
+
+def check_exposure(token: str, host: str, allow_unauthenticated: bool) -> None:
+    """The daemon's bind check: without a token, loopback only (unless allowed), and a loud warning."""
+    if token:
+        return
+    if not _is_loopback(host) and not allow_unauthenticated:
+        raise ValueError(f"binding {host} (not loopback) without a token would let anyone who reaches it read and "
+                         f"write the cluster's KV: {TOKEN_HELP} (or pass --allow-unauthenticated)")
+    log.warning("KV store daemon WITHOUT an auth token on %s: every local user (and anyone who reaches %s) can "
+                "read, write, delete and attach shared memory; %s", host, host, TOKEN_HELP)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attached segments; past it a new client uses zmq frames (live clients keep theirs)")
     p.add_argument("--kv-max-shm-total-bytes", type=int, default=None,
                    help="all clients' shared-memory segments together (default: half of /dev/shm's free space)")
+    p.add_argument("--no-kv-shm-arena", dest="kv_shm_arena", action="store_false",
+                   help="keep L1 in private memory: local clients then copy through per-client segments")
     add_token_arguments(p)
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="listen beyond loopback without a token (anyone who reaches it reads and writes the KV)")
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     limits = DaemonLimits(max_object_bytes=args.kv_max_object_bytes, max_shm_bytes=args.kv_max_shm_bytes,
                           max_shm_clients=args.kv_max_shm_clients, max_shm_total_bytes=args.kv_max_shm_total_bytes)
     token = token_from_args(args, "pdserve kvstore")
-    store = build_store(config_from_args(args))
+    store = build_store(config_from_args(args), arena=args.kv_shm_arena)
     try:
         daemon = KVDaemon(store, args.host, args.port, token, limits, args.allow_unauthenticated)
     except ValueError as exc:

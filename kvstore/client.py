@@ -27,6 +27,9 @@ accident check, not a seal -- the keyed MAC inside each object (``seal.py``) is 
 get whose bytes do not match, or whose frame does not hold the bytes its meta names, is a miss, logged
 and counted under ``stats()["client"]``. Objects larger
 than the segment travel as zmq frames; batches are split to the daemon's limits.
+With ``shm_bytes`` > 0 the client first asks for the daemon's arena (its L1 in shared memory,
+client_arena.py: one copy each way, no digest -- a slot is served only once committed); a daemon
+without one (``--no-kv-shm-arena``, or a plain store) gets a segment of ``shm_bytes`` as before.
 """
 
 from __future__ import annotations
@@ -39,22 +42,23 @@ import secrets
 import threading
 import time
 
-import numpy as np
 import torch
 import zmq
 
+from pdserve.kvstore import client_arena, client_segment
 from pdserve.kvstore import protocol as P
+from pdserve.kvstore.arena import ArenaMap
 from pdserve.kvstore.auth import ClusterKey
 from pdserve.kvstore.session import daemon_proof, new_nonce, request_token
 from pdserve.kvstore.base import KVStore, StatsDict
 from pdserve.kvstore.codec import tensor_bytes
 from pdserve.kvstore.keys import check_key
-from pdserve.kvstore.shm import ShmSegment, align
+from pdserve.kvstore.shm import ShmSegment
 from pdserve.kvstore.zmq_context import shared_context
 
 log = logging.getLogger(__name__)
 SHM_RETRY_S = 30.0      # after a refused Attach, use frames this long before asking again
-_COUNTERS = ("checksum_failures", "timeouts", "shm_attaches", "shm_refused", "shm_abandoned",
+_COUNTERS = ("checksum_failures", "timeouts", "arena_maps", "shm_attaches", "shm_refused", "shm_abandoned",
              "shm_objects", "frame_objects", "daemon_auth_failures")
 MAX_FRAME_BYTES = 1 << 30   # no reply frame larger (a frame is one object, or the header of a batch)
 
@@ -89,15 +93,13 @@ class DaemonClient(KVStore):
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
-        self._shm_bytes, self._seg = shm_bytes, None    # attached lazily by the first put/get
+        self._shm_bytes, self._seg = shm_bytes, None    # arena or segment, mapped lazily by the first put/get
+        self._try_arena = True                          # until a daemon says it has none
         self._attach_at = 0.0 if shm_bytes else float("inf")
         self._counters = dict.fromkeys(_COUNTERS, 0)
 
     def put(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        objs = []
-        for key, tensor in items:
-            data = tensor_bytes(tensor)
-            objs.append((P.meta_of(check_key(key), tensor, digest=P.digest_of(key, data)), data))
+        objs = [(P.meta_of(check_key(key), tensor), tensor_bytes(tensor)) for key, tensor in items]
         done = 0
         while done < len(objs):
             done = self._with_segment(lambda seg: self._put_batch(objs, done, seg))
@@ -152,75 +154,31 @@ class DaemonClient(KVStore):
                 self._abandon(str(exc))
                 return fn(self._segment())
 
-    def _put_batch(self, objs: list, start: int, seg: ShmSegment | None) -> int:
-        """Send objs[start:] up to the batch limit and what fits in ``seg``; the next start."""
-        metas, frames, offset = [], [], 0
-        for meta, data in objs[start:start + self.max_batch]:
-            if seg is not None and meta.nbytes <= seg.size:
-                if offset + meta.nbytes > seg.size:
-                    break
-                seg.write(offset, data)
-                meta.offset, offset = offset, align(offset + meta.nbytes)
-            else:
-                meta.offset = P.FRAME
-                frames.append(data)
-            metas.append(meta)
-        self._count(len(metas) - len(frames), len(frames))
-        self._call(P.Put(objs=metas, gen=seg.gen if len(frames) < len(metas) else 0), frames)
-        return start + len(metas)
+    def _put_batch(self, objs: list, start: int, seg: ShmSegment | ArenaMap | None) -> int:
+        """Send objs[start:] up to the batch limit (and what fits in ``seg``); the next start."""
+        return (client_arena if isinstance(seg, ArenaMap) else client_segment).put_batch(self, objs, start, seg)
 
-    def _get_batch(self, keys: list[str], seg: ShmSegment | None) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        while todo:
-            reply, frames = self._call(P.Get(keys=[keys[i] for i in todo], gen=seg.gen if seg else 0))
-            if len(reply.objs) != len(todo):
-                raise DaemonError(f"KV daemon at {self.url} answered {len(reply.objs)} objects for {len(todo)} keys")
-            frames, deferred = iter(frames), []
-            for i, meta in zip(todo, reply.objs):
-                if meta is not None and meta.offset == P.DEFERRED:
-                    deferred.append(i)
-                elif meta is not None:
-                    out[i] = self._own(keys[i], meta, self._payload(meta, frames, seg))
-            seg = seg if len(deferred) < len(todo) else None    # nothing fit: fall back to frames
-            todo = deferred
-        return out
+    def _get_batch(self, keys: list[str], seg: ShmSegment | ArenaMap | None) -> list[torch.Tensor | None]:
+        return (client_arena if isinstance(seg, ArenaMap) else client_segment).get_batch(self, keys, seg)
 
-    def _own(self, key: str, meta: P.ObjMeta, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        """The object only if the reply names the key that was asked for (else a counted miss)."""
-        if tensor is not None and meta.key != key:
-            self._counters["checksum_failures"] += 1
-            log.warning("KV daemon at %s answered object %r for key %r; treated as a miss", self.url,
-                        meta.key[:80], key)
-            return None
-        return tensor
-
-    def _payload(self, meta: P.ObjMeta, frames, seg: ShmSegment | None) -> torch.Tensor | None:
-        """Our own copy of one object; None (a counted miss) when its digest is wrong."""
-        if meta.offset == P.FRAME:
-            frame = next(frames)
-            if len(frame) != meta.nbytes or P.nbytes_of(meta) != meta.nbytes:
-                self._counters["checksum_failures"] += 1
-                log.warning("KV daemon at %s: object %r has a %d-byte frame for %d bytes of %s%s; treated as a "
-                            "miss", self.url, meta.key[:80], len(frame), meta.nbytes, meta.dtype, meta.shape[:8])
-                return None
-            raw = torch.empty(meta.nbytes, dtype=torch.uint8)
-            raw.numpy()[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
-        else:
-            raw = seg.read(meta.offset, meta.nbytes)
-        self._count(meta.offset != P.FRAME, meta.offset == P.FRAME)
-        if not P.check_digest(meta, raw.numpy()):
-            self._counters["checksum_failures"] += 1
-            log.warning("KV daemon at %s: object %r failed its digest check (%d bytes); treated as a miss",
-                        self.url, meta.key, meta.nbytes)
-            return None
-        return raw.view(P.dtype_of(meta.dtype)).reshape(meta.shape)
-
-    def _segment(self) -> ShmSegment | None:
-        """The attached segment, attaching when due; None means zmq frames."""
+    def _segment(self) -> ShmSegment | ArenaMap | None:
+        """The mapped arena or attached segment, mapping when due; None means zmq frames."""
         if self._seg is None and time.monotonic() >= self._attach_at:
-            self._attach()
+            if not (self._try_arena and self._map_arena()):
+                self._attach()
         return self._seg
+
+    def _map_arena(self) -> bool:
+        try:
+            self._seg = client_arena.open_arena(self._call(P.MapArena(pid=os.getpid()))[0].arena)
+            self._counters["arena_maps"] += 1
+            return True
+        except TimeoutError:
+            raise
+        except (DaemonError, OSError, ValueError) as exc:
+            self._try_arena = False
+            log.info("KV daemon at %s: no arena (%s); using a shared-memory segment", self.url, exc)
+            return False
 
     def _attach(self) -> None:
         try:
@@ -238,8 +196,13 @@ class DaemonClient(KVStore):
                         self.url, exc, SHM_RETRY_S)
 
     def _abandon(self, why: str) -> None:
-        """Never touch the segment again: the daemon may still act on a request naming it."""
-        if self._seg is not None:
+        """Never touch the segment again: the daemon may still act on a request naming it. (A lost arena --
+        a restarted daemon -- is simply mapped again; our old slots there are cancelled or ended.)"""
+        if isinstance(self._seg, ArenaMap):
+            log.info("KV daemon at %s: mapping its arena again (%s)", self.url, why)
+            self._drop_segment()
+            self._attach_at = 0.0
+        elif self._seg is not None:
             log.warning("KV daemon at %s: abandoning shm segment generation %d (%s)", self.url, self._seg.gen, why)
             self._counters["shm_abandoned"] += 1
             self._drop_segment()
@@ -258,12 +221,26 @@ class DaemonClient(KVStore):
             return self._signed(req, frames)
 
     def _signed(self, req, frames) -> tuple[P.Reply, list]:
+        self._sign(req)
+        return self._exchange(req, frames)
+
+    def _sign(self, req) -> None:
         if self._wire_key is not None and self._daemon_nonce is None:
             self._hello()
         req.id = next(self._ids)
         if self._wire_key is not None:
             req.token = request_token(self._wire_key, self._daemon_nonce, self._ident, req.id)
-        return self._exchange(req, frames)
+
+    def _post(self, req) -> None:
+        """Send a signed request without waiting: its reply is discarded by the next exchange (ids differ)."""
+        try:
+            self._sign(req)
+            self._sock.send_multipart([P.ENCODER.encode(req)], copy=False)
+        except (zmq.ZMQError, DaemonError, TimeoutError) as exc:
+            log.debug("KV daemon at %s: %s not sent (%s)", self.url, type(req).__name__, exc)
+
+    def error(self, what: str) -> DaemonError:
+        return DaemonError(f"KV daemon at {self.url} {what}")
 
     def _hello(self) -> None:
         """Make whoever answers on the port prove it holds the wire key; nothing else is sent until it does."""
@@ -280,10 +257,35 @@ class DaemonClient(KVStore):
     def _exchange(self, req, frames) -> tuple[P.Reply, list]:
         """One request, one reply (matched by id; late replies are discarded)."""
         self._sock.send_multipart([P.ENCODER.encode(req), *frames], copy=False)
+        return self._await(req)
+
+    def _call_many(self, reqs):
+        """``reqs``: (request, frames) pairs, made as they are sent -- back to back, so the daemon works on one
+        while the next is on the wire and this thread prepares the one after; -> their replies, in order, as
+        they come (so the caller checks one while the next arrives). Says Hello again once if the daemon lost
+        the session (it then did nothing: every request was refused)."""
+        sent = [self._send_signed(req, frames) for req, frames in reqs]
+        try:
+            first = self._await(sent[0][0])
+        except _NoSession:
+            self._daemon_nonce = None
+            sent = [self._send_signed(req, frames) for req, frames in sent]
+            first = self._await(sent[0][0])
+        yield first
+        for req, _ in sent[1:]:
+            yield self._await(req)
+
+    def _send_signed(self, req, frames) -> tuple:
+        self._sign(req)
+        self._sock.send_multipart([P.ENCODER.encode(req), *frames], copy=False)
+        return req, frames
+
+    def _await(self, req) -> tuple[P.Reply, list]:
+        """The reply to ``req`` (earlier, late replies are discarded); raises what it says."""
         while True:
             if not self._sock.poll(self.timeout_ms):
                 self._counters["timeouts"] += 1
-                if getattr(req, "gen", 0):
+                if getattr(req, "gen", 0) or isinstance(req, P.MapArena):
                     self._abandon(f"{type(req).__name__} timed out")
                 raise TimeoutError(f"KV daemon at {self.url} did not answer {type(req).__name__} "
                                    f"within {self.timeout_ms} ms")

@@ -32,12 +32,18 @@ compute it; what makes a stored object trustworthy is the keyed MAC inside it (`
 from __future__ import annotations
 
 import struct
+import warnings
 
 import lz4.block
 import numpy as np
 import torch
 import xxhash
 
+# decode hands out tensors over a private ``bytes`` (see _to_tensor); torch notes that once per process: spend
+# that note here, silenced, so it never shows
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 MAGIC = b"PDKV"
 FORMAT_VERSION = 2                     # 2: key hash in the header
 CODECS = {"none": 0, "lz4": 1}
@@ -72,6 +78,12 @@ def key_hash(key: str) -> int:
 
 def encode(tensor: torch.Tensor, codec: str, key: str) -> bytes:
     """Header + payload for one CPU tensor (any shape, dtypes in _DTYPES) stored under ``key``."""
+    return b"".join(encode_parts(tensor, codec, key))
+
+
+def encode_parts(tensor: torch.Tensor, codec: str, key: str) -> tuple[bytes, memoryview | np.ndarray]:
+    """(header, payload) of ``encode`` without joining them: the payload is the tensor's own memory for codec
+    "none" (a writer that can send two buffers -- Redis SET + APPEND in one transaction -- copies nothing)."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {sorted(CODECS)} (--kv-codec)")
     if tensor.dtype not in _DTYPE_CODE or tensor.dim() > MAX_DIMS:
@@ -81,8 +93,7 @@ def encode(tensor: torch.Tensor, codec: str, key: str) -> bytes:
     shape = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
     fields = (MAGIC, FORMAT_VERSION, CODECS[codec], _DTYPE_CODE[tensor.dtype], tensor.dim(), *shape,
               key_hash(key), len(payload), len(raw))
-    header = _HEADER.pack(*fields, _checksum(_HEADER.pack(*fields, 0), payload))
-    return b"".join((header, payload))
+    return _HEADER.pack(*fields, _checksum(_HEADER.pack(*fields, 0), payload)), payload
 
 
 def decode(blob: bytes | memoryview, key: str, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> torch.Tensor:
@@ -108,7 +119,7 @@ def decode(blob: bytes | memoryview, key: str, max_bytes: int = DEFAULT_MAX_OBJE
     if stored_key_hash != key_hash(key):
         raise KeyMismatch(f"object was written for another key (key hash {stored_key_hash:#018x}), "
                           f"read as {key!r} (key hash {key_hash(key):#018x})")
-    return _to_tensor(payload, codec, raw_len, itemsize).view(dtype).reshape(dims)
+    return _to_tensor(payload, codec, raw_len, itemsize, isinstance(blob, bytes)).view(dtype).reshape(dims)
 
 
 def _check_sizes(raw_len: int, shape_bytes: int, payload_len: int, codec: int, max_bytes: int) -> None:
@@ -136,7 +147,11 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def _to_tensor(payload: memoryview, codec: int, raw_len: int, itemsize: int) -> torch.Tensor:
+def _to_tensor(payload: memoryview, codec: int, raw_len: int, itemsize: int, private: bool) -> torch.Tensor:
+    """The payload's raw bytes as a uint8 tensor. ``private``: the blob is a ``bytes`` nobody else holds (a Redis
+    reply, a file's contents), so an uncompressed payload is used in place -- no copy; the tensor keeps it alive."""
+    if codec == CODECS["none"] and private and raw_len:
+        return torch.frombuffer(payload, dtype=torch.uint8)
     out = torch.empty(raw_len, dtype=torch.uint8)
     if codec == CODECS["none"]:
         out.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)

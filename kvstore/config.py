@@ -1,14 +1,15 @@
 """The store's configuration (one frozen dataclass) and the factory that builds it.
 
 Who calls it: ``cli.py`` (daemon flags -> config), the engine later (embedded store),
-tests and the bench. ``build_store`` returns a ``TieredStore`` whose L1 is always
-memory; Redis and disk are added when their flags are given.
+tests and the bench. ``build_store`` returns a ``TieredStore`` whose L1 is memory
+(the daemon's: a shared-memory arena); Redis and disk are added when their flags are given.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.kvstore.arena_tier import ArenaTier
 from pdserve.kvstore.codec import CODECS, DEFAULT_MAX_OBJECT_BYTES
 from pdserve.kvstore.disk import DiskTier
 from pdserve.kvstore.memory import MemoryTier
@@ -42,12 +43,14 @@ class KVStoreConfig:
                 raise ValueError(f"{name} must be > 0 bytes, got {getattr(self, name)} ({flag})")
 
 
-def build_store(config: KVStoreConfig) -> TieredStore:
+def build_store(config: KVStoreConfig, arena: bool = False) -> TieredStore:
+    """``arena``: L1 in a shared-memory arena local clients read and write in place (the daemon's store)."""
     lower = []
     if config.redis_url:
         lower.append(RedisTier(config.redis_url, config.redis_prefix, config.redis_ttl_s, config.codec,
                                max_object_bytes=config.max_object_bytes))
     if config.disk_dir:
         lower.append(DiskTier(config.disk_dir, config.disk_bytes, config.codec, config.max_object_bytes))
-    return TieredStore(MemoryTier(config.cpu_bytes), lower, config.queue_bytes,
+    l1 = ArenaTier(config.cpu_bytes) if arena else MemoryTier(config.cpu_bytes)
+    return TieredStore(l1, lower, config.queue_bytes,
                        config.backoff_base_s, config.backoff_max_s)

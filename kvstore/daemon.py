@@ -13,32 +13,35 @@ unless ``allow_unauthenticated``. A Put whose digest
 does not match its bytes stores nothing. Shared-memory segments (shm.py) are created
 by this daemon on Attach and looked up by (client identity, generation); segments of
 dead client processes are reclaimed on Attach at the limit and every
-``DaemonLimits.shm_reclaim_s`` in the serve loop.
+``DaemonLimits.shm_reclaim_s`` in the serve loop. A store whose L1 is an arena (arena_tier.py) also
+serves MapArena/Reserve/Lease/Release (daemon_arena.py): local clients then write and read L1 in place.
+TCP payloads go out zero-copy: an arena slot sent as a frame stays pinned until zmq's I/O thread is done
+with it (``_sending``: trackers swept by the serve thread), and a put's frame is copied once, into L1.
 Standalone: ``python -m pdserve.kvstore --port 5557`` (same flags as ``pdserve kvstore``).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 import time
 from dataclasses import dataclass
 
 import msgspec
-import numpy as np
 import torch
 import zmq
 
 from pdserve.kvstore import protocol as P
-from pdserve.kvstore.auth import TOKEN_HELP, ClusterKey
+from pdserve.kvstore.auth import ClusterKey, check_exposure
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
+from pdserve.kvstore.daemon_arena import ArenaServer
 from pdserve.kvstore.session import Sessions, SessionError
 from pdserve.kvstore.shm import MAP_GRACE_S, NoSegment, SegmentTable, ShmSegment, align
 from pdserve.kvstore.zmq_context import shared_context
 
 log = logging.getLogger(__name__)
+TRACK_FROM = 256 << 10      # arena frames from this size are sent in place (tracked); smaller ones are copied
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class KVDaemon:
     def __init__(self, store: KVStore, host: str = "127.0.0.1", port: int = 5557, token: str = "",
                  limits: DaemonLimits = DaemonLimits(), allow_unauthenticated: bool = False) -> None:
         """``token``: the cluster token (``kvstore.auth``); "" serves anyone who can connect."""
-        _check_exposure(token, host, allow_unauthenticated)
+        check_exposure(token, host, allow_unauthenticated)
         self.store, self.limits = store, limits
         self._sessions = Sessions(ClusterKey(token).wire_key) if token else None
         self._sock = shared_context().socket(zmq.ROUTER)
@@ -68,10 +71,15 @@ class KVDaemon:
         self._segments = SegmentTable(limits.max_shm_clients, limits.max_shm_bytes, limits.max_shm_total_bytes,
                                       limits.shm_map_grace_s)
         self._counters = {"requests": 0, "errors": 0, "checksum_failures": 0}
+        self._arena = ArenaServer(store) if getattr(store, "arena", None) is not None else None
+        self._sending: list = []          # (zmq MessageTracker, arena slots it sends): unpinned once sent
+        self._pinned_reply: list = []     # slots the reply being built sends (handler -> serve)
         self._handlers = {P.Put: self._put, P.Get: self._get, P.Contains: self._contains,
                           P.Lookup: self._lookup, P.Delete: self._delete, P.Stats: self._stats,
                           P.Ping: lambda req, ident, frames: (P.Reply(), []),
-                          P.Attach: self._attach, P.Detach: self._detach, P.Hello: self._hello}
+                          P.Attach: self._attach, P.Detach: self._detach, P.Hello: self._hello,
+                          P.MapArena: self._map_arena, P.Reserve: self._reserve, P.Lease: self._lease,
+                          P.Release: lambda req, ident, frames: (P.Reply(), [])}
 
     def serve(self, stop: threading.Event) -> None:
         """Answer requests until ``stop`` is set (checked every 100 ms)."""
@@ -81,13 +89,35 @@ class KVDaemon:
             if time.monotonic() >= next_reclaim:
                 self._reclaim()
                 next_reclaim = time.monotonic() + self.limits.shm_reclaim_s
-            if not self._sock.poll(100):
+            self._sweep_sent()
+            if not self._sock.poll(100 if not self._sending else 1):
                 continue
             frames = self._sock.recv_multipart(copy=False)
             ident, body = frames[0].bytes, frames[1:]
-            self._sock.send_multipart([ident, *self.handle(ident, body)], copy=False)
+            reply = self.handle(ident, body)
+            pinned, self._pinned_reply = self._pinned_reply, []
+            if pinned:                    # arena bytes go out in place: unpinned once zmq is done with them
+                reply = [reply[0], *(zmq.Frame(p, track=True) if p.nbytes >= TRACK_FROM else zmq.Frame(p.tobytes())
+                                     for p in reply[1:])]     # a small one: a copy costs less than tracking it
+                self._sending.append(([f.tracker for f in reply[1:] if f.tracker is not None], pinned))
+            self._sock.send_multipart([ident, *reply], copy=False)
+
+    def _sweep_sent(self) -> None:
+        """Unpin the slots of every reply zmq is done with, in whatever order they finish: a reply stuck on one
+        client (a stopped process, a slow link) must not keep later replies' slots to other clients pinned."""
+        if not self._sending:
+            return
+        still = []
+        for trackers, slots in self._sending:
+            if all(t is None or t.done for t in trackers):
+                self.store.unpin(slots)
+            else:
+                still.append((trackers, slots))
+        self._sending = still
 
     def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
         self._segments.close()
         self._sock.close(linger=0)
 
@@ -100,11 +130,16 @@ class KVDaemon:
             req_id = env.id
             self._admit(ident, env)
             req = self._parse(frames)
+            if self._arena is not None:
+                self._arena.before(ident, req)
             reply, payload = self._handlers[type(req)](req, ident, frames[1:])
         except Exception as exc:  # noqa: BLE001 - every bad message gets an error reply
             self._counters["errors"] += 1
             log.debug("KV daemon: bad request: %s: %s", type(exc).__name__, exc)
             reply, payload = P.Reply(ok=False, error=f"{type(exc).__name__}: {exc}"), []
+            if self._pinned_reply:
+                self.store.unpin(self._pinned_reply)
+                self._pinned_reply = []
             reply.code = P.NO_SEGMENT if isinstance(exc, NoSegment) else \
                 P.NO_SESSION if isinstance(exc, SessionError) and exc.no_session else ""
         reply.id = req_id
@@ -145,11 +180,29 @@ class KVDaemon:
         framed = [m for m in req.objs if m.offset == P.FRAME]
         if len(framed) != len(frames):
             raise ValueError(f"{len(framed)} objects expect payload frames but {len(frames)} frames came")
+        if req.commit:
+            self._arena_server().commit(ident, req.gen)
         seg = self._segments.get(ident, req.gen) if len(framed) < len(req.objs) else None
         payload = iter(frames)
+        if self._arena is not None and seg is None:
+            checked = [(meta, self._checked_frame(meta, frame)) for meta, frame in zip(req.objs, payload)]
+            for meta, buf in checked:             # every digest first: a bad one stores nothing
+                self.store.store_bytes(meta, buf)
+            return P.Reply(), []
         items = [(m.key, self._read_payload(m, seg, payload)) for m in req.objs]
         self.store.adopt(items)
         return P.Reply(), []
+
+    def _checked_frame(self, meta: P.ObjMeta, frame) -> memoryview:
+        """A frame's bytes, in place, once its length and digest match its meta."""
+        buf = frame.buffer
+        if len(buf) != meta.nbytes:
+            raise ValueError(f"object {meta.key!r}: frame has {len(buf)} bytes, meta says {meta.nbytes}")
+        if not P.check_digest(meta, buf):
+            self._counters["checksum_failures"] += 1
+            raise ValueError(f"object {meta.key!r}: digest {meta.digest:#x} does not match its "
+                             f"{meta.nbytes} bytes; nothing stored")
+        return buf
 
     def _read_payload(self, meta: P.ObjMeta, seg: ShmSegment | None, frames) -> torch.Tensor:
         """A private copy of one object's bytes, its digest verified on that copy."""
@@ -157,8 +210,7 @@ class KVDaemon:
             frame = next(frames)
             if len(frame) != meta.nbytes:
                 raise ValueError(f"object {meta.key!r}: frame has {len(frame)} bytes, meta says {meta.nbytes}")
-            raw = torch.empty(meta.nbytes, dtype=torch.uint8)
-            raw.numpy()[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
+            raw = P.frame_tensor(frame)           # the frame's own memory: L1 keeps it, no copy
         else:
             raw = seg.read(meta.offset, meta.nbytes)
         if not P.check_digest(meta, raw.numpy()):
@@ -170,6 +222,9 @@ class KVDaemon:
     def _get(self, req: P.Get, ident: bytes, frames: list):
         self._check_batch(len(req.keys))
         seg = self._segments.get(ident, req.gen) if req.gen else None
+        if self._arena is not None and seg is None:
+            reply, payload, self._pinned_reply = self._arena.serve(req.keys, None)
+            return reply, payload
         objs, payload, offset = [], [], 0
         with self.store.borrow(req.keys) as tensors:
             for key, tensor in zip(req.keys, tensors):
@@ -190,6 +245,22 @@ class KVDaemon:
                 meta.digest = P.digest_of(key, data)
         return P.Reply(objs=objs), payload
 
+    def _arena_server(self) -> ArenaServer:
+        if self._arena is None:
+            raise ValueError("this daemon's store has no shared-memory arena (started with --no-kv-shm-arena)")
+        return self._arena
+
+    def _map_arena(self, req: P.MapArena, ident: bytes, frames: list):
+        return self._arena_server().map(ident, req), []
+
+    def _reserve(self, req: P.Reserve, ident: bytes, frames: list):
+        self._check_batch(len(req.objs))
+        return self._arena_server().reserve(ident, req, self.limits.max_object_bytes), []
+
+    def _lease(self, req: P.Lease, ident: bytes, frames: list):
+        self._check_batch(len(req.keys))
+        return self._arena_server().lease(ident, req)
+
     def _contains(self, req: P.Contains, ident: bytes, frames: list):
         self._check_batch(len(req.keys))
         return P.Reply(present=self.store.contains(req.keys)), []
@@ -205,7 +276,8 @@ class KVDaemon:
 
     def _stats(self, req: P.Stats, ident: bytes, frames: list):
         t = self._segments
-        shm = {"shm_clients": len(t), "shm_reclaimed": t.reclaimed, "shm_refused": t.refused}
+        shm = {"shm_clients": len(t), "shm_reclaimed": t.reclaimed, "shm_refused": t.refused,
+               **(self._arena.counters if self._arena is not None else {})}
         return P.Reply(stats={**self.store.stats(), "daemon": {**self._counters, **shm}}), []
 
     def _attach(self, req: P.Attach, ident: bytes, frames: list):
@@ -214,10 +286,14 @@ class KVDaemon:
 
     def _detach(self, req: P.Detach, ident: bytes, frames: list):
         self._segments.drop(ident)
+        if self._arena is not None:
+            self._arena.drop(ident)
         return P.Reply(), []
 
     def _reclaim(self) -> None:
         n = self._segments.reclaim_dead()
+        if self._arena is not None and self._arena.reclaim():
+            log.info("KV daemon: ended the arena reservations and leases of exited clients")
         if n:
             log.info("KV daemon: reclaimed %d shm segments of exited clients", n)
 
@@ -235,25 +311,6 @@ def _check_version(req) -> None:
             return
     if req.v != P.PROTOCOL_VERSION:
         raise ValueError(f"protocol version {req.v}; this daemon speaks {P.PROTOCOL_VERSION}")
-
-
-def _check_exposure(token: str, host: str, allow_unauthenticated: bool) -> None:
-    if token:
-        return
-    if not _is_loopback(host) and not allow_unauthenticated:
-        raise ValueError(f"binding {host} (not loopback) without a token would let anyone who reaches it read and "
-                         f"write the cluster's KV: {TOKEN_HELP} (or pass --allow-unauthenticated)")
-    log.warning("KV store daemon WITHOUT an auth token on %s: every local user (and anyone who reaches %s) can "
-                "read, write, delete and attach shared memory; %s", host, host, TOKEN_HELP)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 if __name__ == "__main__":      # the flags and the runner are cli.py's, which imports this module: no circle

@@ -30,7 +30,8 @@ GAUGES = frozenset({
     "objects", "bytes", "pinned",                       # TierStats levels, MemoryTier
     "down", "consecutive_failures",                     # TierHealth
     "queued_bytes", "queued_objects",                   # TieredStore write-through queue
-    "shm_clients",                                      # KVDaemon
+    "shm_clients", "arena_clients",                     # KVDaemon
+    "arena_free_bytes",                                 # ArenaTier (the daemon's L1 arena)
     "store_down", "store_consecutive_failures",         # KV connector's store health
     "publish_buffer_bytes", "publish_buffer_bytes_in_flight", "publish_buffer_peak_bytes",   # publish ring
 })
@@ -41,7 +42,8 @@ COUNTERS = frozenset({
     "wt_written", "wt_failed", "wt_skipped_down",       # TieredStore, per lower tier (objects)
     "dropped", "lost",                                  # TieredStore write-through (objects)
     "requests", "shm_reclaimed", "shm_refused",          # KVDaemon
-    "timeouts", "shm_attaches", "shm_abandoned", "shm_objects", "frame_objects",   # DaemonClient
+    "arena_reserved", "arena_committed", "arena_cancelled", "arena_leased", "arena_expired",   # KVDaemon's arena
+    "timeouts", "arena_maps", "shm_attaches", "shm_abandoned", "shm_objects", "frame_objects",   # DaemonClient
     "daemon_auth_failures",                             # DaemonClient: the peer could not prove the key
     "load_failures", "publish_failures", "load_integrity_failures", "load_digest_mismatches",
     "publish_skipped", "store_marked_down",             # KV connector

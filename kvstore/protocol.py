@@ -13,6 +13,12 @@ A Put or Get that uses the segment names that ``gen``; the daemon refuses any ot
 ``ObjMeta.offset`` and only the header travels over zmq. The daemon reclaims the
 segment once process ``pid`` has exited; ``Detach`` drops it at once.
 
+The arena (same host, the daemon's store has one: arena.py, daemon_arena.py): ``MapArena(pid)`` names
+the daemon's L1 arena; a put is ``Reserve`` (slots) -> the client writes its bytes there -> ``Put(commit=
+True)`` (served from then on; framed objects ride along); a get is ``Lease`` (offsets of leased slots) ->
+the client copies them out -> ``Release`` (or any next request) ends the lease. One copy each way, no
+digest: a slot is served only once its writer committed it, and the seal is the end-to-end check.
+
 Integrity: every payload carries ``ObjMeta.digest`` = xxh3_64(key utf-8 bytes, then the
 payload bytes). The sender computes it (client on Put, daemon on Get); the receiver
 verifies it on its own copy (daemon: Put refused; client: that object is a miss).
@@ -54,6 +60,14 @@ class ObjMeta(msgspec.Struct, array_like=True):
     digest: int = 0     # xxh3_64(key, payload); see digest_of
 
 
+class ArenaInfo(msgspec.Struct, array_like=True):
+    pid: int            # the daemon's process: the client maps /proc/<pid>/fd/<fd>
+    fd: int
+    size: int
+    gen: int            # names this arena (random per daemon process)
+    inode: int = 0      # the memfd's inode: the client checks it maps that very file
+
+
 class SegmentInfo(msgspec.Struct, array_like=True):
     path: str           # /dev/shm/pdserve-kv-<hex>, made by the daemon; the client unlinks it
     size: int
@@ -69,6 +83,7 @@ class _Req(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=T
 class Put(_Req, tag="put"):
     objs: list[ObjMeta]
     gen: int = 0        # segment generation; required when an object's offset is in the segment
+    commit: bool = False   # arena: first serve this client's reserved slots (written by now); gen = the arena's
 
 
 class Get(_Req, tag="get"):
@@ -106,6 +121,24 @@ class Detach(_Req, tag="detach"):
     pass
 
 
+class MapArena(_Req, tag="map-arena"):
+    pid: int            # the client's process: its reservations and leases end when it does
+
+
+class Reserve(_Req, tag="reserve"):
+    objs: list[ObjMeta]     # key, dtype, shape, nbytes; the reply's offsets are arena slots (FRAME: no room)
+    gen: int
+
+
+class Lease(_Req, tag="lease"):
+    keys: list[str]     # reply: objs at arena offsets, leased until this client's next request
+    gen: int
+
+
+class Release(_Req, tag="release"):
+    pass                # ends this client's leases now (sent without waiting for the reply)
+
+
 class Hello(_Req, tag="hello"):
     nonce: bytes        # the client's challenge (16..64 bytes); the reply proves the daemon holds the wire key
 
@@ -118,7 +151,8 @@ class Envelope(msgspec.Struct):
     token: str = ""
 
 
-Request = Union[Put, Get, Contains, Lookup, Delete, Stats, Ping, Attach, Detach, Hello]
+Request = Union[Put, Get, Contains, Lookup, Delete, Stats, Ping, Attach, Detach, Hello, MapArena, Reserve, Lease,
+                Release]
 
 
 class Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -131,6 +165,7 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
     count: int = 0
     stats: dict[str, dict[str, int]] = {}
     segment: SegmentInfo | None = None    # Attach reply
+    arena: ArenaInfo | None = None        # MapArena reply
     nonce: bytes = b""                    # Hello reply: the daemon process's nonce
     proof: bytes = b""                    # Hello reply: MAC(wire key, the client's nonce, the daemon's)
 
@@ -189,3 +224,9 @@ def check_meta(meta: ObjMeta, max_object_bytes: int) -> None:
     if meta.nbytes > max_object_bytes:
         raise ValueError(f"object {meta.key!r} has {meta.nbytes} bytes; limit is {max_object_bytes} "
                          "(--kv-max-object-bytes)")
+
+
+def frame_tensor(frame) -> torch.Tensor:
+    """uint8 [len(frame)] over a received zmq frame's own memory (no copy: the frame is ours alone, writable,
+    and lives as long as the tensor)."""
+    return torch.frombuffer(frame.buffer, dtype=torch.uint8) if len(frame) else torch.empty(0, dtype=torch.uint8)

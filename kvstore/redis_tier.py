@@ -1,9 +1,14 @@
 """L2: Redis (or Redis Cluster) holding serialised objects under a key prefix.
 
 Who calls it: ``TieredStore`` (write-through worker and read misses), the bench, tests.
-All I/O is batched: one pipeline of SETs per put, one pipeline of GETRANGEs per get (each reads
-at most ``max_blob_bytes``: a huge value someone else wrote is cut short and fails its checks, never
-read whole), one pipeline of EXISTS per contains. redis-py's connection pool is shared by the threads that call in.
+All I/O is batched. A put: objects from ``APPEND_FROM`` bytes go in one MULTI/EXEC, per object SET header +
+APPEND payload (the payload leaves from the tensor's own memory, no header+payload copy; the transaction
+makes each object appear whole or not at all); smaller ones, lz4 and Redis Cluster (a transaction cannot
+span slots) in a pipeline of SETs of joined blobs. A get: one GETRANGE per key, each reading at most
+``max_blob_bytes`` (a huge value someone else wrote is cut short and fails its checks, never read whole),
+sent at once on one pooled connection (``_lean_pipeline``; Redis Cluster: redis-py's pipeline); the payload
+stays in the reply's ``bytes`` (codec.decode uses it in place). hiredis (a dependency) parses replies in C.
+Contains: one pipeline of EXISTS. redis-py's connection pool is shared by the threads that call in.
 ``redis+cluster://host:port`` uses redis-py's cluster client (the scale-out path).
 Connection errors propagate (counted in ``errors``); ``TieredStore`` marks the tier down.
 Redis is shared by many writers, so ``objects``/``bytes`` are not tracked here (Redis's
@@ -13,12 +18,16 @@ INFO has them); ``bytes_in``/``bytes_out`` count this client's traffic.
 from __future__ import annotations
 
 import redis
+import torch
 from redis.cluster import RedisCluster
 
+from pdserve.kvstore import codec
 from pdserve.kvstore.blob import BlobTier
 from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
+from pdserve.kvstore.keys import check_key
 
 CLUSTER_SCHEME = "redis+cluster://"
+APPEND_FROM = 256 << 10     # payloads from this size are APPENDed from the tensor's memory, smaller ones joined
 
 
 class RedisTier(BlobTier):
@@ -38,6 +47,29 @@ class RedisTier(BlobTier):
         else:
             self._client = redis.Redis.from_url(url, **opts)
 
+    def put(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """One transaction: per object SET header, APPEND payload (the tensor's memory, sent as it is; no
+        header+payload copy). MULTI/EXEC makes each object appear whole or not at all. Redis Cluster (one
+        transaction cannot span slots) and lz4 take the joined blob of ``BlobTier.put``."""
+        if self._cluster or self.codec_name != "none":
+            return super().put(items)
+        small = [(k, t) for k, t in items if t.numel() * t.element_size() < APPEND_FROM]
+        if small:                                  # a small copy costs less than a second command in a transaction
+            super().put(small)
+        fits = [(check_key(k), t) for k, t in items
+                if APPEND_FROM <= t.numel() * t.element_size() <= self.max_object_bytes]
+        self._stats.add(rejected=len(items) - len(small) - len(fits))
+        pipe = self._client.pipeline(transaction=True)
+        nbytes = 0
+        for key, tensor in fits:
+            header, payload = codec.encode_parts(tensor, "none", key)
+            pipe.set(self.prefix + key, header, ex=self.ttl_s)
+            pipe.append(self.prefix + key, memoryview(payload))
+            nbytes += len(header) + len(payload)
+        if fits:
+            self._guarded(lambda _: pipe.execute(), None)
+        self._stats.add(bytes_in=nbytes)
+
     def _write(self, blobs: list[tuple[str, bytes]]) -> None:
         pipe = self._client.pipeline(transaction=False)
         for key, blob in blobs:
@@ -47,10 +79,31 @@ class RedisTier(BlobTier):
     def _read(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
             return []
+        if not self._cluster:
+            return [blob or None for blob in self._lean_pipeline([("GETRANGE", self.prefix + k, 0, self.max_blob_bytes)
+                                                                  for k in keys])]
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.getrange(self.prefix + key, 0, self.max_blob_bytes)   # one byte past the limit: cut, refused
         return [blob or None for blob in pipe.execute()]                 # a missing key reads as b""
+
+    def _lean_pipeline(self, commands: list[tuple]) -> list:
+        """Send every command at once and read the replies in order on one pooled connection: a pipeline without
+        redis-py's per-command layers (callbacks, command stack), which cost more than a 64 KiB read."""
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+            replies = [conn.read_response() for _ in commands]
+        except BaseException:
+            conn.disconnect()                      # replies may still be in flight: never reuse this connection
+            raise
+        finally:
+            pool.release(conn)
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        return replies
 
     def _exists(self, keys: list[str]) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)

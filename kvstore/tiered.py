@@ -41,6 +41,7 @@ from collections.abc import Iterator
 import torch
 
 from pdserve.kvstore.base import KVStore, StatsDict
+from pdserve.kvstore.tiered_arena import ArenaSlots
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.memory import MemoryTier
 
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 Items = list[tuple[str, torch.Tensor]]
 
 
-class TieredStore(KVStore):
+class TieredStore(ArenaSlots, KVStore):
     name = "tiered"
 
     def __init__(self, l1: MemoryTier, lower: list[KVStore] = (), queue_bytes: int = 256 << 20,
@@ -154,7 +155,8 @@ class TieredStore(KVStore):
 
     # -- write-through: callers enqueue, one worker thread writes ---------------------------
 
-    def _enqueue(self, items: Items) -> None:
+    def _enqueue(self, items: Items, release=None) -> None:
+        """``release``: called once the lower tiers are done with the items' bytes (or the batch is dropped)."""
         if not self.lower or not items:
             return
         nbytes = sum(t.numel() * t.element_size() for _, t in items)
@@ -163,11 +165,13 @@ class TieredStore(KVStore):
             if self._queued_objects and self._queued_bytes + nbytes > self.queue_bytes:
                 self._drop(len(items), nbytes)
                 self._queue.put(("dropped", (len(items), writer)))
+                if release is not None:
+                    release()
                 return
             self._end_full_episode()
             self._queued_bytes += nbytes
             self._queued_objects += len(items)
-            self._queue.put(("put", (items, nbytes, writer)))
+            self._queue.put(("put", (items, nbytes, writer, release)))
 
     def _drop(self, n: int, nbytes: int) -> None:
         """Count a dropped batch (lock held); WARNING once per full episode."""
@@ -211,8 +215,10 @@ class TieredStore(KVStore):
     def _count_lost(self, n: int, writer: int) -> None:
         self._unreported_lost[writer] = self._unreported_lost.get(writer, 0) + n
 
-    def _write_batch(self, items: Items, nbytes: int, writer: int) -> None:
+    def _write_batch(self, items: Items, nbytes: int, writer: int, release) -> None:
         outcomes = [self._write_to(tier, items) for tier in self.lower]
+        if release is not None:
+            release()
         lost = any(o != "wt_written" for o in outcomes)
         with self._lock:
             for tier, outcome in zip(self.lower, outcomes):

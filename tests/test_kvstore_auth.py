@@ -20,7 +20,7 @@ import zmq
 from kvstore_fixtures import *  # noqa: F401,F403 - fixtures
 from kvstore_fixtures import TOKEN, DaemonProcess, unique_prefix
 from pdserve.engine.config import ConfigError, KVTransferConfig
-from pdserve.kvstore import codec
+from pdserve.kvstore import client_segment, codec
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.auth import ClusterKey, read_token_file
 from pdserve.kvstore.client import DaemonClient, DaemonError
@@ -268,7 +268,7 @@ def test_codec_checks_sizes_before_allocating():
 def test_daemon_client_refuses_a_frame_that_does_not_hold_its_meta(token_daemon):
     with DaemonClient(token_daemon.url, token=TOKEN, timeout_s=20) as client:
         meta = P.ObjMeta("x:0", "float32", [1 << 28], 4, digest=0)   # 1 GiB claimed, 4 bytes sent
-        assert client._payload(meta, iter([zmq.Frame(b"abcd")]), None) is None
+        assert client_segment.payload(client, meta, iter([zmq.Frame(b"abcd")]), None) is None
         assert client.stats()["client"]["checksum_failures"] == 1
 
 

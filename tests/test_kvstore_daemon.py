@@ -130,9 +130,17 @@ def daemon_with_token():
     proc.stop()
 
 
-def test_shm_client_falls_back_to_frames_for_objects_larger_than_its_segment(daemon):
+@pytest.fixture
+def segment_daemon():
+    """A daemon without an arena: shm clients get per-client segments (kvstore/shm.py)."""
+    proc = DaemonProcess("--no-kv-shm-arena", "--kv-cpu-bytes", str(8 << 20), "--log-level", "WARNING", token=TOKEN)
+    yield proc
+    proc.stop()
+
+
+def test_shm_client_falls_back_to_frames_for_objects_larger_than_its_segment(segment_daemon):
     big, small = torch.arange(100_000, dtype=torch.float32), torch.ones(10)   # 400 KB vs 64 KiB segment
-    with DaemonClient(daemon.url, token=TOKEN, shm_bytes=64 << 10, timeout_s=20) as client:
+    with DaemonClient(segment_daemon.url, token=TOKEN, shm_bytes=64 << 10, timeout_s=20) as client:
         client.put([("shm-big:0", big), ("shm-small:0", small)])
         got = client.get(["shm-big:0", "shm-small:0", "shm-none:0"])
         assert torch.equal(got[0], big) and torch.equal(got[1], small) and got[2] is None

@@ -20,11 +20,19 @@ from kvstore_fixtures import DaemonProcess, unique_prefix
 from pdserve.kvstore.client import DaemonClient
 
 
-@pytest.fixture(scope="module")
-def mem_daemon():
-    proc = DaemonProcess("--kv-cpu-bytes", str(256 << 20), "--log-level", "ERROR")
+@pytest.fixture(scope="module", params=["arena", "segments"])
+def mem_daemon(request):
+    """Both shared-memory data planes: the daemon's arena (its default) and per-client segments."""
+    flags = ["--no-kv-shm-arena"] if request.param == "segments" else []
+    proc = DaemonProcess(*flags, "--kv-cpu-bytes", str(256 << 20), "--log-level", "ERROR")
+    proc.mode = request.param
     yield proc
     proc.stop()
+
+
+def _maps(counters: dict, mode: str) -> int:
+    """How often the client mapped shared memory (arena maps, or segment attaches)."""
+    return counters["arena_maps" if mode == "arena" else "shm_attaches"]
 
 
 def _content(key_index: int, numel: int) -> torch.Tensor:
@@ -65,7 +73,7 @@ def test_threads_sharing_one_shm_client_never_see_another_keys_bytes(mem_daemon)
             assert got is not None and torch.equal(got, want[key]), key
         counters = client.stats()["client"]
         assert counters["checksum_failures"] == 0, "a digest caught another key's bytes: the race is still there"
-        assert counters["frame_objects"] == 0 and counters["shm_attaches"] == 1
+        assert counters["frame_objects"] == 0 and _maps(counters, mem_daemon.mode) == 1
 
 
 def test_timed_out_put_never_stores_the_next_requests_payload(mem_daemon):
@@ -91,4 +99,5 @@ def test_timed_out_put_never_stores_the_next_requests_payload(mem_daemon):
         client.put([(f"{prefix}-3:0", b)])
         assert torch.equal(client.get([f"{prefix}-3:0"])[0], b)
         counters = client.stats()["client"]
-        assert (counters["shm_abandoned"], counters["shm_attaches"], counters["frame_objects"]) == (1, 2, 0)
+        assert (_maps(counters, mem_daemon.mode), counters["frame_objects"]) == (2, 0)
+        assert counters["shm_abandoned"] == (mem_daemon.mode == "segments")

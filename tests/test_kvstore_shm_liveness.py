@@ -129,12 +129,14 @@ def test_at_the_limit_with_live_owners_a_new_client_uses_frames(daemon_with):
 def test_client_reattaches_after_the_daemon_restarts_on_the_same_port():
     """Before the fix: after the restart every shm put failed ("no shared-memory segment")."""
     port = free_port()
-    proc = DaemonProcess("--port", str(port), "--kv-cpu-bytes", str(16 << 20), "--log-level", "ERROR")
+    proc = DaemonProcess("--port", str(port), "--no-kv-shm-arena", "--kv-cpu-bytes", str(16 << 20), "--log-level",
+                         "ERROR")
     client = DaemonClient(proc.url, shm_bytes=SEG, timeout_s=20)
     try:
         _round_trip(client, "before:0")
         proc.stop()
-        proc = DaemonProcess("--port", str(port), "--kv-cpu-bytes", str(16 << 20), "--log-level", "ERROR")
+        proc = DaemonProcess("--port", str(port), "--no-kv-shm-arena", "--kv-cpu-bytes", str(16 << 20), "--log-level",
+                         "ERROR")
         wait_for(lambda: _answers(client), what="client reconnects to the restarted daemon")
         _round_trip(client, "after:0")
         stats = client.stats()
