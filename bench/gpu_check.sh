@@ -183,7 +183,7 @@ fi
 
 if want parallel; then   # optional (PARTS="... parallel"): tp/pp ranks on this GPU, bench/gpu_parallel_check.sh
 part "tp x pp ranks on one GPU (bench/gpu_parallel_check.sh)"
-timeout 330 env OUT="$OUT/parallel" SMALL="$SMALL" bash bench/gpu_parallel_check.sh > "$OUT/parallel.log" 2>&1
+timeout 330 env -u PARTS OUT="$OUT/parallel" SMALL="$SMALL" bash bench/gpu_parallel_check.sh > "$OUT/parallel.log" 2>&1
 rc=$?
 tail -7 "$OUT/parallel.log"
 result "tp x pp on one GPU" $rc "$(grep -c PASS "$OUT/parallel/summary.txt" 2>/dev/null) parts passed; $OUT/parallel/"
