@@ -7,7 +7,8 @@ transformers fp32 on tiny random checkpoints that transformers itself writes (``
 - A DeepSeek config.json that leaves out MoE / MLA keys: transformers builds the model with its config class's
   defaults (V3: one shared expert, routed_scaling_factor 2.5, n_group 8 / topk_group 4, first_k_dense_replace 3;
   V2: two shared experts; both: q_lora_rank 1536); pdserve used 0 shared experts, scale 1, one group, and ran
-  without the checkpoint's shared experts -- silently other logits.
+  without the checkpoint's shared experts -- silently other logits. Likewise Qwen2-MoE without
+  ``shared_expert_intermediate_size`` (transformers: 5632 wide, always built; pdserve: no shared expert).
 """
 
 from __future__ import annotations
@@ -64,3 +65,22 @@ def test_config_without_a_key_means_transformers_default(tmp_path, case):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     _assert_logits_match(hf, tmp_path)
+
+
+def test_qwen2_moe_without_the_shared_width_key_keeps_its_shared_expert(tmp_path):
+    config = transformers.Qwen2MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         vocab_size=TINY["vocab_size"], intermediate_size=96, num_hidden_layers=2,
+                                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=5632)
+    torch.manual_seed(0)
+    model = transformers.Qwen2MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.2)
+    model.eval().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["shared_expert_intermediate_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert hf.config.shared_expert_intermediate_size == 5632
+    assert _assert_logits_match(hf, tmp_path).moe.shared_intermediate_size == 5632

@@ -111,8 +111,13 @@ def _num_experts(cfg: dict) -> int:
     raise KeyError("num_experts")
 
 
+QWEN2_MOE_SHARED_WIDTH = 5632      # Qwen2MoeConfig's shared_expert_intermediate_size, for a config.json without it
+
+
 def _qwen(arch: str, cfg: dict) -> MoEConfig:
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":     # transformers always builds the shared expert: absent key, its default
+        shared = int(cfg.get("shared_expert_intermediate_size", QWEN2_MOE_SHARED_WIDTH) or 0)
     return MoEConfig(num_experts=_num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
                      intermediate_size=int(cfg["moe_intermediate_size"]),
                      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
