@@ -9,19 +9,38 @@ transformers fp32 on tiny random checkpoints that transformers itself writes (``
   V2: two shared experts; both: q_lora_rank 1536); pdserve used 0 shared experts, scale 1, one group, and ran
   without the checkpoint's shared experts -- silently other logits. Likewise Qwen2-MoE without
   ``shared_expert_intermediate_size`` (transformers: 5632 wide, always built; pdserve: no shared expert).
+
+Combinations the issue's own tests left out, which hold (kept as regression tests): a tied DeepSeek V3 with a
+129-token vocabulary at tp 4 (padded to 192: rank 3's 48 rows are all padding) and at pp 2 (the last stage's tied
+head reads the embedding's rows); prefill at pp 2 -> decode at tp 1 through the store; two latent objects swapped
+in the store (each sealed for the other's key): a miss, recomputed, same tokens; a decode node that preempts a
+request whose latent it loaded.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 import transformers
 
+import test_deepseek_disagg as disagg
+from engine_run import run_request
+from hf_reference import hf_greedy, hf_model, random_prompt
+from pdserve.engine.checkpoints.tiny_deepseek import make_tiny_deepseek
+from pdserve.engine.checkpoints.tiny_model import make_tiny_model
+from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.models.loader import load_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvstore.keys import object_key
+from pdserve.kvstore.memory import MemoryTier
+from pdserve.kvstore.tiered import TieredStore
 from test_deepseek import TINY, make_hf_deepseek
 from test_models import PROMPT_LEN, hf_logits, run_prefill_then_decode
+from test_parallel_engine import make_engine, run, shutdown
 
 torch.set_num_threads(1)
 
@@ -84,3 +103,82 @@ def test_qwen2_moe_without_the_shared_width_key_keeps_its_shared_expert(tmp_path
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert hf.config.shared_expert_intermediate_size == 5632
     assert _assert_logits_match(hf, tmp_path).moe.shared_intermediate_size == 5632
+
+
+def test_tied_deepseek_whole_padded_shard_at_tp4_and_pp2(tmp_path):
+    """vocab 129 at tp 4: 192 rows, 48 a rank, rank 3 all zeros; greedy (with top logprobs asked) equals HF."""
+    tok = make_tiny_model(tmp_path / "tok", arch="llama", num_layers=1)
+    hf = make_hf_deepseek("v3", tmp_path / "m", q_lora_rank=None, tie_word_embeddings=True, vocab_size=129,
+                          first_k_dense_replace=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tok / name, tmp_path / "m" / name)
+    prompts = [random_prompt(129, n, seed=n) for n in (1, 30)]
+    want = [hf_greedy(hf, p, 6) for p in prompts]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    for tp, pp in ((4, 1), (1, 2)):
+        engine = make_engine(tmp_path / "m", tp, pp)
+        try:
+            assert run(engine, prompts, params) == want, f"tp {tp} pp {pp}"
+        finally:
+            shutdown(engine)
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    path = make_tiny_deepseek(tmp_path_factory.mktemp("v3") / "v3", "deepseek_v3", seed=4, num_layers=2,
+                              q_lora_rank=24)
+    ref = hf_model(path)
+    return path, ref
+
+
+def test_pp2_prefill_to_tp1_decode_then_swapped_objects_are_a_miss(v3):
+    path, ref = v3
+    prompt = random_prompt(ref.config.vocab_size, disagg.LENGTH, seed=11)
+    want = hf_greedy(ref, prompt, disagg.GREEDY.max_tokens)
+    store = TieredStore(MemoryTier(64 << 20))
+    try:
+        tokens, acc, params = disagg._disagg(path, prompt, store, (1, 2), (1, 1))
+        assert tokens == want and acc["loaded_tokens"] == disagg.LENGTH // disagg.BLOCK * disagg.BLOCK
+        k0, k1 = (object_key(params["chunk_keys"][0], layer) for layer in (0, 1))
+        a, b = store.get([k0, k1])
+        store.put([(k0, b), (k1, a)])                       # each object now sits under the other's key
+        decode = disagg._engine(path, "decode", store)
+        try:
+            tokens, out = run_request(decode, "d", prompt, disagg.GREEDY, params)
+        finally:
+            decode.shutdown()
+        assert tokens == want and out.kv_accounting["loaded_tokens"] == 0
+        assert out.kv_accounting["recomputed_tokens"] == disagg.LENGTH + 1
+    finally:
+        store.close()
+
+
+def test_decode_node_preempts_a_request_whose_latent_it_loaded(v3):
+    path, ref = v3
+    prompts = [random_prompt(ref.config.vocab_size, n, seed=50 + n) for n in (40, 37, 45)]
+    want = [hf_greedy(ref, p, 12) for p in prompts]
+    store = TieredStore(MemoryTier(64 << 20))
+    prefill = disagg._engine(path, "prefill", store)
+    try:
+        transfers = [run_request(prefill, f"p{i}", p, disagg.FIRST, {"do_remote_decode": True})[1].kv_transfer_params
+                     for i, p in enumerate(prompts)]
+    finally:
+        prefill.shutdown()
+    kv = KVTransferConfig(role="decode", kv_store="embedded", kv_chunk_tokens=disagg.CHUNK)
+    decode = LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(block_size=8, num_gpu_blocks_override=17),
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=64),
+                                    kv_transfer=kv), store=store)
+    try:
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            decode.add_request(f"d{i}", p, greedy, transfers[i])
+        tokens = {f"d{i}": [] for i in range(3)}
+        while decode.has_unfinished():
+            for out in decode.step():
+                tokens[out.request_id] += out.new_token_ids
+        assert decode.scheduler.num_preemptions >= 1
+        assert [tokens[f"d{i}"] for i in range(3)] == want
+        decode.block_manager.check_integrity()
+    finally:
+        decode.shutdown()
+        store.close()
