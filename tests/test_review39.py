@@ -9,6 +9,8 @@ transformers fp32 on tiny random checkpoints that transformers itself writes (``
   V2: two shared experts; both: q_lora_rank 1536); pdserve used 0 shared experts, scale 1, one group, and ran
   without the checkpoint's shared experts -- silently other logits. Likewise Qwen2-MoE without
   ``shared_expert_intermediate_size`` (transformers: 5632 wide, always built; pdserve: no shared expert).
+- DeepSeek V2 with ``mlp_bias``: transformers' shared experts are its dense MLP class, biased; pdserve built them
+  without biases (the checkpoint's ignored). At tp 2 the shared down's bias must be added once, not per rank.
 
 Combinations the issue's own tests left out, which hold (kept as regression tests): a tied DeepSeek V3 with a
 129-token vocabulary at tp 4 (padded to 192: rank 3's 48 rows are all padding) and at pp 2 (the last stage's tied
@@ -38,7 +40,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.memory import MemoryTier
 from pdserve.kvstore.tiered import TieredStore
-from test_deepseek import TINY, make_hf_deepseek
+from test_deepseek import make_hf_deepseek
 from test_models import PROMPT_LEN, hf_logits, run_prefill_then_decode
 from test_parallel_engine import make_engine, run, shutdown
 
@@ -46,7 +48,7 @@ torch.set_num_threads(1)
 
 
 def _assert_logits_match(hf, path):
-    ids = torch.randint(0, TINY["vocab_size"], (PROMPT_LEN + 1,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, hf.config.vocab_size, (PROMPT_LEN + 1,), generator=torch.Generator().manual_seed(1))
     model, config = load_model(path)
     ours, ref = run_prefill_then_decode(model, config, ids), hf_logits(hf, ids)
     assert ref.std() > 0.5
@@ -88,7 +90,7 @@ def test_config_without_a_key_means_transformers_default(tmp_path, case):
 
 def test_qwen2_moe_without_the_shared_width_key_keeps_its_shared_expert(tmp_path):
     config = transformers.Qwen2MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         vocab_size=TINY["vocab_size"], intermediate_size=96, num_hidden_layers=2,
+                                         vocab_size=256, intermediate_size=96, num_hidden_layers=2,
                                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=5632)
     torch.manual_seed(0)
@@ -107,11 +109,9 @@ def test_qwen2_moe_without_the_shared_width_key_keeps_its_shared_expert(tmp_path
 
 def test_tied_deepseek_whole_padded_shard_at_tp4_and_pp2(tmp_path):
     """vocab 129 at tp 4: 192 rows, 48 a rank, rank 3 all zeros; greedy (with top logprobs asked) equals HF."""
-    tok = make_tiny_model(tmp_path / "tok", arch="llama", num_layers=1)
     hf = make_hf_deepseek("v3", tmp_path / "m", q_lora_rank=None, tie_word_embeddings=True, vocab_size=129,
                           first_k_dense_replace=1)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(tok / name, tmp_path / "m" / name)
+    _with_tokenizer(tmp_path, tmp_path / "m")
     prompts = [random_prompt(129, n, seed=n) for n in (1, 30)]
     want = [hf_greedy(hf, p, 6) for p in prompts]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -182,3 +182,25 @@ def test_decode_node_preempts_a_request_whose_latent_it_loaded(v3):
     finally:
         decode.shutdown()
         store.close()
+
+
+def _with_tokenizer(tmp_path, model_dir):
+    tok = make_tiny_model(tmp_path / "tok", arch="llama", num_layers=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tok / name, model_dir / name)
+
+
+def test_deepseek_v2_mlp_bias_reaches_the_shared_experts_at_tp1_and_tp2(tmp_path):
+    hf = make_hf_deepseek("v2", tmp_path / "m", q_lora_rank=None, mlp_bias=True, first_k_dense_replace=1,
+                          n_shared_experts=1, vocab_size=129)
+    assert hf.model.layers[1].mlp.shared_experts.down_proj.bias is not None
+    config = _assert_logits_match(hf, tmp_path / "m")
+    assert config.mlp_bias
+    _with_tokenizer(tmp_path, tmp_path / "m")
+    prompts = [random_prompt(129, n, seed=n) for n in (1, 30)]
+    engine = make_engine(tmp_path / "m", 2)
+    try:
+        assert run(engine, prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) == [
+            hf_greedy(hf, p, 6) for p in prompts]
+    finally:
+        shutdown(engine)
