@@ -21,6 +21,8 @@ from ``first_k_dense_replace`` on and ``save_pretrained`` writes those experts, 
 own code would make layers off the frequency dense; every published checkpoint has 1, where the two agree).
 HF's DeepSeek-V2 port ignores ``norm_topk_prob`` (DeepSeek's own code and vLLM honour it); every published V2
 checkpoint sets it false, where the two agree. Here the config is followed.
+A key config.json leaves out means what transformers' config class defaults it to (``_DEEPSEEK_DEFAULTS``,
+``QWEN2_MOE_SHARED_WIDTH``): HF builds the model, and writes the checkpoint, from those.
 """
 
 from __future__ import annotations
