@@ -3,9 +3,9 @@ writes them.
 
 The decoder is Llama's (``llama.LlamaForCausalLM``: embedding, layer loop, final norm, LM head, pipeline stages,
 the fused CUDA path) with another layer, ``DeepseekDecoderLayer``: MLA attention (``mla.py``) and the MLP that
-``moe.make_mlp`` gives the layer (a dense gated MLP below ``first_k_dense_replace`` / off ``moe_layer_freq``, else
-the MoE block with shared experts, V3's grouped top-k, ``e_score_correction_bias``, ``routed_scaling_factor``:
-``moe.py``, ``moe_config.py``). Called like every model (``pdserve.engine.models.__init__``):
+``moe.make_mlp`` gives the layer (a dense gated MLP below ``first_k_dense_replace``, ``moe_layer_freq`` ignored as
+HF ignores it; else the MoE block with shared experts, V3's grouped top-k, ``e_score_correction_bias``,
+``routed_scaling_factor``: ``moe.py``, ``moe_config.py``). Called like every model (``pdserve.engine.models.__init__``):
 
     hidden = model(input_ids, positions, kv_caches, attn_meta)     # kv_caches[i]: {"latent": [N, bs, 1, L + R]}
     logits = model.compute_logits(hidden[sample_rows])

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+HF_Q_LORA_RANK = 1536        # DeepseekV2Config's and DeepseekV3Config's default, for a config.json without the key
 
 
 class MLAConfigError(ValueError):
@@ -63,7 +64,7 @@ class MLAConfig:
         if dims["qk_rope_head_dim"] % 2:
             raise MLAConfigError(f"config.json: qk_rope_head_dim {dims['qk_rope_head_dim']} must be even "
                                  f"(rotary pairs)")
-        q_lora = cfg.get("q_lora_rank")
+        q_lora = cfg.get("q_lora_rank", HF_Q_LORA_RANK)    # absent: transformers' default; null: no q LoRA
         interleave = True if architecture == "DeepseekV2ForCausalLM" else bool(cfg.get("rope_interleave", True))
         scale = (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]) ** -0.5 * _mscale_all_dim_correction(rope)
         return cls(q_lora_rank=int(q_lora) if q_lora else None, rope_interleave=interleave, softmax_scale=scale,

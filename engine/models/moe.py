@@ -41,12 +41,13 @@ def make_mlp(config: ModelConfig, layer: int, shard) -> nn.Module:
     """The MLP of global layer ``layer`` on a rank holding ``shard`` (``llama.ShardSizes``)."""
     moe = config.moe
     if moe is not None and moe.is_moe_layer(layer):
-        return MoE(config.hidden_size, moe, shard.tp_size, config.dtype)
+        return MoE(config.hidden_size, moe, shard.tp_size, config.dtype, shared_bias=config.mlp_bias)
     return GatedMLP(config.hidden_size, shard.intermediate_size, config.mlp_bias, config.dtype)
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden_size: int, cfg: MoEConfig, tp_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, cfg: MoEConfig, tp_size: int, dtype: torch.dtype,
+                 shared_bias: bool = False):
         super().__init__()
         for what, n in (("moe_intermediate_size", cfg.intermediate_size),
                         ("shared expert width", cfg.shared_intermediate_size)):
@@ -60,7 +61,8 @@ class MoE(nn.Module):
         self.w13 = _param(E, 2 * inter, H, dtype=dtype)
         self.w2 = _param(E, H, inter, dtype=dtype)
         shared = cfg.shared_intermediate_size // tp_size
-        self.shared = GatedMLP(H, shared, False, dtype) if shared else None
+        # the shared experts are the family's dense MLP: biased where it is (DeepSeek V2's mlp_bias, as HF builds)
+        self.shared = GatedMLP(H, shared, shared_bias, dtype) if shared else None
         self.shared_gate = _param(1, H, dtype=dtype) if cfg.shared_expert_gate else None
         self.collective = None            # tensor parallel: the all-reduce of routed + shared partial sums
 
@@ -108,6 +110,8 @@ class MoE(nn.Module):
                 self._load_expert(src, f"{prefix}.experts.{e}", e, tp_rank)
         if self.shared is not None:
             self.shared.load(src, f"{prefix}.shared_expert{'' if self.shared_gate is not None else 's'}", tp_rank)
+            if tp_rank and self.shared.down.bias is not None:    # the block's one all-reduce sums every rank's
+                self.shared.down.bias.zero_()                     # partial: rank 0 alone adds down's bias
         if self.shared_gate is not None:
             _copy(self.shared_gate, src.get(f"{prefix}.shared_expert_gate.weight"), f"{prefix}.shared_expert_gate")
 

@@ -14,10 +14,15 @@ factory (``is_moe_layer``). Families and the keys they use:
                moe_intermediate_size each (one MLP of n x that width), scoring_func softmax | sigmoid, topk_method
                greedy | group_limited_greedy (V2: the ``topk_group`` groups with the best expert) | noaux_tc (V3:
                groups by the sum of their two best biased scores, ``e_score_correction_bias``), routed_scaling_factor;
-               dense layers: i < ``first_k_dense_replace`` or i % ``moe_layer_freq`` != 0
+               dense layers: i < ``first_k_dense_replace``
 
+``moe_layer_freq`` is read nowhere, as in transformers: its DeepSeek V2/V3 models put an MoE block on every layer
+from ``first_k_dense_replace`` on and ``save_pretrained`` writes those experts, whatever the key says (DeepSeek's
+own code would make layers off the frequency dense; every published checkpoint has 1, where the two agree).
 HF's DeepSeek-V2 port ignores ``norm_topk_prob`` (DeepSeek's own code and vLLM honour it); every published V2
 checkpoint sets it false, where the two agree. Here the config is followed.
+A key config.json leaves out means what transformers' config class defaults it to (``_DEEPSEEK_DEFAULTS``,
+``QWEN2_MOE_SHARED_WIDTH``): HF builds the model, and writes the checkpoint, from those.
 """
 
 from __future__ import annotations
@@ -50,7 +55,6 @@ class MoEConfig:
     shared_intermediate_size: int = 0       # width of the shared expert MLP (0: none)
     shared_expert_gate: bool = False        # Qwen2-MoE: shared output times sigmoid(x . g)
     first_k_dense: int = 0                  # DeepSeek first_k_dense_replace
-    layer_freq: int = 1                     # DeepSeek moe_layer_freq
     sparse_step: int = 1                    # Qwen decoder_sparse_step
     dense_layers: tuple[int, ...] = ()      # Qwen mlp_only_layers
     block_name: str = "mlp"                 # checkpoint module of the layer's MoE block
@@ -76,7 +80,7 @@ class MoEConfig:
         """Whether global layer ``layer`` runs this MoE block (else a dense gated MLP)."""
         if layer in self.dense_layers or (layer + 1) % self.sparse_step:
             return False
-        return layer >= self.first_k_dense and layer % self.layer_freq == 0
+        return layer >= self.first_k_dense
 
     @property
     def grouped(self) -> bool:
@@ -109,8 +113,13 @@ def _num_experts(cfg: dict) -> int:
     raise KeyError("num_experts")
 
 
+QWEN2_MOE_SHARED_WIDTH = 5632      # Qwen2MoeConfig's shared_expert_intermediate_size, for a config.json without it
+
+
 def _qwen(arch: str, cfg: dict) -> MoEConfig:
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":     # transformers always builds the shared expert: absent key, its default
+        shared = int(cfg.get("shared_expert_intermediate_size", QWEN2_MOE_SHARED_WIDTH) or 0)
     return MoEConfig(num_experts=_num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
                      intermediate_size=int(cfg["moe_intermediate_size"]),
                      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
@@ -119,15 +128,32 @@ def _qwen(arch: str, cfg: dict) -> MoEConfig:
                      dense_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
 
 
+# transformers' DeepseekV2Config / DeepseekV3Config defaults (5.x) for the keys a config.json may leave out: HF
+# builds the model with these, so a missing key must mean the same here (V3 without n_shared_experts still has one).
+_DEEPSEEK_DEFAULTS = {
+    "DeepseekV2ForCausalLM": {"n_shared_experts": 2, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
+                              "norm_topk_prob": False, "topk_method": "greedy", "scoring_func": "softmax",
+                              "n_group": 1, "topk_group": 1},
+    "DeepseekV3ForCausalLM": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+                              "norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                              "n_group": 8, "topk_group": 4},
+}
+
+
 def _deepseek(arch: str, cfg: dict) -> MoEConfig:
-    v3 = arch == "DeepseekV3ForCausalLM"
+    defaults = _DEEPSEEK_DEFAULTS[arch]
+
+    def get(key: str):
+        """config.json's value; transformers' default where the key is absent (an explicit null stays null)."""
+        return cfg[key] if key in cfg else defaults[key]
+
     width = int(cfg["moe_intermediate_size"])
-    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     return MoEConfig(num_experts=_num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
-                     intermediate_size=width, scoring=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
-                     norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)), topk_method=method,
-                     num_groups=int(cfg.get("n_group") or 1), topk_groups=int(cfg.get("topk_group") or 1),
-                     routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-                     shared_intermediate_size=width * int(cfg.get("n_shared_experts") or 0),
-                     first_k_dense=int(cfg.get("first_k_dense_replace") or 0),
-                     layer_freq=int(cfg.get("moe_layer_freq") or 1), sorted_topk=False, router_fp32=True)
+                     intermediate_size=width, scoring=get("scoring_func") or defaults["scoring_func"],
+                     norm_topk_prob=bool(get("norm_topk_prob")),
+                     topk_method=get("topk_method") or defaults["topk_method"],
+                     num_groups=int(get("n_group") or 1), topk_groups=int(get("topk_group") or 1),
+                     routed_scaling_factor=float(get("routed_scaling_factor") or 1.0),
+                     shared_intermediate_size=width * int(get("n_shared_experts") or 0),
+                     first_k_dense=int(get("first_k_dense_replace") or 0), sorted_topk=False,
+                     router_fp32=True)
