@@ -2,7 +2,9 @@
 
 Called by ``generation.Generation`` for every engine request (one choice of one HTTP request):
 
-    tracker = RequestTracker(metrics, arrival, max_tokens, trace)    # trace: RequestTrace, None when tracing is off
+    tracker = RequestTracker(metrics, arrival, max_tokens, trace, num_prompt_tokens)   # trace: RequestTrace, None
+                                        # when tracing is off; num_prompt_tokens: the prompt's length (an abort
+                                        # before any output still observes it in vllm:request_prompt_tokens)
     tracker.on_output(delta)            # each delta: TTFT at the first token (+ vllm:prompt_tokens), ITL after
     tracker.on_end(reason)              # exactly once (stop | length | abort | error): e2e, token counts, and the
                                         # engine core's RequestTimes: queue / prefill / decode / inference, the KV
@@ -23,10 +25,10 @@ from pdserve.engine.server.metrics import ServerMetrics
 
 
 class RequestTracker:
-    def __init__(self, metrics: ServerMetrics, arrival: float, max_tokens: int, trace=None):
+    def __init__(self, metrics: ServerMetrics, arrival: float, max_tokens: int, trace=None, num_prompt_tokens: int = 0):
         self._m, self._arrival, self._max_tokens, self.trace = metrics, arrival, max_tokens, trace
         self._last: float | None = None
-        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.num_prompt_tokens, self.num_generation_tokens = num_prompt_tokens, 0
         self.times: RequestTimes | None = None
         self.kv_accounting: dict | None = None
         self.ended = False

@@ -1,0 +1,183 @@
+"""Review of issue 42 (vLLM's metrics, per-request times, tracing): each test reproduces a finding, or checks a
+figure against what a client measures.
+
+- tracing's shutdown with the collector down waited ~27 s (the SDK's batch processor retries; its own limit is 30 s):
+  a node or proxy stop stalled for it;
+- ``vllm:num_requests_waiting`` left out requests loading remote KV and compiling grammars (vLLM's waiting queue
+  holds both): a decode node busy loading showed 0 running, 0 waiting;
+- a request the engine refused at submit (HTTP 400) counted as ``vllm:request_success{finished_reason="error"}``
+  with an e2e latency and a 0-token prompt: vLLM counts no request it never took;
+- a request aborted before its first output observed ``vllm:request_prompt_tokens`` = 0 (vLLM: the prompt's length).
+
+Plus the value checks: with ``max_num_seqs`` 1 a request that queues behind another observes that wait as its queue
+time, and the counters add up to the responses' usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.engine import tracing
+from pdserve.engine.config import EngineConfig, SchedulerConfig
+from pdserve.engine.sched.request import RequestStatus
+from pdserve.engine.server.generation import EngineCall, Generation
+from test_scheduler import Harness, ScriptedLoads
+
+
+def test_tracing_shutdown_with_the_collector_down_is_bounded():
+    """Before: ``provider.shutdown()`` took ~27 s against a closed port (the exporter's retries and backoff inside
+    the batch processor's 30 s join), so ``pdserve node`` / ``proxy`` stops waited that long."""
+    pytest.importorskip("opentelemetry.sdk")
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()                                          # nothing listens there: connection refused
+    assert tracing.setup("review42", f"http://127.0.0.1:{port}")
+    try:
+        for i in range(5):
+            tracing.end(tracing.start_span(f"s{i}"))
+    finally:
+        start = time.monotonic()
+        tracing.shutdown()
+        took = time.monotonic() - start
+    assert not tracing.enabled()
+    assert took < tracing.SHUTDOWN_TIMEOUT_S + 1.5, f"tracing.shutdown took {took:.1f} s"
+
+
+def test_waiting_gauge_counts_requests_loading_remote_kv():
+    """vLLM keeps WAITING_FOR_REMOTE_KVS requests in its waiting queue (``num_requests_waiting``); before, a request
+    loading its KV counted as neither running nor waiting."""
+    h = Harness(num_blocks=16, block_size=4)
+    loads = ScriptedLoads(loadable=12)
+    h.sched.connector = loads
+    a = h.add("a", range(1, 17), max_tokens=4, ignore_eos=True)
+    h.step()
+    assert a.status == RequestStatus.WAITING_FOR_KV
+    assert (h.sched.num_running, h.sched.num_waiting) == (0, 1)
+    h.sched.abort_request("a")                              # aborted while loading: no longer a request
+    assert h.sched.num_waiting == 0
+    loads.done = {"a": 12}
+    h.step()
+    assert h.sched.num_waiting == 0 and not h.sched.has_unfinished()
+
+
+# ---- a node (in-process engine, max_num_seqs 1) ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def node(tiny_llama):
+    from pdserve.engine.core.async_engine import AsyncEngine
+    from pdserve.engine.server import build_app
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), scheduler=SchedulerConfig(max_num_seqs=1)))
+    try:
+        yield engine, build_app(engine)
+    finally:
+        engine.shutdown()
+
+
+def _samples(text: str) -> dict[tuple, float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if "le" not in s.labels:
+                out[(s.name, s.labels.get("finished_reason"))] = s.value
+    return out
+
+
+async def _scrape(client) -> dict[tuple, float]:
+    return _samples((await client.get("/metrics")).text)
+
+
+def _delta(after: dict, before: dict, name: str, reason: str | None = None) -> float:
+    return after.get((name, reason), 0.0) - before.get((name, reason), 0.0)
+
+
+def _run(app, body):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://n", timeout=120) as c:
+            return await body(c)
+    return asyncio.run(go())
+
+
+def test_a_request_the_engine_refuses_is_not_counted(node):
+    """Before: kv_transfer_params asking to load remote KV from a node without a store -> 400, yet
+    vllm:request_success{finished_reason="error"} +1, an e2e latency and a 0-token prompt observed."""
+    _, app = node
+
+    async def body(c):
+        before = await _scrape(c)
+        r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "kv_transfer_params": {
+            "do_remote_prefill": True, "chunk_keys": ["zz"]}})
+        return r, before, await _scrape(c)
+
+    r, before, after = _run(app, body)
+    assert r.status_code == 400, r.text
+    changed = {k: after[k] - before.get(k, 0.0) for k in after
+               if k[0].startswith("vllm:request") and after[k] != before.get(k, 0.0)}
+    assert changed == {}
+
+
+def test_an_abort_before_any_output_observes_the_prompts_length(node):
+    """Before: a request aborted before its first output (a client gone while it queued) observed
+    vllm:request_prompt_tokens 0; vLLM observes len(prompt) for every finished request."""
+    engine, app = node
+    metrics = app.state.node.metrics
+    ids = list(range(5, 5 + 23))
+
+    async def go():
+        gen = Generation(engine, metrics, [EngineCall("review42-abort-0", 0, ids, _params(4))], time.monotonic())
+        gen.start()
+        await gen.close()                                  # the client left before any output was read
+
+    get = metrics.registry.get_sample_value
+    labels = {"model_name": engine.model_name, "engine": "0"}
+    before = {s: get(f"vllm:request_prompt_tokens_{s}", labels) or 0.0 for s in ("count", "sum")}
+    aborted = get("vllm:request_success_total", {**labels, "finished_reason": "abort"}) or 0.0
+    asyncio.run(go())
+    assert get("vllm:request_success_total", {**labels, "finished_reason": "abort"}) == aborted + 1
+    after = {s: get(f"vllm:request_prompt_tokens_{s}", labels) for s in ("count", "sum")}
+    assert (after["count"] - before["count"], after["sum"] - before["sum"]) == (1, len(ids))
+
+
+def _params(max_tokens: int):
+    from pdserve.engine.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_queue_time_and_counts_match_what_the_client_sees(node):
+    """max_num_seqs 1: B is sent while A runs, so B's queue time is A's remaining run (>= half of A's time at the
+    client); each request's e2e >= its queue + inference; the counters equal the usage the client got."""
+    _, app = node
+
+    async def body(c):
+        before = await _scrape(c)
+
+        async def one(max_tokens: int, delay: float):
+            await asyncio.sleep(delay)
+            t0 = time.monotonic()
+            r = await c.post("/v1/completions", json={"prompt": "Hello there friend", "max_tokens": max_tokens,
+                                                       "ignore_eos": True, "temperature": 0.0})
+            assert r.status_code == 200, r.text
+            return time.monotonic() - t0, r.json()["usage"]
+
+        (a_s, a_use), (b_s, b_use) = await asyncio.gather(one(120, 0.0), one(4, 0.02))
+        return a_s, b_s, [a_use, b_use], before, await _scrape(c)
+
+    a_s, b_s, usages, before, after = _run(app, body)
+    d = lambda name, reason=None: _delta(after, before, name, reason)     # noqa: E731
+    assert d("vllm:request_success_total", "length") == 2
+    assert d("vllm:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert d("vllm:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert d("vllm:inter_token_latency_seconds_count") == sum(u["completion_tokens"] - 1 for u in usages)
+    queue = d("vllm:request_queue_time_seconds_sum")
+    assert queue >= 0.5 * (a_s - 0.02), (queue, a_s, b_s)            # B waited for most of A
+    assert queue <= b_s + 0.05, (queue, b_s)
+    assert d("vllm:request_queue_time_seconds_sum") + d("vllm:request_inference_time_seconds_sum") \
+        <= d("vllm:e2e_request_latency_seconds_sum") + 0.01
+    assert d("vllm:e2e_request_latency_seconds_sum") <= a_s + b_s + 0.01
