@@ -181,3 +181,37 @@ def test_queue_time_and_counts_match_what_the_client_sees(node):
     assert d("vllm:request_queue_time_seconds_sum") + d("vllm:request_inference_time_seconds_sum") \
         <= d("vllm:e2e_request_latency_seconds_sum") + 0.01
     assert d("vllm:e2e_request_latency_seconds_sum") <= a_s + b_s + 0.01
+
+
+# ---- the dashboard ---------------------------------------------------------------------------------------------
+
+def _dashboard_exprs() -> list[str]:
+    import json
+    from pathlib import Path
+    path = Path(__file__).parent.parent / "docs" / "grafana" / "pdserve-disagg.json"
+    return [t["expr"] for p in json.loads(path.read_text())["panels"] for t in p.get("targets", [])]
+
+
+def test_node_latency_quantiles_are_per_node():
+    """Before: the e2e panel's node percentiles summed the prefill nodes' e2e (the prompt only: max_tokens 1) with
+    the decode nodes' (the whole answer) into one distribution -- its p50 was neither. Every quantile over a
+    histogram both roles observe with a different meaning (TTFT, e2e) keeps ``instance``."""
+    import re
+    for metric in ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds"):
+        exprs = [e for e in _dashboard_exprs() if f"{metric}_bucket" in e]
+        assert exprs, metric
+        for expr in exprs:
+            grouping = re.search(r"by \(([^)]*)\)", expr).group(1)
+            assert "instance" in {g.strip() for g in grouping.split(",")}, expr
+
+
+def test_dashboard_json_is_what_make_dashboard_writes():
+    """The JSON is generated (docs/grafana/make_dashboard.py): an edit to one without the other is caught."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    root = Path(__file__).parent.parent / "docs" / "grafana"
+    spec = importlib.util.spec_from_file_location("make_dashboard", root / "make_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert json.loads((root / "pdserve-disagg.json").read_text()) == module.dashboard()
