@@ -215,3 +215,42 @@ def test_dashboard_json_is_what_make_dashboard_writes():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert json.loads((root / "pdserve-disagg.json").read_text()) == module.dashboard()
+
+
+# ---- a client's traceparent at the proxy ---------------------------------------------------------------------
+
+
+def test_no_trust_traceparent_keeps_a_client_from_forcing_sampling(tiny_llama, monkeypatch):
+    """The README samples at the proxy (``OTEL_TRACES_SAMPLER=parentbased_traceidratio``): a client's traceparent
+    with the sampled flag overrode that ratio (ratio 0 here: its request was traced anyway, under the trace id the
+    client chose). ``--no-trust-traceparent`` starts every request's trace at the proxy: the ratio holds."""
+    pytest.importorskip("opentelemetry.sdk")
+    from otlp_collector import OTLPCollector
+    from pdserve.engine.text.tokenizer import load_tokenizer
+    from pdserve.proxy.app import build_app as build_proxy
+    from pdserve.proxy.config import ProxyConfig
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    trusted, untrusted = "ab" * 16, "cd" * 16
+    dead = "http://127.0.0.1:9"                                # no node: the request fails, its span is recorded
+    tokenizer = load_tokenizer(str(tiny_llama))
+
+    async def send(trust: bool, trace_id: str) -> None:
+        config = ProxyConfig(prefill_urls=(dead,), decode_urls=(dead,), model=str(tiny_llama), served_model_name="m",
+                             trust_traceparent=trust, connect_timeout_s=0.2)
+        app = build_proxy(config, tokenizer)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p", timeout=30) as c:
+            await c.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2},
+                         headers={"traceparent": f"00-{trace_id}-{'ef' * 8}-01"})
+
+    with OTLPCollector() as collector:
+        assert tracing.setup("pdserve-proxy", collector.url)
+        try:
+            asyncio.run(send(True, trusted))
+            asyncio.run(send(False, untrusted))
+        finally:
+            tracing.shutdown()                                  # flushes what was sampled
+        traces = {s.trace_id for s in collector.snapshot()}
+    assert trusted in traces                                    # the default, as vLLM: the client's context is used
+    assert not traces - {trusted}                               # untrusted: the proxy's ratio 0 sampled nothing
