@@ -254,3 +254,36 @@ def test_no_trust_traceparent_keeps_a_client_from_forcing_sampling(tiny_llama, m
         traces = {s.trace_id for s in collector.snapshot()}
     assert trusted in traces                                    # the default, as vLLM: the client's context is used
     assert not traces - {trusted}                               # untrusted: the proxy's ratio 0 sampled nothing
+
+
+def test_itl_is_the_engines_step_time_not_the_api_loops_delay(node):
+    """vLLM's inter-token latency is the gap between the engine core's timestamps of a request's outputs. Before,
+    it was timed where the API process received each delta: an event loop busy for 0.3 s (other requests' work)
+    showed as one 0.3 s ITL while the engine core kept producing a token every few ms."""
+    engine, app = node
+    metrics = app.state.node.metrics
+    labels = {"model_name": engine.model_name, "engine": "0"}
+    slow = lambda: metrics.registry.get_sample_value(                    # noqa: E731
+        "vllm:inter_token_latency_seconds_count", labels) - metrics.registry.get_sample_value(
+        "vllm:inter_token_latency_seconds_bucket", {**labels, "le": "0.2"})
+    before = slow()
+
+    async def go():
+        gen = Generation(engine, metrics, [EngineCall("review42-itl-0", 0, list(range(5, 15)), _params(40))],
+                         time.monotonic())
+        first = True
+        async for _ in gen.outputs():
+            if first:
+                time.sleep(0.3)                              # the event loop is busy; the engine core is not
+                first = False
+
+    asyncio.run(go())
+    assert slow() - before == 0
+
+
+def test_step_time_crosses_the_wire():
+    from pdserve.engine.core import messages as m
+    from pdserve.engine.outputs import RequestOutput
+    out = RequestOutput("r", [5], "", False, None, 3, 0, step_time=1234.5)
+    wire = m.decode_core_message(m.encode(m.CoreOutputs([m.output_to_wire(out, seq=1)])))
+    assert m.output_from_wire(wire.outputs[0]).step_time == 1234.5

@@ -256,7 +256,7 @@ class OutputAssembler:
                              finished=req.status.is_finished, finish_reason=req.finish_reason,
                              num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=cached,
                              logprobs=logprobs, error=error if isinstance(error, str) else None,
-                             stop_reason=stop)
+                             stop_reason=stop, step_time=time.monotonic())
 
 
 def _tops(tops, k: int | None) -> list[tuple[int, float]] | None:

@@ -6,6 +6,7 @@ Called by ``generation.Generation`` for every engine request (one choice of one 
                                         # when tracing is off; num_prompt_tokens: the prompt's length (an abort
                                         # before any output still observes it in vllm:request_prompt_tokens)
     tracker.on_output(delta)            # each delta: TTFT at the first token (+ vllm:prompt_tokens), ITL after
+                                        # (between the core's step_time of consecutive outputs, as vLLM)
     tracker.on_end(reason)              # exactly once (stop | length | abort | error): e2e, token counts, and the
                                         # engine core's RequestTimes: queue / prefill / decode / inference, the KV
                                         # load (lmcache:time_to_retrieve) and publish (lmcache:time_to_store)
@@ -43,12 +44,13 @@ class RequestTracker:
         if not num_new:
             return
         now = time.monotonic()
+        stamp = delta.step_time or now              # the core's clock (vLLM's ITL): not this loop's delays
         if self._last is None:
             self._m.ttft.observe(now - self._arrival)
             self._m.prompt_tokens.inc(delta.num_prompt_tokens)
         else:
-            self._m.itl.observe(now - self._last)
-        self._last = now
+            self._m.itl.observe(max(0.0, stamp - self._last))
+        self._last = stamp
         self.num_generation_tokens += num_new
         self._m.generation_tokens.inc(num_new)
 
