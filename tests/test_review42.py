@@ -287,3 +287,23 @@ def test_step_time_crosses_the_wire():
     out = RequestOutput("r", [5], "", False, None, 3, 0, step_time=1234.5)
     wire = m.decode_core_message(m.encode(m.CoreOutputs([m.output_to_wire(out, seq=1)])))
     assert m.output_from_wire(wire.outputs[0]).step_time == 1234.5
+
+
+def test_a_decode_nodes_tpot_divides_by_the_intervals_it_timed():
+    """A decode node's first output is the prefill node's token (no times: not sampled here); its decode time runs
+    from the first token sampled here to the last, G - 2 intervals for G tokens. Before, TPOT divided it by G - 1:
+    25 % low at G = 5, 0 observed at G = 2."""
+    from pdserve.engine.outputs import RequestOutput, RequestTimes
+    from pdserve.engine.server.request_metrics import RequestTracker
+    from test_request_metrics import _metrics
+    metrics = _metrics()
+    first = RequestTimes(queued=10.0, scheduled=10.5, first_token=10.6)
+    last = RequestTimes(queued=10.0, scheduled=10.5, first_token=10.6, last_token=10.9)
+    tracker = RequestTracker(metrics, arrival=9.0, max_tokens=5, num_prompt_tokens=8)
+    deltas = [(None, False), (first, False), (None, False), (None, False), (last, True)]   # token 1: transferred
+    for times, finished in deltas:
+        tracker.on_output(RequestOutput("r", [7], "", finished, "length" if finished else None, 8, 0, times=times))
+    tracker.on_end("length")
+    labels = {"model_name": "m", "engine": "0"}
+    tpot = metrics.registry.get_sample_value("vllm:request_time_per_output_token_seconds_sum", labels)
+    assert tpot == pytest.approx(0.3 / 3)
