@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 logger = logging.getLogger(__name__)
 _state: dict = {}                     # "tracer", "provider", "otel" (the API modules): set by setup()
 _NOTHING = contextlib.nullcontext()
+MAX_TRACE_HEADER = 512               # the SDK's limit of traceparent (and W3C's minimum for tracestate): longer ignored
 SHUTDOWN_TIMEOUT_S = 2.0              # the SDK's own shutdown waits up to 30 s on an unreachable collector (retries)
 
 
@@ -99,13 +100,16 @@ def shutdown(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
 
 def extract(headers) -> object | None:
     """The W3C trace context in ``headers`` (a mapping with ``get``): an empty context without a ``traceparent``
-    (spans under it start a trace), None when tracing is off."""
+    or with one longer than MAX_TRACE_HEADER (spans under it start a trace), None when tracing is off. A malformed
+    traceparent is ignored by the SDK (a new trace); a tracestate over the limit is dropped."""
     if not _state:
         return None
-    if headers.get("traceparent") is None:
-        return _state["otel"]["context"].Context()
-    return _state["otel"]["propagate"].extract({"traceparent": headers.get("traceparent"),
-                                                "tracestate": headers.get("tracestate") or ""})
+    parent = headers.get("traceparent")
+    if parent is None or len(parent) > MAX_TRACE_HEADER:     # W3C: 55 characters; the SDK logs a warning for each
+        return _state["otel"]["context"].Context()           # longer one: a client's log flood, dropped unlogged
+    state = headers.get("tracestate") or ""
+    return _state["otel"]["propagate"].extract({"traceparent": parent,
+                                                "tracestate": state if len(state) <= MAX_TRACE_HEADER else ""})
 
 
 def inject() -> list[bytes]:

@@ -307,3 +307,27 @@ def test_a_decode_nodes_tpot_divides_by_the_intervals_it_timed():
     labels = {"model_name": "m", "engine": "0"}
     tpot = metrics.registry.get_sample_value("vllm:request_time_per_output_token_seconds_sum", labels)
     assert tpot == pytest.approx(0.3 / 3)
+
+
+def test_hostile_traceparents_neither_fail_nor_flood_the_log(caplog):
+    """Malformed, oversized, upper-case, zero ids, many tracestate members: each gives a context (a new trace where
+    it is not valid) and no log line. Before, each traceparent over 512 characters logged a warning: one line per
+    request a client sends."""
+    pytest.importorskip("opentelemetry.sdk")
+    import logging
+    valid = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    hostile = ["garbage", "00-" + "0" * 32 + "-" + "0" * 16 + "-01", valid.upper(), valid + " " * 600,
+               valid + "-" * 8000, "ff-" + valid[3:], "\u00e9" * 40, valid + "," + valid]
+    assert tracing.setup("review42", "http://127.0.0.1:9")
+    try:
+        with caplog.at_level(logging.DEBUG - 5):
+            contexts = [tracing.extract({"traceparent": h, "tracestate": ",".join(f"k{i}=v" for i in range(300))})
+                        for h in hostile for _ in range(20)]
+        assert all(c is not None for c in contexts)
+        noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert noisy == [], noisy[:3]
+        span = tracing.start_span("s", "server", tracing.extract({"traceparent": valid}))
+        assert format(span.get_span_context().trace_id, "032x") == "a" * 32    # a valid one is still followed
+        tracing.end(span)
+    finally:
+        tracing.shutdown(0.1)
