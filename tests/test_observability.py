@@ -307,3 +307,13 @@ def test_a_pd_request_is_counted_on_both_nodes_as_the_readme_says(cluster):
     assert d[("decode", "vllm:request_success_total", "length")] == 1
     assert d[("decode", "vllm:prompt_tokens_total", None)] == n
     assert d[("decode", "vllm:generation_tokens_total", None)] == usage["completion_tokens"] == 5
+
+
+def test_external_prefix_cache_counts_the_decode_nodes_loads(cluster):
+    """vllm:external_prefix_cache_hits is the accounting's need_to_load (review 42): the decode node, which loaded
+    the prompts' KV, counts them; queries are the tokens it looked up; both equal pdserve's accounting family."""
+    fams = _families(cluster.decode_urls[0])
+    hits = _count(fams["vllm:external_prefix_cache_hits"], "_total")
+    queries = _count(fams["vllm:external_prefix_cache_queries"], "_total")
+    assert hits == _count(fams["pdserve_kv_need_to_load_tokens"], "_total") > 0
+    assert queries == _count(fams["pdserve_kv_total_tokens"], "_total") >= hits

@@ -331,3 +331,19 @@ def test_hostile_traceparents_neither_fail_nor_flood_the_log(caplog):
         tracing.end(span)
     finally:
         tracing.shutdown(0.1)
+
+
+def test_external_prefix_cache_is_exported_under_vllms_names():
+    """vLLM's KV-connector prefix cache counters apply to the store: the README said they were the same figures as
+    pdserve_kv_total_tokens / pdserve_kv_store_hit_tokens and left them out -- but vLLM's hits are the tokens the
+    connector provides beyond the local prefix cache (need_to_load), and pdserve_kv_need_to_load_tokens_total, in
+    the README's table, was never exported (the totals had no need_to_load)."""
+    from test_request_metrics import _metrics, _stats, _value
+    totals = {"total_tokens": 146, "local_hit_tokens": 32, "store_hit_tokens": 128, "need_to_load_tokens": 96,
+              "loaded_tokens": 96, "recomputed_tokens": 18}
+    metrics = _metrics(_stats(kv_totals=totals))
+    e = {"engine": "0"}
+    assert _value(metrics, "vllm:external_prefix_cache_queries_total", **e) == 146
+    assert _value(metrics, "vllm:external_prefix_cache_hits_total", **e) == 96       # not store_hit's 128
+    assert metrics.registry.get_sample_value("pdserve_kv_need_to_load_tokens_total", {"model_name": "m"}) == 96
+
