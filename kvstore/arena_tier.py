@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from pdserve.kvstore import protocol as P
-from pdserve.kvstore.arena import Arena
+from pdserve.kvstore.arena import Arena, align
 from pdserve.kvstore.base import KVStore, StatsDict, TierStats
 from pdserve.kvstore.keys import check_key
 
@@ -62,6 +62,7 @@ class ArenaTier(KVStore):
         self._index: OrderedDict[str, Slot] = OrderedDict()
         self._lock = threading.Lock()
         self._stats = TierStats()
+        self._live_bytes = self._pinned_bytes = 0      # extent bytes of committed slots; of those, pinned ones
 
     # --- the KVStore interface (copies in and out: TCP puts, promotions, in-process use) -------------
 
@@ -116,6 +117,11 @@ class ArenaTier(KVStore):
         """A slot for ``meta``'s bytes (evicting unpinned LRU objects for room); None -- counted -- if none fits."""
         with self._lock:
             offset = self.arena.alloc(meta.nbytes)
+            if offset is None and _extent(meta.nbytes) > self.arena.free_bytes + self._evictable_bytes():
+                self._stats.add(rejected=1)          # never fits: evicting would empty L1 for nothing
+                log.debug("arena tier rejected %s (%d bytes; the arena holds %d, the rest is pinned or reserved)",
+                          meta.key, meta.nbytes, self.arena.size)
+                return None
             while offset is None:
                 victim = next((s for s in self._index.values() if s.pins == 0), None)    # the oldest unpinned
                 if victim is None:
@@ -136,6 +142,8 @@ class ArenaTier(KVStore):
                 if old is not None:
                     self._retire(old)
                 slot.live, slot.pins = True, slot.pins + pin
+                self._live_bytes += _extent(slot.nbytes)
+                self._pinned_bytes += _extent(slot.nbytes) if slot.pins else 0
                 self._index[slot.key] = slot
                 self._stats.add(objects=1, bytes=slot.nbytes, bytes_in=slot.nbytes)
 
@@ -152,6 +160,7 @@ class ArenaTier(KVStore):
             for key in keys:
                 slot = self._index.get(check_key(key))
                 if slot is not None:
+                    self._pinned_bytes += _extent(slot.nbytes) if slot.pins == 0 else 0
                     slot.pins += 1
                     self._index.move_to_end(key)
                 out.append(slot)
@@ -167,7 +176,9 @@ class ArenaTier(KVStore):
         with self._lock:
             for slot in slots:
                 slot.pins -= 1
-                if slot.pins == 0 and not slot.live:
+                if slot.pins == 0 and slot.live:
+                    self._pinned_bytes -= _extent(slot.nbytes)
+                elif slot.pins == 0:
                     self.arena.free(slot.offset, slot.nbytes)
 
     def tensor_of(self, slot: Slot) -> torch.Tensor:
@@ -178,13 +189,24 @@ class ArenaTier(KVStore):
         with self._lock:
             return list(self._index)
 
+    def _evictable_bytes(self) -> int:
+        """Extent bytes of committed, unpinned slots (lock held): the most an eviction could free."""
+        return self._live_bytes - self._pinned_bytes
+
     def _retire(self, slot: Slot) -> None:
         """``slot`` has left the index (lock held): free its extent now, or when its last pin goes."""
         slot.live = False
         self._stats.add(objects=-1, bytes=-slot.nbytes)
+        self._live_bytes -= _extent(slot.nbytes)
+        self._pinned_bytes -= _extent(slot.nbytes) if slot.pins else 0
         if slot.pins == 0:
             self.arena.free(slot.offset, slot.nbytes)
 
 
 def _raw(tensor: torch.Tensor):
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _extent(nbytes: int) -> int:
+    """The bytes ``Arena.alloc`` takes for an object of ``nbytes``."""
+    return align(max(nbytes, 1))

@@ -103,8 +103,17 @@ class KVDaemon:
             self._sock.send_multipart([ident, *reply], copy=False)
 
     def _sweep_sent(self) -> None:
-        while self._sending and all(t is None or t.done for t in self._sending[0][0]):
-            self.store.unpin(self._sending.pop(0)[1])
+        """Unpin the slots of every reply zmq is done with, in whatever order they finish: a reply stuck on one
+        client (a stopped process, a slow link) must not keep later replies' slots to other clients pinned."""
+        if not self._sending:
+            return
+        still = []
+        for trackers, slots in self._sending:
+            if all(t is None or t.done for t in trackers):
+                self.store.unpin(slots)
+            else:
+                still.append((trackers, slots))
+        self._sending = still
 
     def close(self) -> None:
         if self._arena is not None:

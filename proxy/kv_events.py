@@ -7,8 +7,9 @@ Who calls what (all on the proxy's event loop):
     app lifespan                     await subscriber.stop()
     per message                      decode_batch (MAC, bounds) -> node.kv.apply -> metrics
 
-A message that fails its MAC or does not decode is dropped and counted (``outcome="forged"``); one that replays an
-old epoch or sequence is dropped as ``stale`` (``kv_state``). Watching a new endpoint for a node forgets what the
+A message that fails its MAC or does not decode, or names another endpoint than the one it arrived from (a batch
+of another node relayed by whoever took this node's port), is dropped and counted (``outcome="forged"``); one that
+replays an old epoch or sequence is dropped as ``stale`` (``kv_state``). Watching a new endpoint for a node forgets what the
 old one said. The socket only connects (to 127.0.0.1 endpoints the nodes bind); see docs/threat-model.md.
 """
 
@@ -48,7 +49,7 @@ class EventSubscriber:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoint)
-        self._tasks[node.url] = (endpoint, asyncio.ensure_future(self._read(node, sock)))
+        self._tasks[node.url] = (endpoint, asyncio.ensure_future(self._read(node, sock, endpoint)))
         logger.info("KV events of %s node %s from %s", node.role, node.url, endpoint)
 
     async def stop(self) -> None:
@@ -59,17 +60,20 @@ class EventSubscriber:
         self._tasks.clear()
         self._ctx.term()
 
-    async def _read(self, node: Node, sock) -> None:
+    async def _read(self, node: Node, sock, endpoint: str) -> None:
         try:
             while True:
-                self.handle(node, await sock.recv_multipart())
+                self.handle(node, await sock.recv_multipart(), endpoint)
         finally:
             sock.close()
 
-    def handle(self, node: Node, frames: list[bytes]) -> str:
-        """One message from ``node``'s socket; returns its outcome (accepted, reset, stale, forged)."""
+    def handle(self, node: Node, frames: list[bytes], endpoint: str) -> str:
+        """One message from ``node``'s socket at ``endpoint``; returns its outcome (accepted, reset, stale, forged)."""
         try:
             batch = decode_batch(self._key, frames)
+            if batch.endpoint != endpoint:
+                raise ValueError(f"a batch sent on {batch.endpoint or 'an unnamed socket'!r} arrived on {endpoint!r} "
+                                 "(relayed from another node's socket, or a node older than the proxy)")
         except ValueError as exc:
             logger.warning("dropped a KV-event message on %s node %s's socket: %s", node.role, node.url, exc)
             outcome = "forged"

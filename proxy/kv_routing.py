@@ -4,7 +4,7 @@ Who calls what:
 
     health, once a node's /v1/models was read     kv.on_card(node, card) -> a new ``Routing`` for the gate
                                                   (the store's key space), and the node's KV events watched
-    orchestrate, per request                      route = await kv.plan(req, decode_nodes)
+    orchestrate, per request                      route = await kv.plan(req, decode_nodes, pool.picks_by_cache)
                                                   route.decision: "prefill" | "store_hit" | "decode_local"
                                                   route.hint(i): the ``KVHint`` the kv_aware policy scores with
     app lifespan                                  await kv.stop()
@@ -13,12 +13,17 @@ The store is asked once per request, with one batched ``lookup`` of the prompt's
 are the store's own (``kvstore.keys.chunk_keys`` with the nodes' fingerprint, chunk size and the request's
 ``cache_salt``, the last partial chunk included, as the prefill node publishes them). The proxy talks to the
 daemon as any client does, with the cluster token (``--kv-store``, PDSERVE_KV_AUTH_TOKEN); a store that fails
-or is slow is a miss (counted), never a failed request.
+or is slow is a miss (counted), never a failed request. Lookups run on one thread of their own (the client
+serves one request at a time); a request waits at most ``STORE_TIMEOUT_S`` for its lookup; after a failure or a
+timeout requests route without it (``skipped`` in ``pdserve_proxy_store_lookups``) while one lookup in the
+background, every ``STORE_RETRY_S``, tells when it answers again: a hung store costs the requests of one timeout,
+not a queue of timeouts.
 
 The decision, for a request with one prompt (several prompts, a prefill-only answer, prompt logprobs: "prefill"):
     store_hit      the store holds all but the last block (``--no-skip-prefill-on-store-hit`` turns it off)
     decode_local   the tokens neither the store nor the best decode node's prefix cache holds are fewer than
-                   ``--local-prefill-threshold`` (a short prompt, or a next turn of a chat the node just served)
+                   ``--local-prefill-threshold`` (a short prompt, or a next turn of a chat the node just served);
+                   "best" is the worst when the decode policy is not ``kv_aware``: it may pick any node
     prefill        otherwise: prefill node, then decode node
 Both skips send the decode node the prompt without ``kv_transfer_params``: it looks the prompt up in the store,
 loads what is there, computes the rest and samples the first token itself (draw 0 of seeded sampling, as the
@@ -28,8 +33,10 @@ prefill node would have), so the answer is the one the prefill path gives.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 from pdserve.engine.kv.kv_events import events_key
@@ -41,6 +48,8 @@ from pdserve.proxy.policies import KVHint
 
 logger = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 2.0
+STORE_RETRY_S = 5.0          # a failing store is probed (in the background) this often
+MAX_PENDING_LOOKUPS = 8      # lookups queued beyond this are misses (a slow store, not a failing one)
 NO_SKIP_FIELDS = ("prompt_logprobs", "echo")     # the prefill node computes the prompt's logprobs
 
 
@@ -68,7 +77,12 @@ class KVRouting:
         self._key = events_key(token) if token else None
         self.events = EventSubscriber(self._key, metrics) if self._key else None
         self._client = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._failing = False                       # the last lookup failed: requests skip it, a probe retries
+        self._down_until = 0.0                      # monotonic: no probe before it
+        self._pending = 0                           # lookups submitted and not finished
         if store_url:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdserve-store-lookup")
             from pdserve.kvstore.client import DaemonClient
 
             self._client = DaemonClient(store_url, token, shm_bytes=0, timeout_s=STORE_TIMEOUT_S)
@@ -100,11 +114,14 @@ class KVRouting:
         """Anything to decide with: a store, KV events or a threshold (else ``orchestrate`` skips ``plan``)."""
         return bool(self._store_url or self._key or self.threshold)
 
-    async def plan(self, req: ProxyRequest, decode_nodes: list[Node]) -> Route:
+    async def plan(self, req: ProxyRequest, decode_nodes: list[Node], best_is_picked: bool = True) -> Route:
+        """``best_is_picked``: the decode pool picks the node holding most of the prompt (``kv_aware``); else any
+        of ``decode_nodes`` may get it, and a decode node's prefix cache counts only as far as all of them hold it."""
         hints = tuple([await self._hint(req, i) for i in range(len(req.prompts))])
         first = hints[0]
         store = first.store_tokens if first else 0
-        local = max((first.local_tokens(n) for n in decode_nodes), default=0) if first else 0
+        pick = max if best_is_picked else min
+        local = pick((first.local_tokens(n) for n in decode_nodes), default=0) if first else 0
         return Route(self._decide(req, store, local), hints, store, local)
 
     def _decide(self, req: ProxyRequest, store: int, local: int) -> str:
@@ -132,12 +149,22 @@ class KVRouting:
         """Leading prompt tokens whose every layer the store holds (0 when it cannot tell)."""
         if not self._routes_by_store or not keys:
             return 0
+        if self._failing or self._pending >= MAX_PENDING_LOOKUPS:
+            if self._failing and time.monotonic() >= self._down_until and not self._pending:
+                self._submit(keys)                  # a probe in the background: no request waits on a failing store
+            self._metrics.store_lookups.labels("skipped").inc()
+            return 0
         try:
-            chunks = await asyncio.to_thread(self._lookup, keys)
+            chunks = await asyncio.wait_for(asyncio.wrap_future(self._submit(keys)), STORE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 -- a store that fails costs routing hints, not requests
+            if isinstance(exc, _StoreDown):
+                self._metrics.store_lookups.labels("skipped").inc()
+                return 0
+            self._fail()
             logger.log(logging.DEBUG if self._lookup_failed else logging.WARNING, "store lookup for routing failed "
-                       "(%s: %s); routing as a miss (counted in pdserve_proxy_store_lookups{outcome=\"error\"}, "
-                       "logged once)", type(exc).__name__, exc)
+                       "(%s: %s); routing as a miss, the store asked again in the background every %.0f s (counted "
+                       "in pdserve_proxy_store_lookups{outcome=\"error\"}, logged once)", type(exc).__name__, exc,
+                       STORE_RETRY_S)
             self._lookup_failed = True
             self._metrics.store_lookups.labels("error").inc()
             return 0
@@ -146,7 +173,28 @@ class KVRouting:
         self._metrics.store_hit_tokens.inc(tokens)
         return tokens
 
+    def _submit(self, keys: list[str]) -> concurrent.futures.Future:
+        self._pending += 1
+        future = self._pool.submit(self._lookup, keys)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future) -> None:
+        """The lookup thread, after each lookup: a failure marks the store failing, an answer healthy again."""
+        self._pending -= 1          # plain stores under the GIL, read by the event loop
+        error = None if future.cancelled() else future.exception()
+        if error is None and not future.cancelled():
+            self._failing = False
+        elif error is not None and not isinstance(error, _StoreDown):
+            self._fail()
+
+    def _fail(self) -> None:
+        self._failing, self._down_until = True, time.monotonic() + STORE_RETRY_S
+
     def _lookup(self, keys: list[str]) -> int:
+        """The lookup thread: one lookup, unless the store failed while this one was queued."""
+        if time.monotonic() < self._down_until:
+            raise _StoreDown()
         return self._client.lookup(keys, self.store_space["num_layers"])
 
     async def stop(self) -> None:
@@ -154,6 +202,12 @@ class KVRouting:
             await self.events.stop()
         if self._client is not None:
             await asyncio.to_thread(self._client.close)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _StoreDown(Exception):
+    """A lookup that waited in the queue while another found the store failing: not asked."""
 
 
 def _valid_store_space(store) -> bool:

@@ -5,17 +5,27 @@ Owned by ``nodes.Node`` (``node.kv``); fed by ``kv_events.EventSubscriber`` with
 
 Epochs and sequence numbers (each node process draws a random epoch and numbers its batches 1, 2, ...):
     a batch of a new epoch started later than the one known   -> forget everything (the node restarted), apply
-    a batch of an older or the same-start other epoch         -> dropped ("stale": a replay of a dead process)
+    a batch of an older or the same-start other epoch         -> dropped ("stale": a replay of a dead process),
+                                                                 unless the current epoch is silent (``SILENT_S``):
+                                                                 a restart across a clock stepped back
+    a batch of an epoch the node had before                   -> dropped ("stale")
     seq <= the last seen                                      -> dropped ("stale": a replay)
     seq  > the last seen + 1                                  -> events were lost: forget everything, apply
     ``cleared``                                               -> forget everything, then apply its events
 Forgetting is always safe: it costs cache hits in routing, never a wrong answer (the node checks its own cache).
+A node silent for ``SILENT_S`` (no batch, not even its heartbeat every ``HEARTBEAT_S``: its publisher died, the
+socket broke, the process is stopped) is credited with nothing until it speaks again.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+from pdserve.engine.kv.kv_events import HEARTBEAT_S
+
+SILENT_S = 10 * HEARTBEAT_S   # no batch for this long: what the node announced is not assumed
+MAX_RETIRED = 64              # past epochs remembered per node (refused if they come back)
 MAX_BLOCKS = 1 << 20          # per node; more than any node's KV cache announces (a flood is forgotten, not kept)
 
 
@@ -26,14 +36,18 @@ class NodeKVState:
     seq: int = 0
     blocks: set[int] = field(default_factory=set)     # public hashes of the blocks the node has cached
     resets: int = 0                                   # times the state was forgotten (restart, gap, clear)
+    heard: float = 0.0                                # monotonic time of its last verified batch
+    retired: frozenset = frozenset()                  # epochs this node had before (never taken back)
 
     def apply(self, batch) -> str:
         """Apply one verified ``EventBatch``; returns "accepted", "stale" or "reset" (accepted after forgetting)."""
         outcome = "accepted"
         if batch.epoch != self.epoch:
-            if self.epoch and batch.started <= self.started:
+            if batch.epoch in self.retired or self.epoch and batch.started <= self.started and not self._silent():
                 return "stale"
             first = not self.epoch
+            if not first:
+                self.retired = (self.retired | {self.epoch}) if len(self.retired) < MAX_RETIRED else {self.epoch}
             self.epoch, self.started, self.seq = batch.epoch, batch.started, 0
             if not first:
                 outcome = self._forget()
@@ -44,6 +58,7 @@ class NodeKVState:
         self.seq = batch.seq
         if batch.cleared and self.blocks:
             outcome = self._forget()
+        self.heard = time.monotonic()
         self.blocks.difference_update(batch.removed)
         self.blocks.update(batch.stored)
         if len(self.blocks) > MAX_BLOCKS:
@@ -56,13 +71,19 @@ class NodeKVState:
         self._forget()
 
     def leading_blocks(self, public_hashes: list[int]) -> int:
-        """How many of a prompt's blocks, from the first on, the node holds (the chain breaks at the first miss)."""
+        """How many of a prompt's blocks, from the first on, the node holds (the chain breaks at the first miss);
+        0 while the node is silent."""
+        if self._silent():
+            return 0
         count = 0
         for h in public_hashes:
             if h not in self.blocks:
                 break
             count += 1
         return count
+
+    def _silent(self) -> bool:
+        return time.monotonic() - self.heard > SILENT_S
 
     def _forget(self) -> str:
         if self.blocks:

@@ -41,7 +41,7 @@ class ProxyMetrics:
                                     "node only), decode_local (the uncached part is under --local-prefill-threshold: "
                                     "decode node only)", ["decision"], registry=r)
         self.store_lookups = Counter("pdserve_proxy_store_lookups", "the proxy's store lookups by outcome (hit, miss, "
-                                     "error)", ["outcome"], registry=r)
+                                     "error, skipped: the store failed lately or is busy)", ["outcome"], registry=r)
         self.store_hit_tokens = Counter("pdserve_proxy_store_hit_tokens", "prompt tokens the store held at routing",
                                         registry=r)
         self.kv_events = Counter("pdserve_proxy_kv_events", "KV-event batches from the nodes by outcome (accepted, "

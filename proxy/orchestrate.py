@@ -102,7 +102,8 @@ class Orchestrator:
             return error_response(502, f"{exc} (after retries on other nodes)")
 
     async def _handle(self, req: ProxyRequest, on_end: OnEnd) -> Response:
-        route = await self._kv.plan(req, self._decode.healthy) if self._kv is not None and self._kv.active else None
+        route = await self._kv.plan(req, self._decode.healthy, self._decode.picks_by_cache) \
+            if self._kv is not None and self._kv.active else None
         decision = route.decision if route is not None else "prefill"
         self._metrics.pd_decisions.labels(decision).inc()
         shown = route.describe() if route is not None and self._expose else None

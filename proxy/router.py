@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.nodes import Node
-from pdserve.proxy.policies import KVHint, make_policy
+from pdserve.proxy.policies import KVAware, KVHint, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,11 @@ class NodePool:
     @property
     def healthy(self) -> list[Node]:
         return [n for n in self.nodes if n.healthy]
+
+    @property
+    def picks_by_cache(self) -> bool:
+        """Its policy picks the node holding most of the prompt (``kv_aware``), so ``kv_routing`` may count on it."""
+        return isinstance(self._policy, KVAware)
 
     def choose(self, chunk_keys: list[str], exclude: set[str] = frozenset(), hint: KVHint | None = None) -> Node:
         candidates = [n for n in self.healthy if n.url not in exclude]

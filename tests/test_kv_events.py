@@ -64,10 +64,10 @@ def test_node_state_follows_epochs_and_sequences():
 def test_subscriber_drops_forged_messages_and_keeps_the_node_state():
     metrics, node = ProxyMetrics(), Node("http://n", "decode")
     sub = EventSubscriber(KEY, metrics)
-    assert sub.handle(node, encode_batch(KEY, batch(stored=[11, 12]))) == "accepted"
+    assert sub.handle(node, encode_batch(KEY, batch(stored=[11, 12])), "") == "accepted"
     forged = encode_batch(events_key(OTHER), batch("evil", started=99.0, cleared=True, stored=[666]))
-    assert sub.handle(node, forged) == "forged"
-    assert sub.handle(node, [b"garbage"]) == "forged"
+    assert sub.handle(node, forged, "") == "forged"
+    assert sub.handle(node, [b"garbage"], "") == "forged"
     assert node.kv.blocks == {11, 12} and node.kv.epoch == "e1"
     assert metrics.kv_events.labels("forged")._value.get() == 2
     assert metrics.node_cached_blocks.labels("decode", "http://n")._value.get() == 2

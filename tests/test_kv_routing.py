@@ -6,6 +6,7 @@ The same paths with real nodes, a real store daemon and a restart: ``test_kv_rou
 from __future__ import annotations
 
 import json
+import time
 
 from pdserve.proxy.accounting import event_with_route, json_with_route
 from pdserve.proxy.inputs import Prompt, ProxyRequest
@@ -17,7 +18,7 @@ from pdserve.proxy.policies import KVAware, KVHint, kv_cost
 
 def node(url: str, blocks=(), in_flight_tokens: int = 0) -> Node:
     n = Node(url, "decode", healthy=True)
-    n.kv.blocks = set(blocks)
+    n.kv.blocks, n.kv.heard = set(blocks), time.monotonic()      # as if its last batch just came
     n.in_flight_tokens = in_flight_tokens
     return n
 

@@ -9,7 +9,9 @@ Who calls what:
     proxy.kv_events (proxy loop)   SUB: verify -> decode -> ``proxy.kv_state`` (per-node cached blocks)
 
 Wire (one ZMQ multipart message per batch):  [b"kv-events", payload, mac]
-    payload = msgpack(EventBatch)      epoch: 16 random bytes (hex) per process; seq: 1, 2, ... within it
+    payload = msgpack(EventBatch)      epoch: 16 random bytes (hex) per process; seq: 1, 2, ... within it;
+                                       endpoint: the socket it was sent on (the proxy refuses a batch that
+                                       arrives on another: one relayed from another node's socket)
     mac     = BLAKE3-keyed(events_key, payload), 32 bytes; events_key = derive_key(cluster token, EVENTS_CONTEXT)
 
 Who may publish and subscribe: the socket binds 127.0.0.1 only; anyone local can connect, but only a holder of
@@ -48,6 +50,7 @@ class EventBatch(msgspec.Struct, frozen=True):
     stored: list[int] = []         # public hashes of blocks newly cached, in order
     removed: list[int] = []        # public hashes of blocks evicted
     version: int = EVENTS_VERSION
+    endpoint: str = ""             # the PUB socket's endpoint (the card's kv.events): signed with the rest
 
 
 def events_key(token: str) -> bytes:
@@ -143,7 +146,7 @@ class KVEventPublisher:
         stored = [public_hash(self._key, h) for h in stored]
         removed = [public_hash(self._key, h) for h in removed]
         self._seq += 1
-        batch = EventBatch(self._epoch, self._started, self._seq, cleared, stored, removed)
+        batch = EventBatch(self._epoch, self._started, self._seq, cleared, stored, removed, endpoint=self.endpoint)
         try:
             self._sock.send_multipart(encode_batch(self._key, batch), flags=zmq.NOBLOCK)
             self._pending_clear = False
