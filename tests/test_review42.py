@@ -347,3 +347,32 @@ def test_external_prefix_cache_is_exported_under_vllms_names():
     assert _value(metrics, "vllm:external_prefix_cache_hits_total", **e) == 96       # not store_hit's 128
     assert metrics.registry.get_sample_value("pdserve_kv_need_to_load_tokens_total", {"model_name": "m"}) == 96
 
+
+
+def test_a_failed_prefill_call_is_timed_like_a_failed_decode_call(tiny_llama):
+    """pdserve_proxy_phase_latency_seconds{phase="prefill"} was observed only when the prefill calls succeeded (the
+    decode phase in a ``finally``): a prefill node answering errors left its phase's time out of the histogram."""
+    from fake_node import FakeNode, Reply
+    from pdserve.engine.text.tokenizer import load_tokenizer
+    from pdserve.proxy.app import build_app as build_proxy
+    from pdserve.proxy.config import ProxyConfig
+    prefill, decode = FakeNode(), FakeNode()
+    try:
+        prefill.script("/v1/completions", Reply(status=400))          # a client error: not retried elsewhere
+        app = build_proxy(ProxyConfig(prefill_urls=(prefill.url,), decode_urls=(decode.url,), model=str(tiny_llama)),
+                          load_tokenizer(str(tiny_llama)))
+
+        async def go():
+            async with app.router.lifespan_context(app):
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
+                    r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+                    return r.status_code, (await c.get("/metrics")).text
+
+        status, text = asyncio.run(go())
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert status == 400 and len(prefill.calls) == 1 and not decode.calls
+    counts = {s.labels["phase"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "pdserve_proxy_phase_latency_seconds_count"}
+    assert counts == {"prefill": 1}, counts
