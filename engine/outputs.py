@@ -70,6 +70,8 @@ class RequestOutput:
     stop_reason: int | str | None = None     # finish_reason "stop": the stop string or stop token id (None: eos)
     prompt_logprobs: list[PromptLogprob] | None = None   # with the first token: prompt tokens 1.. (params asked)
     times: RequestTimes | None = None        # with the first sampled token and the final output (engine core)
+    step_time: float = 0.0                   # time.monotonic() the engine core made it (0.0: unknown): the
+                                             # metrics' inter-token latency is between these, as vLLM's
 
 
 @dataclass

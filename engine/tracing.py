@@ -10,7 +10,9 @@ Who calls what:
                                      tracing.inject() -> [b"traceparent: ..."]    W3C ``traceparent`` of the span in use
     node, per request                parent = tracing.extract(request.headers)    the proxy's context, or None
                                      (engine/server/request_trace.py records its spans from the core's times)
-    shutdown                         tracing.shutdown()                           flushes the batch exporter
+    shutdown                         tracing.shutdown()                           flushes the batch exporter, for at
+                                                                                 most SHUTDOWN_TIMEOUT_S (a collector
+                                                                                 down or slow never stalls a stop)
 
 Every function checks ``enabled()`` first (one global read) and does nothing when tracing is off, so the
 request path pays one ``if``. Spans go to an OTLP/HTTP (protobuf) endpoint through the SDK's batch processor
@@ -19,14 +21,18 @@ request path pays one ``if``. Spans go to an OTLP/HTTP (protobuf) endpoint throu
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import threading
 import time
 from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 _state: dict = {}                     # "tracer", "provider", "otel" (the API modules): set by setup()
 _NOTHING = contextlib.nullcontext()
+MAX_TRACE_HEADER = 512               # the SDK's limit of traceparent (and W3C's minimum for tracestate): longer ignored
+SHUTDOWN_TIMEOUT_S = 2.0              # the SDK's own shutdown waits up to 30 s on an unreachable collector (retries)
 
 
 class TracingUnavailable(RuntimeError):
@@ -51,10 +57,11 @@ def setup(service_name: str, endpoint: str | None) -> bool:
     except ImportError as exc:
         raise TracingUnavailable(f"--otlp-traces-endpoint {endpoint} needs OpenTelemetry: pip install "
                                  f"'pdserve[otel]' ({exc})") from None
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
     _state.update(provider=provider, tracer=provider.get_tracer("pdserve"),
                   otel={"context": context, "propagate": propagate, "trace": trace})
+    atexit.register(shutdown)            # ours, bounded (the SDK's exit hook would wait up to 30 s)
     logger.info("tracing on: %s spans to %s", service_name, url)
     return True
 
@@ -75,23 +82,34 @@ def traces_url(endpoint: str) -> str:
     return endpoint if url.path not in ("", "/") else endpoint.rstrip("/") + "/v1/traces"
 
 
-def shutdown() -> None:
-    """Flush what is queued and stop exporting (idempotent)."""
+def shutdown(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Flush what is queued and stop exporting (idempotent), within ``timeout_s``: the SDK's batch processor
+    waits up to 30 s for an export that retries against a collector that is down or does not answer, so it runs
+    on a daemon thread and what it has not sent by then is dropped (logged), never the process's stop delayed."""
     provider = _state.pop("provider", None)
     _state.clear()
-    if provider is not None:
-        provider.shutdown()
+    if provider is None:
+        return
+    worker = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        logger.warning("tracing: spans not exported within %.1f s of shutdown (collector down or slow?): dropped",
+                       timeout_s)
 
 
 def extract(headers) -> object | None:
     """The W3C trace context in ``headers`` (a mapping with ``get``): an empty context without a ``traceparent``
-    (spans under it start a trace), None when tracing is off."""
+    or with one longer than MAX_TRACE_HEADER (spans under it start a trace), None when tracing is off. A malformed
+    traceparent is ignored by the SDK (a new trace); a tracestate over the limit is dropped."""
     if not _state:
         return None
-    if headers.get("traceparent") is None:
-        return _state["otel"]["context"].Context()
-    return _state["otel"]["propagate"].extract({"traceparent": headers.get("traceparent"),
-                                                "tracestate": headers.get("tracestate") or ""})
+    parent = headers.get("traceparent")
+    if parent is None or len(parent) > MAX_TRACE_HEADER:     # W3C: 55 characters; the SDK logs a warning for each
+        return _state["otel"]["context"].Context()           # longer one: a client's log flood, dropped unlogged
+    state = headers.get("tracestate") or ""
+    return _state["otel"]["propagate"].extract({"traceparent": parent,
+                                                "tracestate": state if len(state) <= MAX_TRACE_HEADER else ""})
 
 
 def inject() -> list[bytes]:

@@ -148,10 +148,15 @@ def _direct_routes(state: ProxyState) -> dict[str, tuple[type, Any]]:
     return {COMPLETIONS: (CompletionRequest, serve(COMPLETIONS)), CHAT: (ChatCompletionRequest, serve(CHAT))}
 
 
+def _trace_parent(state: ProxyState, request: Request):
+    """The client's trace context, or (``--no-trust-traceparent``) an empty one: the request's trace starts here."""
+    return tracing.extract(request.headers if state.config.trust_traceparent else {})
+
+
 async def _serve(state: ProxyState, request: Request, endpoint: str, parsed, body: dict[str, Any]) -> Response:
     """``parsed``: ``body`` (the client's JSON object) as the endpoint's pydantic model."""
     start = time.perf_counter()
-    span = tracing.start_span(f"POST {endpoint}", "server", tracing.extract(request.headers),
+    span = tracing.start_span(f"POST {endpoint}", "server", _trace_parent(state, request),
                               attributes={"http.route": endpoint}) if tracing.enabled() else None
 
     def on_end(outcome: str) -> None:

@@ -52,6 +52,10 @@ def register(subparsers) -> None:
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="send OpenTelemetry traces (OTLP/HTTP) to URL, e.g. http://collector:4318 (vLLM's flag; "
                         "needs pip install 'pdserve[otel]'): a span per request, W3C traceparent to the nodes")
+    p.add_argument("--trust-traceparent", action=argparse.BooleanOptionalAction, default=True,
+                   help="a client's W3C traceparent parents the request's span (default, as vLLM); "
+                        "--no-trust-traceparent: every request starts a trace of its own, so a client can neither "
+                        "force sampling (its sampled flag, a trace id it picks) nor join another trace")
     p.add_argument("--prefill-policy", default=None, choices=POLICIES, help="default: prefix_aware")
     p.add_argument("--decode-policy", default=None, choices=POLICIES, help="default: least_loaded")
     p.add_argument("--routing-policy", default=None, choices=POLICIES,
@@ -87,6 +91,7 @@ def config_from_args(args) -> ProxyConfig:
         api_keys=api_keys_from_args(args, "pdserve proxy"), cache_salt_from_api_key=args.cache_salt_from_api_key,
         node_api_key=args.node_api_key or envs.PDSERVE_NODE_API_KEY or None,
         cache_salt_secret_file=args.cache_salt_secret_file, expose_kv_accounting=args.expose_kv_accounting,
+        trust_traceparent=args.trust_traceparent,
         prefill_policy=args.prefill_policy or args.routing_policy or "prefix_aware",
         decode_policy=args.decode_policy or args.routing_policy or "least_loaded",
         kv_store=args.kv_store, kv_auth_token=token_from_args(args, "pdserve proxy"),

@@ -23,6 +23,8 @@ class ProxyConfig:
     cache_salt_from_api_key: bool = False        # each key a tenant: its own cache_salt (proxy.tenants)
     cache_salt_secret_file: str | None = None    # the tenant salts' HMAC key; None: random per process
     expose_kv_accounting: bool = False           # usage.kv_transfer in answers (pdserve serve: on)
+    trust_traceparent: bool = True               # a client's W3C traceparent parents the proxy's span (vLLM's way);
+                                                 # False: every request starts its own trace, sampled here only
     prefill_policy: str = "prefix_aware"
     decode_policy: str = "least_loaded"
     health_interval_s: float = 1.0

@@ -144,9 +144,9 @@ class Orchestrator:
             with tracing.use(span):
                 payloads = await _all_or_cancel([self._prefill_one(req, i, route.hint(i) if route else None)
                                                  for i in range(len(req.prompts))])
-        finally:
+        finally:                               # a failed prefill's time counts too, as a failed decode's does
             tracing.end(span)
-        self._metrics.phase_latency.labels("prefill").observe(time.perf_counter() - start)
+            self._metrics.phase_latency.labels("prefill").observe(time.perf_counter() - start)
         return payloads
 
     async def _prefill_one(self, req: ProxyRequest, index: int, hint: KVHint | None) -> dict[str, Any]:

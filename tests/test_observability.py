@@ -276,3 +276,44 @@ def test_tracing_off_imports_no_opentelemetry(cluster, tiny_llama, tmp_path):
     modules = json.loads(out.stdout.strip().splitlines()[-1])
     assert modules["new"] == []                                   # nothing imported on the request path
     assert not [m for m in modules["all"] if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter"))]
+
+
+def test_a_pd_request_is_counted_on_both_nodes_as_the_readme_says(cluster):
+    """The README's P/D counting (review 42): one disaggregated request adds 1 finished request on each node, the
+    prompt on each, 1 generated token on the prefill node (``length``) and every token on the decode node."""
+    urls = {"prefill": cluster.prefill_urls[0], "decode": cluster.decode_urls[0], "proxy": cluster.url}
+
+    def totals() -> dict:
+        out = {}
+        for role, url in urls.items():
+            for family in _families(url).values():
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        key = (role, s.name, s.labels.get("finished_reason") or s.labels.get("outcome")
+                               or s.labels.get("decision"))
+                        out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    before = totals()
+    prompt = " ".join(["Herons stand still in the shallow river at dawn."] * 5)
+    usage = _complete(cluster.url, prompt, max_tokens=5).json()["usage"]
+    after = totals()
+    d = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    n = usage["prompt_tokens"]
+    assert d[("proxy", "pdserve_proxy_pd_decisions_total", "prefill")] == 1
+    assert d[("prefill", "vllm:request_success_total", "length")] == 1
+    assert d[("prefill", "vllm:prompt_tokens_total", None)] == n
+    assert d[("prefill", "vllm:generation_tokens_total", None)] == 1
+    assert d[("decode", "vllm:request_success_total", "length")] == 1
+    assert d[("decode", "vllm:prompt_tokens_total", None)] == n
+    assert d[("decode", "vllm:generation_tokens_total", None)] == usage["completion_tokens"] == 5
+
+
+def test_external_prefix_cache_counts_the_decode_nodes_loads(cluster):
+    """vllm:external_prefix_cache_hits is the accounting's need_to_load (review 42): the decode node, which loaded
+    the prompts' KV, counts them; queries are the tokens it looked up; both equal pdserve's accounting family."""
+    fams = _families(cluster.decode_urls[0])
+    hits = _count(fams["vllm:external_prefix_cache_hits"], "_total")
+    queries = _count(fams["vllm:external_prefix_cache_queries"], "_total")
+    assert hits == _count(fams["pdserve_kv_need_to_load_tokens"], "_total") > 0
+    assert queries == _count(fams["pdserve_kv_total_tokens"], "_total") >= hits

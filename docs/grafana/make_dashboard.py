@@ -36,8 +36,8 @@ PANELS = [
         ("TTFT (each node's: the prefill node's is the prompt's)", "s",
          quantiles("vllm:time_to_first_token_seconds", "instance")),
         ("Inter-token latency (decode nodes)", "s", quantiles("vllm:inter_token_latency_seconds")),
-        ("End-to-end: proxy (client's view) and nodes", "s",
-         quantiles("vllm:e2e_request_latency_seconds")
+        ("End-to-end: proxy (client's view) and each node", "s",     # per node: a prefill node's e2e is its prompt
+         quantiles("vllm:e2e_request_latency_seconds", "instance")
          + [(f"histogram_quantile({q}, sum by (le) (rate(pdserve_proxy_request_latency_seconds_bucket"
              f"[$__rate_interval])))", f"proxy p{int(q * 100)}") for q in Q]),
     ]),

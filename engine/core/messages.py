@@ -40,7 +40,7 @@ from pdserve.engine.outputs import EngineStats, PromptLogprob, RequestOutput, Re
 from pdserve.engine.runner.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 
-VERSION = 8                       # 8: CoreOutput.times (RequestTimes); EngineStats: preemptions, iteration tokens
+VERSION = 9                       # 9: CoreOutput.step_time; 8: CoreOutput.times, EngineStats: preemptions, ...
 STATS_INTERVAL_S = 0.1            # stats ride along with outputs at most this often (and whenever idle)
 HEARTBEAT_S = 0.5                 # the core says it is alive this often, whatever its loop is doing
 _LENGTH = struct.Struct(">I")
@@ -132,6 +132,7 @@ class CoreOutput(msgspec.Struct, frozen=True, array_like=True):
     stop_reason: int | str | None = None
     prompt_logprobs: list[PromptLogprob] | None = None
     times: RequestTimes | None = None     # the core's timestamps: with the first sampled token and the final output
+    step_time: float = 0.0                # when the core made this output (time.monotonic()): vLLM's ITL clock
 
 
 class Rejected(msgspec.Struct, frozen=True, array_like=True):
@@ -204,7 +205,7 @@ def output_to_wire(out: RequestOutput, seq: int) -> CoreOutput:
     transfer = None if out.kv_transfer_params is None else KVTransferParams.from_json_obj(out.kv_transfer_params)
     return CoreOutput(out.request_id, seq, out.new_token_ids, out.finished, out.finish_reason,
                       out.num_prompt_tokens, out.num_cached_tokens, logprobs, out.error, transfer, out.kv_accounting,
-                      out.stop_reason, out.prompt_logprobs, out.times)
+                      out.stop_reason, out.prompt_logprobs, out.times, out.step_time)
 
 
 def output_from_wire(o: CoreOutput) -> RequestOutput:
@@ -214,7 +215,7 @@ def output_from_wire(o: CoreOutput) -> RequestOutput:
     transfer = None if o.kv_transfer_params is None else o.kv_transfer_params.to_json_obj()
     return RequestOutput(o.request_id, o.new_token_ids, "", o.finished, o.finish_reason, o.num_prompt_tokens,
                          o.num_cached_tokens, logprobs, o.error, transfer, o.kv_accounting, o.stop_reason,
-                         o.prompt_logprobs, o.times)
+                         o.prompt_logprobs, o.times, o.step_time)
 
 
 def _check(message):

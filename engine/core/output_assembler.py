@@ -54,8 +54,8 @@ class OutputAssembler:
         self._live: dict[str, _Live] = {}
         self._ready: list[RequestOutput] = []          # produced between steps
         self._held: dict[str, tuple[RequestOutput, _Live]] = {}   # finished, waiting for the publish ack
-        self.totals = {"total_tokens": 0, "local_hit_tokens": 0, "store_hit_tokens": 0, "loaded_tokens": 0,
-                       "recomputed_tokens": 0}
+        self.totals = {"total_tokens": 0, "local_hit_tokens": 0, "store_hit_tokens": 0, "need_to_load_tokens": 0,
+                       "loaded_tokens": 0, "recomputed_tokens": 0}    # exported as pdserve_kv_<name>_total
 
     def track(self, req: Request, transfer, prompt_logprobs: list | None = None) -> None:
         """``prompt_logprobs``: known already (the prefill node's, on a decode node)."""
@@ -245,7 +245,7 @@ class OutputAssembler:
         figures = {name: getattr(acc, name) for name in ("total_tokens", "local_hit_tokens", "store_hit_tokens",
                                                           "need_to_load", "loaded_tokens", "recomputed_tokens")}
         for name in self.totals:
-            self.totals[name] += figures[name]
+            self.totals[name] += figures["need_to_load" if name == "need_to_load_tokens" else name]
         return figures
 
     def _output(self, req: Request, tokens: list[int], text: str, logprobs, transfer) -> RequestOutput:
@@ -256,7 +256,7 @@ class OutputAssembler:
                              finished=req.status.is_finished, finish_reason=req.finish_reason,
                              num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=cached,
                              logprobs=logprobs, error=error if isinstance(error, str) else None,
-                             stop_reason=stop)
+                             stop_reason=stop, step_time=time.monotonic())
 
 
 def _tops(tops, k: int | None) -> list[tuple[int, float]] | None:

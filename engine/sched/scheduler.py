@@ -148,7 +148,10 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """vLLM's ``num_requests_waiting``: queued for admission, loading remote KV (WAITING_FOR_KV) or compiling
+        its grammar (WAITING_FOR_GRAMMAR) -- vLLM keeps both of the latter in its waiting queue."""
+        loading = sum(1 for r in self.loading.values() if not r.status.is_finished)
+        return len(self.waiting) + len(self.compiling) + loading
 
     # ---- one step ------------------------------------------------------------------------
 

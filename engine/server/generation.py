@@ -16,6 +16,8 @@ taken in every other arriving request) and pumped by its own task into one queue
 stops (finished, client gone, error, cancellation), ``outputs``' ``finally`` cancels the pumps and calls
 ``engine.abort`` for every unfinished request, shielded from cancellation, so a disconnected client never
 leaves blocks allocated; ``close`` does the same for a response that never began to iterate ``outputs``.
+A call the engine refused at ``submit`` (a 4xx such as kv_transfer_params it cannot serve, or 503) records no
+metrics: like vLLM, a request that never entered the engine is not a finished request.
 """
 
 from __future__ import annotations
@@ -88,9 +90,11 @@ class Generation:
         empty context for a request without one); then each engine request records its spans (request_trace)."""
         self._engine, self._calls, self._metrics, self._n = engine, calls, metrics, max(1, n)
         self._trackers = {c.request_id: RequestTracker(metrics, arrival, c.params.max_tokens,
-                                                       _trace(engine, c, arrival, trace_parent)) for c in calls}
+                                                       _trace(engine, c, arrival, trace_parent), len(c.prompt_ids))
+                          for c in calls}
         self._finished: set[str] = set()             # ended, or being aborted
         self._ended: set[str] = set()                # their metrics recorded (``_end``, once each)
+        self._refused: set[str] = set()              # ``submit`` raised: the engine never had them, no metrics
         self._submitted: dict[str, asyncio.Queue | Exception] | None = None   # id -> its deltas, or why not
 
     def start(self) -> None:
@@ -105,6 +109,7 @@ class Generation:
                     call.prompt_ids, call.params, call.request_id, call.kv_transfer_params, call.cache_salt)
             except Exception as exc:  # noqa: BLE001 - delivered by _pump, as generate() would have raised it
                 self._submitted[call.request_id] = exc
+                self._refused.add(call.request_id)
 
     async def close(self) -> None:
         """Abort what was submitted and is not finished (idempotent; ``outputs``' own clean-up does it too)."""
@@ -187,11 +192,14 @@ class Generation:
         if request_id in self._ended:
             return
         self._ended.add(request_id)
-        self._trackers[request_id].on_end(reason)
+        if request_id not in self._refused:          # a 4xx / 503 at submit: not a request (vLLM counts none)
+            self._trackers[request_id].on_end(reason)
         if len(self._ended) < len(self._calls):
             return
         tokens: dict[int, int] = {}
         for call in self._calls:
+            if call.request_id in self._refused:
+                continue
             prompt = call.index // self._n
             tokens[prompt] = max(tokens.get(prompt, 0), self._trackers[call.request_id].num_generation_tokens)
         for most in tokens.values():

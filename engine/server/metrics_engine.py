@@ -5,6 +5,7 @@ the engine-core process's last report (``CoreOutputs.stats``, at most ``STATS_IN
 
     vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc            gauges
     vllm:prefix_cache_queries_total / _hits_total (tokens), vllm:num_preemptions_total   counters
+    vllm:external_prefix_cache_queries_total / _hits_total (the KV store: accounting's total / need_to_load tokens)
     vllm:iteration_tokens_total                                              histogram (tokens per engine step)
 
 and pdserve's own: ``pdserve_kv_cache_free_blocks`` / ``_num_blocks``, the KV accounting per request
@@ -44,6 +45,12 @@ class EngineStatsCollector(Collector):
                       "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits, v)
         yield _family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       stats.num_preemptions, v)
+        yield _family(CounterMetricFamily, "vllm:external_prefix_cache_queries",      # the KV store: vLLM's
+                      "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
+                      "number of queried tokens.", stats.kv_totals.get("total_tokens", 0), v)
+        yield _family(CounterMetricFamily, "vllm:external_prefix_cache_hits",         # need_to_load: vLLM's
+                      "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
+                      "number of cached tokens.", stats.kv_totals.get("need_to_load_tokens", 0), v)
         yield _iteration_tokens(stats, v)
         yield _family(GaugeMetricFamily, "pdserve_kv_cache_free_blocks", "Free KV blocks (cached-but-free included)",
                       stats.num_free_blocks, mine, ["model_name"])

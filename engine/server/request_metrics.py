@@ -2,8 +2,11 @@
 
 Called by ``generation.Generation`` for every engine request (one choice of one HTTP request):
 
-    tracker = RequestTracker(metrics, arrival, max_tokens, trace)    # trace: RequestTrace, None when tracing is off
+    tracker = RequestTracker(metrics, arrival, max_tokens, trace, num_prompt_tokens)   # trace: RequestTrace, None
+                                        # when tracing is off; num_prompt_tokens: the prompt's length (an abort
+                                        # before any output still observes it in vllm:request_prompt_tokens)
     tracker.on_output(delta)            # each delta: TTFT at the first token (+ vllm:prompt_tokens), ITL after
+                                        # (between the core's step_time of consecutive outputs, as vLLM)
     tracker.on_end(reason)              # exactly once (stop | length | abort | error): e2e, token counts, and the
                                         # engine core's RequestTimes: queue / prefill / decode / inference, the KV
                                         # load (lmcache:time_to_retrieve) and publish (lmcache:time_to_store)
@@ -11,7 +14,8 @@ Called by ``generation.Generation`` for every engine request (one choice of one 
 Times: ``arrival`` and the TTFT / ITL / e2e clocks are this (API) process's ``time.monotonic()``; the engine core's
 ``RequestTimes`` (first output with a token, final output) read the same clock on the same host. vLLM's intervals:
 queue = scheduled - queued, prefill = first token - scheduled, decode = last token - first token, inference =
-last token - scheduled. A request that never ran (aborted while waiting) observes no queue / prefill / decode.
+last token - scheduled; TPOT = decode / the intervals inside it (a decode node's first token is the prefill node's:
+one interval fewer). A request that never ran (aborted while waiting) observes no queue / prefill / decode.
 """
 
 from __future__ import annotations
@@ -23,17 +27,20 @@ from pdserve.engine.server.metrics import ServerMetrics
 
 
 class RequestTracker:
-    def __init__(self, metrics: ServerMetrics, arrival: float, max_tokens: int, trace=None):
+    def __init__(self, metrics: ServerMetrics, arrival: float, max_tokens: int, trace=None, num_prompt_tokens: int = 0):
         self._m, self._arrival, self._max_tokens, self.trace = metrics, arrival, max_tokens, trace
         self._last: float | None = None
-        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.num_prompt_tokens, self.num_generation_tokens = num_prompt_tokens, 0
         self.times: RequestTimes | None = None
+        self._before_first: int | None = None   # tokens output before the first one sampled here (a decode node: 1)
         self.kv_accounting: dict | None = None
         self.ended = False
 
     def on_output(self, delta) -> None:
         if delta.times is not None:
             self.times = delta.times
+            if self._before_first is None and delta.times.first_token:
+                self._before_first = self.num_generation_tokens
         if delta.kv_accounting is not None:
             self.kv_accounting = delta.kv_accounting
         self.num_prompt_tokens = delta.num_prompt_tokens
@@ -41,12 +48,13 @@ class RequestTracker:
         if not num_new:
             return
         now = time.monotonic()
+        stamp = delta.step_time or now              # the core's clock (vLLM's ITL): not this loop's delays
         if self._last is None:
             self._m.ttft.observe(now - self._arrival)
             self._m.prompt_tokens.inc(delta.num_prompt_tokens)
         else:
-            self._m.itl.observe(now - self._last)
-        self._last = now
+            self._m.itl.observe(max(0.0, stamp - self._last))
+        self._last = stamp
         self.num_generation_tokens += num_new
         self._m.generation_tokens.inc(num_new)
 
@@ -75,8 +83,9 @@ class RequestTracker:
                 m.prefill.observe(max(0.0, t.first_token - t.scheduled))
                 decode = max(0.0, last - t.first_token)
                 m.decode.observe(decode)
-                if self.num_generation_tokens > 1:
-                    m.tpot.observe(decode / (self.num_generation_tokens - 1))
+                intervals = self.num_generation_tokens - 1 - (self._before_first or 0)   # inside ``decode``
+                if intervals > 0:
+                    m.tpot.observe(decode / intervals)
         if t.kv_load_end:
             m.kv_load.observe(max(0.0, t.kv_load_end - t.kv_load_start))
             m.retrieve_requests.inc()
