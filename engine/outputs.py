@@ -69,9 +69,10 @@ class RequestOutput:
     kv_accounting: dict | None = None        # with a KV store: total/local_hit/store_hit/... (final output)
     stop_reason: int | str | None = None     # finish_reason "stop": the stop string or stop token id (None: eos)
     prompt_logprobs: list[PromptLogprob] | None = None   # with the first token: prompt tokens 1.. (params asked)
-    times: RequestTimes | None = None        # with the first sampled token and the final output (engine core)
-    step_time: float = 0.0                   # time.monotonic() the engine core made it (0.0: unknown): the
-                                             # metrics' inter-token latency is between these, as vLLM's
+    # when, not what: two outputs that say the same thing compare equal whenever they were made
+    times: RequestTimes | None = field(default=None, compare=False)   # with the first token and the final output
+    step_time: float = field(default=0.0, compare=False)   # time.monotonic() the engine core made it (0.0: unknown):
+                                             # the metrics' inter-token latency is between these, as vLLM's
 
 
 @dataclass
