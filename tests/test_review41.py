@@ -143,3 +143,32 @@ def test_a_failing_part_fails_the_script_and_its_summary(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     summary = (tmp_path / "summary.txt").read_text()
     assert "device" in summary and "FAIL (rc 1)" in summary
+
+
+def test_with_nccl_a_rank_hung_on_its_device_is_not_the_one_named():
+    """4. docs claimed "the stuck (or stopped) peer is still the one named" for NCCL without --debug-sync. Only a
+    stopped process is. tp2 x pp2, rank 1 (tp 1, pp 0) hung on its GPU, its host still running: NCCL calls return at
+    once, so ranks 0, 1 and 3 finish step 5 on the host and wait for step 6; rank 2 blocks reading its samples (its
+    recv from rank 0 never completes on the device). The watchdog names rank 2: the heartbeats cannot tell. The docs
+    now say so (and point to --debug-sync, where the hung rank blocks at its own phase end)."""
+    from pdserve.engine.parallel.watchdog import Heartbeat, RankInfo, Watchdog
+
+    fd = Heartbeat.create(4)
+    reader = Heartbeat(fd)
+    ranks = [Heartbeat(fd, rank=r) for r in range(4)]
+    for r, (step, phase) in enumerate([(6, "recv_scheduler_output"), (6, "recv_scheduler_output"), (5, "sample"),
+                                       (6, "recv_scheduler_output")]):
+        ranks[r].begin_step(step)
+        ranks[r].enter(phase)
+    dog = Watchdog(reader, [RankInfo(r, r % 2, r // 2) for r in range(4)], timeout=0.02)
+    deadline, report = time.monotonic() + 5, None
+    while report is None and time.monotonic() < deadline:
+        report = dog.check(time.monotonic() - 1.0)
+        time.sleep(0.01)
+    assert report.startswith("rank 2 (tp 0, pp 1) stalled in step 5 at phase sample"), report
+    assert "(process stopped)" not in report
+    docs = (ROOT / "docs/parallel-nodes.md").read_text()
+    assert "the stuck (or stopped) peer is still the one named" not in docs
+    assert "hung on its device" in docs
+    for h in (*ranks, reader):
+        h.close()
