@@ -172,3 +172,13 @@ def test_with_nccl_a_rank_hung_on_its_device_is_not_the_one_named():
     assert "hung on its device" in docs
     for h in (*ranks, reader):
         h.close()
+
+
+def test_uneven_ranks_per_machine_are_refused_before_any_rank_starts():
+    """local_rank_of assumes every machine runs tp x pp / nnodes ranks: a layout that does not divide is a config
+    error (no finding; the attack that it would mis-bind GPUs does not get through)."""
+    from pdserve.engine.config import ConfigError, ParallelConfig
+
+    with pytest.raises(ConfigError, match="tp x pp = 3 ranks do not split evenly over --nnodes 2"):
+        ParallelConfig(tensor_parallel_size=3, nnodes=2, master_port=29500)
+    assert [local_rank_of(r, 3) for r in range(6)] == [0, 1, 2, 0, 1, 2]
