@@ -31,7 +31,7 @@ want() { [[ "$PARTS" == *" $1 "* ]]; }
 if [ "$SMALL" = 1 ]; then DEV=cpu; export TRITON_INTERPRET=1; else DEV=cuda; export TRITON_INTERPRET=0; fi
 export PDSERVE_LOG_LEVEL=${PDSERVE_LOG_LEVEL:-INFO}   # the ranks log their device / backend choice
 PIDS=(); RESULTS=(); FAILED=0
-cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
+cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill -- "-$p" 2>/dev/null; done; wait 2>/dev/null; }   # each part is a group
 trap cleanup EXIT
 result() {   # name rc [detail]
   local status=PASS
@@ -39,24 +39,7 @@ result() {   # name rc [detail]
   [ "$status" = PASS ] || FAILED=1
   RESULTS+=("$(printf '%-28s %-14s %s' "$1" "$status" "${3:-}")")
 }
-# run_part NAME LIMIT_S CMD...: runs CMD in the background into $OUT/NAME.log; waits while it is alive, up to LIMIT_S
-run_part() {
-  local name=$1 limit=$2; shift 2
-  echo; echo "=== $name ($(date +%T), limit ${limit}s)"
-  "$@" > "$OUT/$name.log" 2>&1 &
-  local pid=$! start=$SECONDS rc
-  PIDS+=("$pid")
-  while kill -0 "$pid" 2>/dev/null; do
-    if (( SECONDS - start > limit )); then
-      echo "$name: over ${limit}s; stopping pid $pid"; kill -TERM "$pid" 2>/dev/null; sleep 2; kill -KILL "$pid" 2>/dev/null
-      wait "$pid" 2>/dev/null; grep -E '^(PASS|FAIL)' "$OUT/$name.log"; return 124
-    fi
-    sleep 1
-  done
-  wait "$pid"; rc=$?
-  grep -E '^(PASS|FAIL)' "$OUT/$name.log" || tail -20 "$OUT/$name.log"
-  return $rc
-}
+source "$(dirname "${BASH_SOURCE[0]}")/run_part.sh"   # run_part NAME LIMIT_S CMD...
 py() { python3 -P "$@"; }
 passes() { grep -c '^PASS' "$OUT/$1.log"; }
 lines() { grep -cE '^(PASS|FAIL)' "$OUT/$1.log"; }

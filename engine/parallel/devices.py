@@ -16,6 +16,12 @@ Called by ``Worker`` (``worker.py``) at start-up, before ``init_process_group``:
     requested             --dist-backend: auto | nccl | gloo
 
 Errors name the values, the limit and the flag. The caller logs ``reason`` once per rank.
+
+Every rank must pass the same backend to ``init_process_group``, but each machine chooses from its own GPU
+count (8 GPUs on one machine -> nccl, 4 for 8 ranks on another -> gloo). So the worker publishes each rank's
+choice in the rendezvous store and applies ``agree`` to all of them before the group starts:
+
+    choice = agree(choice, [backend of rank 0, ..., backend of rank W-1])   # any gloo -> every rank gloo
 """
 
 from __future__ import annotations
@@ -76,3 +82,14 @@ def select_device(device: str, ranks_per_node: int, local_rank: int, visible_dev
     index = local_rank % visible_devices
     return DeviceChoice(f"cuda:{index}", index, "gloo", f"{layout}: ranks share GPUs (rank {local_rank} on GPU "
                         f"{index}), gloo with CUDA tensors (hidden states pass through the host)")
+
+
+def agree(choice: DeviceChoice, backends: list[str]) -> DeviceChoice:
+    """-> ``choice`` with the backend every rank can run: gloo as soon as one rank needs it (a machine whose ranks
+    share GPUs), else nccl. A rank with its own GPU then keeps it and passes tensors through the host."""
+    if choice.backend == "gloo" or "gloo" not in backends:
+        return choice
+    others = sorted({r for r, b in enumerate(backends) if b == "gloo"})
+    return DeviceChoice(choice.device, choice.index, "gloo", f"{choice.reason}; gloo, not nccl: rank(s) {others} "
+                        "on other machines share GPUs and every rank must use one backend (hidden states pass "
+                        "through the host)")

@@ -5,7 +5,8 @@ Start-up, in order:
 
     store client (FileStore in the node's 0700 dir; TCPStore with --nnodes > 1) -> WorkerSpec (JSON,
     "pdserve/spec") -> the rank's device and backend (``devices.py``: CPU + gloo; one GPU per rank + nccl;
-    ranks sharing a GPU + gloo), the GPU bound -> heartbeat "starting"
+    ranks sharing a GPU + gloo), the GPU bound -> heartbeat "starting" -> the backend agreed by every rank
+    (each publishes its own under "pdserve/backend/<rank>"; one machine sharing GPUs puts every rank on gloo)
     torch.distributed (that backend) over the same store; one TP group per pipeline stage
     load this rank's layers and heads (safetensors slices); allocate its KV cache shard
     store.add("pdserve/ready", 1)
@@ -29,6 +30,7 @@ moving stage is never killed by gloo.
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 
 import msgspec
@@ -40,7 +42,7 @@ from pdserve.engine.models.loader import load_model
 from pdserve.engine.parallel import faults
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle, WriterDeadError
-from pdserve.engine.parallel.devices import DeviceChoice, local_rank_of, select_device
+from pdserve.engine.parallel.devices import DeviceChoice, agree, local_rank_of, select_device
 from pdserve.engine.parallel.kv import gather_part, scatter_part
 from pdserve.engine.parallel.stage import Coords, StageRunner, stage_layers
 from pdserve.engine.parallel.tp import TPGroup, attach
@@ -48,7 +50,7 @@ from pdserve.engine.parallel.watchdog import Heartbeat
 from pdserve.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("pdserve.worker")
-SPEC_KEY, READY_KEY = "pdserve/spec", "pdserve/ready"
+SPEC_KEY, READY_KEY, BACKEND_KEY = "pdserve/spec", "pdserve/ready", "pdserve/backend"
 COLLECTIVE_TIMEOUT = timedelta(days=1)     # gloo's own give-up: a backstop only; stalls are the watchdog's call
 
 
@@ -77,6 +79,7 @@ class Worker:
         self.choice = bind_device(spec, rank)
         self.heartbeat = Heartbeat(heartbeat_fd, rank, spec.debug_sync, str(self.coords),
                                    sync=device_sync(self.choice) if spec.debug_sync else None)
+        self.choice = agree_backend(store, rank, spec.tp * spec.pp, self.choice)
         torch.manual_seed(spec.seed)
         dist.init_process_group(self.choice.backend, store=dist.PrefixStore("pdserve/pg", store), rank=rank,
                                 world_size=spec.tp * spec.pp, timeout=collective_timeout(spec.rank_timeout))
@@ -156,6 +159,8 @@ class Worker:
 
 def bind_device(spec: m.WorkerSpec, rank: int) -> DeviceChoice:
     """Pick this rank's device and backend (``devices.py``), bind the GPU, log why (once per rank)."""
+    if spec.debug_sync and spec.device == "cuda":           # before the rank's first CUDA call, on every machine
+        os.environ["CUDA_LAUNCH_BLOCKING"] = "1"            # (the driver's launcher env reaches its own machine only)
     per_node = len(spec.local_ranks)                        # every machine runs as many ranks as the driver's
     visible = torch.cuda.device_count() if spec.device == "cuda" else 0   # honours CUDA_VISIBLE_DEVICES
     choice = select_device(spec.device, per_node, local_rank_of(rank, per_node), visible, spec.dist_backend)
@@ -163,6 +168,18 @@ def bind_device(spec: m.WorkerSpec, rank: int) -> DeviceChoice:
         torch.cuda.set_device(choice.index)
     logger.info("rank %d: %s, %s (%s)", rank, choice.device, choice.backend, choice.reason)
     return choice
+
+
+def agree_backend(store: dist.Store, rank: int, world_size: int, choice: DeviceChoice) -> DeviceChoice:
+    """Publish this rank's backend, read every rank's (waits for them), -> the one all ranks use (``devices.agree``).
+    Machines count their GPUs apart: without this, ranks with a GPU each would start nccl and ranks sharing one
+    gloo, and ``init_process_group`` would hang. A rank that dies first is the driver's watchdog's to report."""
+    store.set(f"{BACKEND_KEY}/{rank}", choice.backend)
+    backends = [store.get(f"{BACKEND_KEY}/{r}").decode() for r in range(world_size)]
+    agreed = agree(choice, backends)
+    if agreed != choice:
+        logger.info("rank %d: %s, %s (%s)", rank, agreed.device, agreed.backend, agreed.reason)
+    return agreed
 
 
 def device_sync(choice: DeviceChoice):
