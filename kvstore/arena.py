@@ -28,6 +28,8 @@ import stat
 import numpy as np
 import torch
 
+from pdserve.kvstore.shm import MappedBytes
+
 ALIGN = 64
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
@@ -108,8 +110,11 @@ class Arena:
         self._lens[start] = length
 
 
-class ArenaMap:
-    """A client's mapping of the daemon's arena (``gen`` names the arena; a restarted daemon has another)."""
+class ArenaMap(MappedBytes):
+    """A client's mapping of the daemon's arena (``gen`` names the arena; a restarted daemon has another); ``write``
+    and ``read`` (the put's and the get's one copy) are ``shm.MappedBytes``'."""
+
+    what = "arena"
 
     def __init__(self, mm: mmap.mmap, size: int, gen: int) -> None:
         self._mm, self.size, self.gen = mm, size, gen
@@ -135,24 +140,8 @@ class ArenaMap:
         finally:
             os.close(fd_here)
 
-    def write(self, offset: int, data) -> None:
-        """Copy a uint8 buffer (a tensor's bytes) to ``offset``: the put's one copy."""
-        src = np.frombuffer(data, dtype=np.uint8)
-        self._check(offset, src.size)
-        self.buf[offset:offset + src.size] = src
-
-    def read(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A fresh uint8 tensor with ``nbytes`` at ``offset``: the get's one copy."""
-        self._check(offset, nbytes)
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        out.numpy()[:] = self.buf[offset:offset + nbytes]
-        return out
-
     def close(self) -> None:
         if self.buf is not None:
             self.buf = None
             self._mm.close()
 
-    def _check(self, offset: int, nbytes: int) -> None:
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
-            raise ValueError(f"arena range [{offset}, {offset + nbytes}) outside the {self.size}-byte arena")

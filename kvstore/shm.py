@@ -44,7 +44,35 @@ class NoSegment(LookupError):
     """The daemon has no segment of the request's generation for this client (Attach again)."""
 
 
-class ShmSegment:
+class MappedBytes:
+    """Bounds-checked copies in and out of a mapping ``self.buf`` (a uint8 numpy view of ``self.size`` bytes): the
+    one copy each way of a segment (``ShmSegment``) and of the daemon's arena (``arena.ArenaMap``)."""
+
+    buf: np.ndarray | None
+    size: int
+    what = "segment"
+
+    def write(self, offset: int, data) -> None:
+        """Copy a tensor (or a uint8 buffer) to ``offset``."""
+        if isinstance(data, torch.Tensor):
+            data = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        src = np.frombuffer(data, dtype=np.uint8)
+        self._check(offset, src.size)
+        self.buf[offset:offset + src.size] = src
+
+    def read(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A fresh uint8 tensor with a copy of ``nbytes`` at ``offset``."""
+        self._check(offset, nbytes)
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        out.numpy()[:] = self.buf[offset:offset + nbytes]
+        return out
+
+    def _check(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) outside the {self.size}-byte {self.what}")
+
+
+class ShmSegment(MappedBytes):
     """One mapped segment; ``gen`` is the daemon's generation number for it."""
 
     def __init__(self, path: Path, size: int, gen: int, mm: mmap.mmap, inode: tuple[int, int] = (0, 0)) -> None:
@@ -90,20 +118,6 @@ class ShmSegment:
             os.close(fd)
             p.unlink(missing_ok=True)
 
-    def write(self, offset: int, data) -> None:
-        """Copy a tensor (or a uint8 buffer) to ``offset``."""
-        if isinstance(data, torch.Tensor):
-            data = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        src = np.frombuffer(data, dtype=np.uint8)
-        self._check(offset, src.size)
-        self.buf[offset:offset + src.size] = src
-
-    def read(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A fresh uint8 tensor with a copy of ``nbytes`` at ``offset``."""
-        self._check(offset, nbytes)
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        out.numpy()[:] = self.buf[offset:offset + nbytes]
-        return out
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -113,9 +127,6 @@ class ShmSegment:
             self.buf = None
             self._mm.close()
 
-    def _check(self, offset: int, nbytes: int) -> None:
-        if offset < 0 or offset + nbytes > self.size:
-            raise ValueError(f"shm range [{offset}, {offset + nbytes}) outside the {self.size}-byte segment")
 
 
 def align(n: int) -> int:

@@ -27,23 +27,35 @@ def drop_kv_accounting(payload: Any) -> bool:
 
 def json_without_kv_accounting(content: bytes) -> bytes:
     """A node's JSON answer without ``usage.kv_transfer`` (encoded as the node's JSONResponse does)."""
+    return _rewrite_json(content, drop_kv_accounting)
+
+
+def _rewrite_json(content: bytes, edit: Callable[[Any], bool]) -> bytes:
+    """A node's JSON answer edited in place by ``edit`` (-> whether it changed anything), re-encoded as the node's
+    JSONResponse does; one without ``usage.kv_transfer`` passes unchanged, not parsed."""
     if _MARK not in content:
         return content
     payload = json.loads(content)
-    if not drop_kv_accounting(payload):
+    if not edit(payload):
         return content
     return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def event_without_kv_accounting(event: bytes) -> bytes:
     """One SSE event (``data: {...}\\n\\n``) without ``usage.kv_transfer`` (encoded as the node's ``sse``)."""
+    return _rewrite_event(event, drop_kv_accounting)
+
+
+def _rewrite_event(event: bytes, edit: Callable[[Any], bool]) -> bytes:
+    """``event`` with its JSON payload edited in place by ``edit`` (-> whether it changed anything); an event without
+    ``usage.kv_transfer``, or one that is not a JSON data line, passes unchanged."""
     if _MARK not in event or not event.startswith(_DATA):
         return event
     try:
         payload = json.loads(event[len(_DATA):])
     except ValueError:
         return event
-    if not drop_kv_accounting(payload):
+    if not edit(payload):
         return event
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
@@ -60,24 +72,9 @@ def set_route(payload: Any, route: dict) -> bool:
 
 def json_with_route(content: bytes, route: dict) -> bytes:
     """A node's JSON answer with ``usage.kv_transfer.route`` added (when it has ``usage.kv_transfer``)."""
-    if _MARK not in content:
-        return content
-    payload = json.loads(content)
-    if not set_route(payload, route):
-        return content
-    return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    return _rewrite_json(content, lambda payload: set_route(payload, route))
 
 
 def event_with_route(route: dict) -> Callable[[bytes], bytes]:
     """A rewriter of SSE events that adds ``route`` to the event with ``usage.kv_transfer``."""
-    def rewrite(event: bytes) -> bytes:
-        if _MARK not in event or not event.startswith(_DATA):
-            return event
-        try:
-            payload = json.loads(event[len(_DATA):])
-        except ValueError:
-            return event
-        if not set_route(payload, route):
-            return event
-        return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-    return rewrite
+    return lambda event: _rewrite_event(event, lambda payload: set_route(payload, route))
