@@ -110,12 +110,13 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_part_over_its_limit_is_stopped_with_everything_under_it(tmp_path):
-    """The script runs its parts through the ``py`` shell function: the part is a python under a subshell."""
+    """The script runs its parts through the ``py`` shell function: the part is a python under a subshell, hung
+    (``signal.pause``: it waits for a signal that only the time limit sends)."""
     script = f"""
         source {ROOT}/bench/run_part.sh
         OUT={tmp_path}; PIDS=()
         py() {{ python3 -P "$@"; }}
-        run_part hang 1 py -c "import os, time; open('{tmp_path}/pid', 'w').write(str(os.getpid())); time.sleep(60)"
+        run_part hang 1 py -c "import os, signal; open('{tmp_path}/pid', 'w').write(str(os.getpid())); signal.pause()"
         echo "rc=$?"
     """
     start = time.monotonic()
