@@ -17,6 +17,9 @@ the batch's CUDA-graph bucket, so a replayed and an eager decode step sum in the
 (``engine/runner/decode_splits.py``); None lets the kernel plan it from the step's lengths. The ``*_cpu``
 mirrors hold the same values on the host for the plain-torch backend (its Python loops read them; on CUDA that
 costs no sync either).
+``layer_hooks`` (eager steps only, never a captured graph): the model calls ``before(i)`` ahead of its i-th
+layer and ``after(i)`` once that layer has run (its K/V for the step is in the cache); the KV connector's
+layerwise load and publish ride on them.
 CUDA-graph padding rows: ``q_len`` 1, ``seq_len`` 1, ``slot_mapping`` -1 (nothing written).
 
 ``for_rows(rows)`` re-cuts a step's metadata to some of its flat rows, each a query of its own that sees
@@ -48,6 +51,7 @@ class AttentionMetadata:
     backend: str = "torch"              # which kernels attend (``dispatch.py``)
     num_splits: int | None = None       # Triton split-K count fixed by the runner (decode steps), else planned
     derived: dict = field(default_factory=dict, repr=False)   # a backend's per-step memo (built at layer 0)
+    layer_hooks: object = None          # ``engine.kv.layer_hooks.LayerHooks`` of the step, or None (see there)
 
     @property
     def num_seqs(self) -> int:

@@ -251,11 +251,16 @@ class LlamaForCausalLM(nn.Module):
         if pieces is None and fused_ops.norm_on(h):
             return self._layers_fused(h, cos, sin, kv_caches, attn_meta, logit_rows)
         last = self.num_layers - 1 if logit_rows is not None else -1
+        hooks = attn_meta.layer_hooks
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if hooks is not None:
+                hooks.before(i)
             if i == last:
                 h = layer.forward_rows(h, cos, sin, kv_cache, attn_meta, logit_rows)   # [S, D], eager
             else:
                 h = layer(h, cos, sin, kv_cache, attn_meta, pieces)
+            if hooks is not None:
+                hooks.after(i)
         return self.norm(h) if self.is_last else h                                   # [T or S, D]
 
     def _layers_fused(self, h, cos, sin, kv_caches, attn_meta, logit_rows: LogitRows | None) -> torch.Tensor:
@@ -264,12 +269,17 @@ class LlamaForCausalLM(nn.Module):
         final norm adds the last one, a non-last pipeline stage adds it itself (the next stage takes a plain h)."""
         pending = None
         last = self.num_layers - 1 if logit_rows is not None else -1
+        hooks = attn_meta.layer_hooks
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if hooks is not None:
+                hooks.before(i)
             if i == last:                                 # the rows-only last layer takes a plain h
                 h = h if pending is None else h + pending
                 h, pending = layer.forward_rows(h, cos, sin, kv_cache, attn_meta, logit_rows), None
             else:
                 h, pending = layer.forward_fused(h, pending, cos, sin, kv_cache, attn_meta)
+            if hooks is not None:
+                hooks.after(i)
         if self.is_last:
             return self.norm.add_norm(pending, h)[0]                                 # [T or S, D]
         return h if pending is None else h + pending
