@@ -6,6 +6,7 @@
 | PDSERVE_NUM_THREADS   | torch intra-op threads per process               | 1                          |
 | PDSERVE_LOG_LEVEL     | logging level of pdserve's loggers               | INFO                       |
 | PDSERVE_FAULTS        | tests only: faults in tp/pp ranks, engine core   | "" (``parallel/faults.py``)|
+| PDSERVE_RANK_GRAPHS_CPU | tests only: 1: CPU tp/pp ranks run the stage function CUDA ranks capture, eagerly, through the replay path (``parallel/graphs.py``) | 0 |
 | PDSERVE_COMPILE       | 1: torch.compile on CPU (default of --torch-compile) | 0                      |
 | PDSERVE_ENGINE_CORE_PROCESS | 0: `pdserve node` runs its engine core in the HTTP process (the tests set it) | 1 |
 | PDSERVE_CPU_LINEAR    | fp32 CPU matmuls: onednn, or torch (F.linear: MKL) | onednn where torch has it |
@@ -73,4 +74,5 @@ PDSERVE_FUSED_ROPE = _choice("PDSERVE_FUSED_ROPE", "auto", ("auto", "0", "1"))  
 PDSERVE_KV_AUTH_TOKEN = os.environ.get("PDSERVE_KV_AUTH_TOKEN", "")   # kvstore/auth.resolve_token; never logged
 PDSERVE_API_KEY = os.environ.get("PDSERVE_API_KEY", "")                 # default of --api-key; never logged
 PDSERVE_NODE_API_KEY = os.environ.get("PDSERVE_NODE_API_KEY", "")       # the proxy's --node-api-key; never logged
+PDSERVE_RANK_GRAPHS_CPU = _bool("PDSERVE_RANK_GRAPHS_CPU", False)   # parallel/graphs.graph_mode (tests)
 PDSERVE_FAULTS = os.environ.get("PDSERVE_FAULTS", "")     # parsed and checked by engine/parallel/faults.py

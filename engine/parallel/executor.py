@@ -130,7 +130,8 @@ class ParallelExecutor:
                             local_ranks=local, rank_timeout=par.rank_timeout, debug_sync=par.debug_sync,
                             attention_backend=config.execution.attention_backend, device=config.resolved_device,
                             dist_backend=par.dist_backend, max_num_seqs=config.scheduler.max_num_seqs,
-                            max_model_len=self._max_model_len, **self.ch.spec_fields())
+                            max_model_len=self._max_model_len, enforce_eager=config.execution.enforce_eager,
+                            **self.ch.spec_fields())
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -113,6 +113,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     dist_backend: str = "auto"      # --dist-backend
     max_num_seqs: int = 64
     max_model_len: int = 4096
+    enforce_eager: bool = False     # --enforce-eager: no decode graphs on any rank (parallel/graphs.py)
     version: int = VERSION
 
 

@@ -10,6 +10,9 @@ rank cuts the same way, so stage k works on micro-batch i + 1 while stage k + 1 
     stage 0:  mb0 ─isend─┐ mb1 ─isend─┐
     stage 1:             └ recv mb0 ──┴ recv mb1 ...        (last stage: logits -> sample, tp rank 0)
 
+A decode micro-batch replays the stage's graph of its bucket where the rank has decode graphs (``graphs.py``: nccl
+ranks; the bucket is a pure function of the message, ``plan_step``); the send / recv stay outside the graph.
+
 Hidden states travel as one float tensor [T_mb, D] per micro-batch from (tp t, pp k) to
 (tp t, pp k + 1) (TP ranks hold identical hidden states after each all-reduce): on CPU through gloo; with
 nccl (one GPU per rank) device to device; with gloo over a shared GPU (``via_host``) through host memory.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.parallel.graphs import plan_step
 from pdserve.engine.parallel.messages import SampledToken, StepMessage, StepRequest
 from pdserve.engine.runner.input_batch import build_step_inputs
 from pdserve.engine.structured.bitmask import GrammarBitmask
@@ -62,18 +66,19 @@ def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
 
 class StageRunner:
     def __init__(self, model, runner, coords: Coords, heartbeat, hidden_size: int, dtype: torch.dtype,
-                 via_host: bool = False):
+                 via_host: bool = False, graphs=None):
         self.model, self.runner, self.coords, self.heartbeat = model, runner, coords, heartbeat
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, runner.device
         self.via_host = via_host        # gloo with CUDA tensors: send/recv through the host (gloo has no GPU p2p)
+        self.graphs = graphs            # StageGraphs (parallel/graphs.py): decode micro-batches replay, else None
         for layer in model.layers:                 # progress inside a long forward: not a stall
             layer.register_forward_pre_hook(lambda *_: heartbeat.tick())
 
     @torch.inference_mode()
     def execute(self, message: StepMessage) -> list[SampledToken] | None:
         sends, tokens = [], []
-        for i, batch in enumerate(micro_batches(message.requests, self.coords.pp_size)):
-            sent, sampled = self._micro_batch(i, batch)
+        for i, (batch, bucket) in enumerate(self.plan(message)):
+            sent, sampled = self._micro_batch(i, batch, bucket)
             sends += sent
             tokens += sampled
         if sends:
@@ -82,16 +87,25 @@ class StageRunner:
                 work.wait()
         return tokens if self.coords.samples else None
 
-    def _micro_batch(self, index: int, batch: list[StepRequest]) -> tuple[list, list[SampledToken]]:
+    def plan(self, message: StepMessage) -> list[tuple[list[StepRequest], int | None]]:
+        """[(micro-batch, the graph bucket it replays in, or None: eager)], from the message alone."""
+        if self.graphs is None:
+            return [(batch, None) for batch in micro_batches(message.requests, self.coords.pp_size)]
+        return plan_step(message, self.coords.pp_size, self.graphs.sizes, self.graphs.width, self.runner.block_size)
+
+    def _micro_batch(self, index: int, batch: list[StepRequest], bucket: int | None) -> tuple[list, list[SampledToken]]:
         items = [_Item(r) for r in batch]
         inputs = build_step_inputs(items, self.runner.block_size, self.device, backend=self.runner.attention_backend)
         self.runner.decode_splits.apply(inputs.attn)             # the same split-K rule as one rank's steps
-        hidden = None
-        if not self.coords.is_first:
-            self.heartbeat.enter("recv_from_prev_stage")
-            hidden = self._recv(len(inputs.input_ids), index)                                  # [T, D]
-        self.heartbeat.enter("forward")
-        h = self.model(inputs.input_ids, inputs.positions, self.runner.kv_caches, inputs.attn, hidden=hidden)
+        if bucket is not None:
+            h = self._replay(index, inputs, bucket)                                              # [n, D]
+        else:
+            hidden = None
+            if not self.coords.is_first:
+                self.heartbeat.enter("recv_from_prev_stage")
+                hidden = self._recv(len(inputs.input_ids), index)                              # [T, D]
+            self.heartbeat.enter("forward")
+            h = self.model(inputs.input_ids, inputs.positions, self.runner.kv_caches, inputs.attn, hidden=hidden)
         if not self.coords.is_last:
             h = h.cpu() if self.via_host else h.contiguous()                                    # [T, D]
             return [dist.isend(h, dst=self.coords.rank + self.coords.tp_size, tag=index)], []
@@ -105,6 +119,18 @@ class StageRunner:
         results = self.runner.sample_requests(logits, inputs.sample_requests, bitmask)
         return [], [SampledToken(rid, r.token_id, r.logprob, r.top_logprobs) for rid, r in results.items()]
 
+
+    def _replay(self, index: int, inputs, bucket: int) -> torch.Tensor:
+        """A decode micro-batch of n rows by the stage's graph of ``bucket``: inputs into the static buffers, the
+        previous stage's hidden states received straight into ``hidden_in[:n]`` (outside the graph), replay ->
+        [n, D], a copy (the next replay rewrites the graph's output while an isend of it may still read)."""
+        g, n = self.graphs, len(inputs.input_ids)
+        g.load_step(inputs, bucket)
+        if not self.coords.is_first:
+            self.heartbeat.enter("recv_from_prev_stage")
+            dist.recv(g.hidden_in[:n], src=self.coords.rank - self.coords.tp_size, tag=index)
+        out = g.replay(bucket)[:n]
+        return out if self.coords.is_last else out.clone()
 
     def _recv(self, rows: int, tag: int) -> torch.Tensor:
         """The previous stage's hidden states [rows, D] on this rank's device (nccl: straight into device memory)."""

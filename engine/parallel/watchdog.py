@@ -34,6 +34,7 @@ import logging
 import os
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,18 @@ PHASES = ("starting", "recv_scheduler_output", "recv_from_prev_stage", "forward"
           "send_to_next_stage", "sample", "kv_load", "kv_save")
 WAITING = frozenset({"recv_scheduler_output", "recv_from_prev_stage", "all_reduce", "all_gather",
                      "send_to_next_stage"})
+REPLAY = 1000                 # phase code REPLAY + b: "graph replay (bucket b)" (``Heartbeat.replaying``)
 _FIELDS = 7                                       # step, phase, seq, t_ns, pid, exit, stopped
+
+
+def phase_name(code: int) -> str:
+    """A record's phase code -> its name: ``PHASES[code]``, or ``graph replay (bucket b)`` for REPLAY + b."""
+    return f"graph replay (bucket {code - REPLAY})" if code >= REPLAY else PHASES[code]
+
+
+def is_waiting(phase: str) -> bool:
+    """A phase in which a rank waits on a peer: a graph replay holds the step's all-reduces, so it counts."""
+    return phase in WAITING or phase.startswith("graph replay")
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,7 @@ class Heartbeat:
         self._mm = shm.map(fd)
         self._rec = np.frombuffer(self._mm, dtype=np.int64).reshape(-1, _FIELDS)
         self.step = 0
+        self._held = False                # inside ``replaying``: phases and ticks of the replayed code are not written
         if rank is not None:
             self._rec[rank, 4] = os.getpid()
             self.enter("starting")
@@ -87,15 +100,45 @@ class Heartbeat:
         self.step = step
 
     def enter(self, phase: str) -> None:
+        if not self._held:
+            self._enter(PHASES.index(phase))
+
+    def _enter(self, code: int) -> None:
         r = self._rec[self.rank]
         if self.sync is not None and r[3]:          # the phase ending is recorded while its work drains
             self.sync()
             logger.info("rank %d (%s) step %d: device synchronised after %s", self.rank, self.coords, self.step,
-                        PHASES[r[1]])
+                        phase_name(int(r[1])))
         if self.log_phases:
-            logger.info("rank %d (%s) step %d: %s -> %s", self.rank, self.coords, self.step, PHASES[r[1]], phase)
+            logger.info("rank %d (%s) step %d: %s -> %s", self.rank, self.coords, self.step, phase_name(int(r[1])),
+                        phase_name(code))
         r[2] = r[2] + 1 if r[0] == self.step else 0
-        r[0], r[1], r[3] = self.step, PHASES.index(phase), time.monotonic_ns()
+        r[0], r[1], r[3] = self.step, code, time.monotonic_ns()
+
+    @contextmanager
+    def replaying(self, bucket: int, after: str = "forward"):
+        """The phase ``graph replay (bucket b)`` around a replay (``parallel/graphs.py``), then ``after``.
+
+        Inside, ``enter`` and ``tick`` write nothing: a CUDA replay repeats no host code, so the collectives'
+        own phases (``tp.py``) and the layers' ticks are skipped on CPU (the stand-in) and at capture too, where
+        a --debug-sync device synchronise would break the capture. Leaving, ``after`` is entered: under
+        --debug-sync that synchronises the device and logs ``device synchronised after graph replay (bucket b)``."""
+        self._enter(REPLAY + bucket)
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+        self.enter(after)
+
+    @contextmanager
+    def capturing(self):
+        """Nothing written and no device synchronise while a CUDA graph is captured (host code runs once)."""
+        held, self._held = self._held, True
+        try:
+            yield
+        finally:
+            self._held = held
 
     def record_exit(self, rank: int, status: int) -> None:
         """The launcher reaped ``rank``: ``status`` as ``os.waitstatus_to_exitcode`` gives it."""
@@ -103,13 +146,15 @@ class Heartbeat:
 
     def tick(self) -> None:
         """Progress inside a phase (a decoder layer finished)."""
+        if self._held:
+            return
         r = self._rec[self.rank]
         r[2] += 1
         r[3] = time.monotonic_ns()
 
     def states(self) -> list[RankState]:
         now = time.monotonic_ns()
-        return [RankState(int(r[0]), PHASES[int(r[1])], int(r[2]), (now - int(r[3])) / 1e9 if r[3] else 0.0,
+        return [RankState(int(r[0]), phase_name(int(r[1])), int(r[2]), (now - int(r[3])) / 1e9 if r[3] else 0.0,
                           int(r[4]), int(r[5]), bool(r[6])) for r in self._rec.copy()]
 
     def export(self, ranks: list[int]) -> list[list[int]]:
@@ -180,7 +225,7 @@ class Watchdog:
             return stopped[0]
         low = min(states[i.rank].step for i in self.ranks)
         behind = [i for i in self.ranks if states[i.rank].step == low]
-        busy = [i for i in behind if states[i.rank].phase not in WAITING]
+        busy = [i for i in behind if not is_waiting(states[i.rank].phase)]
         if busy:
             return busy[0]
         first_stage = min(i.pp for i in behind)
@@ -206,7 +251,7 @@ def _group_by_phase(pairs: list[tuple[int, str]]) -> str:
     for phase, ranks in by_phase.items():
         word = "ranks" if len(ranks) > 1 else "rank"
         verb = "are" if len(ranks) > 1 else "is"
-        how = "waiting in" if phase in WAITING else "in"
+        how = "waiting in" if is_waiting(phase) else "in"
         parts.append(f"{word} {_ranges(ranks)} {verb} {how} {phase}")
     return "; ".join(parts)
 
@@ -226,7 +271,7 @@ def _ranges(ranks: list[int]) -> str:
 def _exit_rank(state: RankState) -> tuple[int, int]:
     """Which exit caused the others: a killed rank before one that failed, and a rank that failed
     while working before one that failed while waiting (its peer's death broke a collective)."""
-    return (0 if state.exit < 0 else 1, 1 if state.phase in WAITING else 0)
+    return (0 if state.exit < 0 else 1, 1 if is_waiting(state.phase) else 0)
 
 
 def _exit_text(code: int) -> str:

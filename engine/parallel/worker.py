@@ -9,6 +9,8 @@ Start-up, in order:
     (each publishes its own under "pdserve/backend/<rank>"; one machine sharing GPUs puts every rank on gloo)
     torch.distributed (that backend) over the same store; one TP group per pipeline stage
     load this rank's layers and heads (safetensors slices); allocate its KV cache shard
+    decode graphs (``graphs.py``): nccl ranks capture their stage per batch bucket (warm-up, one pool); gloo,
+    CPU and --enforce-eager ranks run eager (each logs which and why)
     store.add("pdserve/ready", 1)
 
 Then the loop, one ``StepMessage`` from the broadcast queue at a time (heartbeat phases in brackets):
@@ -16,7 +18,8 @@ Then the loop, one ``StepMessage`` from the broadcast queue at a time (heartbeat
     [recv_scheduler_output] msg = queue.dequeue()     Shutdown -> exit 0; the driver gone -> exit 1
     KVGather / KVScatter   [kv_save / kv_load]        copy this rank's layers and heads (parallel/kv.py);
                                                       an error is the reply's ``error``, never the rank's end
-    stage.execute(msg)     [recv_from_prev_stage, forward, all_reduce, send_to_next_stage, sample]
+    stage.execute(msg)     [recv_from_prev_stage, forward, all_reduce, graph replay (bucket b), send_to_next_stage,
+                           sample]
     last stage, tp rank 0: results.enqueue(StepResult)
 
 Rank r has coordinates tp = r % T, pp = r // T. Every process uses one torch thread.
@@ -43,6 +46,7 @@ from pdserve.engine.parallel import faults
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle, WriterDeadError
 from pdserve.engine.parallel.devices import DeviceChoice, agree, local_rank_of, select_device
+from pdserve.engine.parallel.graphs import StageGraphs, graph_mode
 from pdserve.engine.parallel.kv import gather_part, scatter_part
 from pdserve.engine.parallel.stage import Coords, StageRunner, stage_layers
 from pdserve.engine.parallel.tp import TPGroup, attach
@@ -112,10 +116,21 @@ class Worker:
         layout = config.kv_layout(num_kv_heads=config.num_kv_heads // c.tp_size, num_layers=count, first_layer=first)
         runner = ModelRunner(model, layout, spec.num_blocks, spec.block_size, device=self.choice.device,
                              max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
-                             attention_backend=spec.attention_backend)          # eager: no graphs on ranks (docs)
+                             attention_backend=spec.attention_backend)     # its own graphs off: the stage's below
         faults.install(model, c.rank, self.heartbeat)
+        graphs = self._graphs(runner, config)                              # after the KV cache is allocated
         return StageRunner(model, runner, c, self.heartbeat, config.hidden_size, config.dtype,
-                           via_host=self.choice.shared)
+                           via_host=self.choice.shared, graphs=graphs)
+
+    def _graphs(self, runner, config) -> StageGraphs | None:
+        """This rank's decode graphs (``graphs.py``): captured on nccl ranks, else None (eager); logged with why."""
+        mode = graph_mode(self.choice, self.spec.enforce_eager)
+        logger.info("rank %d (%s): decode %s (%s)", self.coords.rank, self.coords,
+                    "graphs" if mode.replays else "eager", mode.reason)
+        if not mode.replays:
+            return None
+        return StageGraphs.build(runner, self.spec.max_model_len, self.heartbeat, config.hidden_size, config.dtype,
+                                 self.coords.is_first, mode)
 
     def run(self) -> int:
         step = 0
