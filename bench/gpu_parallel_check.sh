@@ -15,6 +15,10 @@
 #           stopped)" within --rank-timeout (3 s) + 5 s, and every rank is gone after
 #   kv      prefill tp1 -> decode tp2 and pp2 through an embedded store: 72 of 77 prompt tokens loaded into the
 #           ranks' shards, decode ids == HF
+#   graphs  tp2 with decode CUDA graphs (nccl, the all-reduce inside the graph) vs tp2 --enforce-eager: the same
+#           greedy ids (== HF fp32), both ranks logged "decode graphs (nccl", the median decode step time ratio.
+#           Needs >= 2 GPUs: with one it prints why and is SKIP (not PASS). Dry run: the CPU stand-in (the captured
+#           stage function run eagerly through the replay path; ids checked, the ratio is no graph figure)
 # Each part runs in the background under its own time limit; the wait loop checks the process is alive and
 # reports its last lines while it runs. $OUT/summary.txt has one line per part; exit status 1 if any failed.
 # PARTS (default: all) picks some: PARTS="parity stall".
@@ -22,7 +26,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SMALL=${SMALL:-0}
-ALL_PARTS="device units parity debugsync stall kv"
+ALL_PARTS="device units parity debugsync stall kv graphs"
 PARTS=" ${PARTS:-$ALL_PARTS} "
 for p in $PARTS; do
   [[ " $ALL_PARTS " == *" $p "* ]] || { echo "PARTS: unknown part '$p' (parts: $ALL_PARTS)" >&2; exit 2; }
@@ -76,6 +80,19 @@ fi
 if want kv; then
   run_part kv 120 py devbench/parallel_check.py kv --device $DEV
   rc=$?; result "kv tp1 -> tp2 / pp2" $rc "$(passes kv)/$(lines kv) layouts"
+fi
+if want graphs; then
+  run_part graphs 240 py devbench/parallel_check.py graphs --device $DEV
+  rc=$?
+  if [ "$DEV" = cuda ]; then mode="decode graphs (nccl"; else mode="decode graphs (CPU ranks: the stage function"; fi
+  modes=$(grep -c "$mode" "$OUT/graphs.log")
+  ratio=$(grep -o 'ratio [0-9.]*' "$OUT/graphs.log" | head -1)
+  if [ "$rc" = 3 ]; then                                        # fewer than 2 GPUs: said why, not a PASS
+    RESULTS+=("$(printf '%-28s %-14s %s' "graphs tp2 vs eager" SKIP "$(grep '^SKIP' "$OUT/graphs.log" | cut -c7-120)")")
+  else
+    [ "$rc" = 0 ] && [ "$modes" != 2 ] && rc=1                  # both ranks must have chosen the replay path
+    result "graphs tp2 vs eager" $rc "$(passes graphs)/1 ids equal; $modes rank logs '$mode'; decode step $ratio"
+  fi
 fi
 
 { echo "gpu_parallel_check (SMALL=$SMALL, device $DEV) $(date -u +%FT%TZ)"; printf '%s\n' "${RESULTS[@]}"; } \

@@ -4,6 +4,9 @@
     python3 -P devbench/parallel_check.py debugsync --device cuda  # tp2 x pp2 under --debug-sync == HF
     python3 -P devbench/parallel_check.py stall --device cuda    # a SIGSTOPped rank named within --rank-timeout + 5 s
     python3 -P devbench/parallel_check.py kv --device cuda       # prefill tp1 -> decode tp2 / pp2 through the store
+    python3 -P devbench/parallel_check.py graphs --device cuda   # tp2 decode graphs (nccl) vs --enforce-eager:
+                                                                 # same greedy ids, decode step time ratio;
+                                                                 # exit 3 (SKIP) with fewer than 2 GPUs
 
 Every engine is in this process (its ranks are worker processes); on one GPU the ranks share it and run gloo
 with CUDA tensors (``engine/parallel/devices.py`` logs the choice in each rank). A tiny random Llama
@@ -24,7 +27,8 @@ import time
 import torch
 
 from pdserve.engine.checkpoints.tiny_model import make_tiny_model
-from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
+from pdserve.engine.config import (CacheConfig, EngineConfig, ExecutionConfig, KVTransferConfig, ParallelConfig,
+                                   SchedulerConfig)
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.parallel.executor import RankFailedError
 from pdserve.engine.sampling_params import SamplingParams
@@ -34,10 +38,11 @@ TOKENS = 10
 
 
 def engine(model: str, device: str, tp: int = 1, pp: int = 1, role: str = "both", store=None,
-           rank_timeout: float = 60.0, **parallel) -> LLMEngine:
+           rank_timeout: float = 60.0, enforce_eager: bool = False, max_num_seqs: int = 64, **parallel) -> LLMEngine:
     kv = KVTransferConfig(role=role, kv_store="embedded", kv_chunk_tokens=32) if store is not None else None
     cfg = EngineConfig(model=model, dtype="float32", device=device, cache=CacheConfig(block_size=8),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=48),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=max_num_seqs),
+                       execution=ExecutionConfig(enforce_eager=enforce_eager),
                        parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                                rank_timeout=rank_timeout, **parallel),
                        **({"kv_transfer": kv} if kv else {}))
@@ -171,6 +176,55 @@ def part_kv(model: str, device: str) -> bool:
     return ok
 
 
+SKIP = 3                        # part_graphs' exit status where the machine cannot run the check (not a PASS)
+
+
+def part_graphs(model: str, device: str) -> bool | int:
+    """tp2 with decode graphs (nccl: a GPU per rank) vs tp2 --enforce-eager: the same greedy ids (== HF fp32) and
+    the median decode step time of each, as a ratio. Fewer than 2 GPUs: SKIP (tp2 on one GPU is gloo, eager).
+    Dry run (--device cpu): the CPU stand-in (PDSERVE_RANK_GRAPHS_CPU=1, the captured stage function run eagerly
+    through the replay path): the ids check is real, the ratio is not a graph figure."""
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        print(f"SKIP  decode graphs on TP need >= 2 GPUs (NCCL, a GPU per rank): {torch.cuda.device_count()} "
+              "visible; tp2 on one GPU shares it over gloo, whose host collectives cannot be captured (eager)")
+        return SKIP
+    if device == "cpu":
+        os.environ["PDSERVE_RANK_GRAPHS_CPU"] = "1"          # the ranks' launcher inherits it
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (1, 17, 5, 9)]   # one prefill step
+    tokens = 24
+    want = hf_greedy(model, prompts, tokens)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    got, step_s = {}, {}
+    for eager in (False, True):
+        e = engine(model, device, 2, 1, enforce_eager=eager, max_num_seqs=8)
+        try:
+            got[eager], step_s[eager] = _timed_run(e, prompts, params)
+        finally:
+            e.shutdown()
+    ok = check("tp2 graphs == --enforce-eager == HF", got[False] == got[True] == want,
+               f"== eager: {got[False] == got[True]}; == HF: {got[False] == want}")
+    label = "graphs" if device == "cuda" else "CPU stand-in (no graphs)"
+    print(f"decode step median: {label} {step_s[False] * 1e3:.2f} ms, eager {step_s[True] * 1e3:.2f} ms, "
+          f"ratio {step_s[False] / step_s[True]:.2f} ({device})", flush=True)
+    return ok
+
+
+def _timed_run(e: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
+    """-> the greedy ids, and the median wall time of the decode steps (every step after the first two)."""
+    for i, p in enumerate(prompts):
+        e.add_request(f"r{i}", p, params)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    times = []
+    while e.has_unfinished():
+        t0 = time.perf_counter()
+        for o in e.step():
+            out[o.request_id] += o.new_token_ids
+        times.append(time.perf_counter() - t0)
+    decode = sorted(times[2:])
+    return [out[f"r{i}"] for i in range(len(prompts))], decode[len(decode) // 2]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -181,15 +235,16 @@ def _alive(pid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("part", choices=["parity", "debugsync", "stall", "kv"])
+    p.add_argument("part", choices=["parity", "debugsync", "stall", "kv", "graphs"])
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="pdserve-parallel-check-") as tmp:
         model = str(make_tiny_model(os.path.join(tmp, "llama"), arch="llama", seed=0, num_layers=4))
-        part = {"parity": part_parity, "debugsync": part_debugsync, "stall": part_stall, "kv": part_kv}[args.part]
+        part = {"parity": part_parity, "debugsync": part_debugsync, "stall": part_stall, "kv": part_kv,
+                "graphs": part_graphs}[args.part]
         ok = part(model, args.device)
-    return 0 if ok else 1
+    return SKIP if ok is SKIP else (0 if ok else 1)
 
 
 if __name__ == "__main__":

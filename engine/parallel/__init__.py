@@ -13,7 +13,8 @@ Used by ``LLMEngine`` instead of ``ModelRunner`` when ``--tensor-parallel-size``
     messages    the typed (msgspec) messages between driver and ranks
     launcher    one process per machine that imports torch once and forks the ranks
     worker      one rank's main loop
-    stage       one rank's share of a step: micro-batches, recv / layers / send, sampling
+    stage       one rank's share of a step: micro-batches, recv / layers (or a graph replay) / send, sampling
+    graphs      decode CUDA graphs on nccl ranks (captured per bucket, all-reduce inside); who runs eager and why
     tp          column / row / vocab-parallel wiring and the collectives
     kv          KV publish / load when the cache lives in the ranks
     watchdog    per-rank heartbeat (step, phase) and the report that names a dead or stuck rank

@@ -135,17 +135,24 @@ class StageGraphs(DecodeGraphs):
         start, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()                       # one pool for every bucket of this rank
         for b in reversed(self.sizes):                              # the same order on every rank
-            self._forward(b)                                        # warm-up: Triton kernels, NCCL communicators
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the NCCL watchdog thread's event queries do not invalidate this thread's capture
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self.outputs[b] = self._forward(b)
-            self.graphs[b] = graph
+            try:
+                self._capture(b, pool)
+            except Exception as exc:
+                raise RuntimeError(f"decode graphs: capturing bucket {b} failed ({type(exc).__name__}: {exc}); "
+                                   "run the node with --enforce-eager") from exc
         torch.cuda.synchronize()
         logger.info("decode graphs: captured %d stage graphs (batch %d..%d) in %.1f s, %.1f MiB of graph memory",
                     len(self.sizes), self.sizes[0], self.sizes[-1], time.monotonic() - start,
                     (free_before - torch.cuda.mem_get_info()[0]) / 2**20)
+
+    def _capture(self, b: int, pool) -> None:
+        self._forward(b)                                            # warm-up: Triton kernels, NCCL communicators
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the NCCL watchdog thread's event queries do not invalidate this thread's capture
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            self.outputs[b] = self._forward(b)
+        self.graphs[b] = graph
 
     def load_step(self, inputs, bucket: int) -> None:
         """Copy a decode micro-batch's inputs into the static buffers (rows n..bucket padded)."""

@@ -10,6 +10,9 @@ synchronisation (sampling, the stage hand-off), whose phase is the one named:
 
     record[rank] = [step, phase, seq (moves within the step), monotonic ns of the last move, pid, exit, stopped]
 
+``phase`` is an index into PHASES, or REPLAY + b while the rank replays its decode graph of bucket b
+(``replaying``; named ``graph replay (bucket b)``, a waiting phase: the replay holds the step's all-reduces).
+
 ``exit`` is written by the rank launcher (``launcher.py``, the ranks' parent) when it reaps the rank:
 0 while running, code + 1 after a normal exit, -signal after a kill.
 
