@@ -7,8 +7,9 @@ Built by ``Worker._load`` after the rank's KV cache is allocated; used by ``Stag
                                    (and the vocab-parallel embedding's) inside the graph; one replay per micro-batch
         gloo (shared GPU, or --dist-backend gloo) -> "eager": gloo's collectives run on the host, not capturable
         --enforce-eager         -> "eager" on every rank;  CPU ranks -> "eager" (no CUDA), or "stand-in" (tests:
-                                   PDSERVE_RANK_GRAPHS_CPU=1, the captured function run eagerly through the replay path)
-    plan = plan_step(message, pp, sizes, width, block_size)  # [(micro-batch, bucket or None)]: a pure function of the broadcast
+                                   PDSERVE_RANK_GRAPHS_CPU=1: the captured function run eagerly, replay path)
+    plan = plan_step(message, pp, sizes, width, block_size)
+                                                 # [(micro-batch, bucket or None)]: a pure function of the broadcast
                                                  # StepMessage, so every rank replays the same bucket in each step
     h = graphs.replay(b)                         # [b, D]: the stage's hidden states, heartbeat "graph replay (bucket b)"
 
