@@ -147,7 +147,8 @@ def test_the_report_says_which_ranks_wait_in_a_replay(heartbeat_fd):
 def make_engine(model_dir, tp: int, pp: int, **kw) -> LLMEngine:
     cfg = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=8),
                        scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=8),
-                       execution=ExecutionConfig(enforce_eager=kw.pop("enforce_eager", False)),
+                       execution=ExecutionConfig(enforce_eager=kw.pop("enforce_eager", False),
+                                                 attention_backend=kw.pop("attention_backend", None)),
                        parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw))
     return LLMEngine(cfg)
 
@@ -196,6 +197,20 @@ def test_the_replayed_stage_function_gives_tp1_and_hf_greedy_ids(tiny_llama, pro
     assert "device synchronised after graph replay (bucket" in err
     replayed = [line for line in err.splitlines() if "graph replay (bucket" in line and "-> all_reduce" in line]
     assert not replayed                         # no collective phase is written inside a replay
+
+
+def test_triton_steps_are_staged_straight_into_the_graph_buffers(tiny_llama, prompts, expected, stand_in,
+                                                                 monkeypatch):
+    """With the Triton backend (the interpreter on CPU) a rank's decode micro-batch is staged straight into its
+    graphs' buffers (``GraphInputs.stage``, as on CUDA) instead of copied there: tp2 still gives HF's ids."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")                    # the ranks (new processes) run Triton on CPU
+    engine = make_engine(tiny_llama, 2, 1, attention_backend="triton")
+    try:
+        got = run(engine, prompts[:3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    assert got == [e[:4] for e in expected[:3]]
 
 
 def test_enforce_eager_turns_the_replay_path_off(tiny_llama, prompts, expected, stand_in, capfd):

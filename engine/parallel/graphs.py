@@ -155,9 +155,10 @@ class StageGraphs(DecodeGraphs):
             self.outputs[b] = self._forward(b)
         self.graphs[b] = graph
 
-    def load_step(self, inputs, bucket: int) -> None:
-        """Copy a decode micro-batch's inputs into the static buffers (rows n..bucket padded)."""
-        b = self.load(inputs)
+    def prepare_step(self, inputs, bucket: int) -> None:
+        """A decode micro-batch's inputs in the static buffers, rows n..bucket padded: staged there already (the
+        stage's ``StepStaging``, Triton backend), else copied (``DecodeGraphs.prepare``)."""
+        b = self.prepare(inputs)
         if b != bucket:
             raise RuntimeError(f"decode graphs: the message chose bucket {bucket}, the inputs {b}")
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from pdserve.engine.parallel.graphs import plan_step
 from pdserve.engine.parallel.messages import SampledToken, StepMessage, StepRequest
 from pdserve.engine.runner.input_batch import build_step_inputs
+from pdserve.engine.runner.staging import StepStaging
 from pdserve.engine.structured.bitmask import GrammarBitmask
 
 
@@ -71,6 +72,10 @@ class StageRunner:
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, runner.device
         self.via_host = via_host        # gloo with CUDA tensors: send/recv through the host (gloo has no GPU p2p)
         self.graphs = graphs            # StageGraphs (parallel/graphs.py): decode micro-batches replay, else None
+        self.staging = None             # with graphs: one StepStaging whose decode steps land in the graphs' buffers
+        if graphs is not None:
+            self.staging = StepStaging(self.device)
+            self.staging.graph_inputs = graphs.inputs
         for layer in model.layers:                 # progress inside a long forward: not a stall
             layer.register_forward_pre_hook(lambda *_: heartbeat.tick())
 
@@ -95,7 +100,8 @@ class StageRunner:
 
     def _micro_batch(self, index: int, batch: list[StepRequest], bucket: int | None) -> tuple[list, list[SampledToken]]:
         items = [_Item(r) for r in batch]
-        inputs = build_step_inputs(items, self.runner.block_size, self.device, backend=self.runner.attention_backend)
+        inputs = build_step_inputs(items, self.runner.block_size, self.device, backend=self.runner.attention_backend,
+                                   staging=self.staging)
         self.runner.decode_splits.apply(inputs.attn)             # the same split-K rule as one rank's steps
         if bucket is not None:
             h = self._replay(index, inputs, bucket)                                              # [n, D]
@@ -121,11 +127,12 @@ class StageRunner:
 
 
     def _replay(self, index: int, inputs, bucket: int) -> torch.Tensor:
-        """A decode micro-batch of n rows by the stage's graph of ``bucket``: inputs into the static buffers, the
-        previous stage's hidden states received straight into ``hidden_in[:n]`` (outside the graph), replay ->
-        [n, D], a copy (the next replay rewrites the graph's output while an isend of it may still read)."""
+        """A decode micro-batch of n rows by the stage's graph of ``bucket``: its inputs in the static buffers (staged
+        there on CUDA, copied on CPU), the previous stage's hidden states received straight into ``hidden_in[:n]``
+        (outside the graph), replay -> [n, D], a copy on stages that send it (the next replay rewrites the graph's
+        output while an isend of it may still read)."""
         g, n = self.graphs, len(inputs.input_ids)
-        g.load_step(inputs, bucket)
+        g.prepare_step(inputs, bucket)
         if not self.coords.is_first:
             self.heartbeat.enter("recv_from_prev_stage")
             dist.recv(g.hidden_in[:n], src=self.coords.rank - self.coords.tp_size, tag=index)

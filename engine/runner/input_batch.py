@@ -114,9 +114,10 @@ class InputBatch:
 
 
 def build_step_inputs(items, block_size: int, device: torch.device | None = None,
-                      backend: str = "torch") -> StepInputs:
+                      backend: str = "torch", staging: StepStaging | None = None) -> StepInputs:
     """Stateless: ``items`` carry ``request`` (token ids [start, start + n) and a full block table)
-    and ``num_new_tokens``, as a tp/pp worker's step message does."""
+    and ``num_new_tokens``, as a tp/pp worker's step message does. ``staging``: a rank's own (its decode graphs'
+    ``GraphInputs`` set: a decode step lands straight in their buffers), else a new one per call."""
     reqs = [it.request for it in items]
     starts = np.array([r.num_computed_tokens for r in reqs], np.int64)
     q_lens = np.array([it.num_new_tokens for it in items], np.int64)
@@ -129,7 +130,7 @@ def build_step_inputs(items, block_size: int, device: torch.device | None = None
         table[i, :k] = r.block_ids[:k]
     arrays = _step_arrays(starts, q_lens, samples, block_size, lambda req_idx, pos: ids,
                           lambda nb_: table[:, :nb_], lambda req_idx, pos: table[req_idx, pos // block_size])
-    staging = StepStaging(device or torch.device("cpu"))
+    staging = staging or StepStaging(device or torch.device("cpu"))
     return staging.stage(arrays, [r for r, s in zip(reqs, samples) if s], block_size, backend)
 
 
