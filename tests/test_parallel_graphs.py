@@ -23,7 +23,7 @@ from hf_reference import hf_greedy, hf_model, random_prompt
 from pdserve.engine.config import CacheConfig, EngineConfig, ExecutionConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.parallel import messages as m
-from pdserve.engine.parallel.devices import DeviceChoice, select_device
+from pdserve.engine.parallel.devices import DeviceChoice, agree, select_device
 from pdserve.engine.parallel.executor import RankFailedError
 from pdserve.engine.parallel.graphs import EAGER, GRAPHS, STAND_IN, batch_bucket, graph_mode, plan_step
 from pdserve.engine.parallel.watchdog import Heartbeat, RankInfo, Watchdog
@@ -47,6 +47,8 @@ def test_nccl_ranks_capture_and_every_other_rank_runs_eager_with_its_reason():
     assert mode.mode == EAGER and "ranks share GPUs" in mode.reason and "cannot capture" in mode.reason
     mode = graph_mode(gloo_asked, False, False)
     assert mode.mode == EAGER and "--dist-backend gloo" in mode.reason and "cannot capture" in mode.reason
+    mode = graph_mode(agree(nccl, ["nccl", "nccl", "gloo", "gloo"]), False, False)    # another machine shares GPUs
+    assert mode.mode == EAGER and "on other machines share GPUs" in mode.reason
     for choice in (nccl, shared, CPU):
         for stand_in in (False, True):
             mode = graph_mode(choice, True, stand_in)
