@@ -15,6 +15,7 @@
 #           stopped)" within --rank-timeout (3 s) + 5 s, and every rank is gone after
 #   kv      prefill tp1 -> decode tp2 and pp2 through an embedded store: 72 of 77 prompt tokens loaded into the
 #           ranks' shards, decode ids == HF
+# parity, debugsync, stall and kv run on the first visible GPU only (their ranks must share it); graphs on all of them.
 #   graphs  tp2 with decode CUDA graphs (nccl, the all-reduce inside the graph) vs tp2 --enforce-eager: the same
 #           greedy ids (== HF fp32), both ranks logged "decode graphs (nccl", the median decode step time ratio.
 #           Needs >= 2 GPUs: with one it prints why and is SKIP (not PASS). Dry run: the CPU stand-in (the captured
@@ -45,6 +46,8 @@ result() {   # name rc [detail]
 }
 source "$(dirname "${BASH_SOURCE[0]}")/run_part.sh"   # run_part NAME LIMIT_S CMD...
 py() { python3 -P "$@"; }
+FIRST_GPU=${CUDA_VISIBLE_DEVICES:-0}; FIRST_GPU=${FIRST_GPU%%,*}
+py1() { CUDA_VISIBLE_DEVICES=$FIRST_GPU python3 -P "$@"; }   # the shared-GPU parts: one GPU even where there are more
 passes() { grep -c '^PASS' "$OUT/$1.log"; }
 lines() { grep -cE '^(PASS|FAIL)' "$OUT/$1.log"; }
 
@@ -59,7 +62,7 @@ if want units; then
   rc=$?; result "units (devices, debug-sync)" $rc "$(grep -E '(passed|failed|error)' "$OUT/units.log" | tail -1)"
 fi
 if want parity; then
-  run_part parity 150 py devbench/parallel_check.py parity --device $DEV
+  run_part parity 150 py1 devbench/parallel_check.py parity --device $DEV
   rc=$?
   if [ "$DEV" = cuda ]; then choice="ranks share GPUs"; else choice="CPU ranks: gloo"; fi   # one GPU: shared, gloo
   chosen=$(grep -c "$choice" "$OUT/parity.log")
@@ -67,18 +70,18 @@ if want parity; then
   result "parity tp/pp == HF fp32" $rc "$(passes parity)/$(lines parity) layouts; $chosen rank logs say '$choice'"
 fi
 if want debugsync; then
-  run_part debugsync 90 py devbench/parallel_check.py debugsync --device $DEV
+  run_part debugsync 90 py1 devbench/parallel_check.py debugsync --device $DEV
   rc=$?
   syncs=$(grep -c "device synchronised after all_reduce" "$OUT/debugsync.log")
   [ "$rc" = 0 ] && [ "$syncs" = 0 ] && rc=1                       # the ranks must have logged their syncs
   result "--debug-sync tp2pp2" $rc "$(passes debugsync)/1 == HF; $syncs 'synchronised after all_reduce' log lines"
 fi
 if want stall; then
-  run_part stall 90 py devbench/parallel_check.py stall --device $DEV
+  run_part stall 90 py1 devbench/parallel_check.py stall --device $DEV
   rc=$?; result "stall: SIGSTOP named" $rc "$(grep -E '^(PASS|FAIL)' "$OUT/stall.log" | cut -c42-100)"
 fi
 if want kv; then
-  run_part kv 120 py devbench/parallel_check.py kv --device $DEV
+  run_part kv 120 py1 devbench/parallel_check.py kv --device $DEV
   rc=$?; result "kv tp1 -> tp2 / pp2" $rc "$(passes kv)/$(lines kv) layouts"
 fi
 if want graphs; then
