@@ -30,7 +30,7 @@ def put_batch(client, objs: list, start: int, seg: ShmSegment | None) -> int:
         return _put_frames(client, objs, start)
     metas, frames, offset = [], [], 0
     for meta, data in objs[start:start + client.max_batch]:
-        meta.digest = P.digest_of(meta.key, data)
+        meta.digest = P.wire_digest(meta.key, data)
         if seg is not None and meta.nbytes <= seg.size:
             if offset + meta.nbytes > seg.size:
                 break
@@ -60,7 +60,7 @@ def _put_frames(client, objs: list, start: int) -> int:
     def requests():
         for part in parts:
             for meta, data in part:
-                meta.offset, meta.digest = P.FRAME, P.digest_of(meta.key, data)
+                meta.offset, meta.digest = P.FRAME, P.wire_digest(meta.key, data)
             yield P.Put(objs=[m for m, _ in part]), [d for _, d in part]
     for _ in client._call_many(requests()):
         pass

@@ -242,7 +242,7 @@ class KVDaemon:
                 else:
                     meta.offset = P.DEFERRED        # the client asks again; no digest yet
                     continue
-                meta.digest = P.digest_of(key, data)
+                meta.digest = P.wire_digest(key, data)
         return P.Reply(objs=objs), payload
 
     def _arena_server(self) -> ArenaServer:

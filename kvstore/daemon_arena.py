@@ -115,7 +115,7 @@ class ArenaServer:
                 found = self.store.tensor_of(found)
             data = found.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
             payload.append(data)
-            objs.append(P.meta_of(key, found, digest=P.digest_of(key, data)))
+            objs.append(P.meta_of(key, found, digest=P.wire_digest(key, data)))
         return P.Reply(objs=objs), payload, pinned
 
     def drop(self, ident: bytes) -> None:

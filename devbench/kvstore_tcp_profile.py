@@ -1,0 +1,143 @@
+"""Where the daemon's TCP put/get time goes, per MiB, on each side (issue: daemon tcp >= 0.8 x raw pyzmq).
+
+Runs a real daemon (token, signed requests, arena L1) in a child process with perf counters wrapped around its
+stages (recv, request handling, digest, the copy into L1, send), and a ``DaemonClient`` here with counters around
+its digest and wait; then the same bytes through raw pyzmq. Prints microseconds per MiB per stage (best of
+``--repeats`` whole runs for the totals; stage sums over all runs divided by the MiB moved).
+
+    python devbench/kvstore_tcp_profile.py --size-kib 1024 --total-mib 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+T: dict[str, float] = defaultdict(float)
+
+
+def timed(name: str, fn):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            T[name] += time.perf_counter() - t0
+    return wrapper
+
+
+def _daemon(token: str, cpu_bytes: int, q) -> None:
+    import zmq
+
+    from pdserve.kvstore import daemon as D
+    from pdserve.kvstore import daemon_arena
+    from pdserve.kvstore import protocol as P
+    from pdserve.kvstore.config import KVStoreConfig, build_store
+
+    torch.set_num_threads(1)
+    P.wire_digest = timed("daemon digest", P.wire_digest)
+    P.check_digest = timed("daemon digest", P.check_digest)
+    store = build_store(KVStoreConfig(cpu_bytes=cpu_bytes), arena=True)
+    store.store_bytes = timed("daemon copy into L1", store.store_bytes)
+    d = D.KVDaemon(store, port=0, token=token)
+    d.handle = timed("daemon handle (all)", d.handle)
+    sock = d._sock
+
+    class Sock:                       # the serve loop's socket, its recv/send timed
+        def __getattr__(self, name):
+            return getattr(sock, name)
+        recv_multipart = staticmethod(timed("daemon recv", sock.recv_multipart))
+        send_multipart = staticmethod(timed("daemon send", sock.send_multipart))
+    d._sock = Sock()
+    stop = threading.Event()
+    q.put(d.endpoint)
+    threading.Thread(target=d.serve, args=(stop,), daemon=True).start()
+    while q.get() == "report":        # the stage times so far, then start again; anything else stops
+        q.put(dict(T))
+        T.clear()
+    stop.set()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--size-kib", type=int, default=1024)
+    p.add_argument("--total-mib", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--unsealed", action="store_true", help="plain tensors (digested) rather than sealed objects")
+    args = p.parse_args()
+    import zmq
+
+    from pdserve.bench.kvstore_bench import objects, raw_zmq, sealed_objects, start_raw_zmq
+    from pdserve.kvstore import client_segment
+    from pdserve.kvstore import protocol as P
+    from pdserve.kvstore.auth import new_token
+    from pdserve.kvstore.client import DaemonClient
+
+    torch.set_num_threads(1)
+    token, total = new_token(), args.total_mib << 20
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_daemon, args=(token, 4 * total, _Pair(q_in, q_out)))
+    proc.start()
+    url = q_out.get()
+    items = (objects if args.unsealed else sealed_objects)(args.size_kib << 10, total, 0)
+    keys = [k for k, _ in items]
+    P.wire_digest = timed("client digest", P.wire_digest)
+    P.check_digest = timed("client digest", P.check_digest)
+    client = DaemonClient(url, token=token)
+    client._await = timed("client wait for reply", client._await)
+    client.ping()
+    best, stages = {}, {}
+    for op, fn in (("put", lambda: client.put(items)), ("get", lambda: client.get(keys))):
+        q_in.put("report")
+        q_out.get()
+        T.clear()
+        best[op] = min(_timed_run(fn) for _ in range(args.repeats))
+        q_in.put("report")
+        stages[op] = {**q_out.get(), **T}
+    assert all(torch.equal(g, t) for g, (_, t) in zip(client.get(keys), items))
+    client.close()
+    q_in.put("stop")
+    proc.join()
+    raw_proc, raw_url = start_raw_zmq()
+    rp, rg = raw_zmq(raw_url, items, args.repeats)
+    raw_proc.terminate()
+    raw_proc.wait()
+    mib = args.total_mib * args.repeats
+    print(f"{args.size_kib} KiB objects, {args.total_mib} MiB x {args.repeats} runs")
+    print(f"best: put {total / best['put'] / 1e9:.2f} GB/s ({best['put'] / args.total_mib * 1e6:.0f} us/MiB), "
+          f"get {total / best['get'] / 1e9:.2f} GB/s ({best['get'] / args.total_mib * 1e6:.0f} us/MiB); "
+          f"raw pyzmq put {rp:.2f} get {rg:.2f} GB/s -> x{total / best['put'] / 1e9 / rp:.2f} / "
+          f"x{total / best['get'] / 1e9 / rg:.2f}")
+    for op, times in stages.items():
+        print(f"  {op}:")
+        for name, t in sorted(times.items()):
+            print(f"    {name:<28} {t / mib * 1e6:8.0f} us/MiB")
+
+
+def _timed_run(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class _Pair:
+    """Two queues as one handle: the child reads ``a`` and writes ``b``."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def get(self):
+        return self.a.get()
+
+    def put(self, x):
+        self.b.put(x)
+
+
+if __name__ == "__main__":
+    main()
