@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections import defaultdict
@@ -31,7 +32,7 @@ def timed(name: str, fn):
     return wrapper
 
 
-def _daemon(token: str, cpu_bytes: int, q) -> None:
+def _daemon(token: str, cpu_bytes: int, track_from: int | None, q) -> None:
     import zmq
 
     from pdserve.kvstore import daemon as D
@@ -40,6 +41,8 @@ def _daemon(token: str, cpu_bytes: int, q) -> None:
     from pdserve.kvstore.config import KVStoreConfig, build_store
 
     torch.set_num_threads(1)
+    if track_from is not None:
+        D.TRACK_FROM = track_from
     P.wire_digest = timed("daemon digest", P.wire_digest)
     P.check_digest = timed("daemon digest", P.check_digest)
     store = build_store(KVStoreConfig(cpu_bytes=cpu_bytes), arena=True)
@@ -68,12 +71,12 @@ def main() -> None:
     p.add_argument("--size-kib", type=int, default=1024)
     p.add_argument("--total-mib", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--track-from", type=int, default=None, help="the daemon's TRACK_FROM (bytes), for an A/B")
     p.add_argument("--unsealed", action="store_true", help="plain tensors (digested) rather than sealed objects")
     args = p.parse_args()
     import zmq
 
-    from pdserve.bench.kvstore_bench import objects, raw_zmq, sealed_objects, start_raw_zmq
-    from pdserve.kvstore import client_segment
+    from pdserve.bench.kvstore_bench import objects, sealed_objects, start_raw_zmq
     from pdserve.kvstore import protocol as P
     from pdserve.kvstore.auth import new_token
     from pdserve.kvstore.client import DaemonClient
@@ -82,7 +85,7 @@ def main() -> None:
     token, total = new_token(), args.total_mib << 20
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_daemon, args=(token, 4 * total, _Pair(q_in, q_out)))
+    proc = ctx.Process(target=_daemon, args=(token, 4 * total, args.track_from, _Pair(q_in, q_out)))
     proc.start()
     url = q_out.get()
     items = (objects if args.unsealed else sealed_objects)(args.size_kib << 10, total, 0)
@@ -92,12 +95,14 @@ def main() -> None:
     client = DaemonClient(url, token=token)
     client._await = timed("client wait for reply", client._await)
     client.ping()
-    best, stages = {}, {}
+    best, stages, cpu = {}, {}, {}
     for op, fn in (("put", lambda: client.put(items)), ("get", lambda: client.get(keys))):
         q_in.put("report")
         q_out.get()
         T.clear()
+        c0 = _cpu("self"), _cpu(proc.pid)
         best[op] = min(_timed_run(fn) for _ in range(args.repeats))
+        cpu[op] = _cpu("self") - c0[0], _cpu(proc.pid) - c0[1]
         q_in.put("report")
         stages[op] = {**q_out.get(), **T}
     assert all(torch.equal(g, t) for g, (_, t) in zip(client.get(keys), items))
@@ -105,7 +110,18 @@ def main() -> None:
     q_in.put("stop")
     proc.join()
     raw_proc, raw_url = start_raw_zmq()
-    rp, rg = raw_zmq(raw_url, items, args.repeats)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(raw_url)
+    frames = [t.view(torch.uint8).numpy() for _, t in items]
+    raw = {"put": lambda: (sock.send_multipart([b"put", *frames], copy=False), sock.recv_multipart(copy=False)),
+           "get": lambda: (sock.send_multipart([b"get"]), sock.recv_multipart(copy=False))}
+    raw_best, raw_cpu = {}, {}
+    for op, fn in raw.items():
+        c0 = _cpu("self"), _cpu(raw_proc.pid)
+        raw_best[op] = min(_timed_run(fn) for _ in range(args.repeats))
+        raw_cpu[op] = _cpu("self") - c0[0], _cpu(raw_proc.pid) - c0[1]
+    sock.close(linger=0)
+    rp, rg = total / raw_best["put"] / 1e9, total / raw_best["get"] / 1e9
     raw_proc.terminate()
     raw_proc.wait()
     mib = args.total_mib * args.repeats
@@ -115,9 +131,18 @@ def main() -> None:
           f"raw pyzmq put {rp:.2f} get {rg:.2f} GB/s -> x{total / best['put'] / 1e9 / rp:.2f} / "
           f"x{total / best['get'] / 1e9 / rg:.2f}")
     for op, times in stages.items():
-        print(f"  {op}:")
+        (cc, dc) = cpu[op]
+        (rc, rs) = raw_cpu[op]
+        print(f"  {op}: CPU (all threads) client {cc / mib * 1e6:.0f} + daemon {dc / mib * 1e6:.0f} us/MiB; raw pyzmq: "
+              f"client {rc / mib * 1e6:.0f} + server {rs / mib * 1e6:.0f} us/MiB")
         for name, t in sorted(times.items()):
             print(f"    {name:<28} {t / mib * 1e6:8.0f} us/MiB")
+
+
+def _cpu(pid) -> float:
+    """CPU seconds (user + system, every thread) ``pid`` has used so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _timed_run(fn) -> float:

@@ -185,6 +185,11 @@ class ArenaTier(KVStore):
         """The slot's object as a typed view into the arena (valid while the slot is pinned)."""
         return self.arena.view(slot.offset, slot.nbytes).view(P.dtype_of(slot.dtype)).reshape(slot.shape)
 
+    def bytes_of(self, slot: Slot) -> np.ndarray:
+        """The slot's bytes as a numpy uint8 view into the arena (valid while the slot is pinned): what a TCP get
+        sends, without building a typed tensor first."""
+        return self.arena.buf[slot.offset:slot.offset + slot.nbytes]
+
     def keys_lru_order(self) -> list[str]:
         with self._lock:
             return list(self._index)

@@ -41,7 +41,7 @@ from pdserve.kvstore.shm import MAP_GRACE_S, NoSegment, SegmentTable, ShmSegment
 from pdserve.kvstore.zmq_context import shared_context
 
 log = logging.getLogger(__name__)
-TRACK_FROM = 256 << 10      # arena frames from this size are sent in place (tracked); smaller ones are copied
+TRACK_FROM = 32 << 10       # arena frames from this size are sent in place (tracked); smaller ones are copied
 
 
 @dataclass(frozen=True)
