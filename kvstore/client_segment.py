@@ -5,8 +5,8 @@ Who calls it: ``DaemonClient`` (client.py) under its lock when the daemon has no
 shared memory); ``own`` and ``payload`` also check the frames of the arena path (client_arena.py).
 The segment belongs to the request holding the client's lock: a put writes its objects at 64-byte aligned
 offsets, a get's reply names where the daemon wrote them; what does not fit goes as frames (a get's
-DEFERRED objects are asked again). Every payload carries the xxh3 digest of key + bytes: a mismatch, a
-frame of the wrong length or a reply naming another key is a counted miss.
+DEFERRED objects are asked again). Every payload carries the xxh3 digest of key + bytes (0 for a sealed object of its key:
+protocol.wire_digest): a mismatch, a frame of the wrong length or a reply naming another key is a counted miss.
 """
 
 from __future__ import annotations
