@@ -186,8 +186,7 @@ class KVDaemon:
         payload = iter(frames)
         if self._arena is not None and seg is None:
             checked = [(meta, self._checked_frame(meta, frame)) for meta, frame in zip(req.objs, payload)]
-            for meta, buf in checked:             # every digest first: a bad one stores nothing
-                self.store.store_bytes(meta, buf)
+            self.store.store_many(checked)        # every digest first: a bad one stores nothing
             return P.Reply(), []
         items = [(m.key, self._read_payload(m, seg, payload)) for m in req.objs]
         self.store.adopt(items)

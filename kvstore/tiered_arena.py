@@ -23,6 +23,12 @@ class ArenaSlots:
         if slot is not None and self.lower:
             self._enqueue_slots([slot])
 
+    def store_many(self, items: list) -> None:
+        """``store_bytes`` for a batch of (meta, buffer) pairs (one lock for their slots, one commit)."""
+        slots = [s for s in self.l1.store_many(items, pin=bool(self.lower)) if s is not None]
+        if slots and self.lower:
+            self._enqueue_slots(slots)
+
     def reserve(self, meta):
         return self.l1.reserve(meta)
 
