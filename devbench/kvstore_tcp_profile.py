@@ -43,10 +43,15 @@ def _daemon(token: str, cpu_bytes: int, track_from: int | None, q) -> None:
     torch.set_num_threads(1)
     if track_from is not None:
         D.TRACK_FROM = track_from
-    P.wire_digest = timed("daemon digest", P.wire_digest)
+    if hasattr(P, "wire_digest"):                 # (an older build, for an A/B, digests through digest_of)
+        P.wire_digest = timed("daemon digest", P.wire_digest)
+    else:
+        P.digest_of = timed("daemon digest", P.digest_of)
     P.check_digest = timed("daemon digest", P.check_digest)
     store = build_store(KVStoreConfig(cpu_bytes=cpu_bytes), arena=True)
-    store.store_bytes = timed("daemon copy into L1", store.store_bytes)
+    for name in ("store_bytes", "store_many"):   # (store_many: a newer build's batch of them)
+        if hasattr(store, name):
+            setattr(store, name, timed("daemon copy into L1", getattr(store, name)))
     d = D.KVDaemon(store, port=0, token=token)
     d.handle = timed("daemon handle (all)", d.handle)
     sock = d._sock
@@ -90,7 +95,10 @@ def main() -> None:
     url = q_out.get()
     items = (objects if args.unsealed else sealed_objects)(args.size_kib << 10, total, 0)
     keys = [k for k, _ in items]
-    P.wire_digest = timed("client digest", P.wire_digest)
+    if hasattr(P, "wire_digest"):
+        P.wire_digest = timed("client digest", P.wire_digest)
+    else:
+        P.digest_of = timed("client digest", P.digest_of)
     P.check_digest = timed("client digest", P.check_digest)
     client = DaemonClient(url, token=token)
     client._await = timed("client wait for reply", client._await)
