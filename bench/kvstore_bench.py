@@ -2,7 +2,8 @@
 
 Who calls it: ``bench/cli.py`` (``pdserve bench kvstore``); ``python -m pdserve.bench.kvstore_bench`` runs
 the same. Each row moves ``--total-mib`` of objects of one size (64 KiB, 1 MiB, 8 MiB; fixed ``--seed``) in
-one batched call, best of ``--repeats``, and is divided by its baseline from this run:
+one batched call, best of ``--repeats``, and is divided by its baseline from this run. The objects are
+sealed (kvstore/seal.py) as every KV object a node stores is; ``--unsealed`` moves plain tensors instead:
 
     path                 baseline          what the baseline is
     memory tier          memcpy            torch copy_ of the same tensors
@@ -50,6 +51,16 @@ def objects(size: int, total: int, seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     n = max(1, total // size)
     return [(f"bench{size}-{seed}-{i}:0", torch.randn(size // 2, generator=g).to(torch.bfloat16)) for i in range(n)]
+
+
+def sealed_objects(size: int, total: int, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """``objects`` as the store holds them in a cluster: each sealed for its key (kvstore/seal.py, a random seal
+    key), ``size`` bytes in all (seal header included). The transport skips its digest for these (protocol.py)."""
+    from pdserve.kvstore.auth import ClusterKey
+    from pdserve.kvstore.seal import SEAL_BYTES, seal
+
+    key = ClusterKey.random().seal_key
+    return [(k, seal(k, t[:(size - SEAL_BYTES) // 2], key)[0]) for k, t in objects(size, total, seed)]
 
 
 def best_gbps(fn, nbytes: int, repeats: int) -> float:
@@ -146,7 +157,7 @@ def run(args) -> dict:
     result = {"hardware": hardware(), "total_bytes": total, "repeats": rep, "seed": args.seed, "rows": []}
     try:
         for n, (label, size) in enumerate(sizes.items()):
-            items = objects(size, total, args.seed)
+            items = (objects if args.unsealed else sealed_objects)(size, total, args.seed)
             steps = {"memcpy": lambda: memcpy(items, rep), "raw pyzmq": lambda: raw_zmq(raw_url, items, rep)}
             steps |= {"memory tier": lambda: store_put_get(MemoryTier(4 * total), items, rep),
                       "daemon shm": lambda: store_put_get(shm, items, rep),
@@ -175,6 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="64KiB,1MiB,8MiB", help=f"object sizes, of {', '.join(SIZES)}")
     p.add_argument("--repeats", type=int, default=5, help="best of this many")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--unsealed", action="store_true",
+                   help="move plain tensors rather than sealed objects (what nodes store): the daemon's TCP "
+                        "transport then hashes every payload on both sides")
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
 
 

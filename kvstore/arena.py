@@ -45,7 +45,8 @@ class Arena:
         self.fd, self.size = fd, size
         self.inode = os.fstat(fd).st_ino
         self._mm = mmap.mmap(fd, size)
-        self.tensor = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8))   # [size] uint8, the whole arena
+        self.buf = np.frombuffer(self._mm, dtype=np.uint8)      # [size] uint8, the whole arena
+        self.tensor = torch.from_numpy(self.buf)
         self._starts: list[int] = [0]            # free extents, sorted by start
         self._lens: dict[int, int] = {0: size}    # free extent start -> length
         self.free_bytes = size
@@ -98,7 +99,7 @@ class Arena:
 
     def close(self) -> None:
         """Unmap once nothing refers to the arena's tensor any more (else the mapping goes with the process)."""
-        self.tensor = None
+        self.tensor = self.buf = None
         try:
             self._mm.close()
         except BufferError:

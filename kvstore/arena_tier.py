@@ -40,6 +40,7 @@ from pdserve.kvstore.base import KVStore, StatsDict, TierStats
 from pdserve.kvstore.keys import check_key
 
 log = logging.getLogger(__name__)
+STORE_GROUP_BYTES = 8 << 20     # store_many reserves, copies and commits this much at a time
 
 
 @dataclass(eq=False)
@@ -106,36 +107,51 @@ class ArenaTier(KVStore):
     def store_bytes(self, meta: P.ObjMeta, data, pin: bool = False) -> Slot | None:
         """Copy ``data`` (``meta.nbytes`` bytes of any buffer) into a new slot and commit it; None if no room.
         ``pin``: the slot comes back pinned (for a write-through copy; the caller unpins)."""
-        slot = self.reserve(meta)
-        if slot is None:
-            return None
-        self.arena.view(slot.offset, slot.nbytes).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-        self.commit([slot], pin=pin)
-        return slot
+        return self.store_many([(meta, data)], pin)[0]
+
+    def store_many(self, items: list[tuple[P.ObjMeta, object]], pin: bool = False) -> list[Slot | None]:
+        """``store_bytes`` for a batch of (meta, buffer): slots reserved under one lock, the bytes copied outside it,
+        committed together -- in groups of about ``STORE_GROUP_BYTES``, so a batch never holds much more than that
+        reserved beside the objects it replaces."""
+        out: list[Slot | None] = []
+        for group in _groups(items):
+            with self._lock:
+                slots = [self._reserve(meta) for meta, _ in group]
+            for slot, (_, data) in zip(slots, group):
+                if slot is not None:
+                    self.arena.buf[slot.offset:slot.offset + slot.nbytes] = np.frombuffer(data, dtype=np.uint8)
+            self.commit([s for s in slots if s is not None], pin=pin)
+            out += slots
+        return out
 
     def reserve(self, meta: P.ObjMeta) -> Slot | None:
         """A slot for ``meta``'s bytes (evicting unpinned LRU objects for room); None -- counted -- if none fits."""
         with self._lock:
-            offset = self.arena.alloc(meta.nbytes)
-            if offset is None and _extent(meta.nbytes) > self.arena.free_bytes + self._evictable_bytes():
-                self._stats.add(rejected=1)          # never fits: evicting would empty L1 for nothing
-                log.debug("arena tier rejected %s (%d bytes; the arena holds %d, the rest is pinned or reserved)",
-                          meta.key, meta.nbytes, self.arena.size)
+            return self._reserve(meta)
+
+    def _reserve(self, meta: P.ObjMeta) -> Slot | None:
+        """``reserve`` with the lock held."""
+        offset = self.arena.alloc(meta.nbytes)
+        if offset is None and _extent(meta.nbytes) > self.arena.free_bytes + self._evictable_bytes():
+            self._stats.add(rejected=1)          # never fits: evicting would empty L1 for nothing
+            log.debug("arena tier rejected %s (%d bytes; the arena holds %d, the rest is pinned or reserved)",
+                      meta.key, meta.nbytes, self.arena.size)
+            return None
+        while offset is None:
+            victim = next((s for s in self._index.values() if s.pins == 0), None)    # the oldest unpinned
+            if victim is None:
+                self._stats.add(rejected=1)
+                log.debug("arena tier rejected %s (%d bytes; the rest is pinned or reserved)", meta.key, meta.nbytes)
                 return None
-            while offset is None:
-                victim = next((s for s in self._index.values() if s.pins == 0), None)    # the oldest unpinned
-                if victim is None:
-                    self._stats.add(rejected=1)
-                    log.debug("arena tier rejected %s (%d bytes; the rest is pinned or reserved)", meta.key, meta.nbytes)
-                    return None
-                del self._index[victim.key]
-                self._stats.add(evictions=1)
-                self._retire(victim)
-                offset = self.arena.alloc(meta.nbytes)
-            return Slot(meta.key, meta.dtype, list(meta.shape), meta.nbytes, offset)
+            del self._index[victim.key]
+            self._stats.add(evictions=1)
+            self._retire(victim)
+            offset = self.arena.alloc(meta.nbytes)
+        return Slot(meta.key, meta.dtype, list(meta.shape), meta.nbytes, offset)
 
     def commit(self, slots: list[Slot], pin: bool = False) -> None:
         """Serve these reserved slots from now on (their bytes are written), replacing older objects."""
+        nbytes = sum(s.nbytes for s in slots)
         with self._lock:
             for slot in slots:
                 old = self._index.pop(slot.key, None)
@@ -145,7 +161,7 @@ class ArenaTier(KVStore):
                 self._live_bytes += _extent(slot.nbytes)
                 self._pinned_bytes += _extent(slot.nbytes) if slot.pins else 0
                 self._index[slot.key] = slot
-                self._stats.add(objects=1, bytes=slot.nbytes, bytes_in=slot.nbytes)
+            self._stats.add(objects=len(slots), bytes=nbytes, bytes_in=nbytes)
 
     def cancel(self, slots: list[Slot]) -> None:
         """Free reserved slots that were never committed (their writer is gone or moved on)."""
@@ -185,6 +201,11 @@ class ArenaTier(KVStore):
         """The slot's object as a typed view into the arena (valid while the slot is pinned)."""
         return self.arena.view(slot.offset, slot.nbytes).view(P.dtype_of(slot.dtype)).reshape(slot.shape)
 
+    def bytes_of(self, slot: Slot) -> np.ndarray:
+        """The slot's bytes as a numpy uint8 view into the arena (valid while the slot is pinned): what a TCP get
+        sends, without building a typed tensor first."""
+        return self.arena.buf[slot.offset:slot.offset + slot.nbytes]
+
     def keys_lru_order(self) -> list[str]:
         with self._lock:
             return list(self._index)
@@ -201,6 +222,18 @@ class ArenaTier(KVStore):
         self._pinned_bytes -= _extent(slot.nbytes) if slot.pins else 0
         if slot.pins == 0:
             self.arena.free(slot.offset, slot.nbytes)
+
+
+def _groups(items: list) -> list[list]:
+    """``items`` ((meta, buffer) pairs) cut into runs of about ``STORE_GROUP_BYTES`` (one item at least)."""
+    groups, size = [[]], 0
+    for item in items:
+        if groups[-1] and size + item[0].nbytes > STORE_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item[0].nbytes
+    return groups if groups[0] else []
 
 
 def _raw(tensor: torch.Tensor):

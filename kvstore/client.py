@@ -22,8 +22,8 @@ Who owns what (issue 9):
     /dev/shm) means zmq frames, and another try after ``SHM_RETRY_S``.
 With a cluster token, the client first makes whoever answers on the daemon's port prove it holds the
 wire key, then signs every request for that daemon process (``session.py``): nothing it sends can be
-reused by a process that takes the port while the daemon is down, and the token never leaves this process. Every payload carries an xxh3 digest of key + bytes (see protocol.py): an
-accident check, not a seal -- the keyed MAC inside each object (``seal.py``) is what a loader trusts. A
+reused by a process that takes the port while the daemon is down, and the token never leaves this process. Every payload carries an xxh3 digest of key + bytes (see protocol.py; a sealed
+object of its key carries 0 instead, as its MAC covers both): an accident check, not a seal -- the keyed MAC inside each object (``seal.py``) is what a loader trusts. A
 get whose bytes do not match, or whose frame does not hold the bytes its meta names, is a miss, logged
 and counted under ``stats()["client"]``. Objects larger
 than the segment travel as zmq frames; batches are split to the daemon's limits.

@@ -37,7 +37,7 @@ def put_batch(client, objs: list, start: int, amap: ArenaMap) -> int:
         if slot is not None and slot.offset >= 0 and slot.key == meta.key and slot.nbytes == meta.nbytes:
             amap.write(slot.offset, data)
         else:
-            meta.offset, meta.digest = P.FRAME, P.digest_of(meta.key, data)
+            meta.offset, meta.digest = P.FRAME, P.wire_digest(meta.key, data)
             framed.append(meta)
             frames.append(data)
     client._count(len(batch) - len(frames), len(frames))

@@ -5,8 +5,8 @@ Who calls it: ``DaemonClient`` (client.py) under its lock when the daemon has no
 shared memory); ``own`` and ``payload`` also check the frames of the arena path (client_arena.py).
 The segment belongs to the request holding the client's lock: a put writes its objects at 64-byte aligned
 offsets, a get's reply names where the daemon wrote them; what does not fit goes as frames (a get's
-DEFERRED objects are asked again). Every payload carries the xxh3 digest of key + bytes: a mismatch, a
-frame of the wrong length or a reply naming another key is a counted miss.
+DEFERRED objects are asked again). Every payload carries the xxh3 digest of key + bytes (0 for a sealed object of its key:
+protocol.wire_digest): a mismatch, a frame of the wrong length or a reply naming another key is a counted miss.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def put_batch(client, objs: list, start: int, seg: ShmSegment | None) -> int:
         return _put_frames(client, objs, start)
     metas, frames, offset = [], [], 0
     for meta, data in objs[start:start + client.max_batch]:
-        meta.digest = P.digest_of(meta.key, data)
+        meta.digest = P.wire_digest(meta.key, data)
         if seg is not None and meta.nbytes <= seg.size:
             if offset + meta.nbytes > seg.size:
                 break
@@ -60,7 +60,7 @@ def _put_frames(client, objs: list, start: int) -> int:
     def requests():
         for part in parts:
             for meta, data in part:
-                meta.offset, meta.digest = P.FRAME, P.digest_of(meta.key, data)
+                meta.offset, meta.digest = P.FRAME, P.wire_digest(meta.key, data)
             yield P.Put(objs=[m for m, _ in part]), [d for _, d in part]
     for _ in client._call_many(requests()):
         pass

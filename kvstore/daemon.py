@@ -41,7 +41,8 @@ from pdserve.kvstore.shm import MAP_GRACE_S, NoSegment, SegmentTable, ShmSegment
 from pdserve.kvstore.zmq_context import shared_context
 
 log = logging.getLogger(__name__)
-TRACK_FROM = 256 << 10      # arena frames from this size are sent in place (tracked); smaller ones are copied
+TRACK_FROM = 32 << 10       # arena frames from this size are sent in place (tracked: ~6 us a frame); smaller ones are copied
+#                             (a 64 KiB copy took ~17 us here: devbench/kvstore_tcp_profile.py --track-from for an A/B)
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,7 @@ class KVDaemon:
         payload = iter(frames)
         if self._arena is not None and seg is None:
             checked = [(meta, self._checked_frame(meta, frame)) for meta, frame in zip(req.objs, payload)]
-            for meta, buf in checked:             # every digest first: a bad one stores nothing
-                self.store.store_bytes(meta, buf)
+            self.store.store_many(checked)        # every digest first: a bad one stores nothing
             return P.Reply(), []
         items = [(m.key, self._read_payload(m, seg, payload)) for m in req.objs]
         self.store.adopt(items)
@@ -242,7 +242,7 @@ class KVDaemon:
                 else:
                     meta.offset = P.DEFERRED        # the client asks again; no digest yet
                     continue
-                meta.digest = P.digest_of(key, data)
+                meta.digest = P.wire_digest(key, data)
         return P.Reply(objs=objs), payload
 
     def _arena_server(self) -> ArenaServer:

@@ -112,10 +112,13 @@ class ArenaServer:
                 if client is not None:
                     objs.append(P.ObjMeta(key, found.dtype, found.shape, found.nbytes, found.offset))
                     continue
-                found = self.store.tensor_of(found)
+                data = self.store.bytes_of(found)          # the slot's bytes in place: no typed tensor built
+                payload.append(data)
+                objs.append(P.ObjMeta(key, found.dtype, found.shape, found.nbytes, P.FRAME, P.wire_digest(key, data)))
+                continue
             data = found.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
             payload.append(data)
-            objs.append(P.meta_of(key, found, digest=P.digest_of(key, data)))
+            objs.append(P.meta_of(key, found, digest=P.wire_digest(key, data)))
         return P.Reply(objs=objs), payload, pinned
 
     def drop(self, ident: bytes) -> None:

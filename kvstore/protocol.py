@@ -20,8 +20,11 @@ the client copies them out -> ``Release`` (or any next request) ends the lease. 
 digest: a slot is served only once its writer committed it, and the seal is the end-to-end check.
 
 Integrity: every payload carries ``ObjMeta.digest`` = xxh3_64(key utf-8 bytes, then the
-payload bytes). The sender computes it (client on Put, daemon on Get); the receiver
-verifies it on its own copy (daemon: Put refused; client: that object is a miss).
+payload bytes) -- except a sealed object (seal.py) laid out for its key: its digest is 0 and
+nothing is hashed, as the keyed MAC every loader checks covers the key and every byte (see
+``wire_digest``). The sender computes it (client on Put, daemon on Get); the receiver
+verifies it on its own copy (daemon: Put refused; client: that object is a miss): a sealed
+object's header must name the key and the frame's length, else its digest must match.
 
 Order of a session: [Hello] -> [Attach] -> any of Put/Get/Contains/Lookup/Delete/Stats/Ping ->
 [Detach]. Every request carries ``v`` (PROTOCOL_VERSION), ``id`` (echoed in the reply) and
@@ -38,6 +41,8 @@ from typing import Union
 import msgspec
 import torch
 import xxhash
+
+from pdserve.kvstore.seal import sealed_for
 
 MAX_DIMS = 8        # what every tier can store (kvstore.codec.MAX_DIMS)
 PROTOCOL_VERSION = 4             # 4: Hello and signed requests (kvstore/session.py)
@@ -57,7 +62,7 @@ class ObjMeta(msgspec.Struct, array_like=True):
     shape: list[int]
     nbytes: int
     offset: int = FRAME
-    digest: int = 0     # xxh3_64(key, payload); see digest_of
+    digest: int = 0     # xxh3_64(key, payload), or 0 for a sealed object of this key; see wire_digest
 
 
 class ArenaInfo(msgspec.Struct, array_like=True):
@@ -198,7 +203,18 @@ def digest_of(key: str, payload) -> int:
     return h.intdigest()
 
 
+def wire_digest(key: str, payload) -> int:
+    """What ``ObjMeta.digest`` carries: 0 for a sealed object laid out for ``key`` (``seal.sealed_for``: its MAC,
+    which every loader checks, covers the key and every byte; hashing it again here would only cost a pass over
+    the bytes on each side), else ``digest_of`` -- any other object (not a KV object, or not sealed) keeps it."""
+    return 0 if sealed_for(key, payload) else digest_of(key, payload)
+
+
 def check_digest(meta: ObjMeta, payload) -> bool:
+    """The receiver's check: a digest of 0 stands only for a sealed object of ``meta.key`` whose header matches the
+    payload's length (a corrupted header, or another key's frame, is then checked against 0 -- and fails)."""
+    if meta.digest == 0 and sealed_for(meta.key, payload):
+        return True
     return digest_of(meta.key, payload) == meta.digest
 
 

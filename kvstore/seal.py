@@ -93,6 +93,23 @@ def unseal(key: str, obj: torch.Tensor, seal_key: bytes) -> tuple[torch.Tensor, 
     return payload.view(dtype).reshape(shape), mac
 
 
+def sealed_for(key: str, payload) -> bool:
+    """Whether ``payload`` (any contiguous buffer) is laid out as a sealed object written for ``key``: magic,
+    version, dtype, dims, the key's hash and a length that matches them -- the header only, no MAC (that needs
+    the seal key, and is the loader's ``unseal``). The transport (protocol.wire_digest) skips its xxh3 for such
+    an object: the MAC every loader checks covers the key and every byte, so whatever the digest would catch --
+    a flipped byte, a frame given to another key, a torn or short copy -- fails the seal (or this check) instead."""
+    view = memoryview(payload)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    if view.nbytes < SEAL_BYTES:
+        return False
+    magic, version, dcode, ndim, *rest = _HEAD.unpack(view[:_HEAD.size])
+    if magic != MAGIC or version != SEAL_VERSION or dcode >= len(_DTYPES) or ndim > _MAX_DIMS:
+        return False
+    return rest[_MAX_DIMS] == key_hash(key) and view.nbytes == SEAL_BYTES + _numel(rest[:ndim]) * _DTYPES[dcode].itemsize
+
+
 def chunk_digest(macs: list[bytes]) -> str:
     """One chunk's digest: xxh3_64 over its layer objects' MACs, in layer order (16 hex)."""
     return xxhash.xxh3_64_hexdigest(b"".join(macs))

@@ -23,6 +23,12 @@ class ArenaSlots:
         if slot is not None and self.lower:
             self._enqueue_slots([slot])
 
+    def store_many(self, items: list) -> None:
+        """``store_bytes`` for a batch of (meta, buffer) pairs (one lock for their slots, one commit)."""
+        slots = [s for s in self.l1.store_many(items, pin=bool(self.lower)) if s is not None]
+        if slots and self.lower:
+            self._enqueue_slots(slots)
+
     def reserve(self, meta):
         return self.l1.reserve(meta)
 
@@ -50,6 +56,9 @@ class ArenaSlots:
 
     def tensor_of(self, slot) -> torch.Tensor:
         return self.l1.tensor_of(slot)
+
+    def bytes_of(self, slot):
+        return self.l1.bytes_of(slot)
 
     def _enqueue_slots(self, slots: list) -> None:
         """Queue pinned slots' arena views for write-through; unpinned once written (or dropped)."""

@@ -51,6 +51,26 @@ def _meta(key: str, n: int) -> P.ObjMeta:
     return P.ObjMeta(key, "uint8", [n], n)
 
 
+def test_store_many_commits_a_batch_in_groups_keeps_the_last_of_a_key_and_counts_what_has_no_room(monkeypatch):
+    """A TCP put's batch goes into L1 at once (one lock for its slots, one commit per group): every object that fits
+    is served with its own bytes, a key put twice in one batch serves the later bytes, and one with no room (all
+    else pinned) is a counted rejection, never a torn or foreign slot."""
+    monkeypatch.setattr("pdserve.kvstore.arena_tier.STORE_GROUP_BYTES", 3000)     # several groups in one batch
+    tier = ArenaTier(64 << 10)
+    items = [(P.ObjMeta(f"k{i}:0", "uint8", [1000 + i], 1000 + i), bytes([i]) * (1000 + i)) for i in range(10)]
+    items.append((P.ObjMeta("k3:0", "uint8", [7], 7), b"replace"))
+    slots = tier.store_many(items)
+    assert all(s is not None for s in slots) and tier.stats()["memory"]["objects"] == 10
+    got = tier.get([f"k{i}:0" for i in range(10)])
+    assert bytes(got[3].numpy()) == b"replace"
+    assert all(bytes(got[i].numpy()) == bytes([i]) * (1000 + i) for i in range(10) if i != 3)
+    pinned = tier.pin([f"k{i}:0" for i in range(10)])
+    assert tier.store_many([(P.ObjMeta("big:0", "uint8", [60 << 10], 60 << 10), bytes(60 << 10))]) == [None]
+    assert tier.stats()["memory"]["rejected"] == 1 and tier.contains(["big:0"]) == [False]
+    tier.unpin(pinned)
+    tier.close()
+
+
 def test_a_leased_slot_is_never_evicted_nor_reused():
     tier = ArenaTier(4 * 4096)
     tier.put([(f"k{i}:0", torch.full((4096,), i, dtype=torch.uint8)) for i in range(4)])
