@@ -19,11 +19,14 @@ from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, S
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.keys import object_key
+from pdserve.kvstore.auth import process_key
 from pdserve.kvstore.memory import MemoryTier
+from pdserve.kvstore.seal import seal, unseal
 from pdserve.kvstore.tiered import TieredStore
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 CHUNK = 16
+KEY = process_key().seal_key          # what engines in this process seal with (an embedded store, no token)
 
 
 def _engine(model_dir, role, store, layerwise=False):
@@ -140,18 +143,29 @@ def _tamper(store, key):
     store.put([(key, obj)])
 
 
-def test_a_seal_failure_at_a_middle_layer_recomputes(three_layers, store):
-    """A 3-layer model; layer 1 of chunk 0 fails its seal. Mutation caught: ``_scatter_layer`` without the seal
-    check -> wrong tokens; the step kept -> wrong tokens."""
+def _reseal_other(store, key):
+    """A correctly sealed object holding other KV: only the prefill node's chunk digest can tell."""
+    view, _ = unseal(key, store.get([key])[0], KEY)
+    store.put([(key, seal(key, view + 1.0, KEY)[0])])
+
+
+@pytest.mark.parametrize("bad", ["seal", "digest"])
+def test_a_bad_object_at_a_middle_layer_recomputes(three_layers, store, bad):
+    """A 3-layer model; layer 1 of chunk 0 fails its seal, or is validly sealed but not what the prefill node
+    published (its chunk digest, checked once all layers are in). Mutations caught: ``_scatter_layer`` without the
+    seal check, or ``_check_digests`` skipped -> wrong tokens; the failed load's step kept -> wrong tokens."""
     model, ref = three_layers
     prompt = random_prompt(ref.config.vocab_size, 40, seed=23)
     params = _prefill(model, store, prompt)
     key = object_key(params["chunk_keys"][0], 1)
-    _tamper(store, key)
+    (_tamper if bad == "seal" else _reseal_other)(store, key)
     lw = _engine(model, "decode", store, layerwise=True)
     tokens, out = run_request(lw, "d", prompt, SamplingParams(max_tokens=6, **GREEDY), params)
     assert tokens == hf_greedy(ref, prompt, 6) and out.finish_reason == "length"
-    assert lw.connector.loader.integrity_failures == 1 and store.get([key]) == [None]
+    if bad == "seal":
+        assert lw.connector.loader.integrity_failures == 1 and store.get([key]) == [None]
+    else:
+        assert lw.connector.loader.digest_mismatches == 1
     assert out.kv_accounting["loaded_tokens"] == 0
     lw.shutdown()
 
@@ -235,3 +249,17 @@ def test_layer_zero_computes_before_a_slow_layer_arrives(three_layers, store):
     assert slow.arrived is not None and starts[0][0] < slow.arrived < slow.landed < starts[1][0]
     assert lw.connector.loader.failures == 0
     lw.shutdown()
+
+
+def test_the_flag_reaches_the_engine_config_and_serve_passes_it_on(tiny_llama):
+    from pdserve.engine.cli import build_parser
+    from pdserve.engine.node import config_from_args
+    from pdserve.proxy.serve import node_flags
+
+    def config(*flags):
+        return config_from_args(build_parser().parse_args(["node", "--model", str(tiny_llama), *flags]))
+
+    assert config("--kv-load-layerwise").kv_transfer.kv_load_layerwise
+    assert not config().kv_transfer.kv_load_layerwise
+    serve = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--kv-load-layerwise"])
+    assert "--kv-load-layerwise" in node_flags(serve)
