@@ -63,6 +63,7 @@ class LayerBatch:
         self.events: list = [None] * num_layers       # CUDA: layer i is in the cache once events[i] has passed
         self._ready = 0                               # layers the loader thread has handed over
         self._finished = False
+        self.last_event = None                        # CUDA: after every write of the batch (``finish``)
         self._cond = threading.Condition()
         self.waited_s = 0.0                           # engine thread's time blocked in before()
 
@@ -74,7 +75,9 @@ class LayerBatch:
             self._ready = layer + 1
             self._cond.notify_all()
 
-    def finish(self) -> None:
+    def finish(self, event=None) -> None:
+        """Every load ended; CUDA: ``event`` follows every write the loader queued for this batch."""
+        self.last_event = event
         with self._cond:
             self._ready, self._finished = self.num_layers, True
             self._cond.notify_all()
@@ -98,4 +101,6 @@ class LayerBatch:
         """Block until every load of the step ended (the loader thread's ``finish``) -> {request id: load}."""
         with self._cond:
             self._cond.wait_for(lambda: self._finished)
+        if self.last_event is not None:               # the step may not have waited (no hooks ran): the next one
+            torch.cuda.current_stream(self.device).wait_event(self.last_event)   # reuses no block before this
         return {load.job.request_id: load for load in self.loads}

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.decode.layerwise import LayerBatch, LayerLoad
+from pdserve.decode.layer_reader import LayerReader
+from pdserve.decode.layerwise import LayerBatch
 from pdserve.kernels.chunk_io import ChunkIO
 from pdserve.kernels.scatter_pipe import ScatterPipe
 from pdserve.kernels.transfer import scatter_kv
@@ -73,7 +74,7 @@ class ChunkLoader:
         self.failures = 0                    # loads stopped early: store error, miss or bad object
         self.integrity_failures = 0          # objects whose seal (MAC) failed (deleted from the store)
         self.digest_mismatches = 0           # chunks that differ from what the prefill node published
-        self._layer_stream = None            # CUDA: the layerwise loads' stream (made on first use)
+        self.layers = LayerReader(self)      # --kv-load-layerwise: this thread's layer-major reads
         self._thread = threading.Thread(target=self._loop, name="kv-loader", daemon=True)
         self._thread.start()
 
@@ -120,7 +121,7 @@ class ChunkLoader:
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             if isinstance(job, LayerBatch):
-                self._load_layers(job)
+                self.layers.load(job)
                 continue
             try:
                 loaded = self._load(job)
@@ -153,7 +154,7 @@ class ChunkLoader:
         return self.pipe.job(job.fence) if self.pipe is not None else contextlib.nullcontext()
 
     def _load_chunk(self, job: LoadJob, index: int, slots, a: int, b: int) -> bool:
-        keys = [object_key(job.chunk_keys[index], layer) for layer in self._layers()]
+        keys = [object_key(job.chunk_keys[index], layer) for layer in self.layer_ids()]
         expect = job.digests[index] if index < len(job.digests) else ""
         with self.store.borrow(keys) as objs:
             views = self._verified(keys, objs, job.chunk_lens[index], expect)
@@ -163,7 +164,7 @@ class ChunkLoader:
             self._scatter(views, slots, a, b, job.fence)
         return True
 
-    def _layers(self) -> range:
+    def layer_ids(self) -> range:
         return range(self.first_layer, self.first_layer + len(self.kv_caches))
 
     def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int, fence=None) -> None:
@@ -179,16 +180,16 @@ class ChunkLoader:
         """Typed views of the chunk's layer objects, or None (logged, counted) if any is not right."""
         views, macs = [], []
         for key, obj in zip(keys, objs):
-            checked = self._unsealed(key, obj, length)
+            checked = self.unsealed(key, obj, length)
             if checked is None:
                 return None
             views.append(checked[0])
             macs.append(checked[1])
-        if expect and not self._digest_ok(keys[0], macs, expect):
+        if expect and not self.digest_ok(keys[0], macs, expect):
             return None
         return views
 
-    def _unsealed(self, key: str, obj, length: int) -> tuple[torch.Tensor, bytes] | None:
+    def unsealed(self, key: str, obj, length: int) -> tuple[torch.Tensor, bytes] | None:
         """(view, mac) of one layer object, or None (logged, counted; a bad seal deletes it) if it is not right."""
         if obj is None:
             logger.warning("chunk object %s is missing; recomputing from here", key)
@@ -206,7 +207,7 @@ class ChunkLoader:
             return None
         return view, mac
 
-    def _digest_ok(self, key: str, macs: list[bytes], expect: str) -> bool:
+    def digest_ok(self, key: str, macs: list[bytes], expect: str) -> bool:
         if chunk_digest(macs) == expect:
             return True
         self.digest_mismatches += 1
@@ -223,100 +224,3 @@ class ChunkLoader:
     def _shape(self, length: int) -> tuple[int, ...]:
         c, h, d = self.expect_shape
         return (c, length, h, d)
-
-    # -- layerwise (``layerwise.py``): the loader thread's half -----------------------------------
-
-    def _load_layers(self, batch: LayerBatch) -> None:
-        """Every layer of every load of ``batch``, layer-major; ends with ``batch.finish()`` whatever happens."""
-        try:
-            with self._layer_scope(batch) as stream:
-                for i, layer in enumerate(self._layers()):
-                    self._load_layer(batch, i, layer)
-                    batch.layer_done(i, _mark(stream))
-            for load in batch.loads:
-                self._check_digests(load)
-        except Exception as exc:  # noqa: BLE001 - not the store's fault (a scatter): every unfinished load fails
-            logger.warning("layerwise KV load failed (%s: %s); recomputing", type(exc).__name__, exc)
-            for load in batch.loads:
-                load.failed = load.failed or f"{type(exc).__name__}: {exc}"
-        finally:
-            batch.finish()
-
-    def _load_layer(self, batch: LayerBatch, i: int, layer: int) -> None:
-        """Layer ``layer`` (local index i) of every chunk of every load still good: one store read, then each
-        object's seal and shape checked before it is scattered into cache layer i."""
-        parts = [(load, *part) for load in batch.loads if not load.failed for part in _parts(load.job)]
-        if not parts:
-            return
-        keys = [object_key(load.job.chunk_keys[index], layer) for load, index, *_ in parts]
-        try:
-            if not self.health.available():
-                raise ConnectionError("the KV store is marked down")
-            with self.store.borrow(keys) as objs:
-                for (load, index, lo, hi, a), key, obj in zip(parts, keys, objs):
-                    self._scatter_layer(load, i, index, key, obj, lo, hi, a)
-            self.health.ok()
-        except Exception as exc:  # noqa: BLE001 - the store failed: this layer's loads recompute
-            logger.warning("layerwise KV load of layer %d failed (%s: %s); recomputing", layer,
-                           type(exc).__name__, exc)
-            self.health.failed(exc)
-            for load, *_ in parts:
-                self._fail(load, f"store error at layer {layer}")
-
-    def _scatter_layer(self, load: LayerLoad, i: int, index: int, key: str, obj, lo: int, hi: int, a: int) -> None:
-        if load.failed:                                   # an earlier chunk of it failed at this layer
-            return
-        checked = self._unsealed(key, obj, load.job.chunk_lens[index])
-        if checked is None:
-            self._fail(load, f"object {key} missing or not right")
-            return
-        view, mac = checked
-        load.macs.setdefault(index, []).append(mac)
-        scatter_kv(self.kv_caches[i], load.job.slots[lo:hi], view[:, a:a + hi - lo])   # view: [C, length, Hkv, D]
-
-    def _check_digests(self, load: LayerLoad) -> None:
-        """Once every layer is in: each chunk's digest (it covers all layers) against the prefill node's."""
-        for index, macs in sorted(load.macs.items()):
-            expect = load.job.digests[index] if index < len(load.job.digests) else ""
-            if not load.failed and expect and not self._digest_ok(load.job.chunk_keys[index], macs, expect):
-                self._fail(load, f"chunk {index} digest mismatch")
-
-    def _fail(self, load: LayerLoad, why: str) -> None:
-        if not load.failed:
-            load.failed = why
-            self.failures += 1
-
-    @contextlib.contextmanager
-    def _layer_scope(self, batch: LayerBatch):
-        """CUDA: the loader's layer stream, after the batch's fence; CPU: nothing (scatters run at once)."""
-        if batch.device.type != "cuda":
-            yield None
-            return
-        if self._layer_stream is None:
-            self._layer_stream = torch.cuda.Stream(batch.device)
-        stream = self._layer_stream
-        if batch.fence is not None:
-            stream.wait_event(batch.fence)
-        with torch.cuda.stream(stream):
-            yield stream
-
-
-def _parts(job: LoadJob):
-    """(chunk index, token lo, token hi, offset in the chunk) of every chunk the load covers: [start, start + n)."""
-    end, chunk_start = job.start + job.num_tokens, 0
-    for index, length in enumerate(job.chunk_lens):
-        lo, hi = max(chunk_start, job.start), min(chunk_start + length, end)
-        if lo < hi:
-            yield index, lo, hi, lo - chunk_start
-        chunk_start += length
-        if chunk_start >= end:
-            break
-
-
-def _mark(stream):
-    """CUDA: an event after what the layer stream has queued so far; None on the CPU."""
-    if stream is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
