@@ -1,27 +1,36 @@
-"""Layerwise loads: one step's store loads read layer-major and handed to the model layer by layer.
+"""Layerwise loads (``--kv-load-layerwise``): one step's store loads read layer-major, handed to the model by layer.
 
-With ``--kv-load-layerwise`` a request whose leading prompt chunks are in the store does not wait in
-WAITING_FOR_KV: the scheduler counts the loaded range as computed and schedules its tail in the same step, and the
-model's ``hooks.before(i)`` (``engine/kv/layer_hooks.py``) waits for layer i of every load of the step. So the tail's
-layer i computes while layers i+1.. are still on their way.
+Design. With the flag a request whose leading prompt chunks are in the store does not wait in WAITING_FOR_KV: the
+scheduler counts the loaded range ``[start, start + n)`` as computed and schedules its tail in the same step; the
+model's ``hooks.before(i)`` (``engine/kv/layer_hooks.py``) waits for layer i of every load of the step, so the tail's
+layer i computes while later layers are still on their way. Every load of a step is one ``LayerBatch``, read by one
+pass over the layers (a request's layer i never waits behind another request's last layer), and the batch has ended
+when the step has (``end_step``): a load never outlives the step that started it, so an abort between steps never
+meets a half-written block.
 
 Who calls what, once per step that started layerwise loads:
 
-    engine thread   batch = connector.begin_step()          LayerBatch of the loads ``start_load`` queued, handed
-                                                            to the loader thread; it is the step's LayerHooks
-    loader thread   ChunkLoader._load_layers(batch)         for layer i: one store read of layer i of every chunk
-                                                            of every load, seal + shape check, scatter into cache i;
-                                                            then batch.layer_done(i)  (CUDA: an event on its stream)
-                    ...after the last layer: each load's chunk digests (all layers of a chunk) are compared;
-                    batch.finish()
+    engine thread   batch = connector.begin_step()          the loads ``start_load`` queued -> loader.start_layers:
+                                                            a LayerBatch for the loader thread; it is the step's hooks
+    loader thread   LayerReader.load(batch)                 (``layer_reader.py``) per group of layers: one store read
+                                                            of those layers of every chunk of every load, each object's
+                                                            seal + shape checked, scattered into its cache layer; then
+                                                            batch.layer_done(i) (CUDA: an event on the reader's stream)
+                    ...after the last layer each load's chunk digests (a digest covers every layer of a chunk) are
+                    compared with the prefill node's; batch.finish()
     engine thread   model: batch.before(i)                  host waits for layer_done(i); CUDA: the compute stream
                                                             waits on layer i's event (no device-wide sync)
-                    connector.end_step() -> batch.wait()    every load of the step has ended; the failed ones
+                    connector.end_step() -> batch.wait()    every load has ended -> the failed ones
 
-A load that fails at layer j (object missing, seal failed, wrong shape, store error) or whose chunk digest differs
-is marked failed; later layers are released at once (nothing more is read for it), so the step still ends. Its
-request computed on a partial cache: the engine drops its result of the step and the scheduler rewinds it to the
-load's start (its local prefix), from where it recomputes. The other loads of the step are unaffected.
+Groups: a store read costs a round trip whatever its size, so layers are read in as many groups as the longest load
+has chunks (a chunk-major load's read count; one layer per read when there are more chunks than layers).
+
+Failure. A load that fails at layer j (object missing, seal failed, wrong shape, store error) or whose chunk digest
+differs is marked failed and not read further; its later layers are released at once, so the step still ends. Its
+request computed on a partial cache: the engine drops its result of the step (no token, no seeded draw) and the
+scheduler rewinds it to the load's start (``Scheduler._rewind``: computed tokens back, blocks kept, nothing of the
+step registered in the prefix cache), from where it recomputes. Other loads of the step are unaffected; no request
+fails. Tensor/pipeline-parallel nodes keep the chunk-major load (their ranks scatter; the flag is ignored, logged).
 
     layer-major order:   L0: c0 c1 c2 | L1: c0 c1 c2 | ... | L(n-1): c0 c1 c2 | digests
     hooks:               before(0) waits ^            before(1) waits ^ ...

@@ -6,7 +6,8 @@ Called by ``StoreConnector`` (engine thread):
     loader.start(req_id, chunk_keys, chunk_lens, slots, start, n)   # request waits in WAITING_FOR_KV
     for req_id, loaded in loader.finished().items(): ...   # loaded <= n tokens; 0 after a failure
     batch = loader.start_layers(jobs)                      # --kv-load-layerwise: one step's loads, layer-major,
-                                                           #   handed to the model layer by layer (layerwise.py)
+                                                           #   handed to the model layer by layer (the design:
+                                                           #   layerwise.py; this thread's half: layer_reader.py)
 
 The loader thread reads each chunk's layer objects and, before a single block is written, checks
 each object's seal (``kvstore.seal``: a MAC with the cluster's seal key over the key it was written for

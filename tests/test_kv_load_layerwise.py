@@ -263,3 +263,21 @@ def test_the_flag_reaches_the_engine_config_and_serve_passes_it_on(tiny_llama):
     assert not config().kv_transfer.kv_load_layerwise
     serve = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--kv-load-layerwise"])
     assert "--kv-load-layerwise" in node_flags(serve)
+
+
+def test_layers_are_read_in_as_many_groups_as_the_longest_load_has_chunks():
+    """A store read costs a round trip: a 30-layer model loading 4 chunks reads 4 groups of <= 8 layers (not 30
+    reads); more chunks than layers: one layer per read."""
+    import torch
+
+    from pdserve.decode.layer_reader import _group_size
+    from pdserve.decode.layerwise import LayerBatch
+    from pdserve.decode.loader import LoadJob
+
+    def batch(*tokens):
+        jobs = [LoadJob(f"r{i}", [f"c{j}" for j in range(8)], [256] * 8, torch.arange(n), 0, n)
+                for i, n in enumerate(tokens)]
+        return LayerBatch(jobs, 30, torch.device("cpu"))
+
+    assert _group_size(30, batch(1024)) == 8 and _group_size(30, batch(256, 1024)) == 8
+    assert _group_size(30, batch(200)) == 30 and _group_size(2, batch(1024)) == 1
