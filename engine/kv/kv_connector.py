@@ -95,6 +95,8 @@ class StoreConnector:
         self._queued: list[LoadJob] = []    # layerwise loads of the step being scheduled
         self._batch = None                  # layerwise: the running step's LayerBatch
         self._discarded: set[str] = set()   # layerwise: requests whose last step computed on a failed load
+        self.layerwise_batches = 0          # steps that ran layerwise loads
+        self.layerwise_wait_s = 0.0         # the engine thread's time blocked in their ``before(i)``
         self._reqs: dict[str, _Transfer] = {}
 
     # -- requests -----------------------------------------------------------------------------
@@ -162,8 +164,10 @@ class StoreConnector:
         batch, self._batch = self._batch, None
         if batch is None:
             return {}
-        failed = {}
-        for rid, load in batch.wait().items():
+        failed, loads = {}, batch.wait()
+        self.layerwise_batches += 1
+        self.layerwise_wait_s += batch.waited_s
+        for rid, load in loads.items():
             self._loaded(rid, load.loaded)
             if load.failed:
                 failed[rid] = load.job.start
@@ -264,6 +268,8 @@ class StoreConnector:
                 "load_integrity_failures": self.loader.integrity_failures,
                 "load_digest_mismatches": self.loader.digest_mismatches,
                 "publish_skipped": self.publisher.skipped, **self.publisher.buffer_stats(),
+                "load_layerwise_batches": self.layerwise_batches,
+                "load_layerwise_wait_seconds": round(self.layerwise_wait_s, 6),
                 **{f"store_{k}": v for k, v in self.health.snapshot().items()}}
 
 
