@@ -4,7 +4,8 @@ Who calls it: ``pdserve.engine.kv.kv_connector.StoreConnector``: the scheduler a
 tokens the store can supply (``ChunkLoader.lookup``), the request waits in ``WAITING_FOR_KV`` while
 ``ChunkLoader`` scatters the leading chunks into its blocks on the loader thread, and the
 scheduler resumes it with whatever arrived (a miss or a bad object means those tokens are
-recomputed, never read wrong).
+recomputed, never read wrong). With ``--kv-load-layerwise`` the request runs at once and the step's loads are
+read layer by layer, the model waiting per layer (``layerwise.py``, ``layer_reader.py``).
 """
 
 from pdserve.decode.loader import ChunkLoader, LoadJob

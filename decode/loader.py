@@ -5,6 +5,9 @@ Called by ``StoreConnector`` (engine thread):
     hit = loader.lookup(chunk_keys, chunk_lens)            # store_hit_tokens (leading chunks, every layer)
     loader.start(req_id, chunk_keys, chunk_lens, slots, start, n)   # request waits in WAITING_FOR_KV
     for req_id, loaded in loader.finished().items(): ...   # loaded <= n tokens; 0 after a failure
+    batch = loader.start_layers(jobs)                      # --kv-load-layerwise: one step's loads, layer-major,
+                                                           #   handed to the model layer by layer (the design:
+                                                           #   layerwise.py; this thread's half: layer_reader.py)
 
 The loader thread reads each chunk's layer objects and, before a single block is written, checks
 each object's seal (``kvstore.seal``: a MAC with the cluster's seal key over the key it was written for
@@ -30,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.decode.layer_reader import LayerReader
+from pdserve.decode.layerwise import LayerBatch
 from pdserve.kernels.chunk_io import ChunkIO
 from pdserve.kernels.scatter_pipe import ScatterPipe
 from pdserve.kernels.transfer import scatter_kv
@@ -70,6 +75,7 @@ class ChunkLoader:
         self.failures = 0                    # loads stopped early: store error, miss or bad object
         self.integrity_failures = 0          # objects whose seal (MAC) failed (deleted from the store)
         self.digest_mismatches = 0           # chunks that differ from what the prefill node published
+        self.layers = LayerReader(self)      # --kv-load-layerwise: this thread's layer-major reads
         self._thread = threading.Thread(target=self._loop, name="kv-loader", daemon=True)
         self._thread.start()
 
@@ -93,6 +99,15 @@ class ChunkLoader:
             job.fence = self.io.fence()
         self._jobs.put(job)
 
+    def start_layers(self, jobs: list[LoadJob]) -> LayerBatch:
+        """Engine thread, after the step's blocks are allocated: the step's layerwise loads, read layer-major by the
+        loader thread; the returned batch is the step's layer hooks (``layerwise.py``)."""
+        device = self.kv_caches[0]["k"].device if self.kv_caches else torch.device("cpu")
+        fence = self.io.fence() if self.io is not None else None
+        batch = LayerBatch(jobs, len(self.kv_caches), device, fence)
+        self._jobs.put(batch)
+        return batch
+
     def finished(self) -> dict[str, int]:
         with self._lock:
             done, self._done = self._done, {}
@@ -106,6 +121,9 @@ class ChunkLoader:
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
+            if isinstance(job, LayerBatch):
+                self.layers.load(job)
+                continue
             try:
                 loaded = self._load(job)
                 self.health.ok()
@@ -137,7 +155,7 @@ class ChunkLoader:
         return self.pipe.job(job.fence) if self.pipe is not None else contextlib.nullcontext()
 
     def _load_chunk(self, job: LoadJob, index: int, slots, a: int, b: int) -> bool:
-        keys = [object_key(job.chunk_keys[index], layer) for layer in self._layers()]
+        keys = [object_key(job.chunk_keys[index], layer) for layer in self.layer_ids()]
         expect = job.digests[index] if index < len(job.digests) else ""
         with self.store.borrow(keys) as objs:
             views = self._verified(keys, objs, job.chunk_lens[index], expect)
@@ -147,7 +165,7 @@ class ChunkLoader:
             self._scatter(views, slots, a, b, job.fence)
         return True
 
-    def _layers(self) -> range:
+    def layer_ids(self) -> range:
         return range(self.first_layer, self.first_layer + len(self.kv_caches))
 
     def _scatter(self, views: list[torch.Tensor], slots, a: int, b: int, fence=None) -> None:
@@ -163,28 +181,40 @@ class ChunkLoader:
         """Typed views of the chunk's layer objects, or None (logged, counted) if any is not right."""
         views, macs = [], []
         for key, obj in zip(keys, objs):
-            if obj is None:
-                logger.warning("chunk object %s is missing; recomputing from here", key)
+            checked = self.unsealed(key, obj, length)
+            if checked is None:
                 return None
-            try:
-                view, mac = unseal(key, obj, self.seal_key)
-            except SealError as exc:
-                self.integrity_failures += 1
-                logger.warning("%s; deleted from the store, recomputing from here", exc)
-                self._discard(key)
-                return None
-            if tuple(view.shape) != self._shape(length):
-                logger.warning("chunk object %s has shape %s, want %s; recomputing from here", key,
-                               tuple(view.shape), self._shape(length))
-                return None
-            views.append(view)
-            macs.append(mac)
-        if expect and chunk_digest(macs) != expect:
-            self.digest_mismatches += 1
-            logger.warning("chunk %s differs from what the prefill node published (digest %s, want %s); "
-                           "recomputing from here", keys[0].rsplit(":", 1)[0], chunk_digest(macs), expect)
+            views.append(checked[0])
+            macs.append(checked[1])
+        if expect and not self.digest_ok(keys[0], macs, expect):
             return None
         return views
+
+    def unsealed(self, key: str, obj, length: int) -> tuple[torch.Tensor, bytes] | None:
+        """(view, mac) of one layer object, or None (logged, counted; a bad seal deletes it) if it is not right."""
+        if obj is None:
+            logger.warning("chunk object %s is missing; recomputing from here", key)
+            return None
+        try:
+            view, mac = unseal(key, obj, self.seal_key)
+        except SealError as exc:
+            self.integrity_failures += 1
+            logger.warning("%s; deleted from the store, recomputing from here", exc)
+            self._discard(key)
+            return None
+        if tuple(view.shape) != self._shape(length):
+            logger.warning("chunk object %s has shape %s, want %s; recomputing from here", key,
+                           tuple(view.shape), self._shape(length))
+            return None
+        return view, mac
+
+    def digest_ok(self, key: str, macs: list[bytes], expect: str) -> bool:
+        if chunk_digest(macs) == expect:
+            return True
+        self.digest_mismatches += 1
+        logger.warning("chunk %s differs from what the prefill node published (digest %s, want %s); "
+                       "recomputing from here", key.rsplit(":", 1)[0], chunk_digest(macs), expect)
+        return False
 
     def _discard(self, key: str) -> None:
         try:

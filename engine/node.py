@@ -99,6 +99,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill/both: device memory (CUDA; plus as much pinned host memory) that holds KV chunks "
                         "between the step that computed them and their put to the store, in whole chunks, outside "
                         "--kv-cache-memory-bytes; when it is full the step waits (docs/kv-guarantees.md)")
+    p.add_argument("--kv-load-layerwise", action=argparse.BooleanOptionalAction, default=False,
+                   help="a request whose prompt KV is in the store runs at once: the load is read layer by layer and "
+                        "layer i's compute waits only for layer i (LMCache's use_layerwise); ignored on tp/pp nodes "
+                        "(docs/kv-guarantees.md)")
     p.add_argument("--kv-events-port", type=int, default=None, metavar="PORT",
                    help="publish KV events (blocks cached / evicted, signed with the cluster token) on "
                         "tcp://127.0.0.1:PORT for the proxy's kv_aware routing; 0: a free port, named in /v1/models")
@@ -152,7 +156,8 @@ def config_from_args(args) -> EngineConfig:
                                      kv_disk_dir=args.kv_disk_dir, kv_auth_token=token_from_args(args, "pdserve node"),
                                      kv_writethrough_queue_bytes=args.kv_writethrough_queue_bytes,
                                      kv_publish_buffer_bytes=args.kv_publish_buffer_bytes,
-                                     kv_events_port=args.kv_events_port),
+                                     kv_events_port=args.kv_events_port,
+                                     kv_load_layerwise=args.kv_load_layerwise),
         engine_core_process=args.engine_core_process,
     )
 

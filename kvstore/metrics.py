@@ -48,6 +48,7 @@ COUNTERS = frozenset({
     "load_failures", "publish_failures", "load_integrity_failures", "load_digest_mismatches",
     "publish_skipped", "store_marked_down",             # KV connector
     "publish_buffer_waits", "publish_buffer_wait_seconds", "publish_buffer_skips",   # publish ring
+    "load_layerwise_batches", "load_layerwise_wait_seconds",   # --kv-load-layerwise: steps, time the model waited
 })
 _warned: set[str] = set()
 

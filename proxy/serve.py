@@ -85,6 +85,7 @@ NODE_FLAGS = (
     ("--torch-compile", bool, "torch.compile on CPU (off by default)"),
     ("--engine-core-process", bool, "the engine core in its own process (the nodes' default)"),
     ("--otlp-traces-endpoint", str, "OpenTelemetry traces to this OTLP/HTTP URL (the proxy's too)"),
+    ("--kv-load-layerwise", bool, "store loads handed to the model layer by layer"),
 )
 
 

@@ -359,3 +359,28 @@ def test_an_aborted_load_keeps_its_blocks_until_the_loader_reports_then_frees_th
     h.step()
     assert not h.sched.has_unfinished() and h.bm.num_free_blocks == h.bm.num_blocks
     h.sched.check_integrity()
+
+
+def test_a_layerwise_load_runs_at_once_and_a_failed_one_rewinds_to_its_start():
+    """--kv-load-layerwise: the request is scheduled in the step that starts its load, its loaded range counted as
+    computed; a failed load (``rewound``) takes that step back -- no token, computed tokens back to the load's start,
+    same blocks, nothing registered in the prefix cache -- and the next step recomputes from there.
+    Mutation caught: ``update_from_output`` ignoring ``rewound`` -> a token sampled from a partial cache is kept."""
+    h = Harness(num_blocks=16, block_size=4, budget=8)
+    loads = ScriptedLoads(loadable=12)
+    loads.layerwise = True
+    h.sched.connector = loads
+    a = h.add("a", range(1, 17), max_tokens=3, ignore_eos=True)
+    out = h.sched.schedule()
+    assert chunks(out) == [("a", 12, 4)] and a.status == RequestStatus.RUNNING and not h.sched.loading
+    assert loads.started["a"][:2] == (0, 12) and len(a.block_ids) == 4 and out.scheduled[0].samples
+    blocks = list(a.block_ids)
+    # the load failed under it: the runner's token came from a partial cache (this harness's runner would refuse)
+    h.sched.update_from_output(out, {"a": 99}, rewound={"a": 0})
+    h.sched.check_integrity()
+    assert a.num_computed_tokens == 0 and a.output_token_ids == [] and a.block_ids == blocks
+    assert h.bm.get_computed_blocks(a) == ([], 0)                  # nothing of the dropped step is cached
+    assert chunks(h.step()) == [("a", 0, 8)]                       # recomputed from the load's start
+    assert chunks(h.step()) == [("a", 8, 8)] and a.output_token_ids == h.expect(a)[:1]
+    h.run()
+    assert a.output_token_ids == h.expect(a)

@@ -166,7 +166,8 @@ class LLMEngine:
         return store, StoreConnector(store, self.model_config, self.layout, self.runner.kv_caches,
                                      self.config.cache.block_size, kv.kv_chunk_tokens, kv.role,
                                      kv.cluster_key().seal_key, kv_io=getattr(self.runner, "kv_io", None),
-                                     publish_buffer_bytes=kv.kv_publish_buffer_bytes)
+                                     publish_buffer_bytes=kv.kv_publish_buffer_bytes,
+                                     layerwise=kv.kv_load_layerwise)
 
     @property
     def max_model_len(self) -> int:
@@ -251,14 +252,17 @@ class LLMEngine:
         self.iterations.observe(sched_out.num_batched_tokens)
         try:
             sched_out.grammar_bitmask = self.structured.bitmask(sched_out.scheduled)
+            if self.connector is not None:
+                sched_out.load_hooks = self.connector.begin_step()   # --kv-load-layerwise: the step's loads
             sampled = self.runner.execute(sched_out)
         except Exception as exc:  # noqa: BLE001 - the batch's failure, decided in _failed_step
             return self._failed_step(sched_out, exc)
+        rewound = self._end_loads(sampled)
         if self.connector is not None:
             self.connector.after_step(sched_out.scheduled)   # copy finished chunks before blocks are freed
         failed = [self.outputs.fail(rid, sampled.pop(rid).message)
                   for rid in [rid for rid, r in sampled.items() if isinstance(r, SampleFailure)]]
-        self.scheduler.update_from_output(sched_out, {rid: r.token_id for rid, r in sampled.items()})
+        self.scheduler.update_from_output(sched_out, {rid: r.token_id for rid, r in sampled.items()}, rewound)
         if self.kv_events is not None:
             self.kv_events.publish(self.block_manager.take_events())
         outputs = [o for o in failed if o is not None] + \
@@ -267,10 +271,20 @@ class LLMEngine:
             time.sleep(0.001)                                # only waiting on KV loads / publishes
         return outputs
 
+    def _end_loads(self, sampled: dict) -> dict[str, int]:
+        """The step's layerwise loads have ended; a request whose load failed loses what the step gave it (no token,
+        no seeded draw, its input row) -> {request id: token to rewind it to} for the scheduler."""
+        rewound = self.connector.end_step() if self.connector is not None else {}
+        for rid in rewound:
+            sampled.pop(rid, None)
+            self.runner.release(rid)
+        return rewound
+
     def _failed_step(self, sched_out, exc: Exception) -> list[RequestOutput]:
         """The forward pass raised: fail the step's requests, keep the engine if its state is sound."""
         if getattr(self.runner, "failure", None) is not None:
             raise exc                                        # a worker rank died or stalled: unrecoverable
+        self._end_loads({})                                  # no loader write lands in blocks freed below
         logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         outs = [self.outputs.fail(item.request.request_id, message) for item in sched_out.scheduled]

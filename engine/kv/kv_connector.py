@@ -6,6 +6,10 @@ Who calls what (all on the engine thread; the I/O runs on the publisher/loader t
     Scheduler, first admission n = connector.num_loadable_tokens(req, local_hit)   (lookup + accounting)
                                connector.start_load(req, local_hit, n)    req waits in WAITING_FOR_KV
     Scheduler.schedule         connector.finished_loads() -> {id: loaded tokens}   (0 = recompute all)
+  --kv-load-layerwise (``decode/layerwise.py``): start_load queues the load and the request runs in this step
+    LLMEngine.step, before run connector.begin_step() -> the step's LayerHooks (None: no load queued)
+    LLMEngine.step, after run  connector.end_step() -> {id: load start} of loads that failed: their step's
+                               result is dropped and the scheduler rewinds them there
     LLMEngine.step, after run  connector.after_step(scheduled)            publish chunks now complete (may wait
                                                                           for a publish-ring slot: back-pressure)
     request finished           connector.close(req)  -> the response waits for finished_publishes()
@@ -62,7 +66,7 @@ class _Transfer:
 class StoreConnector:
     def __init__(self, store, model_config, layout, kv_caches: list[dict], block_size: int,
                  chunk_tokens: int, role: str, seal_key: bytes, kv_io=None,
-                 publish_buffer_bytes: int = DEFAULT_BUFFER_BYTES):
+                 publish_buffer_bytes: int = DEFAULT_BUFFER_BYTES, layerwise: bool = False):
         if chunk_tokens % block_size:
             raise ValueError(f"--kv-chunk-tokens {chunk_tokens} must be a multiple of --block-size {block_size}")
         self.store, self.block_size, self.chunk_tokens, self.role = store, block_size, chunk_tokens, role
@@ -84,6 +88,15 @@ class StoreConnector:
         else:   # tp x pp: the cache lives in the worker ranks (pdserve.engine.parallel.kv)
             self.publisher = kv_io.publisher(store, self.health, seal_key, durable, **ring)
             self.loader = kv_io.loader(store, shape, self.health, seal_key)
+        self.layerwise = layerwise and kv_io is None
+        if layerwise and kv_io is not None:
+            logger.warning("--kv-load-layerwise is ignored on a tensor/pipeline-parallel node: its worker ranks load "
+                           "chunk by chunk (the request waits for its load)")
+        self._queued: list[LoadJob] = []    # layerwise loads of the step being scheduled
+        self._batch = None                  # layerwise: the running step's LayerBatch
+        self._discarded: set[str] = set()   # layerwise: requests whose last step computed on a failed load
+        self.layerwise_batches = 0          # steps that ran layerwise loads
+        self.layerwise_wait_s = 0.0         # the engine thread's time blocked in their ``before(i)``
         self._reqs: dict[str, _Transfer] = {}
 
     # -- requests -----------------------------------------------------------------------------
@@ -115,26 +128,59 @@ class StoreConnector:
         slots = _slots(req.block_ids, start + num_tokens, self.block_size)
         digests = t.remote.chunk_digests if t.remote is not None else []
         t.times[0] = time.monotonic()
-        self.loader.start(LoadJob(req.request_id, t.keys, t.lens, slots, start, num_tokens, list(digests)))
+        job = LoadJob(req.request_id, t.keys, t.lens, slots, start, num_tokens, list(digests))
+        if self.layerwise:
+            self._queued.append(job)                        # handed over by begin_step, lands within the step
+        else:
+            self.loader.start(job)
 
     def finished_loads(self) -> dict[str, int]:
         done = self.loader.finished()
         for rid, loaded in done.items():
-            t = self._reqs.get(rid)
-            if t is not None:
-                t.times[1], t.times[2] = time.monotonic(), loaded * self.bytes_per_token
-            if t is not None and t.accounting is not None:
-                if loaded < t.accounting.need_to_load:      # a chunk failed its seal (or vanished): ours to publish
-                    good = _chunks_covered(t.lens, t.accounting.local_hit_tokens + loaded)
-                    t.stored = t.published = min(t.stored, good)
-                t.accounting = t.accounting.with_loaded(loaded)
+            self._loaded(rid, loaded)
         return done
+
+    def _loaded(self, rid: str, loaded: int) -> None:
+        t = self._reqs.get(rid)
+        if t is not None:
+            t.times[1], t.times[2] = time.monotonic(), loaded * self.bytes_per_token
+        if t is not None and t.accounting is not None:
+            if loaded < t.accounting.need_to_load:      # a chunk failed its seal (or vanished): ours to publish
+                good = _chunks_covered(t.lens, t.accounting.local_hit_tokens + loaded)
+                t.stored = t.published = min(t.stored, good)
+            t.accounting = t.accounting.with_loaded(loaded)
+
+    def begin_step(self):
+        """Layerwise: hand the loads queued by this step's schedule to the loader -> the step's ``LayerHooks``."""
+        self._discarded = set()
+        if not self._queued:
+            return None
+        self._batch, self._queued = self.loader.start_layers(self._queued), []
+        return self._batch
+
+    def end_step(self) -> dict[str, int]:
+        """Layerwise: wait until the step's loads ended (they did, if the model ran its hooks) -> {request id: load
+        start} of those that failed: the step computed them on a partial cache."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return {}
+        failed, loads = {}, batch.wait()
+        self.layerwise_batches += 1
+        self.layerwise_wait_s += batch.waited_s
+        for rid, load in loads.items():
+            self._loaded(rid, load.loaded)
+            if load.failed:
+                failed[rid] = load.job.start
+                logger.warning("layerwise KV load of %s failed (%s); its step is dropped, it recomputes from "
+                               "token %d", rid, load.failed, load.job.start)
+        self._discarded = set(failed)
+        return failed
 
     def after_step(self, scheduled) -> None:
         """Publish every prompt chunk that the step just computed (call before blocks are freed)."""
         for item in scheduled:
             req, t = item.request, self._reqs.get(item.request.request_id)
-            if t is None or not t.publish or not req.block_ids:
+            if t is None or not t.publish or not req.block_ids or req.request_id in self._discarded:
                 continue
             done_tokens = min(item.first_token_index + item.num_new_tokens, req.num_prompt_tokens)
             try:
@@ -222,6 +268,8 @@ class StoreConnector:
                 "load_integrity_failures": self.loader.integrity_failures,
                 "load_digest_mismatches": self.loader.digest_mismatches,
                 "publish_skipped": self.publisher.skipped, **self.publisher.buffer_stats(),
+                "load_layerwise_batches": self.layerwise_batches,
+                "load_layerwise_wait_seconds": round(self.layerwise_wait_s, 6),
                 **{f"store_{k}": v for k, v in self.health.snapshot().items()}}
 
 

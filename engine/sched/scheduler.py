@@ -24,7 +24,10 @@ request takes blocks for them and waits in WAITING_FOR_KV (in ``loading``, count
 ``max_num_seqs``, spending no token budget) while the loader fills those blocks; when the load
 reports back, the request joins ``running`` with those tokens computed (a failed load reports 0:
 the tokens are recomputed). A request aborted while loading keeps its blocks until the loader
-is done with them.
+is done with them. With a layerwise connector (``--kv-load-layerwise``) the request does not wait: it is
+scheduled at once with the loaded range counted as computed, the load lands layer by layer during that step, and
+a load that failed makes ``update_from_output`` rewind it (``rewound``: its computed tokens go back to the load's
+start, it keeps its blocks, nothing of that step counts) to recompute from its local prefix.
 
 With structured outputs (``grammars``: the engine's ``StructuredOutputManager``), a request with a constraint
 waits in WAITING_FOR_GRAMMAR (in ``compiling``: no blocks, no budget, not counted against ``max_num_seqs``)
@@ -66,6 +69,7 @@ class SchedulerOutput:
     rejected: list[Request] = field(default_factory=list)    # can never fit: FINISHED_*, freed
     num_batched_tokens: int = 0
     grammar_bitmask: object | None = None   # GrammarBitmask of the step's structured samples (set by LLMEngine)
+    load_hooks: object | None = None        # LayerHooks of the step's layerwise loads (set by LLMEngine)
 
 
 class Scheduler:
@@ -212,22 +216,25 @@ class Scheduler:
                 continue
             blocks, num_hit = bm.get_computed_blocks(req)
             num_load = self._loadable(req, num_hit)
-            if num_load:
+            if num_load and not getattr(self.connector, "layerwise", False):
                 if not bm.allocate_slots(req, num_load, blocks):
                     break
                 self._start_load(req, num_hit, num_load)
                 continue
-            num_new = min(req.num_tokens - num_hit, budget)
-            if not bm.allocate_slots(req, num_new, blocks):
+            num_new = min(req.num_tokens - num_hit - num_load, budget)    # a load never covers the last token
+            if not bm.allocate_slots(req, num_load + num_new, blocks):
                 break
             self.waiting.popleft()
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + num_load
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
+            if num_load:                                 # layerwise: it lands during this step
+                req.num_loaded_tokens = num_load
+                self.connector.start_load(req, num_hit, num_load)
             req.status = RequestStatus.RUNNING
             req.scheduled_time = req.scheduled_time or time.monotonic()
             bisect.insort(self.running, req, key=lambda r: self._order[r.request_id])
-            out.scheduled.append(ScheduledRequest(req, num_new, num_hit))
+            out.scheduled.append(ScheduledRequest(req, num_new, num_hit + num_load))
             budget -= num_new
 
     # ---- structured outputs -------------------------------------------------------------
@@ -298,9 +305,12 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           rewound: dict[str, int] | None = None) -> list[Request]:
         """Advance every scheduled request, append sampled tokens, check stops.
 
+        ``rewound``: {request id: token} of requests whose step must not count (a layerwise load under it
+        failed): they go back to that many computed tokens instead (``_rewind``).
         Returns the requests that finished in this step (rejected ones included); they are
         already freed. Requests finished or aborted since ``schedule()`` are skipped.
         """
@@ -308,6 +318,9 @@ class Scheduler:
         for item in output.scheduled:
             req = item.request
             if req.status != RequestStatus.RUNNING:
+                continue
+            if rewound and req.request_id in rewound:
+                self._rewind(req, rewound[req.request_id])
                 continue
             try:
                 status = self._advance(req, item, sampled)
@@ -337,6 +350,17 @@ class Scheduler:
         complete = req.sampling_params.structured is not None and self.grammars.accept(req, token)
         status = check_stop(req, self.max_model_len)
         return RequestStatus.FINISHED_STOPPED if status is None and complete else status
+
+    def _rewind(self, req: Request, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` computed tokens (they are valid in its blocks); it keeps every block
+        and the next schedule recomputes the rest, like a load that reported fewer tokens. Its blocks past
+        ``num_tokens`` were never registered in the prefix cache (that happens after a step that counted)."""
+        if not 0 <= num_tokens <= req.num_computed_tokens:
+            raise ValueError(f"cannot rewind {req.request_id!r} to token {num_tokens}: it has "
+                             f"{req.num_computed_tokens} computed")
+        req.num_computed_tokens = num_tokens
+        req.num_loaded_tokens = 0
+        logger.debug("rewind %s to %d computed tokens", req.request_id, num_tokens)
 
     def _retire(self, req: Request, status: RequestStatus) -> None:
         self.block_manager.free(req)
