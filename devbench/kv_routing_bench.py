@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -67,8 +68,8 @@ def metric(url: str, name: str, **labels) -> float:
 
 def multi_round_args(a, seed: int) -> list[str]:
     return ["--seed", str(seed), "--dataset-name", "multi-round", "--multi-round-users", str(a.users), "--multi-round-rounds",
-            str(a.rounds), "--multi-round-system-len", str(a.system_len), "--multi-round-question-len", "32",
-            "--multi-round-answer-len", "32", "--max-concurrency", str(a.users)]
+            str(a.rounds), "--multi-round-system-len", str(a.system_len), "--multi-round-question-len", str(a.question_len),
+            "--multi-round-answer-len", str(a.answer_len), "--max-concurrency", str(a.users)]
 
 
 def shared_prefix_args(a) -> list[str]:
@@ -105,7 +106,8 @@ def _common(a: list[int], b: list[int]) -> int:
 def spec(kv: bool, a) -> ClusterSpec:
     proxy = ("--routing-policy", "kv_aware", "--local-prefill-threshold", str(a.threshold)) if kv else \
         ("--routing-policy", "round_robin")
-    return ClusterSpec(prefill=2, decode=2, kv_routing=kv, node_flags=NODE_FLAGS, proxy_flags=proxy)
+    return ClusterSpec(prefill=2, decode=2, kv_routing=kv, node_flags=NODE_FLAGS + tuple(shlex.split(a.node_args)),
+                       proxy_flags=proxy)
 
 
 def decisions(url: str) -> dict[str, float]:
@@ -144,6 +146,10 @@ def main() -> int:
     p.add_argument("--threshold", type=int, default=128, help="the kv run's --local-prefill-threshold")
     p.add_argument("--prefix-prompts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="multi-round runs per cluster, alternating")
+    p.add_argument("--node-args", default="", help="more flags for every node, e.g. \"--kv-cache-memory-bytes "
+                   "268435456\" (8 nodes at once: a real model's default KV cache may not fit the box)")
+    p.add_argument("--question-len", type=int, default=32, help="multi-round question tokens per round")
+    p.add_argument("--answer-len", type=int, default=32, help="multi-round answer tokens per round (in the history)")
     p.add_argument("--output", default="kv_routing.json")
     a = p.parse_args()
     out = Path(tempfile.mkdtemp(prefix="kv-routing-bench-"))
