@@ -115,6 +115,19 @@ def decisions(url: str) -> dict[str, float]:
                                                                                       "decode_local")}
 
 
+def run_sequential(model: str, out: Path, a) -> dict:
+    """``--sequential``: one cluster up at a time (baseline, then kv), for models whose 8 engines do not fit the box at
+    once; the box's load then differs between the two, so take more repeats. No shared-prefix part."""
+    res = {}
+    for name, kv in (("baseline", False), ("kv", True)):
+        with LocalCluster(model, spec(kv, a)) as c:
+            ttft = [later_rounds_ttft(bench(c.url, out, f"{name}-multi-round-{i}", multi_round_args(a, 10 + i)))
+                    for i in range(a.repeats)]
+            res[name] = {"later_rounds_mean_ttft_ms": ttft, "decisions": decisions(c.url)}
+    res["shared_prefix"] = {"store_hit_tokens_per_request": 0.0, "ideal_per_request": 0.0}
+    return res
+
+
 def run(model: str, out: Path, a) -> dict:
     """Both clusters up at once; each repeat runs the multi-round workload (fresh prompts: seed 10 + i) against both
     at the same time, so both see the same machine load (and each other's, alike)."""
@@ -150,6 +163,7 @@ def main() -> int:
                    "268435456\" (8 nodes at once: a real model's default KV cache may not fit the box)")
     p.add_argument("--question-len", type=int, default=32, help="multi-round question tokens per round")
     p.add_argument("--answer-len", type=int, default=32, help="multi-round answer tokens per round (in the history)")
+    p.add_argument("--sequential", action="store_true", help="one cluster at a time (see run_sequential)")
     p.add_argument("--output", default="kv_routing.json")
     a = p.parse_args()
     out = Path(tempfile.mkdtemp(prefix="kv-routing-bench-"))
@@ -158,7 +172,7 @@ def main() -> int:
         from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(out / "tiny", arch="llama", seed=0))
-    res = run(model, out, a)
+    res = (run_sequential if a.sequential else run)(model, out, a)
     base, kv = (sum(res[n]["later_rounds_mean_ttft_ms"]) / a.repeats for n in ("baseline", "kv"))
     pairs = [k / b for k, b in zip(res["kv"]["later_rounds_mean_ttft_ms"], res["baseline"]["later_rounds_mean_ttft_ms"])]
     sp = res["shared_prefix"]
