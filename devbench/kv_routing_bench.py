@@ -1,6 +1,7 @@
 """Routing by cache vs round robin, same run: TTFT of later chat rounds, and store hits against the ideal.
 
     python devbench/kv_routing_bench.py [--model DIR] [--users 4 --rounds 3 --repeats 3] [--output kv_routing.json]
+                                        [--node-args "..."] [--sequential]
 
 Two local clusters up at once, each ``--prefill 2 --decode 2`` with a store daemon and the same nodes' flags; the
 same fixed-seed workloads (``pdserve bench serve``, streaming) run against both at the same time, ``--repeats``
