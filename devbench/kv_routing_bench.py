@@ -1,6 +1,7 @@
 """Routing by cache vs round robin, same run: TTFT of later chat rounds, and store hits against the ideal.
 
     python devbench/kv_routing_bench.py [--model DIR] [--users 4 --rounds 3 --repeats 3] [--output kv_routing.json]
+                                        [--node-args "..."] [--sequential]
 
 Two local clusters up at once, each ``--prefill 2 --decode 2`` with a store daemon and the same nodes' flags; the
 same fixed-seed workloads (``pdserve bench serve``, streaming) run against both at the same time, ``--repeats``
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -67,8 +69,8 @@ def metric(url: str, name: str, **labels) -> float:
 
 def multi_round_args(a, seed: int) -> list[str]:
     return ["--seed", str(seed), "--dataset-name", "multi-round", "--multi-round-users", str(a.users), "--multi-round-rounds",
-            str(a.rounds), "--multi-round-system-len", str(a.system_len), "--multi-round-question-len", "32",
-            "--multi-round-answer-len", "32", "--max-concurrency", str(a.users)]
+            str(a.rounds), "--multi-round-system-len", str(a.system_len), "--multi-round-question-len", str(a.question_len),
+            "--multi-round-answer-len", str(a.answer_len), "--max-concurrency", str(a.users)]
 
 
 def shared_prefix_args(a) -> list[str]:
@@ -105,12 +107,26 @@ def _common(a: list[int], b: list[int]) -> int:
 def spec(kv: bool, a) -> ClusterSpec:
     proxy = ("--routing-policy", "kv_aware", "--local-prefill-threshold", str(a.threshold)) if kv else \
         ("--routing-policy", "round_robin")
-    return ClusterSpec(prefill=2, decode=2, kv_routing=kv, node_flags=NODE_FLAGS, proxy_flags=proxy)
+    return ClusterSpec(prefill=2, decode=2, kv_routing=kv, node_flags=NODE_FLAGS + tuple(shlex.split(a.node_args)),
+                       proxy_flags=proxy)
 
 
 def decisions(url: str) -> dict[str, float]:
     return {d: metric(url, "pdserve_proxy_pd_decisions_total", decision=d) for d in ("prefill", "store_hit",
                                                                                       "decode_local")}
+
+
+def run_sequential(model: str, out: Path, a) -> dict:
+    """``--sequential``: one cluster up at a time (baseline, then kv), for models whose 8 engines do not fit the box at
+    once; the box's load then differs between the two, so take more repeats. No shared-prefix part."""
+    res = {}
+    for name, kv in (("baseline", False), ("kv", True)):
+        with LocalCluster(model, spec(kv, a)) as c:
+            ttft = [later_rounds_ttft(bench(c.url, out, f"{name}-multi-round-{i}", multi_round_args(a, 10 + i)))
+                    for i in range(a.repeats)]
+            res[name] = {"later_rounds_mean_ttft_ms": ttft, "decisions": decisions(c.url)}
+    res["shared_prefix"] = {"store_hit_tokens_per_request": 0.0, "ideal_per_request": 0.0}
+    return res
 
 
 def run(model: str, out: Path, a) -> dict:
@@ -144,6 +160,11 @@ def main() -> int:
     p.add_argument("--threshold", type=int, default=128, help="the kv run's --local-prefill-threshold")
     p.add_argument("--prefix-prompts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="multi-round runs per cluster, alternating")
+    p.add_argument("--node-args", default="", help="more flags for every node, e.g. \"--kv-cache-memory-bytes "
+                   "268435456\" (8 nodes at once: a real model's default KV cache may not fit the box)")
+    p.add_argument("--question-len", type=int, default=32, help="multi-round question tokens per round")
+    p.add_argument("--answer-len", type=int, default=32, help="multi-round answer tokens per round (in the history)")
+    p.add_argument("--sequential", action="store_true", help="one cluster at a time (see run_sequential)")
     p.add_argument("--output", default="kv_routing.json")
     a = p.parse_args()
     out = Path(tempfile.mkdtemp(prefix="kv-routing-bench-"))
@@ -152,7 +173,7 @@ def main() -> int:
         from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(out / "tiny", arch="llama", seed=0))
-    res = run(model, out, a)
+    res = (run_sequential if a.sequential else run)(model, out, a)
     base, kv = (sum(res[n]["later_rounds_mean_ttft_ms"]) / a.repeats for n in ("baseline", "kv"))
     pairs = [k / b for k, b in zip(res["kv"]["later_rounds_mean_ttft_ms"], res["baseline"]["later_rounds_mean_ttft_ms"])]
     sp = res["shared_prefix"]

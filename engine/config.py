@@ -104,6 +104,7 @@ class KVTransferConfig:
     kv_chunk_tokens: int = 256
     kv_cpu_bytes: int = 2 << 30             # embedded store's L1 budget
     kv_redis: str | None = None             # embedded store's L2
+    kv_redis_prefix: str = "pdkv:"          # its key prefix (the proxy's --kv-redis-prefix for lookups)
     kv_disk_dir: str | None = None          # embedded store's L3
     kv_writethrough_queue_bytes: int = 256 << 20   # embedded store's write-through queue bound
     kv_auth_token: str = field(default="", repr=False)   # the cluster token (kvstore/auth.py); never printed

@@ -91,6 +91,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-chunk-tokens", type=int, default=256, help="tokens per stored KV chunk")
     p.add_argument("--kv-cpu-bytes", type=int, default=2 << 30, help="embedded store: L1 memory budget")
     p.add_argument("--kv-redis", default=None, help="embedded store: L2 redis://HOST:PORT/DB")
+    p.add_argument("--kv-redis-prefix", default="pdkv:", help="embedded store: the key prefix in Redis (a cluster's "
+                   "nodes, and the proxy's --kv-redis-prefix, share it)")
     p.add_argument("--kv-disk-dir", default=None, help="embedded store: L3 directory")
     p.add_argument("--kv-writethrough-queue-bytes", type=int, default=256 << 20,
                    help="embedded store: bytes queued for Redis/disk before writes are dropped "
@@ -153,7 +155,7 @@ def config_from_args(args) -> EngineConfig:
                                 dist_backend=args.dist_backend),
         kv_transfer=KVTransferConfig(role=args.role, kv_store=args.kv_store, kv_chunk_tokens=args.kv_chunk_tokens,
                                      kv_cpu_bytes=args.kv_cpu_bytes, kv_redis=args.kv_redis,
-                                     kv_disk_dir=args.kv_disk_dir, kv_auth_token=token_from_args(args, "pdserve node"),
+                                     kv_redis_prefix=args.kv_redis_prefix, kv_disk_dir=args.kv_disk_dir, kv_auth_token=token_from_args(args, "pdserve node"),
                                      kv_writethrough_queue_bytes=args.kv_writethrough_queue_bytes,
                                      kv_publish_buffer_bytes=args.kv_publish_buffer_bytes,
                                      kv_events_port=args.kv_events_port,

@@ -61,7 +61,7 @@ class ProxyState:
         self.client = ConnectionPool(config.max_node_connections, config.connect_timeout_s, config.request_timeout_s,
                                      bearer=config.node_api_key)
         self.kv = KVRouting(self.metrics, config.kv_store, config.kv_auth_token, config.local_prefill_threshold,
-                            config.skip_prefill_on_store_hit)
+                            config.skip_prefill_on_store_hit, redis_prefix=config.kv_redis_prefix)
         self.orchestrator = Orchestrator(self.client, self.prefill, self.decode, self.metrics, config.max_attempts,
                                          lambda: self.health.model_name, math.ceil(config.health_interval_s),
                                          config.expose_kv_accounting, self.kv)

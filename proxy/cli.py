@@ -63,7 +63,11 @@ def register(subparsers) -> None:
                         "by the nodes' KV events, the store's lookup and load (docs/routing.md)")
     p.add_argument("--kv-store", default=None, metavar="tcp://HOST:PORT",
                    help="the store daemon the nodes use: the proxy looks each prompt up (needs the cluster token: "
-                        "PDSERVE_KV_AUTH_TOKEN or --kv-auth-token-file, which also verifies the nodes' KV events)")
+                        "PDSERVE_KV_AUTH_TOKEN or --kv-auth-token-file, which also verifies the nodes' KV events); "
+                        "or, for nodes with embedded stores sharing Redis, that Redis (redis://HOST:PORT/DB): "
+                        "the proxy asks Redis itself")
+    p.add_argument("--kv-redis-prefix", default="pdkv:",
+                   help="with a Redis --kv-store: the key prefix the nodes store under (their --kv-redis-prefix)")
     p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
                    help="a prompt of which fewer tokens are uncached (in the store or the decode node's prefix cache) "
                         "is prefilled by the decode node itself; 0: never")
@@ -94,7 +98,7 @@ def config_from_args(args) -> ProxyConfig:
         trust_traceparent=args.trust_traceparent,
         prefill_policy=args.prefill_policy or args.routing_policy or "prefix_aware",
         decode_policy=args.decode_policy or args.routing_policy or "least_loaded",
-        kv_store=args.kv_store, kv_auth_token=token_from_args(args, "pdserve proxy"),
+        kv_store=args.kv_store, kv_redis_prefix=args.kv_redis_prefix, kv_auth_token=token_from_args(args, "pdserve proxy"),
         local_prefill_threshold=args.local_prefill_threshold,
         skip_prefill_on_store_hit=args.skip_prefill_on_store_hit,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,

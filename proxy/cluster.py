@@ -196,6 +196,8 @@ class LocalCluster:
 
     def _start_proxy(self, sock) -> None:
         store = ["--kv-store", self.store_url] if self.spec.kv_routing and self.store_url else []
+        if self.spec.kv_routing and self.spec.store == "embedded" and self.spec.kv_redis:   # no daemon: ask Redis
+            store = ["--kv-store", self.spec.kv_redis, *_flag_value(self._all_node_flags(), "--kv-redis-prefix")]
         child = self._spawn("proxy", ["proxy", "--model", self.model_dir, "--host", self.spec.proxy_host,
                                       "--prefill", *self.prefill_urls, "--decode", *self.decode_urls, *store,
                                       "--expose-kv-accounting" if self.spec.expose_kv_accounting
@@ -402,3 +404,13 @@ def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _flag_value(flags: tuple[str, ...], name: str) -> list[str]:
+    """``[name, value]`` as the nodes' flags give it (``name value`` or ``name=value``), [] when absent."""
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            return [name, flags[i + 1]]
+        if flag.startswith(name + "="):
+            return [flag]
+    return []

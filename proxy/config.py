@@ -9,6 +9,8 @@ from pdserve.engine.server.tools.config import ToolConfig
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 
+STORE_SCHEMES = ("tcp://", "redis://", "rediss://", "unix://", "redis+cluster://")
+
 
 @dataclass(frozen=True)
 class ProxyConfig:
@@ -34,7 +36,9 @@ class ProxyConfig:
     prefix_chunk_tokens: int = 256               # chunk size of the routing keys (the store's default)
     max_node_connections: int = 1024             # the pool of node calls (health probes have their own)
     timeout_keep_alive_s: float = 75.0           # an idle client connection is closed after this (see cli)
-    kv_store: str | None = None                  # tcp://HOST:PORT of the store daemon: lookups for routing
+    kv_store: str | None = None                  # tcp://HOST:PORT of the store daemon, or the nodes' shared Redis
+                                                 # (redis://, redis+cluster://): lookups for routing
+    kv_redis_prefix: str = "pdkv:"               # with a Redis kv_store: the nodes' --kv-redis-prefix
     kv_auth_token: str = field(default="", repr=False)   # the cluster token: store requests, KV events' MAC
     local_prefill_threshold: int = 0             # uncached prompt tokens below this: the decode node prefills
     skip_prefill_on_store_hit: bool = True       # with kv_store: a full store hit goes to the decode node only
@@ -56,8 +60,9 @@ class ProxyConfig:
         _positive("--timeout-keep-alive", self.timeout_keep_alive_s)
         if self.local_prefill_threshold < 0:
             raise ValueError(f"--local-prefill-threshold must be >= 0, got {self.local_prefill_threshold}")
-        if self.kv_store is not None and not self.kv_store.startswith("tcp://"):
-            raise ValueError(f"--kv-store {self.kv_store!r} must be tcp://HOST:PORT (a `pdserve kvstore` daemon)")
+        if self.kv_store is not None and not self.kv_store.startswith(STORE_SCHEMES):
+            raise ValueError(f"--kv-store {self.kv_store!r} must be tcp://HOST:PORT (a `pdserve kvstore` daemon) or "
+                             "the nodes' Redis (redis://, rediss://, redis+cluster://)")
         for flag, urls in (("--prefill", self.prefill_urls), ("--decode", self.decode_urls)):
             _check_urls(flag, urls)
         _check_tenancy(self)

@@ -2,41 +2,50 @@
 
 Who calls what (all on the proxy's event loop):
 
-    ProxyState.on_card(node, card)   subscriber.watch(node, endpoint)    a node's /v1/models names its endpoint
-                                                                         (again after a restart: a new port)
+    ProxyState.on_card(node, card)   subscriber.watch(node, endpoint,    a node's /v1/models names its endpoints
+                                                      replay)            (again after a restart: a new port)
     app lifespan                     await subscriber.stop()
+    on subscribing, after a gap      replay: a signed request to the node's replay socket -> node.kv.restore
+                                     (``engine.kv.kv_replay``): what it cached before counts at once
     per message                      decode_batch (MAC, bounds) -> node.kv.apply -> metrics
 
 A message that fails its MAC or does not decode, or names another endpoint than the one it arrived from (a batch
 of another node relayed by whoever took this node's port), is dropped and counted (``outcome="forged"``); one that
 replays an old epoch or sequence is dropped as ``stale`` (``kv_state``). Watching a new endpoint for a node forgets what the
-old one said. The socket only connects (to 127.0.0.1 endpoints the nodes bind); see docs/threat-model.md.
+old one said. A replay that fails (no answer in ``REPLAY_TIMEOUT_S``, a bad MAC) is counted (``replay_failed``) and
+routing goes on with the live events; replays of one node are at least ``REPLAY_MIN_INTERVAL_S`` apart. The socket only connects (to 127.0.0.1 endpoints the nodes bind); see docs/threat-model.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 
 import zmq
 import zmq.asyncio
 
 from pdserve.engine.kv.kv_events import decode_batch
+from pdserve.engine.kv.kv_replay import MAX_REPLY_BYTES, NONCE_BYTES, decode_reply, replay_key, request_frames
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.nodes import Node
 
 logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 2 << 20
+REPLAY_TIMEOUT_S = 2.0
+REPLAY_MIN_INTERVAL_S = 1.0
 
 
 class EventSubscriber:
     def __init__(self, key: bytes, metrics: ProxyMetrics):
         self._key, self._metrics = key, metrics
+        self._replay_key = replay_key(key)
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, tuple[str, asyncio.Task]] = {}    # node url -> (endpoint, reader)
 
-    def watch(self, node: Node, endpoint: str) -> None:
-        """Read ``node``'s events from ``endpoint`` (a no-op if already so)."""
+    def watch(self, node: Node, endpoint: str, replay: str | None = None) -> None:
+        """Read ``node``'s events from ``endpoint`` (a no-op if already so), its state first from ``replay``."""
         current = self._tasks.get(node.url)
         if current is not None:
             if current[0] == endpoint:
@@ -49,7 +58,7 @@ class EventSubscriber:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoint)
-        self._tasks[node.url] = (endpoint, asyncio.ensure_future(self._read(node, sock, endpoint)))
+        self._tasks[node.url] = (endpoint, asyncio.ensure_future(self._read(node, sock, endpoint, replay)))
         logger.info("KV events of %s node %s from %s", node.role, node.url, endpoint)
 
     async def stop(self) -> None:
@@ -60,12 +69,41 @@ class EventSubscriber:
         self._tasks.clear()
         self._ctx.term()
 
-    async def _read(self, node: Node, sock, endpoint: str) -> None:
+    async def _read(self, node: Node, sock, endpoint: str, replay: str | None) -> None:
+        last_replay = -REPLAY_MIN_INTERVAL_S
         try:
+            node.kv.needs_replay = True
             while True:
+                if replay and node.kv.needs_replay:
+                    await asyncio.sleep(max(0.0, last_replay + REPLAY_MIN_INTERVAL_S - time.monotonic()))
+                    last_replay = time.monotonic()
+                    await self.replay(node, endpoint, replay)
                 self.handle(node, await sock.recv_multipart(), endpoint)
         finally:
             sock.close()
+
+    async def replay(self, node: Node, endpoint: str, replay: str) -> str:
+        """Ask ``node``'s replay socket for its whole block set (live batches wait in the SUB socket meanwhile);
+        returns the outcome counted (replayed, stale, replay_failed)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES + 1024)
+        nonce = os.urandom(NONCE_BYTES)
+        try:
+            sock.connect(replay)
+            await sock.send_multipart(request_frames(self._replay_key, nonce))
+            if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
+                raise ValueError(f"no answer in {REPLAY_TIMEOUT_S:.0f} s")
+            outcome = node.kv.restore(decode_reply(self._replay_key, await sock.recv_multipart(), nonce, endpoint))
+        except ValueError as exc:
+            logger.warning("KV replay of %s node %s from %s failed: %s; following its live events only", node.role,
+                           node.url, replay, exc)
+            node.kv.needs_replay, outcome = False, "replay_failed"
+        finally:
+            sock.close()
+        self._metrics.kv_events.labels(outcome).inc()
+        self._metrics.node_cached_blocks.labels(node.role, node.url).set(len(node.kv.blocks))
+        return outcome
 
     def handle(self, node: Node, frames: list[bytes], endpoint: str) -> str:
         """One message from ``node``'s socket at ``endpoint``; returns its outcome (accepted, reset, stale, forged)."""

@@ -12,7 +12,9 @@ Who calls what:
 The store is asked once per request, with one batched ``lookup`` of the prompt's chunk keys (no data): the keys
 are the store's own (``kvstore.keys.chunk_keys`` with the nodes' fingerprint, chunk size and the request's
 ``cache_salt``, the last partial chunk included, as the prefill node publishes them). The proxy talks to the
-daemon as any client does, with the cluster token (``--kv-store``, PDSERVE_KV_AUTH_TOKEN); a store that fails
+daemon as any client does, with the cluster token (``--kv-store tcp://``, PDSERVE_KV_AUTH_TOKEN); a cluster whose
+nodes embed their stores and share Redis has no daemon: the proxy asks that Redis (``--kv-store redis://``, the
+nodes' ``--kv-redis-prefix``) with one pipeline of EXISTS on the layer objects' keys. A store that fails
 or is slow is a miss (counted), never a failed request. Lookups run on one thread of their own (the client
 serves one request at a time); a request waits at most ``STORE_TIMEOUT_S`` for its lookup; after a failure or a
 timeout requests route without it (``skipped`` in ``pdserve_proxy_store_lookups``) while one lookup in the
@@ -71,7 +73,7 @@ class Route:
 
 class KVRouting:
     def __init__(self, metrics: ProxyMetrics, store_url: str | None = None, token: str = "",
-                 local_prefill_threshold: int = 0, skip_on_store_hit: bool = True):
+                 local_prefill_threshold: int = 0, skip_on_store_hit: bool = True, redis_prefix: str = "pdkv:"):
         self._metrics, self._store_url = metrics, store_url
         self.threshold, self.skip_on_store_hit = local_prefill_threshold, skip_on_store_hit
         self._key = events_key(token) if token else None
@@ -83,9 +85,7 @@ class KVRouting:
         self._pending = 0                           # lookups submitted and not finished
         if store_url:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdserve-store-lookup")
-            from pdserve.kvstore.client import DaemonClient
-
-            self._client = DaemonClient(store_url, token, shm_bytes=0, timeout_s=STORE_TIMEOUT_S)
+            self._client = _store_client(store_url, token, redis_prefix)
         self.store_space: dict | None = None       # the nodes' {fingerprint, chunk_tokens, num_layers}
         self.block_size = 0
         self._lookup_failed = False
@@ -94,7 +94,7 @@ class KVRouting:
         """A node's model card was read: watch its events, learn the store's key space; the gate's new routing."""
         kv = card.get("kv") if isinstance(card.get("kv"), dict) else {}
         if self.events is not None and isinstance(kv.get("events"), str):
-            self.events.watch(node, kv["events"])
+            self.events.watch(node, kv["events"], kv["replay"] if isinstance(kv.get("replay"), str) else None)
         if isinstance(kv.get("block_size"), int) and kv["block_size"] > 0:
             self.block_size = kv["block_size"]
         store = kv.get("store") if _valid_store_space(kv.get("store")) else None
@@ -204,6 +204,18 @@ class KVRouting:
             await asyncio.to_thread(self._client.close)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _store_client(url: str, token: str, redis_prefix: str):
+    """What ``lookup(chunk_keys, num_layers)`` is asked of: the daemon (tcp://, with the token), or the nodes'
+    shared Redis itself (one pipeline of EXISTS on the keys ``RedisTier`` writes, under the nodes' prefix)."""
+    if url.startswith("tcp://"):
+        from pdserve.kvstore.client import DaemonClient
+
+        return DaemonClient(url, token, shm_bytes=0, timeout_s=STORE_TIMEOUT_S)
+    from pdserve.kvstore.redis_tier import RedisTier
+
+    return RedisTier(url, redis_prefix, timeout_s=STORE_TIMEOUT_S)
 
 
 class _StoreDown(Exception):

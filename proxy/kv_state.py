@@ -12,6 +12,9 @@ Epochs and sequence numbers (each node process draws a random epoch and numbers 
     seq <= the last seen                                      -> dropped ("stale": a replay)
     seq  > the last seen + 1                                  -> events were lost: forget everything, apply
     ``cleared``                                               -> forget everything, then apply its events
+    a replay (``restore``: the node's whole set at seq S)      -> replaces what is known; batches of its epoch up
+                                                                 to S are dropped ("replayed": already in it)
+A gap, or a new epoch first heard after its batch 1, sets ``needs_replay``: the subscriber asks the node for its set.
 Forgetting is always safe: it costs cache hits in routing, never a wrong answer (the node checks its own cache).
 A node silent for ``SILENT_S`` (no batch, not even its heartbeat every ``HEARTBEAT_S``: its publisher died, the
 socket broke, the process is stopped) is credited with nothing until it speaks again.
@@ -38,6 +41,8 @@ class NodeKVState:
     resets: int = 0                                   # times the state was forgotten (restart, gap, clear)
     heard: float = 0.0                                # monotonic time of its last verified batch
     retired: frozenset = frozenset()                  # epochs this node had before (never taken back)
+    needs_replay: bool = False                        # events were missed: ask the node for its whole set
+    replayed_seq: int = 0                             # the seq the last replay of this epoch stood at
 
     def apply(self, batch) -> str:
         """Apply one verified ``EventBatch``; returns "accepted", "stale" or "reset" (accepted after forgetting)."""
@@ -46,15 +51,15 @@ class NodeKVState:
             if batch.epoch in self.retired or self.epoch and batch.started <= self.started and not self._silent():
                 return "stale"
             first = not self.epoch
-            if not first:
-                self.retired = (self.retired | {self.epoch}) if len(self.retired) < MAX_RETIRED else {self.epoch}
-            self.epoch, self.started, self.seq = batch.epoch, batch.started, 0
+            self._enter(batch.epoch, batch.started)
             if not first:
                 outcome = self._forget()
+            self.needs_replay = batch.seq > 1
         elif batch.seq <= self.seq:
-            return "stale"
+            return "replayed" if batch.seq <= self.replayed_seq else "stale"
         elif batch.seq > self.seq + 1:
             outcome = self._forget()
+            self.needs_replay = True
         self.seq = batch.seq
         if batch.cleared and self.blocks:
             outcome = self._forget()
@@ -64,6 +69,24 @@ class NodeKVState:
         if len(self.blocks) > MAX_BLOCKS:
             outcome = self._forget()
         return outcome
+
+    def restore(self, state) -> str:
+        """Apply a verified ``kv_replay.ReplayState``: the node's whole set as of its batch ``state.seq``;
+        "replayed", or "stale" for an epoch this node had before or one older than the current."""
+        if state.epoch != self.epoch:
+            if state.epoch in self.retired or self.epoch and state.started < self.started:
+                return "stale"
+            self._enter(state.epoch, state.started)
+        self.seq = self.replayed_seq = state.seq
+        self.blocks = set(state.blocks)
+        self.heard = time.monotonic()
+        self.needs_replay = False
+        return "replayed"
+
+    def _enter(self, epoch: str, started: float) -> None:
+        if self.epoch:
+            self.retired = (self.retired | {self.epoch}) if len(self.retired) < MAX_RETIRED else {self.epoch}
+        self.epoch, self.started, self.seq, self.replayed_seq = epoch, started, 0, 0
 
     def forget(self) -> None:
         """The node is gone (or its events are): nothing it announced is assumed any more. Its epoch is kept:

@@ -46,7 +46,8 @@ class ProxyMetrics:
                                         registry=r)
         self.kv_events = Counter("pdserve_proxy_kv_events", "KV-event batches from the nodes by outcome (accepted, "
                                  "reset: accepted after forgetting the node's state, stale: a replayed epoch or "
-                                 "sequence, forged: bad MAC or malformed)", ["outcome"], registry=r)
+                                 "sequence, forged: bad MAC or malformed; replayed: a node's whole set read from its replay "
+                                 "socket, or a batch it already held; replay_failed)", ["outcome"], registry=r)
         self.node_cached_blocks = Gauge("pdserve_proxy_node_cached_blocks", "blocks a node's KV events say its prefix "
                                         "cache holds", ["role", "node"], registry=r)
 

@@ -104,11 +104,13 @@ class AsyncEngine:
 
     def kv_card(self) -> dict:
         """What the proxy's kv_aware routing needs to know of this node (``/v1/models``' ``kv`` field): its block
-        size and KV-event endpoint, and its store's key space (fingerprint, chunk size, layers), None without one."""
+        size, KV-event and replay endpoints, and its store's key space (fingerprint, chunk size, layers), None
+        without one."""
         info = self.engine.store_info()
         store = None if info is None else {"fingerprint": info.fingerprint, "chunk_tokens": info.chunk_tokens,
                                            "num_layers": info.num_layers}
-        return {"block_size": self.block_size, "events": self.engine.kv_events_endpoint or None, "store": store}
+        return {"block_size": self.block_size, "events": self.engine.kv_events_endpoint or None,
+                "replay": self.engine.kv_replay_endpoint or None, "store": store}
 
     def stats(self) -> EngineStats:
         if self._thread is None:

@@ -76,7 +76,7 @@ class EngineCoreClient:
             raise
         self.pid, self.max_model_len, self._store, self._stats = ready.pid, ready.max_model_len, ready.store, \
             ready.stats
-        self.kv_events_endpoint = ready.kv_events
+        self.kv_events_endpoint, self.kv_replay_endpoint = ready.kv_events, ready.kv_replay
         self._outputs = OutputProcessor(self.tokenizer, wait_for_core=ready.store is not None)
         logger.info("engine core ready in process %d (%d KV blocks)", ready.pid, ready.num_blocks)
         self._receiver = threading.Thread(target=self._receive_loop, name="pdserve-core-receiver", daemon=True)

@@ -141,6 +141,10 @@ class LLMEngine:
     def kv_events_endpoint(self) -> str:
         return "" if self.kv_events is None else self.kv_events.endpoint
 
+    @property
+    def kv_replay_endpoint(self) -> str:
+        return "" if self.kv_events is None else self.kv_events.replay_endpoint
+
     def shutdown(self) -> None:
         """Stop the KV publisher/loader, close a store this engine built (detaching from a daemon),
         then stop the worker ranks of a tp x pp engine. Idempotent."""

@@ -107,6 +107,7 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
     stats: EngineStats
     store: StoreInfo | None = None   # None: the core has no KV store
     kv_events: str = ""              # the core's KV-event endpoint (``--kv-events-port``); "": none
+    kv_replay: str = ""              # its replay socket (``engine.kv.kv_replay``); "": none
     version: int = VERSION
 
 

@@ -211,7 +211,8 @@ def serve(start: m.StartCore) -> int:
         gc.freeze()                          # start-up objects (65k KV blocks...): never scanned again
         loop = CoreLoop(engine, inbox, outbox)
         outbox.send(m.Ready(os.getpid(), engine.max_model_len, engine.runtime.num_blocks, loop.stats(),
-                            engine.store_info(), engine.kv_events_endpoint))
+                            engine.store_info(), engine.kv_events_endpoint,
+                            engine.kv_replay_endpoint))
         heartbeat = Heartbeat(outbox)
         return loop.run()
     except Exception as exc:  # noqa: BLE001 - a failed start (bad config, missing weights): tell the API why

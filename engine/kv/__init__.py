@@ -10,6 +10,7 @@ Called by ``LLMEngine`` (the store and the connector, once at start; publishes a
                       attention and the store
     store_factory.py  the store a node talks to, from its KVTransferConfig (embedded tiers or a daemon client)
     kv_events.py      KV events (blocks cached / evicted) signed and published over ZMQ for the proxy's routing
+    kv_replay.py      the replay socket: a subscriber that joins late or lost events reads the whole block set
 
 The store itself (tiers, daemon, seals) is ``pdserve.kvstore``.
 """

@@ -18,7 +18,8 @@ Who may publish and subscribe: the socket binds 127.0.0.1 only; anyone local can
 the cluster token can make a batch the proxy accepts (the MAC), and what a reader sees is opaque: every block hash
 leaves the node as ``public_hash`` -- a keyed hash of it -- so a local user without the token cannot test whether
 a prompt they guess is cached. Block hashes are already salted per tenant (``sched.hashing.salt_root``). The
-first batch of an epoch carries ``cleared``: a restarted node's state starts empty. See docs/threat-model.md.
+first batch of an epoch carries ``cleared``: a restarted node's state starts empty. A subscriber that joins late or
+lost events asks the publisher's replay socket for the whole set (``kv_replay``). See docs/threat-model.md.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import time
 import blake3
 import msgspec
 import zmq
+
+from pdserve.engine.kv.kv_replay import BlockMirror, ReplayServer, ReplayState
 
 logger = logging.getLogger(__name__)
 TOPIC = b"kv-events"
@@ -96,7 +99,7 @@ def _equal(a: bytes, b: bytes) -> bool:
 
 class KVEventPublisher:
     """Binds a PUB socket on 127.0.0.1 (``port`` 0: a free one; ``endpoint`` names it) and sends what
-    ``publish`` hands it from its own thread."""
+    ``publish`` hands it from its own thread; a replay ROUTER beside it (``replay_endpoint``, ``kv_replay``)."""
 
     def __init__(self, token: str, port: int = 0):
         self._key = events_key(token)
@@ -110,6 +113,9 @@ class KVEventPublisher:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._pending_clear = True                    # the first batch of an epoch clears the subscriber's view
+        self._mirror = BlockMirror()                  # what the batches sent leave stored: the replay's answer
+        self._replay = ReplayServer(self._key, self._mirror, self._describe)
+        self.replay_endpoint = self._replay.endpoint
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-events", daemon=True)
         self._thread.start()
         logger.info("KV events on %s (epoch %s)", self.endpoint, self._epoch[:8])
@@ -123,7 +129,11 @@ class KVEventPublisher:
         self._stop.set()
         self._inbox.put([])
         self._thread.join(timeout=2.0)
+        self._replay.close()
         self._sock.close()
+
+    def _describe(self, seq: int, blocks: list[int], nonce: bytes) -> ReplayState:
+        return ReplayState(self._epoch, self._started, seq, blocks, self.endpoint, nonce.hex())
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -146,6 +156,7 @@ class KVEventPublisher:
         stored = [public_hash(self._key, h) for h in stored]
         removed = [public_hash(self._key, h) for h in removed]
         self._seq += 1
+        self._mirror.apply(self._seq, any(e[0] == "cleared" for e in events), stored, removed)
         batch = EventBatch(self._epoch, self._started, self._seq, cleared, stored, removed, endpoint=self.endpoint)
         try:
             self._sock.send_multipart(encode_batch(self._key, batch), flags=zmq.NOBLOCK)

@@ -28,6 +28,7 @@ def build_node_store(cfg: KVTransferConfig, max_object_bytes: int | None = None)
         from pdserve.kvstore.config import KVStoreConfig, build_store
 
         return build_store(KVStoreConfig(cpu_bytes=cfg.kv_cpu_bytes, redis_url=cfg.kv_redis,
+                                         redis_prefix=cfg.kv_redis_prefix,
                                          disk_dir=cfg.kv_disk_dir, queue_bytes=cfg.kv_writethrough_queue_bytes,
                                          max_object_bytes=max_object_bytes or DEFAULT_MAX_OBJECT_BYTES))
     if url.startswith("tcp://"):

@@ -1,0 +1,159 @@
+"""KV-event replay: a node tells a subscriber that just joined (or lost events) its whole block set at once.
+
+Events only tell what changes, so a proxy that subscribes late, or forgets a node after a gap or a new epoch, would
+credit the node with nothing it cached before until it caches it again. Like vLLM's replay endpoint, each publisher
+also binds a ZMQ ROUTER on 127.0.0.1 (the card's ``kv.replay``) that answers an authenticated request with the
+blocks it has announced and still holds, and the sequence number that set corresponds to; the subscriber applies it,
+then live batches after that number (``proxy.kv_events``).
+
+Who calls what:
+
+    KVEventPublisher._send (its thread)   BlockMirror.apply(seq, cleared, stored, removed): the set the batch leaves
+    ReplayServer (own thread)             request -> verify -> BlockMirror.snapshot() -> signed ReplayState
+    proxy.kv_events (proxy loop)          request_frames / decode_reply
+
+Wire:   request  [b"kv-replay", nonce (16 bytes), mac(replay_key, b"request" + nonce)]
+        reply    [b"kv-replay", payload = msgpack(ReplayState), mac(replay_key, b"reply" + payload)]
+``replay_key`` is derived from the events key (the cluster token's), apart from it, so neither message can pass for
+an event batch or for the other; the reply carries the request's nonce (an old reply cannot be replayed) and the
+PUB endpoint it describes (a reply relayed from another node's port is refused, as batches are). A request without
+the MAC gets no answer. Bounded: the mirror keeps at most ``MAX_REPLAY_BLOCKS`` (131072 hashes, the most recently
+stored; about 1.2 MB of msgpack), more than any node's prefix cache we run -- a node with more blocks replays the
+newest ones, which only costs routing hits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+
+import blake3
+import msgspec
+import zmq
+
+logger = logging.getLogger(__name__)
+TOPIC = b"kv-replay"
+REPLAY_CONTEXT = "pdserve kv events replay v1"
+REPLAY_VERSION = 1
+MAX_REPLAY_BLOCKS = 1 << 17
+MAX_REPLY_BYTES = 2 << 20            # 131072 x 9-byte ints + the rest, with room
+NONCE_BYTES = 16
+
+
+class ReplayState(msgspec.Struct, frozen=True):
+    epoch: str
+    started: float
+    seq: int                          # the last batch whose effect ``blocks`` includes (0: none sent yet)
+    blocks: list[int]                 # public hashes, at most MAX_REPLAY_BLOCKS
+    endpoint: str                     # the PUB endpoint these are the events of
+    nonce: str                        # the request's, hex
+    version: int = REPLAY_VERSION
+
+
+def replay_key(events_key: bytes) -> bytes:
+    return blake3.blake3(events_key, derive_key_context=REPLAY_CONTEXT).digest()
+
+
+def _mac(key: bytes, kind: bytes, data: bytes) -> bytes:
+    return blake3.blake3(kind + data, key=key).digest()
+
+
+def request_frames(key: bytes, nonce: bytes) -> list[bytes]:
+    return [TOPIC, nonce, _mac(key, b"request", nonce)]
+
+
+def verify_request(key: bytes, frames: list[bytes]) -> bytes | None:
+    """The nonce of a signed request, None for anything else."""
+    import hmac
+
+    if len(frames) != 3 or frames[0] != TOPIC or len(frames[1]) != NONCE_BYTES:
+        return None
+    return frames[1] if hmac.compare_digest(_mac(key, b"request", frames[1]), frames[2]) else None
+
+
+def reply_frames(key: bytes, state: ReplayState) -> list[bytes]:
+    payload = msgspec.msgpack.encode(state)
+    return [TOPIC, payload, _mac(key, b"reply", payload)]
+
+
+def decode_reply(key: bytes, frames: list[bytes], nonce: bytes, endpoint: str) -> ReplayState:
+    """The state in a reply to the request with ``nonce`` about the events on ``endpoint``; ValueError otherwise."""
+    import hmac
+
+    if len(frames) != 3 or frames[0] != TOPIC or len(frames[1]) > MAX_REPLY_BYTES:
+        raise ValueError(f"not a kv-replay reply ({len(frames)} frames)")
+    if not hmac.compare_digest(_mac(key, b"reply", frames[1]), frames[2]):
+        raise ValueError("kv-replay reply fails its MAC")
+    try:
+        state = msgspec.msgpack.decode(frames[1], type=ReplayState)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"kv-replay reply does not decode: {exc}") from None
+    if state.version != REPLAY_VERSION or len(state.blocks) > MAX_REPLAY_BLOCKS or state.nonce != nonce.hex() \
+            or state.endpoint != endpoint:
+        raise ValueError("kv-replay reply answers another request or another socket, or is out of bounds")
+    return state
+
+
+class BlockMirror:
+    """The public hashes the publisher's batches leave stored, and the last batch's seq (under one lock)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.seq = 0
+
+    def apply(self, seq: int, cleared: bool, stored: list[int], removed: list[int]) -> None:
+        with self._lock:
+            if cleared:
+                self._blocks.clear()
+            for h in removed:
+                self._blocks.pop(h, None)
+            for h in stored:
+                self._blocks.pop(h, None)
+                self._blocks[h] = None
+            while len(self._blocks) > MAX_REPLAY_BLOCKS:
+                self._blocks.popitem(last=False)
+            self.seq = seq
+
+    def snapshot(self) -> tuple[int, list[int]]:
+        with self._lock:
+            return self.seq, list(self._blocks)
+
+
+class ReplayServer:
+    """A ROUTER on 127.0.0.1 answering signed replay requests from its own thread."""
+
+    def __init__(self, events_key: bytes, mirror: BlockMirror, describe):
+        """``describe(seq, blocks, nonce)`` -> the ``ReplayState`` to send."""
+        self._key, self._mirror, self._describe = replay_key(events_key), mirror, describe
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 256)          # requests are ~60 bytes
+        self._sock.setsockopt(zmq.SNDHWM, 16)
+        self._sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdserve-kv-replay", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self._sock.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(200):
+                continue
+            frames = self._sock.recv_multipart()
+            nonce = verify_request(self._key, frames[1:])
+            if nonce is None:
+                logger.warning("dropped a KV replay request that is not signed with the cluster's key")
+                continue
+            seq, blocks = self._mirror.snapshot()
+            try:
+                self._sock.send_multipart([frames[0], *reply_frames(self._key, self._describe(seq, blocks, nonce))],
+                                          flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
