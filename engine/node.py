@@ -99,6 +99,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill/both: device memory (CUDA; plus as much pinned host memory) that holds KV chunks "
                         "between the step that computed them and their put to the store, in whole chunks, outside "
                         "--kv-cache-memory-bytes; when it is full the step waits (docs/kv-guarantees.md)")
+    p.add_argument("--kv-publish-layerwise", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill/both: put each layer of the chunks a step completes as soon as that layer ran, "
+                        "while later layers compute (--no-kv-publish-layerwise: after the whole step; tp/pp nodes "
+                        "always publish per step; docs/kv-guarantees.md)")
     p.add_argument("--kv-events-port", type=int, default=None, metavar="PORT",
                    help="publish KV events (blocks cached / evicted, signed with the cluster token) on "
                         "tcp://127.0.0.1:PORT for the proxy's kv_aware routing; 0: a free port, named in /v1/models")
@@ -152,6 +156,7 @@ def config_from_args(args) -> EngineConfig:
                                      kv_disk_dir=args.kv_disk_dir, kv_auth_token=token_from_args(args, "pdserve node"),
                                      kv_writethrough_queue_bytes=args.kv_writethrough_queue_bytes,
                                      kv_publish_buffer_bytes=args.kv_publish_buffer_bytes,
+                                     kv_publish_layerwise=args.kv_publish_layerwise,
                                      kv_events_port=args.kv_events_port),
         engine_core_process=args.engine_core_process,
     )

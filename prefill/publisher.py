@@ -44,6 +44,7 @@ from pdserve.kernels.publish_ring import DEFAULT_WAIT_S, STAT_NAMES, PublishRing
 from pdserve.kernels.transfer import gather_kv
 from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.seal import chunk_digest, seal
+from pdserve.prefill.layerwise import LayerChunk
 
 logger = logging.getLogger(__name__)
 DEFAULT_BUFFER_BYTES = 256 << 20            # --kv-publish-buffer-bytes
@@ -123,6 +124,79 @@ class ChunkPublisher:
             return self.io.gather(slots, slot, release)     # the publisher thread waits for the copy
         return Gathered([gather_kv(layer, slots) for layer in self.kv_caches], release=release)   # [C, n, Hkv, D]
 
+    # -- layerwise (``layerwise.py``): engine thread ------------------------------------------------
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether chunks can go layer by layer: this node's own cache (one buffer) and a ring."""
+        return self.io is not None and self.ring is not None
+
+    def start_layers(self, request_id: str, index: int, chunk_key: str, slots: torch.Tensor) -> LayerChunk | None:
+        """Before the forward: a ring slot for chunk ``index`` (waiting as ``publish`` does); None: no slot freed
+        within ``wait_s`` -- the caller queues a ``skip`` for it after the step's chunks and publishes no more."""
+        slot = self.ring.acquire()
+        if slot is None:
+            return None
+        return LayerChunk(self._register(request_id, index), request_id, index, chunk_key, slots, slot,
+                          len(self.kv_caches))
+
+    def put_layer(self, chunk: LayerChunk) -> None:
+        """Gather the chunk's next layer (it has just run) and queue its seal and put."""
+        layer = chunk.queued
+        gathered = self.io.gather_layer(layer, chunk.slots, chunk.slot, first=layer == 0)
+        chunk.queued += 1
+        self._queue.put(functools.partial(self._put_layer, chunk, layer, gathered))
+
+    def end_chunk(self, chunk: LayerChunk, failed: bool = False) -> None:
+        chunk.ended = True
+        self._queue.put(functools.partial(self._end_chunk, chunk, failed))
+
+    def skip(self, request_id: str, index: int, chunk_key: str) -> None:
+        self._enqueue(request_id, index, chunk_key, None, self.first_layer)
+
+    def hold_blocks(self) -> None:
+        self.io.hold_blocks()
+
+    # -- layerwise: publisher thread ---------------------------------------------------------------
+
+    def _put_layer(self, chunk: LayerChunk, layer: int, gathered: Gathered) -> None:
+        """Seal and store object (chunk, layer); a failure fails the chunk (its later layers are not put)."""
+        key = object_key(chunk.chunk_key, self.first_layer + layer)
+        try:
+            host = gathered.wait()[0]                                      # [C, n, Hkv, D]
+            if chunk.failed:
+                return
+            if not self.health.available():
+                chunk.failed, self.skipped = True, self.skipped + 1
+                return
+            obj, mac = seal(key, host, self.seal_key)
+            if layer == chunk.num_layers - 1:
+                chunk.give_back_slot(self.ring.release)                   # every layer is copied out of it
+            self.store.adopt([(key, obj)])
+            chunk.macs.append(mac)
+        except Exception as exc:   # the store is down: the decode node will recompute (logged once)
+            chunk.failed = True
+            self.health.failed(exc)
+            self.failures += 1
+            logger.debug("publishing layer %d of %s's chunk %d failed: %s", layer, chunk.request_id, chunk.index, exc)
+
+    def _end_chunk(self, chunk: LayerChunk, failed: bool) -> None:
+        """Every queued layer was answered: the chunk is published only if each of its layers was (and flushed)."""
+        chunk.give_back_slot(self.ring.release)
+        digest = None
+        if not (failed or chunk.failed) and len(chunk.macs) == chunk.num_layers:
+            try:
+                if self.durable and not self.store.flush():
+                    raise RuntimeError("the store's write-through did not reach every tier (flush reported a loss)")
+                self.health.ok()
+                self.published += 1
+                digest = chunk_digest(chunk.macs)
+            except Exception as exc:  # noqa: BLE001 - as a failed put
+                self.health.failed(exc)
+                self.failures += 1
+                logger.debug("publishing KV of %s failed: %s", chunk.request_id, exc)
+        self._answer(chunk.pending, chunk.request_id, chunk.index, digest)
+
     def buffer_stats(self) -> dict[str, float]:
         return self.ring.stats() if self.ring is not None else dict.fromkeys(STAT_NAMES, 0)
 
@@ -156,20 +230,31 @@ class ChunkPublisher:
 
     def _enqueue(self, request_id: str, index: int, chunk_key: str, gathered: Gathered | None,
                  first_layer: int) -> None:
+        p = self._register(request_id, index)
+        self._queue.put(functools.partial(self._put_chunk, p, request_id, index, chunk_key, gathered, first_layer))
+
+    def _register(self, request_id: str, index: int) -> _Pending:
+        """Engine thread: one more chunk of the request on its way; -> the entry it will settle."""
         with self._lock:
             p = self._pending.setdefault(request_id, _Pending())
             _start(p, index)
             p.outstanding += 1
-        self._queue.put((p, request_id, index, chunk_key, gathered, first_layer))
+        return p
 
     def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            p, request_id, index, chunk_key, gathered, first_layer = item
-            digest = self._put(request_id, chunk_key, gathered, first_layer)
-            with self._lock:
-                p.outstanding -= 1
-                _record(p.result, index, digest)
-                self._settle(request_id, p)
+        while (work := self._queue.get()) is not None:
+            work()
+
+    def _put_chunk(self, p: _Pending, request_id: str, index: int, chunk_key: str, gathered: Gathered | None,
+                   first_layer: int) -> None:
+        self._answer(p, request_id, index, self._put(request_id, chunk_key, gathered, first_layer))
+
+    def _answer(self, p: _Pending, request_id: str, index: int, digest: str | None) -> None:
+        """Publisher thread: the store answered chunk ``index`` (digest None: not stored)."""
+        with self._lock:
+            p.outstanding -= 1
+            _record(p.result, index, digest)
+            self._settle(request_id, p)
 
     def _put(self, request_id: str, chunk_key: str, gathered: Gathered | None, first_layer: int) -> str | None:
         """Seal and store one chunk; its digest, or None when it did not reach the store (None: skipped for want

@@ -166,7 +166,8 @@ class LLMEngine:
         return store, StoreConnector(store, self.model_config, self.layout, self.runner.kv_caches,
                                      self.config.cache.block_size, kv.kv_chunk_tokens, kv.role,
                                      kv.cluster_key().seal_key, kv_io=getattr(self.runner, "kv_io", None),
-                                     publish_buffer_bytes=kv.kv_publish_buffer_bytes)
+                                     publish_buffer_bytes=kv.kv_publish_buffer_bytes,
+                                     layerwise=kv.kv_publish_layerwise)
 
     @property
     def max_model_len(self) -> int:
@@ -249,10 +250,14 @@ class LLMEngine:
         """
         sched_out = self.scheduler.schedule()
         self.iterations.observe(sched_out.num_batched_tokens)
+        if self.connector is not None:                       # --kv-publish-layerwise: decided before the forward
+            sched_out.kv_publish_hooks = self.connector.begin_step(sched_out.scheduled)
         try:
             sched_out.grammar_bitmask = self.structured.bitmask(sched_out.scheduled)
             sampled = self.runner.execute(sched_out)
         except Exception as exc:  # noqa: BLE001 - the batch's failure, decided in _failed_step
+            if self.connector is not None:
+                self.connector.abandon_step()
             return self._failed_step(sched_out, exc)
         if self.connector is not None:
             self.connector.after_step(sched_out.scheduled)   # copy finished chunks before blocks are freed

@@ -6,8 +6,14 @@ Who calls what (all on the engine thread; the I/O runs on the publisher/loader t
     Scheduler, first admission n = connector.num_loadable_tokens(req, local_hit)   (lookup + accounting)
                                connector.start_load(req, local_hit, n)    req waits in WAITING_FOR_KV
     Scheduler.schedule         connector.finished_loads() -> {id: loaded tokens}   (0 = recompute all)
+    LLMEngine.step, before run hooks = connector.begin_step(scheduled)    --kv-publish-layerwise: ring slots for
+                                                                          the chunks the step completes (may wait);
+                                                                          the runner sets hooks on the step's
+                                                                          AttentionMetadata.layer_hooks, the model
+                                                                          hands each layer over as it finishes
     LLMEngine.step, after run  connector.after_step(scheduled)            publish chunks now complete (may wait
                                                                           for a publish-ring slot: back-pressure)
+                               connector.abandon_step()                   instead, when the forward raised
     request finished           connector.close(req)  -> the response waits for finished_publishes()
     request aborted            connector.forget(req)  (queued chunks are still put; no result is kept)
     response                   connector.transfer_params(req), connector.accounting(req)
@@ -39,6 +45,7 @@ from pdserve.engine.kv.kv_transfer import KVTransferParams
 from pdserve.kvstore.accounting import KVAccounting, account, not_run
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.keys import chunk_keys, model_fingerprint
+from pdserve.prefill.layerwise import LayerChunk, LayerwisePublish
 from pdserve.prefill.publisher import DEFAULT_BUFFER_BYTES, ChunkPublisher, PublishResult
 
 logger = logging.getLogger(__name__)
@@ -62,7 +69,7 @@ class _Transfer:
 class StoreConnector:
     def __init__(self, store, model_config, layout, kv_caches: list[dict], block_size: int,
                  chunk_tokens: int, role: str, seal_key: bytes, kv_io=None,
-                 publish_buffer_bytes: int = DEFAULT_BUFFER_BYTES):
+                 publish_buffer_bytes: int = DEFAULT_BUFFER_BYTES, layerwise: bool = False):
         if chunk_tokens % block_size:
             raise ValueError(f"--kv-chunk-tokens {chunk_tokens} must be a multiple of --block-size {block_size}")
         self.store, self.block_size, self.chunk_tokens, self.role = store, block_size, chunk_tokens, role
@@ -85,6 +92,11 @@ class StoreConnector:
             self.publisher = kv_io.publisher(store, self.health, seal_key, durable, **ring)
             self.loader = kv_io.loader(store, shape, self.health, seal_key)
         self._reqs: dict[str, _Transfer] = {}
+        self.layerwise = layerwise and role != "decode" and getattr(self.publisher, "layerwise", False)
+        if layerwise and role != "decode" and not self.layerwise:
+            logger.info("--kv-publish-layerwise: this node's KV lives in its tensor/pipeline-parallel ranks; "
+                        "it publishes per step (after the whole forward)")
+        self._hooks: LayerwisePublish | None = None     # the step's, between begin_step and after/abandon_step
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -130,24 +142,75 @@ class StoreConnector:
                 t.accounting = t.accounting.with_loaded(loaded)
         return done
 
-    def after_step(self, scheduled) -> None:
-        """Publish every prompt chunk that the step just computed (call before blocks are freed)."""
+    def begin_step(self, scheduled) -> LayerwisePublish | None:
+        """Before the forward, with ``--kv-publish-layerwise``: a ring slot for each chunk the step completes (up to
+        the ring's size; the rest go per step in ``after_step``) -> the hooks that publish them layer by layer
+        (``prefill/layerwise.py``), or None. Every ``begin_step`` is followed by ``after_step`` or ``abandon_step``."""
+        self._hooks = None
+        if not self.layerwise:
+            return None
+        chunks, skips, room = [], [], self.publisher.ring.num_slots
+        for req, t, end in self._due(scheduled):
+            try:
+                while t.published < end and len(chunks) < room:
+                    chunk = self._start_layers(req, t, t.published)
+                    if chunk is None:
+                        skips.append((req.request_id, t.published, t.keys[t.published]))
+                        t.publish = False      # the ring stayed full: skipped (counted); nothing after a gap
+                        break
+                    chunks.append(chunk)
+                    t.published += 1
+            except Exception as exc:  # noqa: BLE001 - as in after_step
+                self._publish_failed(req, t, exc)
+        if chunks or skips:
+            self._hooks = LayerwisePublish(self.publisher, chunks, skips)
+        return self._hooks
+
+    def _start_layers(self, req, t: _Transfer, index: int) -> LayerChunk | None:
+        start = index * self.chunk_tokens
+        slots = _slots(req.block_ids, start + t.lens[index], self.block_size)[start:]
+        t.times[3] = t.times[3] or time.monotonic()
+        chunk = self.publisher.start_layers(req.request_id, index, t.keys[index], slots)
+        if chunk is not None:
+            t.times[5] += t.lens[index] * self.bytes_per_token
+        return chunk
+
+    def abandon_step(self) -> None:
+        """The forward raised after ``begin_step``: the step's layerwise chunks end unpublished."""
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.abandon()
+
+    def _due(self, scheduled):
+        """-> (request, transfer, chunks complete once the step ran) of each request that publishes."""
         for item in scheduled:
             req, t = item.request, self._reqs.get(item.request.request_id)
             if t is None or not t.publish or not req.block_ids:
                 continue
             done_tokens = min(item.first_token_index + item.num_new_tokens, req.num_prompt_tokens)
+            yield req, t, _chunks_covered(t.lens, done_tokens)
+
+    def _publish_failed(self, req, t: _Transfer, exc: Exception) -> None:
+        logger.warning("publishing KV of %s failed (%s: %s); its later chunks are not published",
+                       req.request_id, type(exc).__name__, exc)
+        self.publisher.failures += 1
+        t.publish = False
+
+    def after_step(self, scheduled) -> None:
+        """Publish every prompt chunk that the step just computed (call before blocks are freed): end the layerwise
+        chunks of ``begin_step``, then the rest per step."""
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.finish()
+        for req, t, end in self._due(scheduled):
             try:
-                while t.published < len(t.keys) and sum(t.lens[:t.published + 1]) <= done_tokens:
+                while t.published < end:
                     if not self._publish_chunk(req, t, t.published):
                         t.publish = False    # the ring stayed full: skipped (counted); nothing after a gap is used
                         break
                     t.published += 1
             except Exception as exc:  # noqa: BLE001 - this request's KV stays unpublished; decode recomputes
-                logger.warning("publishing KV of %s failed (%s: %s); its later chunks are not published",
-                               req.request_id, type(exc).__name__, exc)
-                self.publisher.failures += 1
-                t.publish = False
+                self._publish_failed(req, t, exc)
 
     def _publish_chunk(self, req, t: _Transfer, index: int) -> bool:
         """False: the publisher skipped the chunk (its ring stayed full; may have waited for a slot first)."""

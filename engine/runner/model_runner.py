@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.kv.kv_layout import KVLayout
+from pdserve.engine.kv.layer_hooks import HookChain
 from pdserve.engine.models.llama import LogitRows
 from pdserve.engine.runner.decode_splits import DecodeSplits
 from pdserve.engine.runner.input_batch import InputBatch
@@ -79,6 +80,7 @@ class ModelRunner:
         if not scheduled:
             return {}
         inputs = self.prepare(scheduled)
+        inputs.attn.layer_hooks = HookChain.of(getattr(scheduler_output, "kv_publish_hooks", None))
         plan = plan_prompt_rows(scheduled)
         hidden = self.graphs.run(inputs) if self.graphs is not None and plan is None else None   # decode: replay
         if hidden is not None:

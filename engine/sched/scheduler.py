@@ -66,6 +66,7 @@ class SchedulerOutput:
     rejected: list[Request] = field(default_factory=list)    # can never fit: FINISHED_*, freed
     num_batched_tokens: int = 0
     grammar_bitmask: object | None = None   # GrammarBitmask of the step's structured samples (set by LLMEngine)
+    kv_publish_hooks: object | None = None  # LayerHooks publishing the step's chunks layerwise (set by LLMEngine)
 
 
 class Scheduler:
