@@ -1,0 +1,178 @@
+"""A prefill node's response time with the KV published layer by layer against per step, on a store with real puts.
+
+    python devbench/layerwise_publish.py [--model tiny|smollm2-135m-instruct|DIR] [--prompt-len 1536]
+                                         [--store redis,daemon] [--repeats 5] [--output out.json]
+
+One process, one torch thread, fixed-seed random prompts (a new one per request: no store or prefix hit). Three
+in-process ``LLMEngine``s on the same weights, the same store kind:
+  compute     role both, no store: the prefill compute alone (the baseline)
+  per-step    role prefill, --no-kv-publish-layerwise: chunks gathered and put after the whole forward
+  layerwise   role prefill, --kv-publish-layerwise: each layer put while later layers compute
+A request is a prefill node's request (max_tokens 1, do_remote_decode): its response waits for the publish, so
+its time = compute + the publish tail. Stores: ``redis`` = the embedded store over a private redis-server (the
+prefill node flushes every chunk to Redis before it counts: real put latency), ``daemon`` = a ``pdserve kvstore``
+daemon over TCP (zmq frames, no shared memory). The three alternate in each repeat; medians are printed with the
+tail (time - compute) and the ratios layerwise / per-step, and written as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+TOKEN = "devbench-layerwise-token-0123456789abcdef"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """The redis-server / daemon this run started, each ended by its pid."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def redis(self) -> str:
+        port = _free_port()
+        self.procs.append(subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                            "--appendonly", "no"], stdout=subprocess.DEVNULL))
+        import redis
+
+        client, deadline = redis.Redis(port=port), time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                client.ping()
+                return f"redis://127.0.0.1:{port}/0"
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not answer")
+
+    def daemon(self) -> str:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_KV_AUTH_TOKEN": TOKEN}
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.kvstore", "--port", "0", "--kv-cpu-bytes",
+                                 str(2 << 30), "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True, env=env)
+        self.procs.append(proc)
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        if not line.startswith("READY "):
+            raise RuntimeError(f"daemon did not start: {line!r}")
+        return line.split()[1]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _engine(model_dir: str, store: dict | None, layerwise: bool):
+    from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+    from pdserve.engine.core.llm_engine import LLMEngine
+
+    kv = KVTransferConfig() if store is None else \
+        KVTransferConfig(role="prefill", kv_auth_token=TOKEN, kv_publish_layerwise=layerwise, **store)
+    cfg = EngineConfig(model=model_dir, cache=CacheConfig(kv_cache_memory_bytes=1 << 30),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=4096), kv_transfer=kv)
+    return LLMEngine(cfg)
+
+
+def _response_s(engine, rid: str, prompt: list[int], store: bool) -> float:
+    """Seconds from add_request to the request's final output (a prefill node's: after its publish)."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    start, done = time.perf_counter(), False
+    engine.add_request(rid, prompt, params, {"do_remote_decode": True} if store else None)
+    while not done:
+        done = any(out.finished for out in engine.step())
+    return time.perf_counter() - start
+
+
+def measure(model_dir: str, store: dict, prompt_len: int, repeats: int, vocab: int) -> dict:
+    engines = {"compute": _engine(model_dir, None, False), "per-step": _engine(model_dir, store, False),
+               "layerwise": _engine(model_dir, store, True)}
+    g = torch.Generator().manual_seed(0)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    try:
+        for r in range(repeats + 1):                                 # repeat 0 warms up, not counted
+            names = list(engines) if r % 2 else list(engines)[::-1]
+            for name in names:
+                prompt = torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist()
+                dt = _response_s(engines[name], f"{name}-{r}", prompt, name != "compute")
+                if r:
+                    times[name].append(dt)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    med = {name: statistics.median(v) for name, v in times.items()}
+    tail = {name: med[name] - med["compute"] for name in ("per-step", "layerwise")}
+    return {"median_s": med, "tail_s": tail, "all_s": times,
+            "ratio_response": med["layerwise"] / med["per-step"],
+            "ratio_tail": tail["layerwise"] / tail["per-step"] if tail["per-step"] > 0 else None}
+
+
+def _model(name: str, layers: int) -> str:
+    if name == "tiny":
+        from pdserve.engine.checkpoints.tiny_model import make_tiny_model
+
+        return str(make_tiny_model(tempfile.mkdtemp(prefix="lw-tiny-"), arch="llama", seed=0, num_layers=layers))
+    from pdserve.engine.node import resolve_model
+
+    return str(resolve_model(name))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--tiny-layers", type=int, default=2, help="layers of the generated tiny model")
+    ap.add_argument("--prompt-len", type=int, default=1536)
+    ap.add_argument("--store", default="redis,daemon")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--output", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model_dir = _model(a.model, a.tiny_layers)
+    config = json.load(open(os.path.join(model_dir, "config.json")))
+    procs, results = Processes(), {}
+    try:
+        for kind in a.store.split(","):
+            store = {"kv_store": "embedded", "kv_redis": procs.redis()} if kind == "redis" else \
+                {"kv_store": procs.daemon(), "kv_shm_bytes": 0}
+            results[kind] = measure(model_dir, store, a.prompt_len, a.repeats, config["vocab_size"])
+    finally:
+        procs.stop()
+    print(f"{a.model} ({config['num_hidden_layers']} layers), {a.prompt_len}-token prompt, {a.repeats} repeats, "
+          f"medians; {platform.processor() or platform.machine()}, {a.threads} torch thread(s), torch {torch.__version__}")
+    print(f"{'store':8} {'compute ms':>11} {'per-step ms':>12} {'layerwise ms':>13} {'tail per-step':>14} "
+          f"{'tail layerwise':>15} {'response ratio':>15} {'tail ratio':>11}")
+    for kind, r in results.items():
+        m, t = r["median_s"], r["tail_s"]
+        ratio_tail = f"{r['ratio_tail']:.2f}" if r["ratio_tail"] is not None else "-"
+        print(f"{kind:8} {m['compute'] * 1e3:11.1f} {m['per-step'] * 1e3:12.1f} {m['layerwise'] * 1e3:13.1f} "
+              f"{t['per-step'] * 1e3:14.1f} {t['layerwise'] * 1e3:15.1f} {r['ratio_response']:15.2f} {ratio_tail:>11}")
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump({"model": a.model, "prompt_len": a.prompt_len, "repeats": a.repeats, "results": results}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
