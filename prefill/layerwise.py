@@ -61,6 +61,14 @@ class LayerChunk:
             release(slot)
 
 
+@dataclass
+class LayerWork:
+    """Publisher-thread work: seal and put layer ``layer`` of ``chunk`` once ``gathered`` landed."""
+    chunk: LayerChunk
+    layer: int
+    gathered: object                    # kernels.chunk_io.Gathered
+
+
 class LayerwisePublish:
     """The step's ``LayerHooks`` for publishing (``engine/kv/layer_hooks.py``); ``skips``: (request id, chunk index,
     chunk key) of chunks that found no ring slot, queued as failures by ``finish``."""

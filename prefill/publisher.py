@@ -44,10 +44,11 @@ from pdserve.kernels.publish_ring import DEFAULT_WAIT_S, STAT_NAMES, PublishRing
 from pdserve.kernels.transfer import gather_kv
 from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.seal import chunk_digest, seal
-from pdserve.prefill.layerwise import LayerChunk
+from pdserve.prefill.layerwise import LayerChunk, LayerWork
 
 logger = logging.getLogger(__name__)
 DEFAULT_BUFFER_BYTES = 256 << 20            # --kv-publish-buffer-bytes
+_NOTHING = object()                         # _loop: no work item held over
 
 
 @dataclass
@@ -145,7 +146,7 @@ class ChunkPublisher:
         layer = chunk.queued
         gathered = self.io.gather_layer(layer, chunk.slots, chunk.slot, first=layer == 0)
         chunk.queued += 1
-        self._queue.put(functools.partial(self._put_layer, chunk, layer, gathered))
+        self._queue.put(LayerWork(chunk, layer, gathered))
 
     def end_chunk(self, chunk: LayerChunk, failed: bool = False) -> None:
         chunk.ended = True
@@ -159,26 +160,51 @@ class ChunkPublisher:
 
     # -- layerwise: publisher thread ---------------------------------------------------------------
 
-    def _put_layer(self, chunk: LayerChunk, layer: int, gathered: Gathered) -> None:
-        """Seal and store object (chunk, layer); a failure fails the chunk (its later layers are not put)."""
-        key = object_key(chunk.chunk_key, self.first_layer + layer)
+    def _put_layers(self, batch: list[LayerWork]) -> None:
+        """Seal the batch's layer objects and store them in one put (``_loop`` coalesces what is queued: alone when
+        the store keeps up, up to one chunk's worth of objects when it lags); a failure fails each chunk in it."""
+        items, owners = [], []
+        for work in batch:
+            sealed = self._seal_layer(work)
+            if sealed is not None:
+                items.append(sealed[0])
+                owners.append((work.chunk, sealed[1]))
+        if not items:
+            return
         try:
-            host = gathered.wait()[0]                                      # [C, n, Hkv, D]
-            if chunk.failed:
-                return
-            if not self.health.available():
-                chunk.failed, self.skipped = True, self.skipped + 1
-                return
-            obj, mac = seal(key, host, self.seal_key)
-            if layer == chunk.num_layers - 1:
-                chunk.give_back_slot(self.ring.release)                   # every layer is copied out of it
-            self.store.adopt([(key, obj)])
-            chunk.macs.append(mac)
+            self.store.adopt(items)
         except Exception as exc:   # the store is down: the decode node will recompute (logged once)
-            chunk.failed = True
             self.health.failed(exc)
             self.failures += 1
-            logger.debug("publishing layer %d of %s's chunk %d failed: %s", layer, chunk.request_id, chunk.index, exc)
+            logger.debug("publishing %d layer objects failed: %s", len(items), exc)
+            for chunk, _ in owners:
+                chunk.failed = True
+            return
+        for chunk, mac in owners:
+            chunk.macs.append(mac)
+
+    def _seal_layer(self, work: LayerWork) -> tuple | None:
+        """((key, sealed object), MAC) of one layer once its copy landed; None when its chunk failed or the store
+        is down (the chunk fails: its later layers are not put). The slot goes back after the last layer."""
+        chunk = work.chunk
+        try:
+            host = work.gathered.wait()[0]                                 # [C, n, Hkv, D]
+            if chunk.failed:
+                return None
+            if not self.health.available():
+                chunk.failed, self.skipped = True, self.skipped + 1
+                return None
+            key = object_key(chunk.chunk_key, self.first_layer + work.layer)
+            obj, mac = seal(key, host, self.seal_key)
+        except Exception as exc:  # noqa: BLE001 - that chunk is not published
+            chunk.failed = True
+            self.failures += 1
+            logger.warning("sealing layer %d of %s's chunk %d failed: %s", work.layer, chunk.request_id, chunk.index,
+                           exc)
+            return None
+        if work.layer == chunk.num_layers - 1:
+            chunk.give_back_slot(self.ring.release)                       # every layer is copied out of it
+        return (key, obj), mac
 
     def _end_chunk(self, chunk: LayerChunk, failed: bool) -> None:
         """Every queued layer was answered: the chunk is published only if each of its layers was (and flushed)."""
@@ -242,8 +268,24 @@ class ChunkPublisher:
         return p
 
     def _loop(self) -> None:
-        while (work := self._queue.get()) is not None:
-            work()
+        """Run the queued work in order; consecutive layer objects go to the store together (``_put_layers``)."""
+        held = _NOTHING
+        while (work := self._queue.get() if held is _NOTHING else held) is not None:
+            held = _NOTHING
+            if not isinstance(work, LayerWork):
+                work()
+                continue
+            batch = [work]
+            while len(batch) < len(self.kv_caches):                # at most one chunk's worth of sealed copies
+                try:
+                    held = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if not isinstance(held, LayerWork):
+                    break
+                batch.append(held)
+                held = _NOTHING
+            self._put_layers(batch)
 
     def _put_chunk(self, p: _Pending, request_id: str, index: int, chunk_key: str, gathered: Gathered | None,
                    first_layer: int) -> None:
