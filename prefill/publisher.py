@@ -11,6 +11,10 @@ Called by ``StoreConnector.after_step`` on the engine thread after every model s
     ``finished()`` -> {request: PublishResult} for requests closed since the last call whose every
     queued chunk the store answered (acknowledged or failed)
 
+Layerwise (``layerwise.py``, ``--kv-publish-layerwise``): ``start_layers`` before the forward, ``put_layer`` after
+each layer, ``end_chunk`` after the last; the publisher thread puts the layer objects as they come (what queued up
+while the store lagged goes in one put) and answers the chunk at its end, with the same result as above.
+
 The gather copies KV out of the paged cache, so the request's blocks are free to be reused as soon
 as the engine is done with them; the prefill response waits for ``finished()``.
 
