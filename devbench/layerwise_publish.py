@@ -90,8 +90,8 @@ def _engine(model_dir: str, store: dict | None, layerwise: bool):
 
     kv = KVTransferConfig() if store is None else \
         KVTransferConfig(role="prefill", kv_auth_token=TOKEN, kv_publish_layerwise=layerwise, **store)
-    cfg = EngineConfig(model=model_dir, cache=CacheConfig(kv_cache_memory_bytes=1 << 30),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=4096), kv_transfer=kv)
+    cfg = EngineConfig(model=model_dir, cache=CacheConfig(kv_cache_memory_bytes=256 << 20),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_model_len=4096), kv_transfer=kv)
     return LLMEngine(cfg)
 
 
