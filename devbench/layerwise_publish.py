@@ -66,7 +66,7 @@ class Processes:
     def daemon(self) -> str:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_KV_AUTH_TOKEN": TOKEN}
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.kvstore", "--port", "0", "--kv-cpu-bytes",
-                                 str(2 << 30), "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True, env=env)
+                                 str(512 << 20), "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True, env=env)
         self.procs.append(proc)
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         line = proc.stdout.readline() if ready else ""
@@ -89,9 +89,11 @@ def _engine(model_dir: str, store: dict | None, layerwise: bool):
     from pdserve.engine.core.llm_engine import LLMEngine
 
     kv = KVTransferConfig() if store is None else \
-        KVTransferConfig(role="prefill", kv_auth_token=TOKEN, kv_publish_layerwise=layerwise, **store)
+        KVTransferConfig(role="prefill", kv_auth_token=TOKEN, kv_publish_layerwise=layerwise, kv_cpu_bytes=512 << 20,
+                         **store)
+    max_len = min(4096, json.load(open(os.path.join(model_dir, "config.json")))["max_position_embeddings"])
     cfg = EngineConfig(model=model_dir, cache=CacheConfig(kv_cache_memory_bytes=256 << 20),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_model_len=4096), kv_transfer=kv)
+                       scheduler=SchedulerConfig(max_num_batched_tokens=max_len, max_model_len=max_len), kv_transfer=kv)
     return LLMEngine(cfg)
 
 
@@ -109,9 +111,13 @@ def _response_s(engine, rid: str, prompt: list[int], store: bool) -> tuple[float
     return time.perf_counter() - start, computed
 
 
-def measure(model_dir: str, store: dict, prompt_len: int, repeats: int, vocab: int) -> dict:
-    engines = {"compute": _engine(model_dir, None, False), "per-step": _engine(model_dir, store, False),
-               "layerwise": _engine(model_dir, store, True)}
+def measure(model_dir: str, store: dict, prompt_len: int, repeats: int, vocab: int, one_engine: bool) -> dict:
+    if one_engine:                  # a box short of memory: one prefill engine, its connector switched per request
+        prefill = _engine(model_dir, store, True)
+        engines = {"per-step": prefill, "layerwise": prefill}
+    else:
+        engines = {"compute": _engine(model_dir, None, False), "per-step": _engine(model_dir, store, False),
+                   "layerwise": _engine(model_dir, store, True)}
     g = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {name: [] for name in engines}
     steps: dict[str, list[float]] = {name: [] for name in engines}
@@ -120,12 +126,13 @@ def measure(model_dir: str, store: dict, prompt_len: int, repeats: int, vocab: i
             names = list(engines) if r % 2 else list(engines)[::-1]
             for name in names:
                 prompt = torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist()
+                engines[name].connector is None or setattr(engines[name].connector, "layerwise", name == "layerwise")
                 response, step = _response_s(engines[name], f"{name}-{r}", prompt, name != "compute")
                 if r:
                     times[name].append(response)
                     steps[name].append(step)
     finally:
-        for e in engines.values():
+        for e in set(engines.values()):
             e.shutdown()
     med = {name: statistics.median(v) for name, v in times.items()}
     step = {name: statistics.median(v) for name, v in steps.items()}
@@ -154,6 +161,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--output", default=None)
+    ap.add_argument("--one-engine", action="store_true",
+                    help="less memory: no compute-only engine; one prefill engine switched between the two ways")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model_dir = _model(a.model, a.tiny_layers)
@@ -163,7 +172,7 @@ def main() -> None:
         for kind in a.store.split(","):
             store = {"kv_store": "embedded", "kv_redis": procs.redis()} if kind == "redis" else \
                 {"kv_store": procs.daemon(), "kv_shm_bytes": 0}
-            results[kind] = measure(model_dir, store, a.prompt_len, a.repeats, config["vocab_size"])
+            results[kind] = measure(model_dir, store, a.prompt_len, a.repeats, config["vocab_size"], a.one_engine)
     finally:
         procs.stop()
     print(f"{a.model} ({config['num_hidden_layers']} layers), {a.prompt_len}-token prompt, {a.repeats} repeats, "
@@ -172,7 +181,7 @@ def main() -> None:
           "(per request); ms, medians")
     print(f"{'store':7} {'engine':10} {'response':>9} {'step':>9} {'tail':>8}")
     for kind, r in results.items():
-        for name in ("compute", "per-step", "layerwise"):
+        for name in r["median_s"]:
             print(f"{kind:7} {name:10} {r['median_s'][name] * 1e3:9.1f} {r['step_s'][name] * 1e3:9.1f} "
                   f"{r['tail_s'][name] * 1e3:8.1f}")
         ratio_tail = f"{r['ratio_tail']:.2f}" if r["ratio_tail"] is not None else "-"
