@@ -10,7 +10,7 @@ meets a half-written block.
 
 Who calls what, once per step that started layerwise loads:
 
-    engine thread   batch = connector.begin_step()          the loads ``start_load`` queued -> loader.start_layers:
+    engine thread   batch = connector.begin_loads()         the loads ``start_load`` queued -> loader.start_layers:
                                                             a LayerBatch for the loader thread; it is the step's hooks
     loader thread   LayerReader.load(batch)                 (``layer_reader.py``) per group of layers: one store read
                                                             of those layers of every chunk of every load, each object's
@@ -20,7 +20,7 @@ Who calls what, once per step that started layerwise loads:
                     compared with the prefill node's; batch.finish()
     engine thread   model: batch.before(i)                  host waits for layer_done(i); CUDA: the compute stream
                                                             waits on layer i's event (no device-wide sync)
-                    connector.end_step() -> batch.wait()    every load has ended -> the failed ones
+                    connector.end_loads() -> batch.wait()   every load has ended -> the failed ones
 
 Groups: a store read costs a round trip whatever its size, so layers are read in as many groups as the longest load
 has chunks (a chunk-major load's read count; one layer per read when there are more chunks than layers).

@@ -110,6 +110,7 @@ class KVTransferConfig:
     kv_auth_token: str = field(default="", repr=False)   # the cluster token (kvstore/auth.py); never printed
     kv_shm_bytes: int = 64 << 20            # shared-memory data plane to a local daemon (0: zmq frames)
     kv_publish_buffer_bytes: int = 256 << 20   # publish ring: chunks gathered, not yet sealed (device + pinned twin)
+    kv_publish_layerwise: bool = True       # put each layer of a step's chunks while later layers compute
     kv_events_port: int | None = None       # KV events on a 127.0.0.1 PUB socket (0: a free port); None: none
     kv_load_layerwise: bool = False         # loads hand each layer to the model as it lands (decode/layerwise.py)
 

@@ -105,6 +105,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="a request whose prompt KV is in the store runs at once: the load is read layer by layer and "
                         "layer i's compute waits only for layer i (LMCache's use_layerwise); ignored on tp/pp nodes "
                         "(docs/kv-guarantees.md)")
+    p.add_argument("--kv-publish-layerwise", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill/both: put each layer of the chunks a step completes as soon as that layer ran, "
+                        "while later layers compute (--no-kv-publish-layerwise: after the whole step; tp/pp nodes "
+                        "always publish per step; docs/kv-guarantees.md)")
     p.add_argument("--kv-events-port", type=int, default=None, metavar="PORT",
                    help="publish KV events (blocks cached / evicted, signed with the cluster token) on "
                         "tcp://127.0.0.1:PORT for the proxy's kv_aware routing; 0: a free port, named in /v1/models")
@@ -158,6 +162,7 @@ def config_from_args(args) -> EngineConfig:
                                      kv_redis_prefix=args.kv_redis_prefix, kv_disk_dir=args.kv_disk_dir, kv_auth_token=token_from_args(args, "pdserve node"),
                                      kv_writethrough_queue_bytes=args.kv_writethrough_queue_bytes,
                                      kv_publish_buffer_bytes=args.kv_publish_buffer_bytes,
+                                     kv_publish_layerwise=args.kv_publish_layerwise,
                                      kv_events_port=args.kv_events_port,
                                      kv_load_layerwise=args.kv_load_layerwise),
         engine_core_process=args.engine_core_process,

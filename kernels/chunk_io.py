@@ -12,6 +12,10 @@ two ``scatter_buffers``); the paged cache is ``KVCaches.buffer`` ``[L, C, num_bl
                     one non-blocking copy to the slot's pinned host buffer. ``Gathered.wait()`` (the publisher
                     thread) blocks until the copy landed and returns per-layer views [C, n, Hkv, D] of the slot;
                     ``Gathered.release()`` hands the slot back once they are no longer read.
+    gather_layer(i, slots, slot, first)  the same for layer i alone, while later layers still compute (a layerwise
+                    publish, ``prefill/layerwise.py``): into the slot's part for layer i; on CUDA the side stream
+                    waits for the compute stream so far, and ``hold_blocks()`` after the step makes the compute
+                    stream wait for the last gather before the next step may reuse the blocks.
     scatter_buffers(tokens)  the loader's two double-buffering sets (``scatter_pipe.py``): ``pack`` copies the
                     layer objects and slots into its host memory (pinned on CUDA) on the loader thread and returns
                     the op that moves them into the cache (CUDA: H2D into its device buffer, one scatter launch; run
@@ -64,6 +68,7 @@ class ChunkIO:
 
             self._ops = triton_transfer
         self._gather_stream = torch.cuda.Stream(buffer.device) if self.cuda else None
+        self._last_gather = None                          # CUDA: the last layerwise gather (``hold_blocks``)
 
     @staticmethod
     def of(kv_caches) -> "ChunkIO | None":
@@ -119,6 +124,37 @@ class ChunkIO:
             done.record(side)
         compute.wait_event(gathered)                      # the next step may overwrite these blocks
         return Gathered(host, done, release)
+
+    def gather_layer(self, layer: int, slots: torch.Tensor, slot: RingSlot, first: bool) -> Gathered:
+        """Engine thread, right after ``layer`` ran (a layerwise publish): that layer of the chunk at ``slots`` into
+        ``slot``'s part for it; ``first``: the chunk's first layer gathered (CUDA: its slot ids go to the device
+        once). The slot stays the caller's (its ``Gathered.release`` is a no-op); on CUDA the compute stream does
+        not wait here: ``hold_blocks`` makes it wait for every gather before blocks may be reused."""
+        n = slots.shape[0]
+        host = slot.host.view(n)[layer:layer + 1]                          # [1, C, n, Hkv, D]
+        kv = self.buffer[layer:layer + 1]                                  # [1, C, N, bs, Hkv, D]
+        if not self.cuda:
+            return Gathered(self._ops.gather_chunk(kv, slots, out=host))
+        compute, side = torch.cuda.current_stream(self.buffer.device), self._gather_stream
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            index = slot.dev_index.view(n)
+            if first:
+                index.copy_(slots, non_blocking=True)     # ordered after the slot's previous use on this stream
+            dev = self._ops.gather_chunk(kv, index, out=slot.dev.view(n)[layer:layer + 1])
+            self._last_gather = torch.cuda.Event()
+            self._last_gather.record(side)
+            host.copy_(dev, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        return Gathered(host, done)
+
+    def hold_blocks(self) -> None:
+        """Engine thread, after a layerwise step: the compute stream waits for the gathers issued so far (not for
+        their copies to the host) before anything it queues next may overwrite the blocks they read."""
+        if self.cuda and self._last_gather is not None:
+            torch.cuda.current_stream(self.buffer.device).wait_event(self._last_gather)
+            self._last_gather = None
 
     def fence(self):
         """Engine thread: an event after everything the compute stream has queued (None on the CPU)."""

@@ -11,6 +11,10 @@ Called by ``StoreConnector.after_step`` on the engine thread after every model s
     ``finished()`` -> {request: PublishResult} for requests closed since the last call whose every
     queued chunk the store answered (acknowledged or failed)
 
+Layerwise (``layerwise.py``, ``--kv-publish-layerwise``): ``start_layers`` before the forward, ``put_layer`` after
+each layer, ``end_chunk`` after the last; the publisher thread puts the layer objects as they come (what queued up
+while the store lagged goes in one put) and answers the chunk at its end, with the same result as above.
+
 The gather copies KV out of the paged cache, so the request's blocks are free to be reused as soon
 as the engine is done with them; the prefill response waits for ``finished()``.
 
@@ -44,9 +48,11 @@ from pdserve.kernels.publish_ring import DEFAULT_WAIT_S, STAT_NAMES, PublishRing
 from pdserve.kernels.transfer import gather_kv
 from pdserve.kvstore.keys import object_key
 from pdserve.kvstore.seal import chunk_digest, seal
+from pdserve.prefill.layerwise import LayerChunk, LayerWork
 
 logger = logging.getLogger(__name__)
 DEFAULT_BUFFER_BYTES = 256 << 20            # --kv-publish-buffer-bytes
+_NOTHING = object()                         # _loop: no work item held over
 
 
 @dataclass
@@ -123,6 +129,104 @@ class ChunkPublisher:
             return self.io.gather(slots, slot, release)     # the publisher thread waits for the copy
         return Gathered([gather_kv(layer, slots) for layer in self.kv_caches], release=release)   # [C, n, Hkv, D]
 
+    # -- layerwise (``layerwise.py``): engine thread ------------------------------------------------
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether chunks can go layer by layer: this node's own cache (one buffer) and a ring."""
+        return self.io is not None and self.ring is not None
+
+    def start_layers(self, request_id: str, index: int, chunk_key: str, slots: torch.Tensor) -> LayerChunk | None:
+        """Before the forward: a ring slot for chunk ``index`` (waiting as ``publish`` does); None: no slot freed
+        within ``wait_s`` -- the caller queues a ``skip`` for it after the step's chunks and publishes no more."""
+        slot = self.ring.acquire()
+        if slot is None:
+            return None
+        return LayerChunk(self._register(request_id, index), request_id, index, chunk_key, slots, slot,
+                          len(self.kv_caches))
+
+    def put_layer(self, chunk: LayerChunk) -> None:
+        """Gather the chunk's next layer (it has just run) and queue its seal and put."""
+        layer = chunk.queued
+        gathered = self.io.gather_layer(layer, chunk.slots, chunk.slot, first=layer == 0)
+        chunk.queued += 1
+        self._queue.put(LayerWork(chunk, layer, gathered))
+
+    def end_chunk(self, chunk: LayerChunk, failed: bool = False) -> None:
+        chunk.ended = True
+        self._queue.put(functools.partial(self._end_chunk, chunk, failed))
+
+    def skip(self, request_id: str, index: int, chunk_key: str) -> None:
+        self._enqueue(request_id, index, chunk_key, None, self.first_layer)
+
+    def hold_blocks(self) -> None:
+        self.io.hold_blocks()
+
+    # -- layerwise: publisher thread ---------------------------------------------------------------
+
+    def _put_layers(self, batch: list[LayerWork]) -> None:
+        """Seal the batch's layer objects and store them in one put (``_loop`` coalesces what is queued: alone when
+        the store keeps up, up to one chunk's worth of objects when it lags); a failure fails each chunk in it."""
+        items, owners = [], []
+        for work in batch:
+            sealed = self._seal_layer(work)
+            if sealed is not None:
+                items.append(sealed[0])
+                owners.append((work.chunk, sealed[1]))
+        if not items:
+            return
+        try:
+            self.store.adopt(items)
+        except Exception as exc:   # the store is down: the decode node will recompute (logged once)
+            self.health.failed(exc)
+            self.failures += 1
+            logger.debug("publishing %d layer objects failed: %s", len(items), exc)
+            for chunk, _ in owners:
+                chunk.failed = True
+            return
+        for chunk, mac in owners:
+            chunk.macs.append(mac)
+
+    def _seal_layer(self, work: LayerWork) -> tuple | None:
+        """((key, sealed object), MAC) of one layer once its copy landed; None when its chunk failed or the store
+        is down (the chunk fails: its later layers are not put). The slot goes back after the last layer."""
+        chunk = work.chunk
+        try:
+            host = work.gathered.wait()[0]                                 # [C, n, Hkv, D]
+            if chunk.failed:
+                return None
+            if not self.health.available():
+                chunk.failed, self.skipped = True, self.skipped + 1
+                return None
+            key = object_key(chunk.chunk_key, self.first_layer + work.layer)
+            obj, mac = seal(key, host, self.seal_key)
+        except Exception as exc:  # noqa: BLE001 - that chunk is not published
+            chunk.failed = True
+            self.failures += 1
+            logger.warning("sealing layer %d of %s's chunk %d failed: %s", work.layer, chunk.request_id, chunk.index,
+                           exc)
+            return None
+        if work.layer == chunk.num_layers - 1:
+            chunk.give_back_slot(self.ring.release)                       # every layer is copied out of it
+        return (key, obj), mac
+
+    def _end_chunk(self, chunk: LayerChunk, failed: bool) -> None:
+        """Every queued layer was answered: the chunk is published only if each of its layers was (and flushed)."""
+        chunk.give_back_slot(self.ring.release)
+        digest = None
+        if not (failed or chunk.failed) and len(chunk.macs) == chunk.num_layers:
+            try:
+                if self.durable and not self.store.flush():
+                    raise RuntimeError("the store's write-through did not reach every tier (flush reported a loss)")
+                self.health.ok()
+                self.published += 1
+                digest = chunk_digest(chunk.macs)
+            except Exception as exc:  # noqa: BLE001 - as a failed put
+                self.health.failed(exc)
+                self.failures += 1
+                logger.debug("publishing KV of %s failed: %s", chunk.request_id, exc)
+        self._answer(chunk.pending, chunk.request_id, chunk.index, digest)
+
     def buffer_stats(self) -> dict[str, float]:
         return self.ring.stats() if self.ring is not None else dict.fromkeys(STAT_NAMES, 0)
 
@@ -156,20 +260,47 @@ class ChunkPublisher:
 
     def _enqueue(self, request_id: str, index: int, chunk_key: str, gathered: Gathered | None,
                  first_layer: int) -> None:
+        p = self._register(request_id, index)
+        self._queue.put(functools.partial(self._put_chunk, p, request_id, index, chunk_key, gathered, first_layer))
+
+    def _register(self, request_id: str, index: int) -> _Pending:
+        """Engine thread: one more chunk of the request on its way; -> the entry it will settle."""
         with self._lock:
             p = self._pending.setdefault(request_id, _Pending())
             _start(p, index)
             p.outstanding += 1
-        self._queue.put((p, request_id, index, chunk_key, gathered, first_layer))
+        return p
 
     def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            p, request_id, index, chunk_key, gathered, first_layer = item
-            digest = self._put(request_id, chunk_key, gathered, first_layer)
-            with self._lock:
-                p.outstanding -= 1
-                _record(p.result, index, digest)
-                self._settle(request_id, p)
+        """Run the queued work in order; consecutive layer objects go to the store together (``_put_layers``)."""
+        held = _NOTHING
+        while (work := self._queue.get() if held is _NOTHING else held) is not None:
+            held = _NOTHING
+            if not isinstance(work, LayerWork):
+                work()
+                continue
+            batch = [work]
+            while len(batch) < len(self.kv_caches):                # at most one chunk's worth of sealed copies
+                try:
+                    held = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if not isinstance(held, LayerWork):
+                    break
+                batch.append(held)
+                held = _NOTHING
+            self._put_layers(batch)
+
+    def _put_chunk(self, p: _Pending, request_id: str, index: int, chunk_key: str, gathered: Gathered | None,
+                   first_layer: int) -> None:
+        self._answer(p, request_id, index, self._put(request_id, chunk_key, gathered, first_layer))
+
+    def _answer(self, p: _Pending, request_id: str, index: int, digest: str | None) -> None:
+        """Publisher thread: the store answered chunk ``index`` (digest None: not stored)."""
+        with self._lock:
+            p.outstanding -= 1
+            _record(p.result, index, digest)
+            self._settle(request_id, p)
 
     def _put(self, request_id: str, chunk_key: str, gathered: Gathered | None, first_layer: int) -> str | None:
         """Seal and store one chunk; its digest, or None when it did not reach the store (None: skipped for want

@@ -84,6 +84,7 @@ NODE_FLAGS = (
     ("--enforce-eager", bool, "no CUDA graphs, no torch.compile"),
     ("--torch-compile", bool, "torch.compile on CPU (off by default)"),
     ("--engine-core-process", bool, "the engine core in its own process (the nodes' default)"),
+    ("--kv-publish-layerwise", bool, "prefill: put each layer's KV while later layers compute (the nodes' default)"),
     ("--otlp-traces-endpoint", str, "OpenTelemetry traces to this OTLP/HTTP URL (the proxy's too)"),
     ("--kv-load-layerwise", bool, "store loads handed to the model layer by layer"),
 )

@@ -29,9 +29,9 @@ def _chunk_bytes(model_dir) -> int:
     return ModelConfig.from_dir(model_dir).kv_layout().bytes_per_token * CHUNK
 
 
-def _engine(model_dir, role, store):
+def _engine(model_dir, role, store, layerwise=True):
     kv = KVTransferConfig(role=role, kv_store="embedded", kv_chunk_tokens=CHUNK,
-                          kv_publish_buffer_bytes=2 * _chunk_bytes(model_dir))
+                          kv_publish_buffer_bytes=2 * _chunk_bytes(model_dir), kv_publish_layerwise=layerwise)
     cfg = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=8),
                        scheduler=SchedulerConfig(max_num_batched_tokens=2048), kv_transfer=kv)
     return LLMEngine(cfg, store=store)
@@ -40,6 +40,11 @@ def _engine(model_dir, role, store):
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     return hf_model(tiny_llama)
+
+
+@pytest.fixture(params=[True, False], ids=["layerwise", "per-step"])
+def layerwise(request):
+    return request.param
 
 
 @pytest.fixture()
@@ -59,9 +64,9 @@ def _decode(engine, rid, prompt, params):
     return run_request(engine, rid, prompt, SamplingParams(max_tokens=8, **GREEDY), params)
 
 
-def test_a_long_prompt_waits_for_ring_slots_and_decodes_like_hf(tiny_llama, reference, store):
+def test_a_long_prompt_waits_for_ring_slots_and_decodes_like_hf(tiny_llama, reference, store, layerwise):
     prompt = random_prompt(reference.config.vocab_size, PROMPT, seed=38)
-    prefill, decode = _engine(tiny_llama, "prefill", store), _engine(tiny_llama, "decode", store)
+    prefill, decode = _engine(tiny_llama, "prefill", store, layerwise), _engine(tiny_llama, "decode", store)
     params = _prefill(prefill, "p", prompt)
     stats, bound = prefill.connector.stats(), 2 * _chunk_bytes(tiny_llama)
     assert stats["publish_buffer_bytes"] == bound and stats["publish_buffer_peak_bytes"] == bound
@@ -74,9 +79,9 @@ def test_a_long_prompt_waits_for_ring_slots_and_decodes_like_hf(tiny_llama, refe
     assert out.kv_accounting["loaded_tokens"] == PROMPT and decode.connector.loader.failures == 0
 
 
-def test_a_stuck_store_skips_a_chunk_and_decode_recomputes_from_there(tiny_llama, reference, store):
+def test_a_stuck_store_skips_a_chunk_and_decode_recomputes_from_there(tiny_llama, reference, store, layerwise):
     prompt = random_prompt(reference.config.vocab_size, PROMPT, seed=39)
-    prefill, decode = _engine(tiny_llama, "prefill", store), _engine(tiny_llama, "decode", store)
+    prefill, decode = _engine(tiny_llama, "prefill", store, layerwise), _engine(tiny_llama, "decode", store)
     prefill.connector.publisher.ring.wait_s = 0.3
     store.gate.clear()
     opener = threading.Timer(1.0, store.gate.set)                        # the store answers again later

@@ -368,7 +368,7 @@ def test_a_layerwise_load_runs_at_once_and_a_failed_one_rewinds_to_its_start():
     Mutation caught: ``update_from_output`` ignoring ``rewound`` -> a token sampled from a partial cache is kept."""
     h = Harness(num_blocks=16, block_size=4, budget=8)
     loads = ScriptedLoads(loadable=12)
-    loads.layerwise = True
+    loads.load_layerwise = True
     h.sched.connector = loads
     a = h.add("a", range(1, 17), max_tokens=3, ignore_eos=True)
     out = h.sched.schedule()

@@ -171,7 +171,8 @@ class LLMEngine:
                                      self.config.cache.block_size, kv.kv_chunk_tokens, kv.role,
                                      kv.cluster_key().seal_key, kv_io=getattr(self.runner, "kv_io", None),
                                      publish_buffer_bytes=kv.kv_publish_buffer_bytes,
-                                     layerwise=kv.kv_load_layerwise)
+                                     load_layerwise=kv.kv_load_layerwise,
+                                     publish_layerwise=kv.kv_publish_layerwise)
 
     @property
     def max_model_len(self) -> int:
@@ -254,12 +255,16 @@ class LLMEngine:
         """
         sched_out = self.scheduler.schedule()
         self.iterations.observe(sched_out.num_batched_tokens)
+        if self.connector is not None:                       # --kv-publish-layerwise: decided before the forward
+            sched_out.kv_publish_hooks = self.connector.begin_step(sched_out.scheduled)
         try:
             sched_out.grammar_bitmask = self.structured.bitmask(sched_out.scheduled)
             if self.connector is not None:
-                sched_out.load_hooks = self.connector.begin_step()   # --kv-load-layerwise: the step's loads
+                sched_out.load_hooks = self.connector.begin_loads()  # --kv-load-layerwise: the step's loads
             sampled = self.runner.execute(sched_out)
         except Exception as exc:  # noqa: BLE001 - the batch's failure, decided in _failed_step
+            if self.connector is not None:
+                self.connector.abandon_step()
             return self._failed_step(sched_out, exc)
         rewound = self._end_loads(sampled)
         if self.connector is not None:
@@ -278,7 +283,7 @@ class LLMEngine:
     def _end_loads(self, sampled: dict) -> dict[str, int]:
         """The step's layerwise loads have ended; a request whose load failed loses what the step gave it (no token,
         no seeded draw, its input row) -> {request id: token to rewind it to} for the scheduler."""
-        rewound = self.connector.end_step() if self.connector is not None else {}
+        rewound = self.connector.end_loads() if self.connector is not None else {}
         for rid in rewound:
             sampled.pop(rid, None)
             self.runner.release(rid)

@@ -7,11 +7,20 @@ Who calls what (all on the engine thread; the I/O runs on the publisher/loader t
                                connector.start_load(req, local_hit, n)    req waits in WAITING_FOR_KV
     Scheduler.schedule         connector.finished_loads() -> {id: loaded tokens}   (0 = recompute all)
   --kv-load-layerwise (``decode/layerwise.py``): start_load queues the load and the request runs in this step
-    LLMEngine.step, before run connector.begin_step() -> the step's LayerHooks (None: no load queued)
-    LLMEngine.step, after run  connector.end_step() -> {id: load start} of loads that failed: their step's
+    LLMEngine.step, before run connector.begin_loads() -> the step's LayerHooks (None: no load queued)
+    LLMEngine.step, after run  connector.end_loads() -> {id: load start} of loads that failed: their step's
                                result is dropped and the scheduler rewinds them there
+    LLMEngine.step, before run hooks = connector.begin_step(scheduled)    --kv-publish-layerwise: ring slots for
+                                                                          the chunks the step completes (may wait;
+                                                                          not a request whose layerwise load runs
+                                                                          in this step: it publishes per step, after
+                                                                          end_loads said the load held);
+                                                                          the runner sets hooks on the step's
+                                                                          AttentionMetadata.layer_hooks, the model
+                                                                          hands each layer over as it finishes
     LLMEngine.step, after run  connector.after_step(scheduled)            publish chunks now complete (may wait
                                                                           for a publish-ring slot: back-pressure)
+                               connector.abandon_step()                   instead, when the forward raised
     request finished           connector.close(req)  -> the response waits for finished_publishes()
     request aborted            connector.forget(req)  (queued chunks are still put; no result is kept)
     response                   connector.transfer_params(req), connector.accounting(req)
@@ -43,6 +52,7 @@ from pdserve.engine.kv.kv_transfer import KVTransferParams
 from pdserve.kvstore.accounting import KVAccounting, account, not_run
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.keys import chunk_keys, model_fingerprint
+from pdserve.prefill.layerwise import LayerChunk, LayerwisePublish
 from pdserve.prefill.publisher import DEFAULT_BUFFER_BYTES, ChunkPublisher, PublishResult
 
 logger = logging.getLogger(__name__)
@@ -66,7 +76,8 @@ class _Transfer:
 class StoreConnector:
     def __init__(self, store, model_config, layout, kv_caches: list[dict], block_size: int,
                  chunk_tokens: int, role: str, seal_key: bytes, kv_io=None,
-                 publish_buffer_bytes: int = DEFAULT_BUFFER_BYTES, layerwise: bool = False):
+                 publish_buffer_bytes: int = DEFAULT_BUFFER_BYTES, load_layerwise: bool = False,
+                 publish_layerwise: bool = False):
         if chunk_tokens % block_size:
             raise ValueError(f"--kv-chunk-tokens {chunk_tokens} must be a multiple of --block-size {block_size}")
         self.store, self.block_size, self.chunk_tokens, self.role = store, block_size, chunk_tokens, role
@@ -88,8 +99,8 @@ class StoreConnector:
         else:   # tp x pp: the cache lives in the worker ranks (pdserve.engine.parallel.kv)
             self.publisher = kv_io.publisher(store, self.health, seal_key, durable, **ring)
             self.loader = kv_io.loader(store, shape, self.health, seal_key)
-        self.layerwise = layerwise and kv_io is None
-        if layerwise and kv_io is not None:
+        self.load_layerwise = load_layerwise and kv_io is None
+        if load_layerwise and kv_io is not None:
             logger.warning("--kv-load-layerwise is ignored on a tensor/pipeline-parallel node: its worker ranks load "
                            "chunk by chunk (the request waits for its load)")
         self._queued: list[LoadJob] = []    # layerwise loads of the step being scheduled
@@ -98,6 +109,12 @@ class StoreConnector:
         self.layerwise_batches = 0          # steps that ran layerwise loads
         self.layerwise_wait_s = 0.0         # the engine thread's time blocked in their ``before(i)``
         self._reqs: dict[str, _Transfer] = {}
+        self.publish_layerwise = (publish_layerwise and role != "decode"
+                                  and getattr(self.publisher, "layerwise", False))
+        if publish_layerwise and role != "decode" and not self.publish_layerwise:
+            logger.info("--kv-publish-layerwise: this node's KV lives in its tensor/pipeline-parallel ranks; "
+                        "it publishes per step (after the whole forward)")
+        self._hooks: LayerwisePublish | None = None     # the step's, between begin_step and after/abandon_step
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -129,8 +146,8 @@ class StoreConnector:
         digests = t.remote.chunk_digests if t.remote is not None else []
         t.times[0] = time.monotonic()
         job = LoadJob(req.request_id, t.keys, t.lens, slots, start, num_tokens, list(digests))
-        if self.layerwise:
-            self._queued.append(job)                        # handed over by begin_step, lands within the step
+        if self.load_layerwise:
+            self._queued.append(job)                        # handed over by begin_loads, lands within the step
         else:
             self.loader.start(job)
 
@@ -150,7 +167,7 @@ class StoreConnector:
                 t.stored = t.published = min(t.stored, good)
             t.accounting = t.accounting.with_loaded(loaded)
 
-    def begin_step(self):
+    def begin_loads(self):
         """Layerwise: hand the loads queued by this step's schedule to the loader -> the step's ``LayerHooks``."""
         self._discarded = set()
         if not self._queued:
@@ -158,7 +175,7 @@ class StoreConnector:
         self._batch, self._queued = self.loader.start_layers(self._queued), []
         return self._batch
 
-    def end_step(self) -> dict[str, int]:
+    def end_loads(self) -> dict[str, int]:
         """Layerwise: wait until the step's loads ended (they did, if the model ran its hooks) -> {request id: load
         start} of those that failed: the step computed them on a partial cache."""
         batch, self._batch = self._batch, None
@@ -178,22 +195,78 @@ class StoreConnector:
 
     def after_step(self, scheduled) -> None:
         """Publish every prompt chunk that the step just computed (call before blocks are freed)."""
+    def begin_step(self, scheduled) -> LayerwisePublish | None:
+        """Before the forward, with ``--kv-publish-layerwise``: a ring slot for each chunk the step completes (up to
+        the ring's size; the rest go per step in ``after_step``) -> the hooks that publish them layer by layer
+        (``prefill/layerwise.py``), or None. Every ``begin_step`` is followed by ``after_step`` or ``abandon_step``."""
+        self._hooks = None
+        if not self.publish_layerwise:
+            return None
+        chunks, skips, room = [], [], self.publisher.ring.num_slots
+        loading = {job.request_id for job in self._queued}   # their step may be dropped: per step, once it counts
+        for req, t, end in self._due(scheduled):
+            if req.request_id in loading:
+                continue
+            try:
+                while t.published < end and len(chunks) < room:
+                    chunk = self._start_layers(req, t, t.published)
+                    if chunk is None:
+                        skips.append((req.request_id, t.published, t.keys[t.published]))
+                        t.publish = False      # the ring stayed full: skipped (counted); nothing after a gap
+                        break
+                    chunks.append(chunk)
+                    t.published += 1
+            except Exception as exc:  # noqa: BLE001 - as in after_step
+                self._publish_failed(req, t, exc)
+        if chunks or skips:
+            self._hooks = LayerwisePublish(self.publisher, chunks, skips)
+        return self._hooks
+
+    def _start_layers(self, req, t: _Transfer, index: int) -> LayerChunk | None:
+        start = index * self.chunk_tokens
+        slots = _slots(req.block_ids, start + t.lens[index], self.block_size)[start:]
+        t.times[3] = t.times[3] or time.monotonic()
+        chunk = self.publisher.start_layers(req.request_id, index, t.keys[index], slots)
+        if chunk is not None:
+            t.times[5] += t.lens[index] * self.bytes_per_token
+        return chunk
+
+    def abandon_step(self) -> None:
+        """The forward raised after ``begin_step``: the step's layerwise chunks end unpublished."""
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.abandon()
+
+    def _due(self, scheduled):
+        """-> (request, transfer, chunks complete once the step ran) of each request that publishes."""
         for item in scheduled:
             req, t = item.request, self._reqs.get(item.request.request_id)
             if t is None or not t.publish or not req.block_ids or req.request_id in self._discarded:
                 continue
             done_tokens = min(item.first_token_index + item.num_new_tokens, req.num_prompt_tokens)
+            yield req, t, _chunks_covered(t.lens, done_tokens)
+
+    def _publish_failed(self, req, t: _Transfer, exc: Exception) -> None:
+        logger.warning("publishing KV of %s failed (%s: %s); its later chunks are not published",
+                       req.request_id, type(exc).__name__, exc)
+        self.publisher.failures += 1
+        t.publish = False
+
+    def after_step(self, scheduled) -> None:
+        """Publish every prompt chunk that the step just computed (call before blocks are freed): end the layerwise
+        chunks of ``begin_step``, then the rest per step."""
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.finish()
+        for req, t, end in self._due(scheduled):
             try:
-                while t.published < len(t.keys) and sum(t.lens[:t.published + 1]) <= done_tokens:
+                while t.published < end:
                     if not self._publish_chunk(req, t, t.published):
                         t.publish = False    # the ring stayed full: skipped (counted); nothing after a gap is used
                         break
                     t.published += 1
             except Exception as exc:  # noqa: BLE001 - this request's KV stays unpublished; decode recomputes
-                logger.warning("publishing KV of %s failed (%s: %s); its later chunks are not published",
-                               req.request_id, type(exc).__name__, exc)
-                self.publisher.failures += 1
-                t.publish = False
+                self._publish_failed(req, t, exc)
 
     def _publish_chunk(self, req, t: _Transfer, index: int) -> bool:
         """False: the publisher skipped the chunk (its ring stayed full; may have waited for a slot first)."""

@@ -80,7 +80,8 @@ class ModelRunner:
         if not scheduled:
             return {}
         inputs = self.prepare(scheduled)
-        inputs.attn.layer_hooks = HookChain.of(getattr(scheduler_output, "load_hooks", None))
+        inputs.attn.layer_hooks = HookChain.of(getattr(scheduler_output, "load_hooks", None),
+                                               getattr(scheduler_output, "kv_publish_hooks", None))
         plan = plan_prompt_rows(scheduled)
         eager = plan is not None or inputs.attn.layer_hooks is not None      # a graph calls no hooks
         hidden = self.graphs.run(inputs) if self.graphs is not None and not eager else None   # decode: replay

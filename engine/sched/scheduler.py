@@ -70,6 +70,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     grammar_bitmask: object | None = None   # GrammarBitmask of the step's structured samples (set by LLMEngine)
     load_hooks: object | None = None        # LayerHooks of the step's layerwise loads (set by LLMEngine)
+    kv_publish_hooks: object | None = None  # LayerHooks publishing the step's chunks layerwise (set by LLMEngine)
 
 
 class Scheduler:
@@ -216,7 +217,7 @@ class Scheduler:
                 continue
             blocks, num_hit = bm.get_computed_blocks(req)
             num_load = self._loadable(req, num_hit)
-            if num_load and not getattr(self.connector, "layerwise", False):
+            if num_load and not getattr(self.connector, "load_layerwise", False):
                 if not bm.allocate_slots(req, num_load, blocks):
                     break
                 self._start_load(req, num_hit, num_load)
