@@ -17,7 +17,8 @@
 #           ranks' shards, decode ids == HF
 # parity, debugsync, stall and kv run on the first visible GPU only (their ranks must share it); graphs on all of them.
 #   graphs  tp2 with decode CUDA graphs (nccl, the all-reduce inside the graph) vs tp2 --enforce-eager: the same
-#           greedy ids (== HF fp32), both ranks logged "decode graphs (nccl", the median decode step time ratio.
+#           greedy ids (== HF fp32; 5 rows shrinking to 1: padded buckets, rows left by a larger batch), both ranks
+#           logged "decode graphs (nccl" and "decode graphs: captured", the median decode step time ratio.
 #           Needs >= 2 GPUs: with one it prints why and is SKIP (not PASS). Dry run: the CPU stand-in (the captured
 #           stage function run eagerly through the replay path; ids checked, the ratio is no graph figure)
 # Each part runs in the background under its own time limit; the wait loop checks the process is alive and
@@ -94,7 +95,9 @@ if want graphs; then
     RESULTS+=("$(printf '%-28s %-14s %s' "graphs tp2 vs eager" SKIP "$(grep '^SKIP' "$OUT/graphs.log" | cut -c7-120)")")
   else
     [ "$rc" = 0 ] && [ "$modes" != 2 ] && rc=1                  # both ranks must have chosen the replay path
-    result "graphs tp2 vs eager" $rc "$(passes graphs)/1 ids equal; $modes rank logs '$mode'; decode step $ratio"
+    captured=$(grep -c "decode graphs: captured" "$OUT/graphs.log")
+    [ "$DEV" = cuda ] && [ "$rc" = 0 ] && [ "$captured" != 2 ] && rc=1   # ... and captured their graphs
+    result "graphs tp2 vs eager" $rc "$(passes graphs)/1 ids equal; $modes rank logs '$mode' ($captured captured); decode step $ratio"
   fi
 fi
 

@@ -104,3 +104,49 @@ def test_a_rank_whose_graphs_were_not_built_does_not_log_decode_graphs(tiny_llam
     assert not any("decode graphs (nccl" in line for line in lines), lines
     assert any("rank 0 (" in line and "decode eager (nccl, but attention backend torch" in line
                for line in lines), lines
+
+
+# -- gpu_parallel_check.sh, part graphs: what its verdict rests on --------------------------------------------------
+
+ROOT = HERE.parent
+FAKE_PART = """#!/bin/bash
+# stands in for `python3 -P devbench/parallel_check.py graphs ...`: prints $FAKE_OUT, exits $FAKE_RC
+printf '%b' "$FAKE_OUT"; exit $FAKE_RC
+"""
+
+
+def _graphs_verdict(tmp_path, out: str, rc: int, small: str = "1") -> tuple[int, str]:
+    """Run the script's graphs part with the part's process replaced (its log text and exit status given)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "python3").write_text(FAKE_PART)
+    (bindir / "python3").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SMALL=small, PARTS="graphs",
+               OUT=str(tmp_path / "out"), FAKE_OUT=out, FAKE_RC=str(rc))
+    proc = subprocess.run(["bash", str(ROOT / "bench/gpu_parallel_check.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    return proc.returncode, (tmp_path / "out/summary.txt").read_text().splitlines()[-1]
+
+
+CPU_MODE = "rank 0 (tp 0, pp 0): decode graphs (CPU ranks: the stage function CUDA ranks capture runs ...)\\n"
+NCCL_MODE = "rank 0 (tp 0, pp 0): decode graphs (nccl: ...)\\n"
+CAPTURED = "decode graphs: captured 4 stage graphs (batch 1..8) in 1.0 s, 3.0 MiB of graph memory\\n"
+PASSED = "PASS  tp2 graphs == eager == HF fp32     == eager: True; == HF: True\\ndecode step median: ratio 0.50 (x)\\n"
+
+
+def test_gpu_check_graphs_part_passes_only_on_equal_ids_and_both_ranks_replaying(tmp_path):
+    rc, line = _graphs_verdict(tmp_path, CPU_MODE * 2 + PASSED, 0)
+    assert rc == 0 and " PASS " in line and "2 rank logs" in line
+    rc, line = _graphs_verdict(tmp_path, CPU_MODE * 2 + "FAIL  tp2 graphs == eager == HF fp32  == eager: False\\n", 1)
+    assert rc == 1 and "FAIL (rc 1)" in line                          # ids differ
+    rc, line = _graphs_verdict(tmp_path, PASSED, 0)
+    assert rc == 1 and "FAIL (rc 1)" in line and "0 rank logs" in line    # no rank said it replays
+    rc, line = _graphs_verdict(tmp_path, CPU_MODE + PASSED, 0)
+    assert rc == 1 and "FAIL" in line                                  # one rank of two
+    rc, line = _graphs_verdict(tmp_path, "SKIP  decode graphs on TP need >= 2 GPUs (NCCL, a GPU per rank): 1\\n", 3)
+    assert " SKIP " in line and "PASS" not in line and "need >= 2 GPUs" in line
+    # on CUDA both ranks must also have captured (a rank that chose graphs but built none ran eagerly)
+    rc, line = _graphs_verdict(tmp_path, NCCL_MODE * 2 + PASSED, 0, small="0")
+    assert rc == 1 and "FAIL" in line and "(0 captured)" in line
+    rc, line = _graphs_verdict(tmp_path, (NCCL_MODE + CAPTURED) * 2 + PASSED, 0, small="0")
+    assert rc == 0 and " PASS " in line and "(2 captured)" in line
