@@ -5,7 +5,9 @@
   ``torch.cuda.set_sync_debug_mode``): a sync raises inside ``torch.cuda.graph`` on the first CUDA run;
 - a rank whose graphs could not be built (``StageGraphs.build`` -> None: another attention backend, dynamic RoPE)
   says "decode eager", never "decode graphs (nccl": ``gpu_parallel_check.sh graphs`` counts that line as proof
-  that both ranks replayed.
+  that both ranks replayed;
+- ``gpu_parallel_check.sh graphs``: FAIL when the ids differ, when a rank did not log "decode graphs (", on CUDA
+  when a rank did not log "decode graphs: captured"; SKIP (never PASS) when the part exits 3 (under 2 GPUs).
 """
 
 from __future__ import annotations
