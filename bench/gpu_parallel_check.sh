@@ -97,7 +97,8 @@ if want graphs; then
     [ "$rc" = 0 ] && [ "$modes" != 2 ] && rc=1                  # both ranks must have chosen the replay path
     captured=$(grep -c "decode graphs: captured" "$OUT/graphs.log")
     [ "$DEV" = cuda ] && [ "$rc" = 0 ] && [ "$captured" != 2 ] && rc=1   # ... and captured their graphs
-    result "graphs tp2 vs eager" $rc "$(passes graphs)/1 ids equal; $modes rank logs '$mode' ($captured captured); decode step $ratio"
+    result "graphs tp2 vs eager" $rc \
+      "$(passes graphs)/1 ids equal; $modes rank logs '$mode' ($captured captured); decode step $ratio"
   fi
 fi
 

@@ -25,9 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
-SYNC_OPS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default, aten.masked_select.default,
-            aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default,
-            aten.repeat_interleave.Tensor, aten.equal.default}
+SYNC_OPS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default,
+            aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default,
+            aten.unique_dim.default}
 SYNC_METHODS = {"tolist", "numpy", "cpu", "item"}
 FACTORIES = {"arange", "ones", "zeros", "empty", "full", "tensor", "scalar_tensor", "linspace", "randn", "rand"}
 
