@@ -7,7 +7,9 @@
   says "decode eager", never "decode graphs (nccl": ``gpu_parallel_check.sh graphs`` counts that line as proof
   that both ranks replayed;
 - ``gpu_parallel_check.sh graphs``: FAIL when the ids differ, when a rank did not log "decode graphs (", on CUDA
-  when a rank did not log "decode graphs: captured"; SKIP (never PASS) when the part exits 3 (under 2 GPUs).
+  when a rank did not log "decode graphs: captured"; SKIP (never PASS) when the part exits 3 (under 2 GPUs);
+- seeded, penalised, top-k / top-p and logprob requests in padded replays (tp2: bucket 8 for 5 rows; pp2: two
+  micro-batches) get the eager run's ids and logprobs, bit for bit (CPU stand-in).
 """
 
 from __future__ import annotations
@@ -152,3 +154,46 @@ def test_gpu_check_graphs_part_passes_only_on_equal_ids_and_both_ranks_replaying
     assert rc == 1 and "FAIL" in line and "(0 captured)" in line
     rc, line = _graphs_verdict(tmp_path, (NCCL_MODE + CAPTURED) * 2 + PASSED, 0, small="0")
     assert rc == 0 and " PASS " in line and "(2 captured)" in line
+
+
+# -- sampling features in a replayed (padded) decode step: the same bits as eager -------------------------------
+
+def _sampled(model_dir, eager: bool, pp: int) -> dict:
+    """5 requests (decode rows 5 -> bucket 8, 3 padding rows; pp2: micro-batches of 3 and 2 -> buckets 4 and 2),
+    each with another sampling feature: seeded, penalties, top-k / top-p, logprobs -> {id: (ids, logprobs)}."""
+    from pdserve.engine.config import CacheConfig, EngineConfig, ExecutionConfig, ParallelConfig, SchedulerConfig
+    from pdserve.engine.core.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    from hf_reference import random_prompt
+
+    cfg = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=8),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=8),
+                       execution=ExecutionConfig(enforce_eager=eager),
+                       parallel=ParallelConfig(tensor_parallel_size=3 - pp, pipeline_parallel_size=pp))
+    params = [SamplingParams(max_tokens=6, temperature=0.9, seed=11, logprobs=3),
+              SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, presence_penalty=0.5, frequency_penalty=0.3),
+              SamplingParams(max_tokens=6, temperature=1.0, seed=5, repetition_penalty=1.3, top_k=5),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=6, temperature=0.7, seed=99, top_p=0.8, logprobs=0)]
+    engine = LLMEngine(cfg)
+    out: dict = {}
+    try:
+        for i, (n, sp) in enumerate(zip((1, 17, 9, 5, 3), params)):
+            engine.add_request(f"r{i}", random_prompt(400, n, seed=n), sp)
+        while engine.has_unfinished():
+            for o in engine.step():
+                ids, lps = out.setdefault(o.request_id, ([], []))
+                ids += o.new_token_ids
+                lps.append(repr(getattr(o, "new_logprobs", None) or getattr(o, "logprobs", None)))
+    finally:
+        engine.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2"])
+def test_seeded_penalised_logprob_requests_get_eager_bits_through_padded_replays(tiny_llama, monkeypatch, pp):
+    monkeypatch.setenv("PDSERVE_RANK_GRAPHS_CPU", "1")
+    replayed, eager = _sampled(tiny_llama, False, pp), _sampled(tiny_llama, True, pp)
+    assert replayed == eager
+    assert all(any(lp != "None" for lp in lps) for rid, (ids, lps) in replayed.items() if rid != "r2")
