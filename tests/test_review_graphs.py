@@ -135,25 +135,29 @@ def _graphs_verdict(tmp_path, out: str, rc: int, small: str = "1") -> tuple[int,
 CPU_MODE = "rank 0 (tp 0, pp 0): decode graphs (CPU ranks: the stage function CUDA ranks capture runs ...)\\n"
 NCCL_MODE = "rank 0 (tp 0, pp 0): decode graphs (nccl: ...)\\n"
 CAPTURED = "decode graphs: captured 4 stage graphs (batch 1..8) in 1.0 s, 3.0 MiB of graph memory\\n"
+SYNCED = "rank 0 (tp 0, pp 0) step 3: device synchronised after graph replay (bucket 8)\\n"
 PASSED = "PASS  tp2 graphs == eager == HF fp32     == eager: True; == HF: True\\ndecode step median: ratio 0.50 (x)\\n"
 
 
 def test_gpu_check_graphs_part_passes_only_on_equal_ids_and_both_ranks_replaying(tmp_path):
-    rc, line = _graphs_verdict(tmp_path, CPU_MODE * 2 + PASSED, 0)
-    assert rc == 0 and " PASS " in line and "2 rank logs" in line
-    rc, line = _graphs_verdict(tmp_path, CPU_MODE * 2 + "FAIL  tp2 graphs == eager == HF fp32  == eager: False\\n", 1)
+    """Two graph runs (plain, --debug-sync) of two ranks each: 4 mode lines (4 captures on CUDA), synced replays."""
+    rc, line = _graphs_verdict(tmp_path, CPU_MODE * 4 + SYNCED + PASSED, 0)
+    assert rc == 0 and " PASS " in line and "4 rank logs" in line
+    rc, line = _graphs_verdict(tmp_path, CPU_MODE * 4 + SYNCED + "FAIL  tp2 graphs == eager  == eager: False\\n", 1)
     assert rc == 1 and "FAIL (rc 1)" in line                          # ids differ
-    rc, line = _graphs_verdict(tmp_path, PASSED, 0)
+    rc, line = _graphs_verdict(tmp_path, SYNCED + PASSED, 0)
     assert rc == 1 and "FAIL (rc 1)" in line and "0 rank logs" in line    # no rank said it replays
-    rc, line = _graphs_verdict(tmp_path, CPU_MODE + PASSED, 0)
-    assert rc == 1 and "FAIL" in line                                  # one rank of two
+    rc, line = _graphs_verdict(tmp_path, CPU_MODE * 3 + SYNCED + PASSED, 0)
+    assert rc == 1 and "FAIL" in line                                  # one rank of four did not
+    rc, line = _graphs_verdict(tmp_path, CPU_MODE * 4 + PASSED, 0)
+    assert rc == 1 and "FAIL" in line and "0 replays synced" in line   # --debug-sync never synchronised a replay
     rc, line = _graphs_verdict(tmp_path, "SKIP  decode graphs on TP need >= 2 GPUs (NCCL, a GPU per rank): 1\\n", 3)
     assert " SKIP " in line and "PASS" not in line and "need >= 2 GPUs" in line
-    # on CUDA both ranks must also have captured (a rank that chose graphs but built none ran eagerly)
-    rc, line = _graphs_verdict(tmp_path, NCCL_MODE * 2 + PASSED, 0, small="0")
-    assert rc == 1 and "FAIL" in line and "(0 captured)" in line
-    rc, line = _graphs_verdict(tmp_path, (NCCL_MODE + CAPTURED) * 2 + PASSED, 0, small="0")
-    assert rc == 0 and " PASS " in line and "(2 captured)" in line
+    # on CUDA every rank must also have captured (a rank that chose graphs but built none ran eagerly)
+    rc, line = _graphs_verdict(tmp_path, NCCL_MODE * 4 + SYNCED + PASSED, 0, small="0")
+    assert rc == 1 and "FAIL" in line and "(0 captured" in line
+    rc, line = _graphs_verdict(tmp_path, (NCCL_MODE + CAPTURED) * 4 + SYNCED + PASSED, 0, small="0")
+    assert rc == 0 and " PASS " in line and "(4 captured" in line
 
 
 # -- sampling features in a replayed (padded) decode step: the same bits as eager -------------------------------
