@@ -17,7 +17,9 @@
 #           ranks' shards, decode ids == HF
 # parity, debugsync, stall and kv run on the first visible GPU only (their ranks must share it); graphs on all of them.
 #   graphs  tp2 with decode CUDA graphs (nccl, the all-reduce inside the graph) vs tp2 --enforce-eager: the same
-#           greedy ids (== HF fp32), both ranks logged "decode graphs (nccl", the median decode step time ratio.
+#           greedy ids (== HF fp32; 5 rows shrinking to 1: padded buckets, rows left by a larger batch), and tp2
+#           graphs under --debug-sync (the same ids; "device synchronised after graph replay" logged); both ranks of
+#           both graph runs logged "decode graphs (nccl" and "decode graphs: captured"; the median decode step ratio.
 #           Needs >= 2 GPUs: with one it prints why and is SKIP (not PASS). Dry run: the CPU stand-in (the captured
 #           stage function run eagerly through the replay path; ids checked, the ratio is no graph figure)
 # Each part runs in the background under its own time limit; the wait loop checks the process is alive and
@@ -93,8 +95,14 @@ if want graphs; then
   if [ "$rc" = 3 ]; then                                        # fewer than 2 GPUs: said why, not a PASS
     RESULTS+=("$(printf '%-28s %-14s %s' "graphs tp2 vs eager" SKIP "$(grep '^SKIP' "$OUT/graphs.log" | cut -c7-120)")")
   else
-    [ "$rc" = 0 ] && [ "$modes" != 2 ] && rc=1                  # both ranks must have chosen the replay path
-    result "graphs tp2 vs eager" $rc "$(passes graphs)/1 ids equal; $modes rank logs '$mode'; decode step $ratio"
+    [ "$rc" = 0 ] && [ "$modes" != 4 ] && rc=1       # both ranks of both graph runs must have chosen the replay path
+    captured=$(grep -c "decode graphs: captured" "$OUT/graphs.log")
+    [ "$DEV" = cuda ] && [ "$rc" = 0 ] && [ "$captured" != 4 ] && rc=1   # ... and captured their graphs
+    synced=$(grep -c "device synchronised after graph replay" "$OUT/graphs.log")
+    [ "$rc" = 0 ] && [ "$synced" = 0 ] && rc=1                  # --debug-sync synchronised after the replays
+    result "graphs tp2 vs eager" $rc \
+      "$(passes graphs)/1 ids equal; $modes rank logs '$mode' ($captured captured, $synced replays synced);\
+ decode step $ratio"
   fi
 fi
 

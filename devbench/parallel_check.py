@@ -181,7 +181,8 @@ SKIP = 3                        # the exit status of a part that this machine ca
 
 def part_graphs(model: str, device: str) -> bool | None:
     """tp2 with decode graphs (nccl: a GPU per rank) vs tp2 --enforce-eager: the same greedy ids (== HF fp32) and
-    the median decode step time of each, as a ratio. Fewer than 2 GPUs: None, SKIP (tp2 on one GPU is gloo, eager).
+    the median decode step time of each, as a ratio; then tp2 graphs under --debug-sync (capture must not sync; the
+    ranks log "device synchronised after graph replay"), the same ids. Fewer than 2 GPUs: None, SKIP (tp2 on one GPU is gloo, eager).
     Dry run (--device cpu): the CPU stand-in (PDSERVE_RANK_GRAPHS_CPU=1, the captured stage function run eagerly
     through the replay path): the ids check is real, the ratio is not a graph figure."""
     if device == "cuda" and torch.cuda.device_count() < 2:
@@ -191,29 +192,31 @@ def part_graphs(model: str, device: str) -> bool | None:
     if device == "cpu":
         os.environ["PDSERVE_RANK_GRAPHS_CPU"] = "1"          # the ranks' launcher inherits it
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (1, 17, 5, 9)]   # one prefill step
-    tokens = 24
-    want = hf_greedy(model, prompts, tokens)
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (1, 17, 5, 9, 3)]   # one prefill step
+    tokens = [24, 20, 16, 12, 8]     # 5 rows (bucket 8: 3 padding rows), then 4, 3 (padding left by a larger batch),
+    want = [ids[:n] for ids, n in zip(hf_greedy(model, prompts, max(tokens)), tokens)]         # 2, 1
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in tokens]
     got, step_s = {}, {}
-    for eager in (False, True):
-        e = engine(model, device, 2, 1, enforce_eager=eager, max_num_seqs=8)
+    for run in ("graphs", "eager", "debug-sync"):      # debug-sync: captured with a device sync on every phase end
+        e = engine(model, device, 2, 1, enforce_eager=run == "eager", max_num_seqs=8,
+                   debug_sync=run == "debug-sync")
         try:
-            got[eager], step_s[eager] = _timed_run(e, prompts, params)
+            got[run], step_s[run] = _timed_run(e, prompts, params)
         finally:
             e.shutdown()
-    ok = check("tp2 graphs == eager == HF fp32", got[False] == got[True] == want,
-               f"== eager: {got[False] == got[True]}; == HF: {got[False] == want}")
+    ok = check("tp2 graphs == eager == HF fp32", got["graphs"] == got["eager"] == got["debug-sync"] == want,
+               f"== eager: {got['graphs'] == got['eager']}; == HF: {got['graphs'] == want}; "
+               f"--debug-sync == HF: {got['debug-sync'] == want}")
     label = "graphs" if device == "cuda" else "CPU stand-in (no graphs)"
-    print(f"decode step median: {label} {step_s[False] * 1e3:.2f} ms, eager {step_s[True] * 1e3:.2f} ms, "
-          f"ratio {step_s[False] / step_s[True]:.2f} ({device})", flush=True)
+    print(f"decode step median: {label} {step_s['graphs'] * 1e3:.2f} ms, eager {step_s['eager'] * 1e3:.2f} ms, "
+          f"ratio {step_s['graphs'] / step_s['eager']:.2f} ({device})", flush=True)
     return ok
 
 
-def _timed_run(e: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
+def _timed_run(e: LLMEngine, prompts: list[list[int]], params: list) -> tuple[list[list[int]], float]:
     """-> the greedy ids, and the median wall time of the decode steps (every step after the first two)."""
-    for i, p in enumerate(prompts):
-        e.add_request(f"r{i}", p, params)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        e.add_request(f"r{i}", p, sp)
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     times = []
     while e.has_unfinished():

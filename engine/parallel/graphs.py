@@ -69,6 +69,22 @@ def graph_mode(choice, enforce_eager: bool, cpu_stand_in: bool | None = None) ->
     return GraphMode(GRAPHS, "nccl: decode steps captured per batch bucket, the TP all-reduce inside the graph")
 
 
+def capture_blocker(runner) -> str | None:
+    """Why this rank's model cannot be captured (the attention backend is not Triton, dynamic RoPE), else None."""
+    why = [f"attention backend {runner.attention_backend}"] if runner.attention_backend != "triton" else []
+    if getattr(getattr(runner.model, "rotary", None), "dynamic", False):
+        why.append("dynamic RoPE")
+    return ", ".join(why) or None
+
+
+def rank_mode(choice, enforce_eager: bool, runner) -> GraphMode:
+    """``graph_mode``, then eager where the model cannot be captured: the mode a rank logs is the one it runs
+    (``gpu_parallel_check.sh graphs`` counts the ranks that log "decode graphs (nccl")."""
+    mode = graph_mode(choice, enforce_eager)
+    why = capture_blocker(runner) if mode.mode == GRAPHS else None
+    return GraphMode(EAGER, f"nccl, but {why}: decode steps run eagerly") if why else mode
+
+
 def batch_bucket(batch: list[StepRequest], sizes: list[int], width: int, block_size: int) -> int | None:
     """The bucket a micro-batch replays in: one new token per request (a decode micro-batch), at most the largest
     bucket's rows, the blocks each needs within the graphs' table ``width``; else None (it runs eagerly)."""
@@ -105,10 +121,8 @@ class StageGraphs(DecodeGraphs):
     def build(cls, runner, max_model_len: int, heartbeat, hidden_size: int, dtype: torch.dtype, first: bool,
               mode: GraphMode) -> "StageGraphs | None":
         """Capture (mode graphs) or prepare the stand-in; None where the model cannot replay (logged)."""
-        rotary = getattr(runner.model, "rotary", None)
-        if mode.mode == GRAPHS and (runner.attention_backend != "triton" or getattr(rotary, "dynamic", False)):
-            logger.info("decode graphs off: attention backend %s%s", runner.attention_backend,
-                        ", dynamic RoPE" if getattr(rotary, "dynamic", False) else "")
+        if mode.mode == GRAPHS and capture_blocker(runner):
+            logger.info("decode graphs off: %s", capture_blocker(runner))
             return None
         graphs = cls(runner, max_model_len, heartbeat, hidden_size, dtype, first, mode.mode == GRAPHS)
         if graphs.captured:

@@ -46,7 +46,7 @@ from pdserve.engine.parallel import faults
 from pdserve.engine.parallel import messages as m
 from pdserve.engine.parallel.broadcast import MessageQueue, QueueHandle, WriterDeadError
 from pdserve.engine.parallel.devices import DeviceChoice, agree, local_rank_of, select_device
-from pdserve.engine.parallel.graphs import StageGraphs, graph_mode
+from pdserve.engine.parallel.graphs import StageGraphs, rank_mode
 from pdserve.engine.parallel.kv import gather_part, scatter_part
 from pdserve.engine.parallel.stage import Coords, StageRunner, stage_layers
 from pdserve.engine.parallel.tp import TPGroup, attach
@@ -124,7 +124,7 @@ class Worker:
 
     def _graphs(self, runner, config) -> StageGraphs | None:
         """This rank's decode graphs (``graphs.py``): captured on nccl ranks, else None (eager); logged with why."""
-        mode = graph_mode(self.choice, self.spec.enforce_eager)
+        mode = rank_mode(self.choice, self.spec.enforce_eager, runner)
         logger.info("rank %d (%s): decode %s (%s)", self.coords.rank, self.coords,
                     "graphs" if mode.replays else "eager", mode.reason)
         if not mode.replays:
