@@ -3,7 +3,8 @@
 published -- the request's later chunks reach the store only from the recomputed step.
 
 Mutation caught: ``StoreConnector.begin_step`` taking the chunks of a request whose layerwise load runs in the same
-step -> the tail chunks are put during the forward, computed without the lost layer, and the store keeps them.
+step -> the tail's later layers, computed on attention over a cache without the lost layer-0 object, are put during
+the forward (a failed put and then a good one: a reader in between loads wrong KV under a valid seal).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def test_a_failed_layerwise_load_publishes_nothing_from_its_step(tiny_llama):
         keys = chunk_keys(prompt, CHUNK, e.connector.fingerprint, include_partial=True)
         want = _objects(clean, keys[2:4], layers)
 
-        _lose_after_lookup(store, keys[1], 1)            # the load of chunk 1 fails at layer 1, after layer 0 ran
+        _lose_after_lookup(store, keys[1], 0)            # chunk 1 fails at layer 0: the tail's layer-1 K/V is wrong
         puts = _record_puts(store, {object_key(k, layer) for k in keys[2:4] for layer in layers})
         lw = _engine(tiny_llama, store, layerwise=True)
         tokens, out = run_request(lw, "r", prompt, SamplingParams(max_tokens=4, **GREEDY))
