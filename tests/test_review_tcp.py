@@ -214,5 +214,44 @@ def test_processes_over_tcp_and_shm_on_overlapping_keys_read_only_what_was_put(s
     assert all(out.startswith("OK") for out, _ in outs), [err[-3000:] for _, err in outs]
     assert sum(int(out.split()[1]) for out, _ in outs) > 0        # some gets hit
     stats = daemon.store.stats()
-    assert stats["memory"]["evictions"] > 0 and stats["daemon"]["checksum_failures"] == 0
+    assert stats["memory"]["evictions"] > 0 and daemon._counters["checksum_failures"] == 0
     wait_for(lambda: _pinned(daemon) == 0, 10, "every send and lease unpinned")
+
+
+STALLED_READER = """
+import signal, sys, zmq
+from pdserve.kvstore import protocol as P
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.RCVHWM, 1)
+sock.setsockopt(zmq.RCVBUF, 4096)
+sock.connect(sys.argv[1])
+for i in range(int(sys.argv[2])):
+    sock.send_multipart([P.ENCODER.encode(P.Get(keys=sys.argv[3:], id=i + 1))])
+print("SENT", flush=True)
+signal.pause()                    # never reads: a stopped process, a frozen container, a partitioned host
+"""
+
+
+def test_a_reader_that_stops_reading_cannot_pin_the_arena_full(served):
+    """Big TCP get replies go out of the arena in place, pinned until zmq has sent them. Before: a client that asked
+    and then stopped reading (SIGSTOP, a frozen container, a dead link without a reset) kept every slot it was
+    being sent pinned for as long as it stayed stopped -- here 6 of an 8 MiB arena -- so no later put found room.
+    Now slots in flight are bounded (DaemonLimits.max_send_pinned_bytes): beyond that a reply is a copy."""
+    daemon = served(cpu_bytes=8 << 20)
+    keys = [f"big{i}:0" for i in range(6)]
+    with DaemonClient(daemon.endpoint, timeout_s=20) as client:
+        client.put([(k, torch.full((1 << 20,), i, dtype=torch.uint8)) for i, k in enumerate(keys)])
+        proc = subprocess.Popen([sys.executable, "-c", STALLED_READER, daemon.endpoint, "8", *keys],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "SENT"
+            wait_for(lambda: daemon.store.stats()["memory"]["hits"] >= 48, 20,
+                     "the stalled reader's gets were served")
+            want = torch.arange(3 << 20, dtype=torch.int32).view(torch.uint8)[: 5 << 20]
+            client.put([("after:0", want)])
+            got = client.get(["after:0"])[0]
+            assert got is not None and torch.equal(got, want)
+            assert daemon.store.stats()["memory"]["rejected"] == 0
+        finally:
+            terminate(proc)
+    wait_for(lambda: _pinned(daemon) == 0, 10, "the dead reader's sends unpinned")
