@@ -115,7 +115,7 @@ class KVDaemon:
         nbytes = sum(s.nbytes for s in pinned)
         if self._sending_bytes + nbytes > self._send_budget:
             self._counters["sends_copied"] += 1
-            frames = [reply[0], *(zmq.Frame(p.tobytes()) for p in reply[1:])]
+            frames = [reply[0], *_copies(reply[1:])]
             self.store.unpin(pinned)
             return frames
         frames = [reply[0], *(zmq.Frame(p, track=True) if p.nbytes >= TRACK_FROM else zmq.Frame(p.tobytes())
@@ -318,6 +318,19 @@ class KVDaemon:
             log.info("KV daemon: ended the arena reservations and leases of exited clients")
         if n:
             log.info("KV daemon: reclaimed %d shm segments of exited clients", n)
+
+
+def _copies(payload: list) -> list:
+    """Frames of copies of ``payload``'s arrays, one copy per distinct range of memory (a reply that names one key
+    a thousand times holds one copy of it, not a thousand)."""
+    made: dict[tuple[int, int], bytes] = {}
+    out = []
+    for array in payload:
+        span = (array.__array_interface__["data"][0], array.nbytes)
+        if span not in made:
+            made[span] = array.tobytes()
+        out.append(zmq.Frame(made[span]))
+    return out
 
 
 class _Version(msgspec.Struct):

@@ -17,6 +17,7 @@ import random
 import subprocess
 import sys
 import threading
+import tracemalloc
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from pdserve.kvstore.arena import align
 from pdserve.kvstore.arena_tier import ArenaTier
 from pdserve.kvstore.client import DaemonClient
 from pdserve.kvstore.config import KVStoreConfig, build_store
-from pdserve.kvstore.daemon import KVDaemon
+from pdserve.kvstore.daemon import DaemonLimits, KVDaemon
 from pdserve.kvstore.zmq_context import shared_context
 from pdserve.proxy.cluster import terminate
 
@@ -37,8 +38,9 @@ from pdserve.proxy.cluster import terminate
 def served():
     daemons = []
 
-    def start(cpu_bytes: int = 1 << 20, token: str = "") -> KVDaemon:
-        daemon = KVDaemon(build_store(KVStoreConfig(cpu_bytes=cpu_bytes), arena=True), port=0, token=token)
+    def start(cpu_bytes: int = 1 << 20, token: str = "", limits: DaemonLimits = DaemonLimits()) -> KVDaemon:
+        daemon = KVDaemon(build_store(KVStoreConfig(cpu_bytes=cpu_bytes), arena=True), port=0, token=token,
+                          limits=limits)
         stop = threading.Event()
         thread = threading.Thread(target=daemon.serve, args=(stop,))
         thread.start()
@@ -255,3 +257,27 @@ def test_a_reader_that_stops_reading_cannot_pin_the_arena_full(served):
         finally:
             terminate(proc)
     wait_for(lambda: _pinned(daemon) == 0, 10, "the dead reader's sends unpinned")
+
+
+def test_a_reply_sent_as_a_copy_copies_each_slot_once(served):
+    """Past the in-flight budget a reply goes as copies: one per slot, however often the get names its key (else a
+    get naming one big key a thousand times would make the daemon allocate a thousand copies)."""
+    daemon = served(cpu_bytes=4 << 20, limits=DaemonLimits(max_send_pinned_bytes=0))
+    want = torch.arange(64 << 10, dtype=torch.int32)                  # 256 KiB
+    with DaemonClient(daemon.endpoint, timeout_s=20) as client:
+        client.put([("big:0", want)])
+    sock = shared_context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.endpoint)
+    tracemalloc.start()
+    try:
+        sock.send_multipart([P.ENCODER.encode(P.Get(keys=["big:0"] * 400, id=1))])     # one 100 MiB reply
+        assert sock.poll(20_000)
+        frames = sock.recv_multipart(copy=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        sock.close()
+    assert len(frames) == 401 and all(f.bytes == want.numpy().tobytes() for f in frames[1:3])
+    assert daemon._counters["sends_copied"] == 1 and _pinned(daemon) == 0
+    assert peak < 20 << 20, peak
