@@ -106,6 +106,7 @@ class KVDaemon:
             if pinned:
                 reply = self._pinned_frames(reply, pinned)
             self._sock.send_multipart([ident, *reply], copy=False)
+            del reply                     # our Frames: a tracker is done only once nothing here refers to its bytes
 
     def _pinned_frames(self, reply: list, pinned: list) -> list:
         """A reply whose payload is arena slots' bytes: sent in place, the slots unpinned once zmq is done with

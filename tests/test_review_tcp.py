@@ -6,6 +6,14 @@ Findings, each failing on the merged tcp-rate code (b541a5b):
     slots nothing could evict -- every later put a rejection.
   * A TCP put (and a Reserve) on an arena daemon stored any key, one that no get, contains or delete can ever name
     (they all check the key): the plain-L1 daemon refuses it.
+  * A client that stopped reading (SIGSTOP, a frozen container, a dead link) kept every slot the daemon was
+    sending it in place pinned -- no bound: the arena could be pinned full and every put refused. Now at most
+    DaemonLimits.max_send_pinned_bytes (a quarter of the arena) is in flight in place; past it a reply is a copy,
+    one per slot however often a get names its key.
+  * The serve loop kept the last reply's zmq Frames alive until the next request: a reader that died mid-reply
+    left that reply's slots pinned for as long as the daemon got no other request.
+  * ``store_many``: a copy that raised left its group's slots reserved for good (not reachable from the daemon,
+    which checks frame lengths first).
 What held up, kept as tests: real processes putting, getting and deleting overlapping keys over TCP and shared
 memory while a small arena evicts all the time -- every object read is one some put wrote, bit-exact, and its
 seal holds; the arena's accounting after many batches with repeated keys, rejections, pins and deletes.
@@ -281,3 +289,39 @@ def test_a_reply_sent_as_a_copy_copies_each_slot_once(served):
     assert len(frames) == 401 and all(f.bytes == want.numpy().tobytes() for f in frames[1:3])
     assert daemon._counters["sends_copied"] == 1 and _pinned(daemon) == 0
     assert peak < 20 << 20, peak
+
+
+def test_slots_sent_in_place_to_a_reader_that_dies_mid_reply_are_unpinned(served):
+    """With room in the budget a stalled reader's replies stay in place, pinned; once it is killed its connection
+    drops, zmq lets go of what it queued for it, and every slot comes back. Before: the serve loop kept its last
+    reply's zmq Frames in a local until the next request was handled, and the last reply queued for the dead reader
+    stayed pinned (6 MiB of an 8 MiB arena here) for as long as the daemon got no other request."""
+    daemon = served(cpu_bytes=8 << 20, limits=DaemonLimits(max_send_pinned_bytes=1 << 30))
+    keys = [f"big{i}:0" for i in range(6)]
+    with DaemonClient(daemon.endpoint, timeout_s=20) as client:
+        client.put([(k, torch.full((1 << 20,), i, dtype=torch.uint8)) for i, k in enumerate(keys)])
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_READER, daemon.endpoint, "8", *keys],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "SENT"
+        wait_for(lambda: daemon.store.stats()["memory"]["hits"] >= 48, 20, "the stalled reader's gets were served")
+        assert _pinned(daemon) == 6 and daemon._counters["sends_copied"] == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    wait_for(lambda: _pinned(daemon) == 0, 10, "the dead reader's sends unpinned")
+    assert daemon._sending_bytes == 0
+
+
+def test_a_reply_already_received_pins_nothing_while_the_next_request_runs(served):
+    """(Held.) A get's slot is unpinned once the client has the bytes, with the daemon idle after it: a put right
+    after a get of a 3 MiB object of a 4 MiB arena finds it evictable."""
+    daemon = served(cpu_bytes=4 << 20)
+    first, second = torch.full((3 << 20,), 1, dtype=torch.uint8), torch.full((3 << 20,), 2, dtype=torch.uint8)
+    with DaemonClient(daemon.endpoint, timeout_s=20) as client:
+        client.put([("first:0", first)])
+        assert torch.equal(client.get(["first:0"])[0], first)
+        wait_for(lambda: _pinned(daemon) == 0, 2, "the received reply's slot unpinned")
+        client.put([("second:0", second)])
+        assert torch.equal(client.get(["second:0"])[0], second)
+    assert daemon.store.stats()["memory"]["rejected"] == 0
