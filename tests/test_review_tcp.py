@@ -21,6 +21,7 @@ seal holds; the arena's accounting after many batches with repeated keys, reject
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -97,7 +98,7 @@ def test_a_request_naming_an_invalid_key_leaves_no_slot_pinned(raw, op):
     for key in list(objs)[:4]:
         assert _put(send, key, objs[key]).ok
     if op == "lease":
-        gen = send(P.MapArena(pid=__import__("os").getpid()))[0].arena.gen
+        gen = send(P.MapArena(pid=os.getpid()))[0].arena.gen
     for key in list(objs)[:4]:
         req = P.Get(keys=[key, "bad/key"]) if op == "get" else P.Lease(keys=[key, "bad key"], gen=gen)
         reply, _ = send(req)
@@ -117,7 +118,7 @@ def test_an_arena_daemon_refuses_a_key_nothing_could_name_again(raw, op):
     if op == "put":
         reply = _put(send, "a/b", obj)
     else:
-        gen = send(P.MapArena(pid=__import__("os").getpid()))[0].arena.gen
+        gen = send(P.MapArena(pid=os.getpid()))[0].arena.gen
         reply = send(P.Reserve(objs=[P.ObjMeta("a/b", "uint8", [64], 64)], gen=gen))[0]
         if reply.ok:
             reply = send(P.Put(objs=[], gen=gen, commit=True))[0]
@@ -325,3 +326,38 @@ def test_a_reply_already_received_pins_nothing_while_the_next_request_runs(serve
         client.put([("second:0", second)])
         assert torch.equal(client.get(["second:0"])[0], second)
     assert daemon.store.stats()["memory"]["rejected"] == 0
+
+
+class SwappingDaemon(KVDaemon):
+    """Answers a two-key get with the two objects' frames swapped (metas and digests untouched)."""
+
+    def _get(self, req, ident, frames):
+        reply, payload = super()._get(req, ident, frames)
+        if len(payload) == 2:
+            payload.reverse()
+        return reply, payload
+
+
+def test_a_get_answered_with_another_keys_sealed_object_is_a_counted_miss():
+    """(Held.) Swap attack on a digestless reply: two sealed objects of one size, frames swapped on the way. Each
+    frame's header names the other key, so it is not "sealed for" the key it came under: its digest of 0 fails, and
+    the client counts two misses -- nothing reaches a loader."""
+    from pdserve.kvstore.auth import ClusterKey
+    from pdserve.kvstore.seal import seal
+    daemon = SwappingDaemon(build_store(KVStoreConfig(cpu_bytes=4 << 20), arena=True), port=0)
+    stop = threading.Event()
+    thread = threading.Thread(target=daemon.serve, args=(stop,))
+    thread.start()
+    try:
+        objs = {k: seal(k, torch.full((20_000,), i, dtype=torch.int32), ClusterKey(TOKEN).seal_key)[0]
+                for i, k in enumerate(["a:0", "b:0"])}
+        with DaemonClient(daemon.endpoint, timeout_s=20) as client:
+            client.put(list(objs.items()))
+            assert client.get(["a:0", "b:0"]) == [None, None]
+            assert client.stats()["client"]["checksum_failures"] == 2
+            assert [torch.equal(g, objs[k]) for k, g in zip(["a:0"], client.get(["a:0"]))] == [True]
+    finally:
+        stop.set()
+        thread.join()
+        daemon.close()
+        daemon.store.close()
