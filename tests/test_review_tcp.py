@@ -131,7 +131,8 @@ def test_a_batch_whose_buffer_is_not_its_metas_bytes_keeps_no_slot():
     never committed, never cancelled: arena bytes gone. The daemon checks every frame's length first, so this
     is the tier's own contract (``store_many`` is public: promotions and in-process callers use it)."""
     tier = ArenaTier(64 << 10)
-    items = [(P.ObjMeta("a:0", "uint8", [1000], 1000), bytes(1000)), (P.ObjMeta("b:0", "uint8", [1000], 1000), bytes(10))]
+    items = [(P.ObjMeta("a:0", "uint8", [1000], 1000), bytes(1000)),
+             (P.ObjMeta("b:0", "uint8", [1000], 1000), bytes(10))]             # 10 bytes for 1000
     with pytest.raises(ValueError):
         tier.store_many(items)
     assert tier.arena.free_bytes == tier.arena.size and tier.contains(["a:0", "b:0"]) == [False, False]
