@@ -113,19 +113,27 @@ class ArenaTier(KVStore):
         """``store_bytes`` for a batch of (meta, buffer): slots reserved under one lock, the bytes copied outside it,
         committed together -- in groups of about ``STORE_GROUP_BYTES``, so a batch never holds much more than that
         reserved beside the objects it replaces."""
+        for meta, _ in items:                 # a key no get or delete could name is refused before any slot
+            check_key(meta.key)
         out: list[Slot | None] = []
         for group in _groups(items):
             with self._lock:
                 slots = [self._reserve(meta) for meta, _ in group]
-            for slot, (_, data) in zip(slots, group):
-                if slot is not None:
-                    self.arena.buf[slot.offset:slot.offset + slot.nbytes] = np.frombuffer(data, dtype=np.uint8)
-            self.commit([s for s in slots if s is not None], pin=pin)
+            reserved = [s for s in slots if s is not None]
+            try:
+                for slot, (_, data) in zip(slots, group):
+                    if slot is not None:
+                        self.arena.buf[slot.offset:slot.offset + slot.nbytes] = np.frombuffer(data, dtype=np.uint8)
+            except BaseException:
+                self.cancel(reserved)             # a buffer that is not its meta's bytes: nothing of its group stays
+                raise
+            self.commit(reserved, pin=pin)
             out += slots
         return out
 
     def reserve(self, meta: P.ObjMeta) -> Slot | None:
         """A slot for ``meta``'s bytes (evicting unpinned LRU objects for room); None -- counted -- if none fits."""
+        check_key(meta.key)
         with self._lock:
             return self._reserve(meta)
 
@@ -171,10 +179,12 @@ class ArenaTier(KVStore):
 
     def pin(self, keys: list[str]) -> list[Slot | None]:
         """The committed slots of ``keys`` (None: a miss), each pinned once; LRU order refreshed."""
+        for key in keys:                          # every key first: a bad one pins nothing (nobody would unpin it)
+            check_key(key)
         out: list[Slot | None] = []
         with self._lock:
             for key in keys:
-                slot = self._index.get(check_key(key))
+                slot = self._index.get(key)
                 if slot is not None:
                     self._pinned_bytes += _extent(slot.nbytes) if slot.pins == 0 else 0
                     slot.pins += 1

@@ -16,7 +16,8 @@ dead client processes are reclaimed on Attach at the limit and every
 ``DaemonLimits.shm_reclaim_s`` in the serve loop. A store whose L1 is an arena (arena_tier.py) also
 serves MapArena/Reserve/Lease/Release (daemon_arena.py): local clients then write and read L1 in place.
 TCP payloads go out zero-copy: an arena slot sent as a frame stays pinned until zmq's I/O thread is done
-with it (``_sending``: trackers swept by the serve thread), and a put's frame is copied once, into L1.
+with it (``_sending``: trackers swept by the serve thread; at most ``DaemonLimits.max_send_pinned_bytes`` in
+flight, the rest sent as copies), and a put's frame is copied once, into L1.
 Standalone: ``python -m pdserve.kvstore --port 5557`` (same flags as ``pdserve kvstore``).
 """
 
@@ -55,6 +56,8 @@ class DaemonLimits:
     max_shm_total_bytes: int | None = None   # all segments together (None: half of /dev/shm's free space)
     shm_reclaim_s: float = 5.0            # how often segments of dead or unmapping clients are looked for
     shm_map_grace_s: float = MAP_GRACE_S  # a new segment's process has this long to map it
+    max_send_pinned_bytes: int | None = None   # arena bytes TCP replies keep pinned while zmq sends them in place
+    #                                            (None: a quarter of the arena); past it a reply goes as a copy
 
 
 class KVDaemon:
@@ -71,9 +74,12 @@ class KVDaemon:
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._segments = SegmentTable(limits.max_shm_clients, limits.max_shm_bytes, limits.max_shm_total_bytes,
                                       limits.shm_map_grace_s)
-        self._counters = {"requests": 0, "errors": 0, "checksum_failures": 0}
+        self._counters = {"requests": 0, "errors": 0, "checksum_failures": 0, "sends_copied": 0}
         self._arena = ArenaServer(store) if getattr(store, "arena", None) is not None else None
-        self._sending: list = []          # (zmq MessageTracker, arena slots it sends): unpinned once sent
+        self._sending: list = []          # (zmq MessageTrackers, arena slots they send, bytes): unpinned once sent
+        self._sending_bytes = 0           # the slots' bytes in _sending
+        self._send_budget = limits.max_send_pinned_bytes if limits.max_send_pinned_bytes is not None else \
+            (self._arena.arena.size // 4 if self._arena is not None else 0)
         self._pinned_reply: list = []     # slots the reply being built sends (handler -> serve)
         self._handlers = {P.Put: self._put, P.Get: self._get, P.Contains: self._contains,
                           P.Lookup: self._lookup, P.Delete: self._delete, P.Stats: self._stats,
@@ -97,11 +103,27 @@ class KVDaemon:
             ident, body = frames[0].bytes, frames[1:]
             reply = self.handle(ident, body)
             pinned, self._pinned_reply = self._pinned_reply, []
-            if pinned:                    # arena bytes go out in place: unpinned once zmq is done with them
-                reply = [reply[0], *(zmq.Frame(p, track=True) if p.nbytes >= TRACK_FROM else zmq.Frame(p.tobytes())
-                                     for p in reply[1:])]     # a small one: a copy costs less than tracking it
-                self._sending.append(([f.tracker for f in reply[1:] if f.tracker is not None], pinned))
+            if pinned:
+                reply = self._pinned_frames(reply, pinned)
             self._sock.send_multipart([ident, *reply], copy=False)
+            del reply                     # our Frames: a tracker is done only once nothing here refers to its bytes
+
+    def _pinned_frames(self, reply: list, pinned: list) -> list:
+        """A reply whose payload is arena slots' bytes: sent in place, the slots unpinned once zmq is done with
+        them -- while the slots in flight stay under ``_send_budget``. Past it the bytes go as a copy and the slots
+        are unpinned now: a client that stopped reading (SIGSTOP, a frozen container, a link gone without a reset)
+        holds what zmq queued for it until it reads or its connection drops, and must not pin the arena full."""
+        nbytes = sum(s.nbytes for s in pinned)
+        if self._sending_bytes + nbytes > self._send_budget:
+            self._counters["sends_copied"] += 1
+            frames = [reply[0], *_copies(reply[1:])]
+            self.store.unpin(pinned)
+            return frames
+        frames = [reply[0], *(zmq.Frame(p, track=True) if p.nbytes >= TRACK_FROM else zmq.Frame(p.tobytes())
+                              for p in reply[1:])]         # a small one: a copy costs less than tracking it
+        self._sending.append(([f.tracker for f in frames[1:] if f.tracker is not None], pinned, nbytes))
+        self._sending_bytes += nbytes
+        return frames
 
     def _sweep_sent(self) -> None:
         """Unpin the slots of every reply zmq is done with, in whatever order they finish: a reply stuck on one
@@ -109,11 +131,12 @@ class KVDaemon:
         if not self._sending:
             return
         still = []
-        for trackers, slots in self._sending:
+        for trackers, slots, nbytes in self._sending:
             if all(t is None or t.done for t in trackers):
                 self.store.unpin(slots)
+                self._sending_bytes -= nbytes
             else:
-                still.append((trackers, slots))
+                still.append((trackers, slots, nbytes))
         self._sending = still
 
     def close(self) -> None:
@@ -296,6 +319,19 @@ class KVDaemon:
             log.info("KV daemon: ended the arena reservations and leases of exited clients")
         if n:
             log.info("KV daemon: reclaimed %d shm segments of exited clients", n)
+
+
+def _copies(payload: list) -> list:
+    """Frames of copies of ``payload``'s arrays, one copy per distinct range of memory (a reply that names one key
+    a thousand times holds one copy of it, not a thousand)."""
+    made: dict[tuple[int, int], bytes] = {}
+    out = []
+    for array in payload:
+        span = (array.__array_interface__["data"][0], array.nbytes)
+        if span not in made:
+            made[span] = array.tobytes()
+        out.append(zmq.Frame(made[span]))
+    return out
 
 
 class _Version(msgspec.Struct):
