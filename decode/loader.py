@@ -102,7 +102,7 @@ class ChunkLoader:
     def start_layers(self, jobs: list[LoadJob]) -> LayerBatch:
         """Engine thread, after the step's blocks are allocated: the step's layerwise loads, read layer-major by the
         loader thread; the returned batch is the step's layer hooks (``layerwise.py``)."""
-        device = self.kv_caches[0]["k"].device if self.kv_caches else torch.device("cpu")
+        device = next(iter(self.kv_caches[0].values())).device if self.kv_caches else torch.device("cpu")   # any layout
         fence = self.io.fence() if self.io is not None else None
         batch = LayerBatch(jobs, len(self.kv_caches), device, fence)
         self._jobs.put(batch)

@@ -153,15 +153,17 @@ class StoreConnector:
     def begin_step(self):
         """Layerwise: hand the loads queued by this step's schedule to the loader -> the step's ``LayerHooks``."""
         self._discarded = set()
-        if not self._queued:
+        jobs, self._queued = self._queued, []       # taken first: a raise here leaves no load for a later step
+        if not jobs:                                # (whose blocks may belong to another request by then)
             return None
-        self._batch, self._queued = self.loader.start_layers(self._queued), []
+        self._batch = self.loader.start_layers(jobs)
         return self._batch
 
     def end_step(self) -> dict[str, int]:
         """Layerwise: wait until the step's loads ended (they did, if the model ran its hooks) -> {request id: load
         start} of those that failed: the step computed them on a partial cache."""
         batch, self._batch = self._batch, None
+        self._queued = []                   # a step that failed before begin_step: its loads never start
         if batch is None:
             return {}
         failed, loads = {}, batch.wait()
