@@ -31,9 +31,12 @@ def store():
     s.close()
 
 
-def _prefill(model, store, prompt, rid="p", chunk=16):
+def _prefill(model, store, prompt, rid="p", chunk=16, sp=None):
+    import dataclasses
+
     engine = _engine(model, "prefill", store, chunk=chunk)
-    _, out = run_request(engine, rid, prompt, SamplingParams(max_tokens=1, **GREEDY), {"do_remote_decode": True})
+    sp = SamplingParams(max_tokens=1, **GREEDY) if sp is None else dataclasses.replace(sp, max_tokens=1)
+    _, out = run_request(engine, rid, prompt, sp, {"do_remote_decode": True})
     engine.shutdown()
     return out.kv_transfer_params
 
@@ -65,13 +68,15 @@ def test_a_latent_cache_model_loads_layerwise(deepseek, store):
 
 # -- what held up: a failed layerwise load leaves no trace in what the client gets -------------------------------
 
-def _lose_after_lookup(store, key):
-    """The store answers the lookup, then ``key`` is gone (evicted, deleted): the load fails mid-step."""
-    real = store.lookup
+def _lose_after_lookup(store, key, lookups=1):
+    """The store answers ``lookups`` lookups, then ``key`` is gone (evicted, deleted): the loads fail mid-step."""
+    real, seen = store.lookup, []
 
     def lookup(chunk_keys, num_layers):
         n = real(chunk_keys, num_layers)
-        store.delete([key])
+        seen.append(n)
+        if len(seen) == lookups:
+            store.delete([key])
         return n
 
     store.lookup = lookup
@@ -82,7 +87,7 @@ def _decode(tiny_llama, prompt, sp, layerwise, lose=None, budget=2048):
     from pdserve.kvstore.keys import object_key
 
     s = TieredStore(MemoryTier(256 << 20))
-    params = _prefill(tiny_llama, s, prompt)
+    params = _prefill(tiny_llama, s, prompt, sp=sp)
     if lose is not None:
         _lose_after_lookup(s, object_key(params["chunk_keys"][lose[0]], lose[1]))
     engine = _engine(tiny_llama, "decode", s, layerwise=layerwise, budget=budget)
@@ -97,7 +102,9 @@ def _decode(tiny_llama, prompt, sp, layerwise, lose=None, budget=2048):
 
 
 def _stream(outs):
-    return [(o.new_token_ids, o.logprobs, o.finished, o.finish_reason) for o in outs]
+    """Every delta as the client sees it, and the final one's cached tokens (its kv_transfer accounting differs by
+    design: a chunk-major load keeps the chunks before the bad one, a layerwise one keeps none)."""
+    return [(o.new_token_ids, o.logprobs, o.finished, o.finish_reason) for o in outs] + [outs[-1].num_cached_tokens]
 
 
 @pytest.mark.parametrize("budget", [2048, 4])
@@ -113,6 +120,48 @@ def test_a_failed_load_streams_what_the_chunk_major_path_does(tiny_llama, budget
     got, f1 = _decode(tiny_llama, prompt, sp, layerwise=True, lose=(2, 1), budget=budget)
     assert f0 == f1 == 1
     assert _stream(got) == _stream(want) and len([t for o in got for t in o.new_token_ids]) == 8
+    acc = got[-1].kv_accounting
+    assert acc["loaded_tokens"] == 0 and acc["recomputed_tokens"] == acc["total_tokens"] == 62
+
+
+def test_a_failed_load_of_a_structured_request_streams_what_the_chunk_major_path_does(tiny_llama):
+    """A regex constraint, seeded: the dropped step's token never reached the grammar (the matcher is not advanced
+    by it), so the constrained stream equals the chunk-major decode's."""
+    pytest.importorskip("xgrammar")
+    from pdserve.engine.structured.spec import StructuredOutputs
+
+    ref = hf_model(tiny_llama)
+    prompt = random_prompt(ref.config.vocab_size, 61, seed=39)
+    sp = SamplingParams(max_tokens=40, temperature=1.0, seed=3,
+                        structured=StructuredOutputs(regex=r"[a-z]{2,6}@[a-z]{2,5}\\.(com|org)"))
+    want, f0 = _decode(tiny_llama, prompt, sp, layerwise=False, lose=(1, 0))
+    got, f1 = _decode(tiny_llama, prompt, sp, layerwise=True, lose=(1, 0))
+    assert f0 == f1 == 1 and want[-1].finish_reason == "stop"
+    assert _stream(got) == _stream(want)
+
+
+def test_parallel_samples_of_one_prompt_whose_shared_load_fails(tiny_llama, store):
+    """n=3 as the server makes it (three requests, one prompt, one transfer, own seeds), all in one LayerBatch; the
+    object they all read is gone: each recomputes and streams what it does without a store."""
+    from pdserve.kvstore.keys import object_key
+
+    ref = hf_model(tiny_llama)
+    prompt = random_prompt(ref.config.vocab_size, 61, seed=40)
+    params = _prefill(tiny_llama, store, prompt)
+    _lose_after_lookup(store, object_key(params["chunk_keys"][0], 1), lookups=3)
+    lw = _engine(tiny_llama, "decode", store, layerwise=True)
+    plain = _engine(tiny_llama, "decode", TieredStore(MemoryTier(1 << 20)))
+    got, want = {}, {}
+    for engine, into in ((lw, got), (plain, want)):
+        for i in range(3):
+            engine.add_request(f"c{i}", prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=i,
+                                                                ignore_eos=True), params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                into[out.request_id] = into.get(out.request_id, []) + out.new_token_ids
+    assert got == want and lw.connector.loader.failures == 3 and lw.connector.layerwise_batches == 1
+    for engine in (lw, plain):
+        engine.shutdown()
 
 
 def test_a_request_reusing_a_rewound_requests_prefix_is_right(tiny_llama, store):
