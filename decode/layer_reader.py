@@ -50,7 +50,7 @@ class LayerReader:
         except Exception as exc:  # noqa: BLE001 - not the store's fault (a scatter): every unfinished load fails
             logger.warning("layerwise KV load failed (%s: %s); recomputing", type(exc).__name__, exc)
             for load in batch.loads:
-                load.failed = load.failed or f"{type(exc).__name__}: {exc}"
+                self._fail(load, f"{type(exc).__name__}: {exc}")
         finally:
             batch.finish(_mark(self._layer_stream if batch.device.type == "cuda" else None))
 
@@ -61,19 +61,28 @@ class LayerReader:
         if not parts:
             return
         keys = [object_key(load.job.chunk_keys[index], layers[i]) for load, index, *_, i in parts]
+        where = f"layers {layers[ids[0]]}..{layers[ids[-1]]}"
+        if not self.loader.health.available():    # marked down by another read or the publisher: no new failure
+            for load, *_ in parts:                # (a failed() here would double the back-off and cancel a
+                self._fail(load, f"the KV store is marked down at {where}")   # probe that another thread runs)
+            return
+        stage = "read"
         try:
-            if not self.loader.health.available():
-                raise ConnectionError("the KV store is marked down")
             with self.loader.store.borrow(keys) as objs:
+                stage = "write"
                 for (load, index, lo, hi, a, i), key, obj in zip(parts, keys, objs):
                     self._scatter_layer(load, i, index, key, obj, lo, hi, a)
-            self.loader.health.ok()
+                stage = "read"                    # the borrow's exit (unpinning) is the store's again
         except Exception as exc:  # noqa: BLE001 - the store failed: this group's loads recompute
-            logger.warning("layerwise KV load of layers %d..%d failed (%s: %s); recomputing", layers[ids[0]],
-                           layers[ids[-1]], type(exc).__name__, exc)
+            if stage == "write":                  # the store answered; a scatter failed: load() fails the batch
+                self.loader.health.ok()
+                raise
+            logger.warning("layerwise KV load of %s failed (%s: %s); recomputing", where, type(exc).__name__, exc)
             self.loader.health.failed(exc)
             for load, *_ in parts:
-                self._fail(load, f"store error at layers {layers[ids[0]]}..{layers[ids[-1]]}")
+                self._fail(load, f"store error at {where}")
+            return
+        self.loader.health.ok()
 
     def _scatter_layer(self, load: LayerLoad, i: int, index: int, key: str, obj, lo: int, hi: int, a: int) -> None:
         if load.failed:                                   # an earlier chunk of it failed at this layer

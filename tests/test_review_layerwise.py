@@ -264,3 +264,55 @@ def test_a_step_that_fails_before_its_loads_start_leaves_none_for_the_next_step(
     assert out.finish_reason == "length" and tokens == hf_greedy(ref, b, 4)
     assert jobs == [["b"]]
     lw.shutdown()
+
+
+def test_a_store_marked_down_by_another_thread_is_not_failed_again(tiny_llama, store):
+    """The store answers the lookup, then another thread of the node (the publisher, a chunk-major load) marks it
+    down before the layerwise read: the read is refused by the health gate and the load recomputes. Before the fix
+    the refusal itself counted as a store failure (``health.failed``): the back-off doubled for a failure that never
+    happened, and any probe another thread had in flight was cancelled (its success then ignored)."""
+    ref = hf_model(tiny_llama)
+    prompt = random_prompt(ref.config.vocab_size, 61, seed=41)
+    params = _prefill(tiny_llama, store, prompt)
+    lw = _engine(tiny_llama, "decode", store, layerwise=True)
+    health, real = lw.connector.health, store.lookup
+
+    def lookup(chunk_keys, num_layers):
+        n = real(chunk_keys, num_layers)
+        health.failed(ConnectionError("a put of the publisher failed"))
+        return n
+
+    store.lookup = lookup
+    tokens, out = run_request(lw, "d", prompt, SamplingParams(max_tokens=4, **GREEDY), params)
+    assert tokens == hf_greedy(ref, prompt, 4) and out.kv_accounting["loaded_tokens"] == 0
+    assert lw.connector.stats()["store_consecutive_failures"] == 1
+    lw.shutdown()
+
+
+def test_a_scatter_that_raises_is_not_a_store_failure(tiny_llama, store, monkeypatch):
+    """A scatter into the cache raises (not the store's doing): the batch's loads recompute, the store stays up and
+    the next load uses it. Before the fix the error was taken for the store's: marked down, the next request
+    found no store hit."""
+    import pdserve.decode.layer_reader as layer_reader
+
+    ref = hf_model(tiny_llama)
+    prompt = random_prompt(ref.config.vocab_size, 61, seed=42)
+    params = _prefill(tiny_llama, store, prompt)
+    lw = _engine(tiny_llama, "decode", store, layerwise=True)
+    real, calls = layer_reader.scatter_kv, []
+
+    def scatter_once(*args):
+        calls.append(None)
+        if len(calls) == 1:
+            raise RuntimeError("injected scatter failure")
+        return real(*args)
+
+    monkeypatch.setattr(layer_reader, "scatter_kv", scatter_once)
+    tokens, out = run_request(lw, "d", prompt, SamplingParams(max_tokens=4, **GREEDY), params)
+    assert tokens == hf_greedy(ref, prompt, 4) and out.kv_accounting["loaded_tokens"] == 0
+    assert lw.connector.stats()["store_down"] == 0
+    other = random_prompt(ref.config.vocab_size, 61, seed=43)
+    po = _prefill(tiny_llama, store, other, "po")
+    tokens, out = run_request(lw, "d2", other, SamplingParams(max_tokens=4, **GREEDY), po)
+    assert tokens == hf_greedy(ref, other, 4) and out.kv_accounting["loaded_tokens"] == 56
+    lw.shutdown()
