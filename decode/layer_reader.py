@@ -41,7 +41,7 @@ class LayerReader:
             with self._layer_scope(batch) as stream:
                 for first in range(0, len(layers), group):
                     ids = range(first, min(first + group, len(layers)))
-                    self._load_group(batch, ids, layers)
+                    self._load_group(batch, ids, layers, stream)
                     event = _mark(stream)
                     for i in ids:
                         batch.layer_done(i, event)
@@ -54,7 +54,7 @@ class LayerReader:
         finally:
             batch.finish(_mark(self._layer_stream if batch.device.type == "cuda" else None))
 
-    def _load_group(self, batch: LayerBatch, ids: range, layers: list[int]) -> None:
+    def _load_group(self, batch: LayerBatch, ids: range, layers: list[int], stream=None) -> None:
         """Layers ``ids`` (local indices; global ``layers[i]``) of every chunk of every load still good: one store
         read, then each object's seal and shape checked before it is scattered into its cache layer."""
         parts = [(load, *part, i) for load in batch.loads if not load.failed for part in _parts(load.job) for i in ids]
@@ -68,10 +68,12 @@ class LayerReader:
             return
         stage = "read"
         try:
-            with self.loader.store.borrow(keys) as objs:
+            with self.loader.store.borrow(keys) as objs, batch.write_lock:
                 stage = "write"
-                for (load, index, lo, hi, a, i), key, obj in zip(parts, keys, objs):
-                    self._scatter_layer(load, i, index, key, obj, lo, hi, a)
+                if not batch.abandoned:           # the engine gave up waiting (``before``): no write may land
+                    for (load, index, lo, hi, a, i), key, obj in zip(parts, keys, objs):
+                        self._scatter_layer(load, i, index, key, obj, lo, hi, a)
+                    batch.last_event = _mark(stream)   # CUDA: what an abandoning engine thread waits for
                 stage = "read"                    # the borrow's exit (unpinning) is the store's again
         except Exception as exc:  # noqa: BLE001 - the store failed: this group's loads recompute
             if stage == "write":                  # the store answered; a scatter failed: load() fails the batch

@@ -111,6 +111,7 @@ class KVTransferConfig:
     kv_publish_buffer_bytes: int = 256 << 20   # publish ring: chunks gathered, not yet sealed (device + pinned twin)
     kv_events_port: int | None = None       # KV events on a 127.0.0.1 PUB socket (0: a free port); None: none
     kv_load_layerwise: bool = False         # loads hand each layer to the model as it lands (decode/layerwise.py)
+    kv_load_layerwise_timeout_s: float = 10.0   # a step waits no longer for its loads: they fail, the step goes on
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):

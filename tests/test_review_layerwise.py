@@ -316,3 +316,71 @@ def test_a_scatter_that_raises_is_not_a_store_failure(tiny_llama, store, monkeyp
     tokens, out = run_request(lw, "d2", other, SamplingParams(max_tokens=4, **GREEDY), po)
     assert tokens == hf_greedy(ref, other, 4) and out.kv_accounting["loaded_tokens"] == 56
     lw.shutdown()
+
+
+class _HeldLayer:
+    """A real store whose read of layer ``layer``'s objects does not answer until ``release`` is set (or
+    ``deadline_s`` passed): a store that hangs after the lookup. ``done``: that read has returned."""
+
+    def __init__(self, store, layer, deadline_s=10.0):
+        import threading
+
+        self.store, self.layer, self.deadline_s = store, layer, deadline_s
+        self.release, self.done = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def borrow(self, keys):
+        import contextlib
+
+        @contextlib.contextmanager
+        def held():
+            self.release.wait(self.deadline_s)
+            try:
+                with self.store.borrow(keys) as objs:
+                    yield objs
+            finally:
+                self.done.set()
+
+        return held() if keys and all(k.endswith(f":{self.layer}") for k in keys) else self.store.borrow(keys)
+
+
+def test_a_hung_store_read_fails_the_load_not_the_engine(tiny_llama, store):
+    """The read of layer 1 hangs (the store answered the lookup, then stopped answering). Before the fix
+    ``before(1)`` waited as long as the read did -- every request of the engine stalled with it (a daemon client
+    gives up after 30 s; an embedded store never). Now the step waits ``kv_load_layerwise_timeout_s``, the load
+    fails (the request recomputes, the step goes on) and the read, when it answers at last, writes nothing: its
+    object here holds other (validly sealed) KV, so a late write would change the tokens decoded after it."""
+    import time
+
+    from pdserve.kvstore.auth import process_key
+    from pdserve.kvstore.keys import object_key
+    from pdserve.kvstore.seal import seal, unseal
+
+    ref = hf_model(tiny_llama)
+    prompt = random_prompt(ref.config.vocab_size, 61, seed=44)
+    params = _prefill(tiny_llama, store, prompt)
+    key, k = object_key(params["chunk_keys"][0], 1), process_key().seal_key
+    view, _ = unseal(key, store.get([key])[0], k)
+    store.put([(key, seal(key, view + 1.0, k)[0])])
+    held = _HeldLayer(store, 1)
+    lw = _engine(tiny_llama, "decode", held, layerwise=True)
+    assert lw.connector.loader.layer_timeout_s == KVTransferConfig().kv_load_layerwise_timeout_s == 10.0
+    lw.connector.loader.layer_timeout_s = 0.2
+    lw.add_request("d", prompt, SamplingParams(max_tokens=6, **GREEDY), params)
+    tokens = [t for o in lw.step() for t in o.new_token_ids]
+    assert not held.done.is_set(), "the step waited for the hung read"
+    assert lw.connector.stats()["load_layerwise_batches"] == 1 and lw.scheduler.running[0].num_computed_tokens == 0
+    tokens += [t for o in lw.step() for t in o.new_token_ids]          # the recompute: its first token
+    held.release.set()
+    deadline = time.monotonic() + 10.0
+    while not held.done.wait(0.05) and time.monotonic() < deadline:
+        pass
+    final = None
+    while lw.has_unfinished():
+        for out in lw.step():
+            tokens += out.new_token_ids
+            final = out if out.finished else final
+    assert tokens == hf_greedy(ref, prompt, 6) and final.kv_accounting["loaded_tokens"] == 0
+    lw.shutdown()

@@ -167,7 +167,8 @@ class LLMEngine:
                                      self.config.cache.block_size, kv.kv_chunk_tokens, kv.role,
                                      kv.cluster_key().seal_key, kv_io=getattr(self.runner, "kv_io", None),
                                      publish_buffer_bytes=kv.kv_publish_buffer_bytes,
-                                     layerwise=kv.kv_load_layerwise)
+                                     layerwise=kv.kv_load_layerwise,
+                                     layerwise_timeout_s=kv.kv_load_layerwise_timeout_s)
 
     @property
     def max_model_len(self) -> int:

@@ -66,7 +66,8 @@ class _Transfer:
 class StoreConnector:
     def __init__(self, store, model_config, layout, kv_caches: list[dict], block_size: int,
                  chunk_tokens: int, role: str, seal_key: bytes, kv_io=None,
-                 publish_buffer_bytes: int = DEFAULT_BUFFER_BYTES, layerwise: bool = False):
+                 publish_buffer_bytes: int = DEFAULT_BUFFER_BYTES, layerwise: bool = False,
+                 layerwise_timeout_s: float | None = None):
         if chunk_tokens % block_size:
             raise ValueError(f"--kv-chunk-tokens {chunk_tokens} must be a multiple of --block-size {block_size}")
         self.store, self.block_size, self.chunk_tokens, self.role = store, block_size, chunk_tokens, role
@@ -89,6 +90,8 @@ class StoreConnector:
             self.publisher = kv_io.publisher(store, self.health, seal_key, durable, **ring)
             self.loader = kv_io.loader(store, shape, self.health, seal_key)
         self.layerwise = layerwise and kv_io is None
+        if self.layerwise:
+            self.loader.layer_timeout_s = layerwise_timeout_s   # a hung store read fails the step's loads only
         if layerwise and kv_io is not None:
             logger.warning("--kv-load-layerwise is ignored on a tensor/pipeline-parallel node: its worker ranks load "
                            "chunk by chunk (the request waits for its load)")
