@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from pdserve.decode.layerwise import LayerBatch, LayerLoad
+from pdserve.decode.layerwise import TIMED_OUT, LayerBatch, LayerLoad
 from pdserve.kernels.transfer import scatter_kv
 from pdserve.kvstore.keys import object_key
 
@@ -52,6 +52,8 @@ class LayerReader:
             for load in batch.loads:
                 self._fail(load, f"{type(exc).__name__}: {exc}")
         finally:
+            if batch.abandoned:                   # the loads the engine gave up on count as failed loads
+                self.loader.failures += sum(1 for load in batch.loads if load.failed == TIMED_OUT)
             batch.finish(_mark(self._layer_stream if batch.device.type == "cuda" else None))
 
     def _load_group(self, batch: LayerBatch, ids: range, layers: list[int], stream=None) -> None:

@@ -53,6 +53,9 @@ if TYPE_CHECKING:
     from pdserve.decode.loader import LoadJob
 
 
+TIMED_OUT = "timed out: the KV store did not answer in time"   # a load the engine gave up on (``abandon``)
+
+
 @dataclass
 class LayerLoad:
     """One request's layerwise load; ``macs[c]``: the seal MACs of chunk c's layers, in layer order."""
@@ -120,7 +123,7 @@ class LayerBatch:
         with self.write_lock:
             self.abandoned = True
             for load in self.loads:
-                load.failed = load.failed or "timed out: the KV store did not answer in time"
+                load.failed = load.failed or TIMED_OUT
             event = self.last_event
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)

@@ -383,4 +383,8 @@ def test_a_hung_store_read_fails_the_load_not_the_engine(tiny_llama, store):
             tokens += out.new_token_ids
             final = out if out.finished else final
     assert tokens == hf_greedy(ref, prompt, 6) and final.kv_accounting["loaded_tokens"] == 0
+    deadline = time.monotonic() + 10.0                                  # counted once the loader is done with it
+    while lw.connector.stats()["load_failures"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lw.connector.stats()["load_failures"] == 1
     lw.shutdown()
