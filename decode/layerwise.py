@@ -106,11 +106,12 @@ class LayerBatch:
 
     def before(self, layer: int) -> None:
         with self._cond:
-            if self._ready <= layer:
+            ready = self._ready > layer
+            if not ready:
                 t0 = time.monotonic()
                 ready = self._cond.wait_for(lambda: self._ready > layer, self._left())
                 self.waited_s += time.monotonic() - t0
-        if self._ready <= layer and not ready:
+        if not ready:                                 # the deadline passed: the step goes on without them
             self.abandon()
         event = self.events[layer]
         if event is not None:
