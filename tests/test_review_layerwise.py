@@ -388,3 +388,33 @@ def test_a_hung_store_read_fails_the_load_not_the_engine(tiny_llama, store):
         time.sleep(0.01)
     assert lw.connector.stats()["load_failures"] == 1
     lw.shutdown()
+
+
+def test_prompt_logprobs_of_a_request_beside_a_failed_load(tiny_llama, store):
+    """One step: a's layerwise load fails (its result dropped), b computes its prompt logprobs (every row, the
+    hooks on): b's prompt logprobs and tokens are those of b alone; a's are the reference's."""
+    from pdserve.kvstore.keys import object_key
+
+    ref = hf_model(tiny_llama)
+    a = random_prompt(ref.config.vocab_size, 61, seed=45)
+    b = random_prompt(ref.config.vocab_size, 30, seed=46)
+    pa = _prefill(tiny_llama, store, a, "pa")
+    _lose_after_lookup(store, object_key(pa["chunk_keys"][1], 0))
+    sp_b = SamplingParams(max_tokens=3, prompt_logprobs=2, **GREEDY)
+
+    def run(engine, with_a):
+        if with_a:
+            engine.add_request("a", a, SamplingParams(max_tokens=3, **GREEDY), pa)
+        engine.add_request("b", b, sp_b)
+        got = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                toks, lps = got.get(out.request_id, ([], None))
+                got[out.request_id] = (toks + out.new_token_ids, out.prompt_logprobs or lps)
+        engine.shutdown()
+        return got
+
+    both = run(_engine(tiny_llama, "decode", store, layerwise=True), True)
+    alone = run(_engine(tiny_llama, "decode", TieredStore(MemoryTier(1 << 20))), False)
+    assert both["b"] == alone["b"] and both["b"][1]
+    assert both["a"][0] == hf_greedy(ref, a, 3)
