@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from pdserve.decode.layerwise import LayerBatch, LayerLoad
+from pdserve.decode.layerwise import TIMED_OUT, LayerBatch, LayerLoad
 from pdserve.kernels.transfer import scatter_kv
 from pdserve.kvstore.keys import object_key
 
@@ -41,7 +41,7 @@ class LayerReader:
             with self._layer_scope(batch) as stream:
                 for first in range(0, len(layers), group):
                     ids = range(first, min(first + group, len(layers)))
-                    self._load_group(batch, ids, layers)
+                    self._load_group(batch, ids, layers, stream)
                     event = _mark(stream)
                     for i in ids:
                         batch.layer_done(i, event)
@@ -50,30 +50,43 @@ class LayerReader:
         except Exception as exc:  # noqa: BLE001 - not the store's fault (a scatter): every unfinished load fails
             logger.warning("layerwise KV load failed (%s: %s); recomputing", type(exc).__name__, exc)
             for load in batch.loads:
-                load.failed = load.failed or f"{type(exc).__name__}: {exc}"
+                self._fail(load, f"{type(exc).__name__}: {exc}")
         finally:
+            if batch.abandoned:                   # the loads the engine gave up on count as failed loads
+                self.loader.failures += sum(1 for load in batch.loads if load.failed == TIMED_OUT)
             batch.finish(_mark(self._layer_stream if batch.device.type == "cuda" else None))
 
-    def _load_group(self, batch: LayerBatch, ids: range, layers: list[int]) -> None:
+    def _load_group(self, batch: LayerBatch, ids: range, layers: list[int], stream=None) -> None:
         """Layers ``ids`` (local indices; global ``layers[i]``) of every chunk of every load still good: one store
         read, then each object's seal and shape checked before it is scattered into its cache layer."""
         parts = [(load, *part, i) for load in batch.loads if not load.failed for part in _parts(load.job) for i in ids]
         if not parts:
             return
         keys = [object_key(load.job.chunk_keys[index], layers[i]) for load, index, *_, i in parts]
+        where = f"layers {layers[ids[0]]}..{layers[ids[-1]]}"
+        if not self.loader.health.available():    # marked down by another read or the publisher: no new failure
+            for load, *_ in parts:                # (a failed() here would double the back-off and cancel a
+                self._fail(load, f"the KV store is marked down at {where}")   # probe that another thread runs)
+            return
+        stage = "read"
         try:
-            if not self.loader.health.available():
-                raise ConnectionError("the KV store is marked down")
-            with self.loader.store.borrow(keys) as objs:
-                for (load, index, lo, hi, a, i), key, obj in zip(parts, keys, objs):
-                    self._scatter_layer(load, i, index, key, obj, lo, hi, a)
-            self.loader.health.ok()
+            with self.loader.store.borrow(keys) as objs, batch.write_lock:
+                stage = "write"
+                if not batch.abandoned:           # the engine gave up waiting (``before``): no write may land
+                    for (load, index, lo, hi, a, i), key, obj in zip(parts, keys, objs):
+                        self._scatter_layer(load, i, index, key, obj, lo, hi, a)
+                    batch.last_event = _mark(stream)   # CUDA: what an abandoning engine thread waits for
+                stage = "read"                    # the borrow's exit (unpinning) is the store's again
         except Exception as exc:  # noqa: BLE001 - the store failed: this group's loads recompute
-            logger.warning("layerwise KV load of layers %d..%d failed (%s: %s); recomputing", layers[ids[0]],
-                           layers[ids[-1]], type(exc).__name__, exc)
+            if stage == "write":                  # the store answered; a scatter failed: load() fails the batch
+                self.loader.health.ok()
+                raise
+            logger.warning("layerwise KV load of %s failed (%s: %s); recomputing", where, type(exc).__name__, exc)
             self.loader.health.failed(exc)
             for load, *_ in parts:
-                self._fail(load, f"store error at layers {layers[ids[0]]}..{layers[ids[-1]]}")
+                self._fail(load, f"store error at {where}")
+            return
+        self.loader.health.ok()
 
     def _scatter_layer(self, load: LayerLoad, i: int, index: int, key: str, obj, lo: int, hi: int, a: int) -> None:
         if load.failed:                                   # an earlier chunk of it failed at this layer

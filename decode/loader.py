@@ -76,6 +76,7 @@ class ChunkLoader:
         self.integrity_failures = 0          # objects whose seal (MAC) failed (deleted from the store)
         self.digest_mismatches = 0           # chunks that differ from what the prefill node published
         self.layers = LayerReader(self)      # --kv-load-layerwise: this thread's layer-major reads
+        self.layer_timeout_s: float | None = None   # layerwise: the engine's longest wait for a step's loads
         self._thread = threading.Thread(target=self._loop, name="kv-loader", daemon=True)
         self._thread.start()
 
@@ -102,9 +103,9 @@ class ChunkLoader:
     def start_layers(self, jobs: list[LoadJob]) -> LayerBatch:
         """Engine thread, after the step's blocks are allocated: the step's layerwise loads, read layer-major by the
         loader thread; the returned batch is the step's layer hooks (``layerwise.py``)."""
-        device = self.kv_caches[0]["k"].device if self.kv_caches else torch.device("cpu")
+        device = next(iter(self.kv_caches[0].values())).device if self.kv_caches else torch.device("cpu")   # any layout
         fence = self.io.fence() if self.io is not None else None
-        batch = LayerBatch(jobs, len(self.kv_caches), device, fence)
+        batch = LayerBatch(jobs, len(self.kv_caches), device, fence, self.layer_timeout_s)
         self._jobs.put(batch)
         return batch
 

@@ -113,6 +113,7 @@ class KVTransferConfig:
     kv_publish_layerwise: bool = True       # put each layer of a step's chunks while later layers compute
     kv_events_port: int | None = None       # KV events on a 127.0.0.1 PUB socket (0: a free port); None: none
     kv_load_layerwise: bool = False         # loads hand each layer to the model as it lands (decode/layerwise.py)
+    kv_load_layerwise_timeout_s: float = 10.0   # a step waits no longer for its loads: they fail, the step goes on
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):

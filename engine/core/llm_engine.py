@@ -172,6 +172,7 @@ class LLMEngine:
                                      kv.cluster_key().seal_key, kv_io=getattr(self.runner, "kv_io", None),
                                      publish_buffer_bytes=kv.kv_publish_buffer_bytes,
                                      load_layerwise=kv.kv_load_layerwise,
+                                     load_layerwise_timeout_s=kv.kv_load_layerwise_timeout_s,
                                      publish_layerwise=kv.kv_publish_layerwise)
 
     @property

@@ -77,7 +77,7 @@ class StoreConnector:
     def __init__(self, store, model_config, layout, kv_caches: list[dict], block_size: int,
                  chunk_tokens: int, role: str, seal_key: bytes, kv_io=None,
                  publish_buffer_bytes: int = DEFAULT_BUFFER_BYTES, load_layerwise: bool = False,
-                 publish_layerwise: bool = False):
+                 load_layerwise_timeout_s: float | None = None, publish_layerwise: bool = False):
         if chunk_tokens % block_size:
             raise ValueError(f"--kv-chunk-tokens {chunk_tokens} must be a multiple of --block-size {block_size}")
         self.store, self.block_size, self.chunk_tokens, self.role = store, block_size, chunk_tokens, role
@@ -100,6 +100,8 @@ class StoreConnector:
             self.publisher = kv_io.publisher(store, self.health, seal_key, durable, **ring)
             self.loader = kv_io.loader(store, shape, self.health, seal_key)
         self.load_layerwise = load_layerwise and kv_io is None
+        if self.load_layerwise:
+            self.loader.layer_timeout_s = load_layerwise_timeout_s   # a hung store read fails the step's loads only
         if load_layerwise and kv_io is not None:
             logger.warning("--kv-load-layerwise is ignored on a tensor/pipeline-parallel node: its worker ranks load "
                            "chunk by chunk (the request waits for its load)")
@@ -170,15 +172,17 @@ class StoreConnector:
     def begin_loads(self):
         """Layerwise: hand the loads queued by this step's schedule to the loader -> the step's ``LayerHooks``."""
         self._discarded = set()
-        if not self._queued:
+        jobs, self._queued = self._queued, []       # taken first: a raise here leaves no load for a later step
+        if not jobs:                                # (whose blocks may belong to another request by then)
             return None
-        self._batch, self._queued = self.loader.start_layers(self._queued), []
+        self._batch = self.loader.start_layers(jobs)
         return self._batch
 
     def end_loads(self) -> dict[str, int]:
         """Layerwise: wait until the step's loads ended (they did, if the model ran its hooks) -> {request id: load
         start} of those that failed: the step computed them on a partial cache."""
         batch, self._batch = self._batch, None
+        self._queued = []                   # a step that failed before begin_loads: its loads never start
         if batch is None:
             return {}
         failed, loads = {}, batch.wait()
