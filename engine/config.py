@@ -127,6 +127,9 @@ class KVTransferConfig:
             raise ConfigError(f"--kv-writethrough-queue-bytes must be >= 1, got {self.kv_writethrough_queue_bytes}")
         if self.kv_publish_buffer_bytes < 1:
             raise ConfigError(f"--kv-publish-buffer-bytes must be >= 1, got {self.kv_publish_buffer_bytes}")
+        if not 0 < self.kv_load_layerwise_timeout_s <= 3600:
+            raise ConfigError(f"--kv-load-layerwise-timeout must be in (0, 3600] seconds, got "
+                              f"{self.kv_load_layerwise_timeout_s}")
         if self.kv_events_port is not None and not (0 <= self.kv_events_port < 65536 and self.kv_auth_token):
             raise ConfigError(f"--kv-events-port {self.kv_events_port} needs a port in [0, 65535] and the cluster "
                               "token (events are signed with it): set PDSERVE_KV_AUTH_TOKEN or --kv-auth-token-file")

@@ -105,6 +105,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="a request whose prompt KV is in the store runs at once: the load is read layer by layer and "
                         "layer i's compute waits only for layer i (LMCache's use_layerwise); ignored on tp/pp nodes "
                         "(docs/kv-guarantees.md)")
+    p.add_argument("--kv-load-layerwise-timeout", type=float, default=10.0,
+                   help="with --kv-load-layerwise: seconds a step waits for its loads; past it they fail and their "
+                        "requests recompute, the step goes on (a hung store read stalls no more than this)")
     p.add_argument("--kv-publish-layerwise", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill/both: put each layer of the chunks a step completes as soon as that layer ran, "
                         "while later layers compute (--no-kv-publish-layerwise: after the whole step; tp/pp nodes "
@@ -164,7 +167,8 @@ def config_from_args(args) -> EngineConfig:
                                      kv_publish_buffer_bytes=args.kv_publish_buffer_bytes,
                                      kv_publish_layerwise=args.kv_publish_layerwise,
                                      kv_events_port=args.kv_events_port,
-                                     kv_load_layerwise=args.kv_load_layerwise),
+                                     kv_load_layerwise=args.kv_load_layerwise,
+                                     kv_load_layerwise_timeout_s=args.kv_load_layerwise_timeout),
         engine_core_process=args.engine_core_process,
     )
 

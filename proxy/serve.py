@@ -87,6 +87,7 @@ NODE_FLAGS = (
     ("--kv-publish-layerwise", bool, "prefill: put each layer's KV while later layers compute (the nodes' default)"),
     ("--otlp-traces-endpoint", str, "OpenTelemetry traces to this OTLP/HTTP URL (the proxy's too)"),
     ("--kv-load-layerwise", bool, "store loads handed to the model layer by layer"),
+    ("--kv-load-layerwise-timeout", float, "seconds a step waits for its layerwise loads"),
 )
 
 

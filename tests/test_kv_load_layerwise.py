@@ -15,7 +15,7 @@ import pytest
 
 from engine_run import run_request
 from hf_reference import hf_greedy, hf_model, random_prompt
-from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, ConfigError, EngineConfig, KVTransferConfig, SchedulerConfig
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.keys import object_key
@@ -263,6 +263,12 @@ def test_the_flag_reaches_the_engine_config_and_serve_passes_it_on(tiny_llama):
     assert not config().kv_transfer.kv_load_layerwise
     serve = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--kv-load-layerwise"])
     assert "--kv-load-layerwise" in node_flags(serve)
+    assert config("--kv-load-layerwise-timeout", "2.5").kv_transfer.kv_load_layerwise_timeout_s == 2.5
+    serve = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--kv-load-layerwise-timeout", "3"])
+    assert node_flags(serve)[-2:] == ("--kv-load-layerwise-timeout", "3.0")
+    for bad in ("0", "-1", "nan", "1e9"):
+        with pytest.raises(ConfigError, match=r"--kv-load-layerwise-timeout must be in \(0, 3600\] seconds"):
+            config("--kv-load-layerwise-timeout", bad)
 
 
 def test_layers_are_read_in_as_many_groups_as_the_longest_load_has_chunks():
