@@ -33,6 +33,7 @@ from pdserve.bench.kvstore_table import SIZES, hardware, print_table, row
 
 RAW_ZMQ_SERVER = """
 import sys, zmq
+from pdserve.engine import host_memory; host_memory.tune()   # as the daemon and the bench process: a fair baseline
 sock = zmq.Context().socket(zmq.ROUTER); sock.setsockopt(zmq.LINGER, 0)
 port = sock.bind_to_random_port("tcp://127.0.0.1"); print(port, flush=True)
 kept = []
@@ -142,12 +143,14 @@ def start_raw_zmq() -> tuple[subprocess.Popen, str]:
 
 
 def run(args) -> dict:
+    from pdserve.engine import host_memory
     from pdserve.kvstore.auth import new_token
     from pdserve.kvstore.client import DaemonClient
     from pdserve.kvstore.disk import DiskTier
     from pdserve.kvstore.memory import MemoryTier
     from pdserve.kvstore.redis_tier import RedisTier
 
+    host_memory.tune()       # every process here keeps freed memory mapped, as nodes and the daemon do
     total, token, rep = args.total_mib << 20, new_token(), args.repeats
     sizes = {label: SIZES[label] for label in args.sizes.split(",")}
     daemon, url = start_daemon(4 * total, token)

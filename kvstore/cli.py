@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from pdserve.engine import host_memory
 from pdserve.kvstore.auth import add_token_arguments, token_from_args
 from pdserve.kvstore.config import KVStoreConfig, build_store
 from pdserve.kvstore.daemon import DaemonLimits, KVDaemon
@@ -70,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
+    host_memory.tune()            # as a node's engine: freed frames and copies stay mapped (no fault per page per get)
     limits = DaemonLimits(max_object_bytes=args.kv_max_object_bytes, max_shm_bytes=args.kv_max_shm_bytes,
                           max_shm_clients=args.kv_max_shm_clients, max_shm_total_bytes=args.kv_max_shm_total_bytes)
     token = token_from_args(args, "pdserve kvstore")
