@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_run import run_request
 from hf_reference import hf_model, random_prompt
@@ -43,3 +44,51 @@ def test_a_failed_gather_publishes_nothing_after_the_gap(tiny_llama, vocab, stor
     later = [object_key(k, i) for k in keys[1:] for i in range(n)]
     assert not any(store.contains(later)), "chunks after the failed one were published"
     assert prefill.connector.stats()["publish_failures"] == 1
+
+
+def _engine_ring(model_dir, store, layerwise, slots, budget):
+    from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+    from pdserve.engine.core.llm_engine import LLMEngine
+    probe = _engine(model_dir, "both", None, layerwise=False)
+    chunk_bytes = probe.layout.bytes_per_token * ECHUNK
+    probe.shutdown()
+    kv = KVTransferConfig(role="prefill", kv_store="embedded", kv_chunk_tokens=ECHUNK,
+                          kv_publish_layerwise=layerwise, kv_publish_buffer_bytes=slots * chunk_bytes)
+    cfg = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=8),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=budget), kv_transfer=kv)
+    return LLMEngine(cfg, store=store)
+
+
+def _run_all(engine, requests):
+    """Add every (id, prompt, params) at once (one step runs them together) -> {id: final output}."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params, {"do_remote_decode": True})
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+@pytest.mark.parametrize("budget", [2048, 72])
+def test_two_requests_a_small_ring_and_prompt_logprobs_store_the_per_step_bytes(tiny_llama, vocab, stores, budget):
+    """Held up: two requests in one step (one with prompt_logprobs: the every-row forward), a ring of 2 slots for a
+    step completing up to 7 chunks -- the same objects, digests and results as per step."""
+    a, b = random_prompt(vocab, 130, seed=21), random_prompt(vocab, 100, seed=22)
+    reqs = [("a", a, SamplingParams(max_tokens=1, prompt_logprobs=1, **GREEDY)),
+            ("b", b, SamplingParams(max_tokens=1, **GREEDY))]
+    got = {}
+    for layerwise in (False, True):
+        store = stores()
+        engine = _engine_ring(tiny_llama, store, layerwise, 2, budget)
+        finals = _run_all(engine, reqs)
+        n = engine.layout.num_layers
+        keys = [object_key(k, i) for p in (a, b) for k in chunk_keys(p, ECHUNK, engine.connector.fingerprint,
+                                                                     include_partial=True) for i in range(n)]
+        got[layerwise] = ({r: f.kv_transfer_params for r, f in finals.items()}, dict(zip(keys, store.get(keys))))
+        assert engine.connector.stats()["publish_buffer_bytes_in_flight"] == 0
+        engine.shutdown()
+    (p_params, p_objs), (l_params, l_objs) = got[False], got[True]
+    assert l_params == p_params and l_params["a"]["num_tokens"] == 130 and l_params["b"]["num_tokens"] == 100
+    assert p_objs.keys() == l_objs.keys() and all(torch.equal(p_objs[k], l_objs[k]) for k in p_objs)
