@@ -92,3 +92,47 @@ def test_two_requests_a_small_ring_and_prompt_logprobs_store_the_per_step_bytes(
     (p_params, p_objs), (l_params, l_objs) = got[False], got[True]
     assert l_params == p_params and l_params["a"]["num_tokens"] == 130 and l_params["b"]["num_tokens"] == 100
     assert p_objs.keys() == l_objs.keys() and all(torch.equal(p_objs[k], l_objs[k]) for k in p_objs)
+
+
+@pytest.fixture()
+def redis_prefix():
+    import uuid
+
+    import redis
+    client = redis.Redis.from_url("redis://127.0.0.1:6379", socket_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis on 127.0.0.1:6379: {exc}")
+    prefix = "trp" + uuid.uuid4().hex[:12] + ":"
+    yield prefix
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+def test_durable_layerwise_over_real_redis_decodes_as_colocated(tiny_llama, vocab, redis_prefix):
+    """Held up: an embedded store over real Redis (durable: every chunk flushed before it counts), chunks ending
+    mid-step; a decode node with its own embedded store reads them from Redis and answers as a colocated node."""
+    from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+    from pdserve.engine.core.llm_engine import LLMEngine
+
+
+    def node(role, layerwise):
+        kv = KVTransferConfig(role=role, kv_redis="redis://127.0.0.1:6379", kv_redis_prefix=redis_prefix,
+                              kv_auth_token="review-publish-cluster-secret",   # the cluster's key, both nodes
+                              kv_chunk_tokens=ECHUNK, kv_publish_layerwise=layerwise)
+        return LLMEngine(EngineConfig(model=str(tiny_llama), cache=CacheConfig(block_size=8),
+                                      scheduler=SchedulerConfig(max_num_batched_tokens=100), kv_transfer=kv))
+    prompt, params = random_prompt(vocab, 150, seed=31), SamplingParams(max_tokens=6, **GREEDY)
+    prefill = node("prefill", True)
+    assert prefill.connector.publisher.durable and prefill.connector.publish_layerwise
+    _, out = run_request(prefill, "p", prompt, SamplingParams(max_tokens=1, **GREEDY), {"do_remote_decode": True})
+    l_params = out.kv_transfer_params
+    prefill.shutdown()
+    assert l_params["num_tokens"] == 150 and len(l_params["chunk_digests"]) == 5
+    colocated, _ = run_request(_engine(tiny_llama, "both", None), "c", prompt, params)
+    decode = node("decode", False)
+    tokens, dout = run_request(decode, "d", prompt, params, l_params)
+    decode.shutdown()
+    assert tokens == colocated and dout.kv_accounting["loaded_tokens"] == 144
