@@ -3,14 +3,22 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from engine_run import run_request
 from hf_reference import hf_model, random_prompt
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.keys import chunk_keys, object_key
+from pdserve.kvstore.memory import MemoryTier
+from pdserve.kvstore.tiered import TieredStore
+from pdserve.prefill.layerwise import LayerwisePublish
+from pdserve.prefill.publisher import ChunkPublisher
 from test_publish_layerwise import ECHUNK, GREEDY, _engine, stores  # noqa: F401 - the fixture
+from test_publish_ring import CHUNK, CHUNK_BYTES, KEY, L, _cache, _finished, _slots
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +144,48 @@ def test_durable_layerwise_over_real_redis_decodes_as_colocated(tiny_llama, voca
     tokens, dout = run_request(decode, "d", prompt, params, l_params)
     decode.shutdown()
     assert tokens == colocated and dout.kv_accounting["loaded_tokens"] == 144
+
+
+class _GatedStore(TieredStore):
+    """A real in-memory store: each put first waits for ``gate`` (``entered`` set while one waits); a put holding a key
+    that starts with ``fail_prefix`` raises (the store went away for it)."""
+
+    def __init__(self, fail_prefix: str):
+        super().__init__(MemoryTier(64 << 20))
+        self.gate, self.entered, self.fail_prefix = threading.Event(), threading.Event(), fail_prefix
+
+    def adopt(self, items):
+        self.entered.set()
+        self.gate.wait()
+        if any(k.startswith(self.fail_prefix) for k, _ in items):
+            raise ConnectionError("injected: the put failed")
+        super().adopt(items)
+
+
+def test_a_failed_put_of_two_chunks_layers_counts_each_lost_chunk():
+    """Finding 2: layer objects of two chunks that queued up while the store lagged go in one put; when it failed,
+    both chunks were lost but ``publish_failures`` counted one (and nothing was counted as skipped) -- per step each
+    lost chunk is counted, as a failure or a skip."""
+    store, src = _GatedStore("a-0"), _cache(seed=4)
+    slots = _slots(3 * CHUNK, seed=4)
+    pub = ChunkPublisher(store, src, 0, TierHealth("t"), KEY, chunk_tokens=CHUNK, buffer_bytes=3 * CHUNK_BYTES)
+    try:
+        warm = LayerwisePublish(pub, [pub.start_layers("w", 0, "w-0", slots[:CHUNK])], [])
+        warm.after(0)
+        assert store.entered.wait(10)                      # the publisher is in the put of w's layer 0: the rest queue
+        warm.finish()
+        both = [pub.start_layers("a", 0, "a-0", slots[CHUNK:2 * CHUNK]), pub.start_layers("b", 0, "b-0", slots[2 * CHUNK:])]
+        hooks = LayerwisePublish(pub, both, [])
+        for i in range(L):
+            hooks.after(i)
+        hooks.finish()
+        store.gate.set()
+        for rid in "wab":
+            pub.close_request(rid)
+        results = _finished(pub, "w", "a", "b")
+    finally:
+        store.gate.set()
+        pub.stop()
+    assert [r.chunks for r in results] == [1, 0, 0]
+    assert pub.failures + pub.skipped == 2, (pub.failures, pub.skipped)     # a and b: each lost chunk counted
+    store.close()
