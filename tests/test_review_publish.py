@@ -189,3 +189,33 @@ def test_a_failed_put_of_two_chunks_layers_counts_each_lost_chunk():
     assert [r.chunks for r in results] == [1, 0, 0]
     assert pub.failures + pub.skipped == 2, (pub.failures, pub.skipped)     # a and b: each lost chunk counted
     store.close()
+
+
+@pytest.mark.parametrize("arch,shape", [("deepseek_v3", {"q_lora_rank": 24}), ("deepseek_v2", {})])
+def test_deepseek_mla_layerwise_objects_are_the_per_step_bytes(tmp_path, arch, shape):
+    """Held up: DeepSeek (MLA cache, a dense then an MoE layer) runs the llama layer loop, so its hooks are called
+    and it publishes layer by layer too; the objects are the per-step bytes."""
+    from pdserve.engine.checkpoints.tiny_deepseek import make_tiny_deepseek
+    from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+    from pdserve.engine.core.llm_engine import LLMEngine
+    from test_publish_layerwise import RecordingStore
+
+    model = make_tiny_deepseek(tmp_path / arch, arch, seed=4, num_layers=2, **shape)
+    prompt = random_prompt(hf_model(model).config.vocab_size, 77, seed=12)
+    got = {}
+    for layerwise in (False, True):
+        store = RecordingStore()
+        kv = KVTransferConfig(role="prefill", kv_store="embedded", kv_chunk_tokens=ECHUNK,
+                              kv_publish_layerwise=layerwise)
+        engine = LLMEngine(EngineConfig(model=str(model), cache=CacheConfig(block_size=8),
+                                        scheduler=SchedulerConfig(max_num_batched_tokens=40), kv_transfer=kv),
+                           store=store)
+        _, out = run_request(engine, "p", prompt, SamplingParams(max_tokens=1, **GREEDY), {"do_remote_decode": True})
+        keys = [object_key(k, i) for k in out.kv_transfer_params["chunk_keys"] for i in range(2)]
+        got[layerwise] = (out.kv_transfer_params, dict(zip(keys, store.get(keys))))
+        assert engine.connector.publish_layerwise == layerwise
+        engine.shutdown()
+        store.close()
+    (pp, po), (lp, lo) = got[False], got[True]
+    assert pp == lp and lp["num_tokens"] == 77
+    assert all(po[k] is not None and torch.equal(po[k], lo[k]) for k in po)
