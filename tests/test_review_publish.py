@@ -219,3 +219,37 @@ def test_deepseek_mla_layerwise_objects_are_the_per_step_bytes(tmp_path, arch, s
     (pp, po), (lp, lo) = got[False], got[True]
     assert pp == lp and lp["num_tokens"] == 77
     assert all(po[k] is not None and torch.equal(po[k], lo[k]) for k in po)
+
+
+def test_a_preempted_request_publishes_what_per_step_publishes(tiny_llama, vocab, stores):
+    """Held up: two prompts in chunked prefill on a cache too small for both: one is preempted (its blocks freed and
+    reused by the other) after chunks of it went out layer by layer, and recomputes; every object is the per-step
+    bytes and a decode node loading either answers as a colocated node."""
+    from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+    from pdserve.engine.core.llm_engine import LLMEngine
+
+    prompts = {"a": random_prompt(vocab, 100, seed=41), "b": random_prompt(vocab, 100, seed=42)}
+    got = {}
+    for layerwise in (False, True):
+        store = stores()
+        kv = KVTransferConfig(role="prefill", kv_store="embedded", kv_chunk_tokens=ECHUNK,
+                              kv_publish_layerwise=layerwise)
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama),
+                                        cache=CacheConfig(block_size=8, num_gpu_blocks_override=24),
+                                        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
+                                        kv_transfer=kv),
+                           store=store)
+        finals = _run_all(engine, [(r, p, SamplingParams(max_tokens=20, **GREEDY)) for r, p in prompts.items()])
+        assert engine.scheduler.num_preemptions >= 1
+        keys = [object_key(k, i) for p in prompts.values()
+                for k in chunk_keys(p, ECHUNK, engine.connector.fingerprint, include_partial=True) for i in range(2)]
+        got[layerwise] = ({r: f.kv_transfer_params for r, f in finals.items()}, dict(zip(keys, store.get(keys))), store)
+        engine.shutdown()
+    (pp, po, _), (lp, lo, lstore) = got[False], got[True]
+    assert pp == lp and all(lp[r]["num_tokens"] == 100 for r in prompts)
+    assert all(po[k] is not None and torch.equal(po[k], lo[k]) for k in po)
+    for rid, prompt in prompts.items():
+        colocated, _ = run_request(_engine(tiny_llama, "both", None), "c", prompt, SamplingParams(max_tokens=6, **GREEDY))
+        tokens, _ = run_request(_engine(tiny_llama, "decode", lstore), "d", prompt, SamplingParams(max_tokens=6, **GREEDY),
+                                lp[rid])
+        assert tokens == colocated, rid
