@@ -174,7 +174,8 @@ def test_a_failed_put_of_two_chunks_layers_counts_each_lost_chunk():
         warm.after(0)
         assert store.entered.wait(10)                      # the publisher is in the put of w's layer 0: the rest queue
         warm.finish()
-        both = [pub.start_layers("a", 0, "a-0", slots[CHUNK:2 * CHUNK]), pub.start_layers("b", 0, "b-0", slots[2 * CHUNK:])]
+        both = [pub.start_layers("a", 0, "a-0", slots[CHUNK:2 * CHUNK]),
+                pub.start_layers("b", 0, "b-0", slots[2 * CHUNK:])]
         hooks = LayerwisePublish(pub, both, [])
         for i in range(L):
             hooks.after(i)
@@ -249,7 +250,7 @@ def test_a_preempted_request_publishes_what_per_step_publishes(tiny_llama, vocab
     assert pp == lp and all(lp[r]["num_tokens"] == 100 for r in prompts)
     assert all(po[k] is not None and torch.equal(po[k], lo[k]) for k in po)
     for rid, prompt in prompts.items():
-        colocated, _ = run_request(_engine(tiny_llama, "both", None), "c", prompt, SamplingParams(max_tokens=6, **GREEDY))
-        tokens, _ = run_request(_engine(tiny_llama, "decode", lstore), "d", prompt, SamplingParams(max_tokens=6, **GREEDY),
-                                lp[rid])
+        params = SamplingParams(max_tokens=6, **GREEDY)
+        colocated, _ = run_request(_engine(tiny_llama, "both", None), "c", prompt, params)
+        tokens, _ = run_request(_engine(tiny_llama, "decode", lstore), "d", prompt, params, lp[rid])
         assert tokens == colocated, rid
