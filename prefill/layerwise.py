@@ -71,10 +71,12 @@ class LayerWork:
 
 class LayerwisePublish:
     """The step's ``LayerHooks`` for publishing (``engine/kv/layer_hooks.py``); ``skips``: (request id, chunk index,
-    chunk key) of chunks that found no ring slot, queued as failures by ``finish``."""
+    chunk key) of chunks that found no ring slot, queued as failures by ``finish``; ``failed``: requests a gather
+    failed for -- the connector publishes nothing more of them (nothing after a gap)."""
 
     def __init__(self, publisher, chunks: list[LayerChunk], skips: list[tuple[str, int, str]]):
         self.publisher, self.chunks, self.skips = publisher, chunks, skips
+        self.failed: set[str] = set()
 
     def before(self, layer: int) -> None:
         pass
@@ -95,14 +97,17 @@ class LayerwisePublish:
 
     def _next_layer(self, chunk: LayerChunk) -> None:
         """Hand the chunk's next layer over (and its end after the last); a gather that raises ends the chunk
-        unpublished -- the step goes on."""
+        unpublished, and the request's later chunks of the step with it (nothing after a gap) -- the step goes on."""
         try:
             self.publisher.put_layer(chunk)
         except Exception as exc:  # noqa: BLE001 - a miss for the decode node, never a failed step
-            logger.warning("publishing layer %d of %s's chunk %d failed (%s: %s); the chunk is not published",
-                           chunk.queued, chunk.request_id, chunk.index, type(exc).__name__, exc)
+            logger.warning("publishing layer %d of %s's chunk %d failed (%s: %s); its later chunks are not "
+                           "published", chunk.queued, chunk.request_id, chunk.index, type(exc).__name__, exc)
             self.publisher.failures += 1
-            self.publisher.end_chunk(chunk, failed=True)
+            self.failed.add(chunk.request_id)
+            for later in self.chunks:               # in index order: answered in order after this one
+                if later.request_id == chunk.request_id and later.index >= chunk.index and not later.ended:
+                    self.publisher.end_chunk(later, failed=True)
             return
         if chunk.queued == chunk.num_layers:
             self.publisher.end_chunk(chunk)

@@ -179,9 +179,10 @@ class ChunkPublisher:
             self.store.adopt(items)
         except Exception as exc:   # the store is down: the decode node will recompute (logged once)
             self.health.failed(exc)
-            self.failures += 1
+            lost = {id(chunk): chunk for chunk, _ in owners if not chunk.failed}
+            self.failures += len(lost)                                  # each chunk the put lost, as per step
             logger.debug("publishing %d layer objects failed: %s", len(items), exc)
-            for chunk, _ in owners:
+            for chunk in lost.values():
                 chunk.failed = True
             return
         for chunk, mac in owners:

@@ -183,7 +183,10 @@ def test_a_stuck_ring_skips_the_chunk_and_publishes_nothing_after_it():
     pub = ChunkPublisher(store, src, 0, TierHealth("t"), KEY, chunk_tokens=CHUNK, buffer_bytes=CHUNK_BYTES, wait_s=0.3)
     store.gate.clear()                                     # the store stops answering
     try:
-        _step(pub, [pub.start_layers("a", 0, "s-0", slots[:CHUNK])])
+        busy = threading.Event()                           # the publisher thread busy until chunk 0's layers all
+        pub._queue.put(busy.wait)                          # queued: they go in one put, sealed (out of the slot)
+        _step(pub, [pub.start_layers("a", 0, "s-0", slots[:CHUNK])])   # first; else layers 1.. wait in the slot
+        busy.set()                                         # behind layer 0's stuck put (test_review_publish)
         wait_until(lambda: pub.ring.bytes_in_flight == 0, 10, "chunk 0 sealed (its put waits), its slot back")
         _step(pub, [pub.start_layers("a", 1, "s-1", slots[CHUNK:2 * CHUNK])])   # queued behind it: holds the slot
         started = time.monotonic()

@@ -262,6 +262,9 @@ class StoreConnector:
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.finish()
+            for rid in hooks.failed:                 # a gather raised: nothing after that gap is published
+                if rid in self._reqs:
+                    self._reqs[rid].publish = False
         for req, t, end in self._due(scheduled):
             try:
                 while t.published < end:
