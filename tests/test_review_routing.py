@@ -29,6 +29,7 @@ from pdserve.proxy.nodes import Node
 
 TOKEN = "r" * 32
 KEY = kv_replay.replay_key(events_key(TOKEN))
+REDIS = "redis://127.0.0.1:6379/0"
 
 
 def _dealer(endpoint: str):
@@ -131,3 +132,42 @@ async def _until(check, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def redis_prefix():
+    redis = pytest.importorskip("redis")
+    client = redis.Redis.from_url(REDIS, socket_timeout=1)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis on 127.0.0.1:6379: {exc}")
+    prefix = f"pdkv-review-routing-{os.getpid()}-{os.urandom(4).hex()}:"
+    yield client, prefix
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.mark.parametrize("plant", ["hash", "list"])
+def test_junk_of_another_type_under_a_redis_key_is_one_miss_not_a_tier_outage(redis_prefix, plant):
+    import torch
+
+    from pdserve.kvstore.config import KVStoreConfig, build_store
+
+    client, prefix = redis_prefix
+    store = build_store(KVStoreConfig(cpu_bytes=1 << 20, redis_url=REDIS, redis_prefix=prefix))
+    try:
+        data = torch.arange(250.0)
+        store.put([("c1:0", data), ("c2:0", data + 1)])
+        assert store.flush()
+        store.l1.delete(["c1:0", "c2:0"])
+        client.delete(prefix + "c1:0")              # a local user plants junk of another type in its place
+        client.hset(prefix + "c1:0", "x", "y") if plant == "hash" else client.rpush(prefix + "c1:0", "x")
+        got = store.get(["c1:0", "c2:0"])
+        assert got[0] is None and got[1] is not None and torch.equal(got[1], data + 1)
+        assert store.health["redis"].available(), "one planted key took the Redis tier down"
+        assert store.lower[0].lookup(["c2"], 1) == 1    # the proxy's Redis lookup does not trip on it either
+    finally:
+        store.close()
