@@ -171,3 +171,24 @@ def test_junk_of_another_type_under_a_redis_key_is_one_miss_not_a_tier_outage(re
         assert store.lower[0].lookup(["c2"], 1) == 1    # the proxy's Redis lookup does not trip on it either
     finally:
         store.close()
+
+
+def test_a_proxy_reading_redis_under_another_prefix_than_the_nodes_says_so(tiny_llama, redis_prefix):
+    """Nodes write under one prefix, the proxy reads another: every lookup misses. It must be visible (a metric per
+    node, and a warning), not look like a cold cache."""
+    import httpx
+
+    from polling import wait_until
+    from pdserve.proxy.cluster import ClusterSpec, LocalCluster
+
+    client, prefix = redis_prefix
+    spec = ClusterSpec(prefill=1, decode=1, kv_routing=True, store="embedded", kv_redis=REDIS,
+                       node_flags=("--block-size", "4", "--kv-chunk-tokens", "8", "--kv-redis-prefix", prefix),
+                       proxy_flags=("--routing-policy", "kv_aware", "--kv-redis-prefix", prefix + "other:"))
+    with LocalCluster(str(tiny_llama), spec) as cluster:
+        def mismatched() -> list[str]:
+            text = httpx.get(cluster.url + "/metrics", timeout=10).text
+            return [l for l in text.splitlines() if l.startswith("pdserve_proxy_kv_redis_prefix_mismatch{")
+                    and float(l.rsplit(" ", 1)[1]) == 1.0]
+
+        wait_until(lambda: len(mismatched()) == 2, 30, "the proxy's metric naming both nodes' other prefix")
