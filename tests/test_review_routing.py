@@ -192,3 +192,27 @@ def test_a_proxy_reading_redis_under_another_prefix_than_the_nodes_says_so(tiny_
                     and float(l.rsplit(" ", 1)[1]) == 1.0]
 
         wait_until(lambda: len(mismatched()) == 2, 30, "the proxy's metric naming both nodes' other prefix")
+
+
+def test_a_proxy_whose_redis_cluster_is_down_at_start_routes_without_it():
+    """``--kv-store redis+cluster://`` with the cluster unreachable when the proxy starts: a miss per lookup, counted,
+    not a proxy that cannot start (redis-py's cluster client connects in its constructor)."""
+    import socket
+
+    from pdserve.proxy.kv_routing import KVRouting
+
+    with socket.socket() as s:                      # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics = ProxyMetrics()
+    routing = KVRouting(metrics, f"redis+cluster://127.0.0.1:{port}", TOKEN)
+    routing.store_space = {"fingerprint": "f" * 32, "chunk_tokens": 8, "num_layers": 2}
+
+    async def main():
+        try:
+            assert await routing._stored_tokens(list(range(16)), ["k1", "k2"]) == 0
+        finally:
+            await routing.stop()
+
+    asyncio.run(main())
+    assert metrics.store_lookups.labels("error")._value.get() == 1
