@@ -19,6 +19,8 @@ INFO has them); ``bytes_in``/``bytes_out`` count this client's traffic.
 
 from __future__ import annotations
 
+import threading
+
 import redis
 import torch
 from redis.cluster import RedisCluster
@@ -43,12 +45,20 @@ class RedisTier(BlobTier):
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"Redis TTL must be > 0 seconds, got {ttl_s} (--kv-redis-ttl)")
         self.url, self.prefix, self.ttl_s = url, prefix, ttl_s
-        opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._cluster = url.startswith(CLUSTER_SCHEME)
-        if self._cluster:
-            self._client = RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME):], **opts)
-        else:
-            self._client = redis.Redis.from_url(url, **opts)
+        self._lock = threading.Lock()
+        self._conn = None if self._cluster else redis.Redis.from_url(url, **self._opts)   # connects on first use
+
+    @property
+    def _client(self):
+        """The client; Redis Cluster's on first use (its constructor reaches the cluster: one that is down when
+        the store or the proxy starts is then a failing tier, not a process that cannot start)."""
+        if self._conn is None:
+            with self._lock:
+                if self._conn is None:
+                    self._conn = RedisCluster.from_url("redis://" + self.url[len(CLUSTER_SCHEME):], **self._opts)
+        return self._conn
 
     def put(self, items: list[tuple[str, torch.Tensor]]) -> None:
         """One transaction: per object SET header, APPEND payload (the tensor's memory, sent as it is; no
@@ -129,7 +139,8 @@ class RedisTier(BlobTier):
         return bool(self._client.ping())
 
     def close(self) -> None:
-        self._client.close()
+        if self._conn is not None:
+            self._conn.close()
 
 
 def _wrong_type(reply, replacement):
