@@ -13,8 +13,10 @@ A message that fails its MAC or does not decode, or names another endpoint than 
 of another node relayed by whoever took this node's port), is dropped and counted (``outcome="forged"``); one that
 replays an old epoch or sequence is dropped as ``stale`` (``kv_state``). Watching a new endpoint for a node forgets what the
 old one said; a new replay endpoint for the same events endpoint (the node restarted on a fixed
-``--kv-events-port``) is asked from then on. A replay that fails (no answer in ``REPLAY_TIMEOUT_S``, a bad MAC) is counted (``replay_failed``) and
-routing goes on with the live events; replays of one node are at least ``REPLAY_MIN_INTERVAL_S`` apart. The socket only connects (to 127.0.0.1 endpoints the nodes bind); see docs/threat-model.md.
+``--kv-events-port``) is asked from then on. A replay that fails (no answer in ``REPLAY_TIMEOUT_S``, a bad MAC) is
+counted (``replay_failed``) and routing goes on with the live events; replays of one node are at least
+``REPLAY_MIN_INTERVAL_S`` apart. The socket only connects (to 127.0.0.1 endpoints the nodes bind); see
+docs/threat-model.md.
 """
 
 from __future__ import annotations
