@@ -10,12 +10,16 @@ sent at once on one pooled connection (``_lean_pipeline``; Redis Cluster: redis-
 stays in the reply's ``bytes`` (codec.decode uses it in place). hiredis (a dependency) parses replies in C.
 Contains: one pipeline of EXISTS. redis-py's connection pool is shared by the threads that call in.
 ``redis+cluster://host:port`` uses redis-py's cluster client (the scale-out path).
-Connection errors propagate (counted in ``errors``); ``TieredStore`` marks the tier down.
+Connection errors propagate (counted in ``errors``); ``TieredStore`` marks the tier down. A key that holds
+another type (a hash, a list: junk a local user planted -- Redis has no auth on loopback) reads as a corrupt
+object: that one is a miss, counted and deleted, the rest of the read stands.
 Redis is shared by many writers, so ``objects``/``bytes`` are not tracked here (Redis's
 INFO has them); ``bytes_in``/``bytes_out`` count this client's traffic.
 """
 
 from __future__ import annotations
+
+import threading
 
 import redis
 import torch
@@ -27,6 +31,7 @@ from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
 from pdserve.kvstore.keys import check_key
 
 CLUSTER_SCHEME = "redis+cluster://"
+NOT_AN_OBJECT = b"\0"       # what a key holding a hash, list, ... reads as: refused by the codec, counted, deleted
 APPEND_FROM = 256 << 10     # payloads from this size are APPENDed from the tensor's memory, smaller ones joined
 
 
@@ -40,12 +45,20 @@ class RedisTier(BlobTier):
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"Redis TTL must be > 0 seconds, got {ttl_s} (--kv-redis-ttl)")
         self.url, self.prefix, self.ttl_s = url, prefix, ttl_s
-        opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._cluster = url.startswith(CLUSTER_SCHEME)
-        if self._cluster:
-            self._client = RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME):], **opts)
-        else:
-            self._client = redis.Redis.from_url(url, **opts)
+        self._lock = threading.Lock()
+        self._conn = None if self._cluster else redis.Redis.from_url(url, **self._opts)   # connects on first use
+
+    @property
+    def _client(self):
+        """The client; Redis Cluster's on first use (its constructor reaches the cluster: one that is down when
+        the store or the proxy starts is then a failing tier, not a process that cannot start)."""
+        if self._conn is None:
+            with self._lock:
+                if self._conn is None:
+                    self._conn = RedisCluster.from_url("redis://" + self.url[len(CLUSTER_SCHEME):], **self._opts)
+        return self._conn
 
     def put(self, items: list[tuple[str, torch.Tensor]]) -> None:
         """One transaction: per object SET header, APPEND payload (the tensor's memory, sent as it is; no
@@ -80,26 +93,33 @@ class RedisTier(BlobTier):
         if not keys:
             return []
         if not self._cluster:
-            return [blob or None for blob in self._lean_pipeline([("GETRANGE", self.prefix + k, 0, self.max_blob_bytes)
-                                                                  for k in keys])]
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.getrange(self.prefix + key, 0, self.max_blob_bytes)   # one byte past the limit: cut, refused
-        return [blob or None for blob in pipe.execute()]                 # a missing key reads as b""
+            replies = self._lean_pipeline([("GETRANGE", self.prefix + k, 0, self.max_blob_bytes) for k in keys],
+                                          wrong_type=NOT_AN_OBJECT)
+        else:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.getrange(self.prefix + key, 0, self.max_blob_bytes)   # one byte past the limit: cut, refused
+            replies = [_wrong_type(r, NOT_AN_OBJECT) for r in pipe.execute(raise_on_error=False)]
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        return [blob or None for blob in replies]                    # a missing key reads as b""
 
-    def _lean_pipeline(self, commands: list[tuple]) -> list:
+    def _lean_pipeline(self, commands: list[tuple], wrong_type=None) -> list:
         """Send every command at once and read the replies in order on one pooled connection: a pipeline without
-        redis-py's per-command layers (callbacks, command stack), which cost more than a 64 KiB read."""
+        redis-py's per-command layers (callbacks, command stack), which cost more than a 64 KiB read. A WRONGTYPE
+        reply (a value of another type under the key: junk someone planted) is ``wrong_type``; other errors raise."""
         pool = self._client.connection_pool
         conn = pool.get_connection()
         try:
             conn.send_packed_command(conn.pack_commands(commands))
-            replies = [conn.read_response() for _ in commands]
+            replies = [_read_reply(conn) for _ in commands]
         except BaseException:
             conn.disconnect()                      # replies may still be in flight: never reuse this connection
             raise
         finally:
             pool.release(conn)
+        replies = [_wrong_type(reply, wrong_type) for reply in replies]
         for reply in replies:
             if isinstance(reply, redis.ResponseError):
                 raise reply
@@ -119,4 +139,20 @@ class RedisTier(BlobTier):
         return bool(self._client.ping())
 
     def close(self) -> None:
-        self._client.close()
+        if self._conn is not None:
+            self._conn.close()
+
+
+def _wrong_type(reply, replacement):
+    """``replacement`` for a WRONGTYPE error reply (when one is given), the reply itself otherwise."""
+    if replacement is not None and isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
+        return replacement
+    return reply
+
+
+def _read_reply(conn):
+    """One reply; an error reply is returned, not raised (it was read whole: the connection stays in step)."""
+    try:
+        return conn.read_response()
+    except redis.ResponseError as exc:
+        return exc

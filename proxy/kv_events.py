@@ -12,8 +12,11 @@ Who calls what (all on the proxy's event loop):
 A message that fails its MAC or does not decode, or names another endpoint than the one it arrived from (a batch
 of another node relayed by whoever took this node's port), is dropped and counted (``outcome="forged"``); one that
 replays an old epoch or sequence is dropped as ``stale`` (``kv_state``). Watching a new endpoint for a node forgets what the
-old one said. A replay that fails (no answer in ``REPLAY_TIMEOUT_S``, a bad MAC) is counted (``replay_failed``) and
-routing goes on with the live events; replays of one node are at least ``REPLAY_MIN_INTERVAL_S`` apart. The socket only connects (to 127.0.0.1 endpoints the nodes bind); see docs/threat-model.md.
+old one said; a new replay endpoint for the same events endpoint (the node restarted on a fixed
+``--kv-events-port``) is asked from then on. A replay that fails (no answer in ``REPLAY_TIMEOUT_S``, a bad MAC) is
+counted (``replay_failed``) and routing goes on with the live events; replays of one node are at least
+``REPLAY_MIN_INTERVAL_S`` apart. The socket only connects (to 127.0.0.1 endpoints the nodes bind); see
+docs/threat-model.md.
 """
 
 from __future__ import annotations
@@ -43,13 +46,18 @@ class EventSubscriber:
         self._replay_key = replay_key(key)
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, tuple[str, asyncio.Task]] = {}    # node url -> (endpoint, reader)
+        self._replays: dict[str, str | None] = {}                 # node url -> its replay endpoint (the card's)
 
     def watch(self, node: Node, endpoint: str, replay: str | None = None) -> None:
         """Read ``node``'s events from ``endpoint`` (a no-op if already so), its state first from ``replay``."""
         current = self._tasks.get(node.url)
+        if current is not None and current[0] == endpoint:
+            if self._replays.get(node.url) != replay:     # restarted on the same events port: a new replay port
+                self._replays[node.url] = replay
+                node.kv.needs_replay = True               # (a replay that went to the old one failed)
+            return
+        self._replays[node.url] = replay
         if current is not None:
-            if current[0] == endpoint:
-                return
             current[1].cancel()
         node.kv.forget()
         self._metrics.node_cached_blocks.labels(node.role, node.url).set(0)
@@ -58,7 +66,7 @@ class EventSubscriber:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoint)
-        self._tasks[node.url] = (endpoint, asyncio.ensure_future(self._read(node, sock, endpoint, replay)))
+        self._tasks[node.url] = (endpoint, asyncio.ensure_future(self._read(node, sock, endpoint)))
         logger.info("KV events of %s node %s from %s", node.role, node.url, endpoint)
 
     async def stop(self) -> None:
@@ -67,13 +75,15 @@ class EventSubscriber:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        self._replays.clear()
         self._ctx.term()
 
-    async def _read(self, node: Node, sock, endpoint: str, replay: str | None) -> None:
+    async def _read(self, node: Node, sock, endpoint: str) -> None:
         last_replay = -REPLAY_MIN_INTERVAL_S
         try:
             node.kv.needs_replay = True
             while True:
+                replay = self._replays.get(node.url)
                 if replay and node.kv.needs_replay:
                     await asyncio.sleep(max(0.0, last_replay + REPLAY_MIN_INTERVAL_S - time.monotonic()))
                     last_replay = time.monotonic()

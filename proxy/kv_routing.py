@@ -75,6 +75,8 @@ class KVRouting:
     def __init__(self, metrics: ProxyMetrics, store_url: str | None = None, token: str = "",
                  local_prefill_threshold: int = 0, skip_on_store_hit: bool = True, redis_prefix: str = "pdkv:"):
         self._metrics, self._store_url = metrics, store_url
+        self._redis_prefix = redis_prefix if store_url and not store_url.startswith("tcp://") else None
+        self._prefix_mismatch: dict[str, bool] = {}   # node url -> its card named another Redis prefix
         self.threshold, self.skip_on_store_hit = local_prefill_threshold, skip_on_store_hit
         self._key = events_key(token) if token else None
         self.events = EventSubscriber(self._key, metrics) if self._key else None
@@ -97,6 +99,8 @@ class KVRouting:
             self.events.watch(node, kv["events"], kv["replay"] if isinstance(kv.get("replay"), str) else None)
         if isinstance(kv.get("block_size"), int) and kv["block_size"] > 0:
             self.block_size = kv["block_size"]
+        if self._redis_prefix is not None and isinstance(kv.get("redis_prefix"), str):
+            self._check_redis_prefix(node, kv["redis_prefix"])
         store = kv.get("store") if _valid_store_space(kv.get("store")) else None
         if store is not None and self.store_space is None:
             self.store_space = store
@@ -108,6 +112,16 @@ class KVRouting:
         if self._key is not None and self.block_size:
             routing = dataclasses.replace(routing, block_size=self.block_size, events_key=self._key)
         return routing
+
+    def _check_redis_prefix(self, node: Node, theirs: str) -> None:
+        """The node writes Redis under ``theirs``: another prefix than ours means every lookup misses -- say so."""
+        mismatch = theirs != self._redis_prefix
+        if mismatch and not self._prefix_mismatch.get(node.url):
+            logger.warning("%s node %s stores in Redis under the prefix %r, the proxy looks up %r "
+                           "(--kv-redis-prefix): no prompt will be found in the store", node.role, node.url, theirs,
+                           self._redis_prefix)
+        self._prefix_mismatch[node.url] = mismatch
+        self._metrics.redis_prefix_mismatch.labels(node.role, node.url).set(1 if mismatch else 0)
 
     @property
     def active(self) -> bool:

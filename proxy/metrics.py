@@ -50,6 +50,9 @@ class ProxyMetrics:
                                  "socket, or a batch it already held; replay_failed)", ["outcome"], registry=r)
         self.node_cached_blocks = Gauge("pdserve_proxy_node_cached_blocks", "blocks a node's KV events say its prefix "
                                         "cache holds", ["role", "node"], registry=r)
+        self.redis_prefix_mismatch = Gauge("pdserve_proxy_kv_redis_prefix_mismatch", "1 when a node's card names "
+                                           "another Redis key prefix than the proxy's --kv-redis-prefix (its store "
+                                           "lookups all miss)", ["role", "node"], registry=r)
 
         for role in ("prefill", "decode"):     # exported at 0 from the start (vLLM pre-creates its labels too)
             self.retries.labels(role)

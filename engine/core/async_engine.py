@@ -43,6 +43,8 @@ class AsyncEngine:
         self.model_name = config.model_name
         self.role = config.kv_transfer.role
         self.block_size = config.cache.block_size
+        kvt = config.kv_transfer                 # the Redis key prefix an embedded store writes under (the card's)
+        self._redis_prefix = kvt.kv_redis_prefix if kvt.kv_store == "embedded" and kvt.kv_redis else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -104,13 +106,13 @@ class AsyncEngine:
 
     def kv_card(self) -> dict:
         """What the proxy's kv_aware routing needs to know of this node (``/v1/models``' ``kv`` field): its block
-        size, KV-event and replay endpoints, and its store's key space (fingerprint, chunk size, layers), None
-        without one."""
+        size, KV-event and replay endpoints, its store's key space (fingerprint, chunk size, layers), None
+        without one, and the key prefix its embedded store writes to Redis under (None: none; never the URL)."""
         info = self.engine.store_info()
         store = None if info is None else {"fingerprint": info.fingerprint, "chunk_tokens": info.chunk_tokens,
                                            "num_layers": info.num_layers}
         return {"block_size": self.block_size, "events": self.engine.kv_events_endpoint or None,
-                "replay": self.engine.kv_replay_endpoint or None, "store": store}
+                "replay": self.engine.kv_replay_endpoint or None, "store": store, "redis_prefix": self._redis_prefix}
 
     def stats(self) -> EngineStats:
         if self._thread is None:

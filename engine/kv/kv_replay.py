@@ -17,15 +17,19 @@ Wire:   request  [b"kv-replay", nonce (16 bytes), mac(replay_key, b"request" + n
 ``replay_key`` is derived from the events key (the cluster token's), apart from it, so neither message can pass for
 an event batch or for the other; the reply carries the request's nonce (an old reply cannot be replayed) and the
 PUB endpoint it describes (a reply relayed from another node's port is refused, as batches are). A request without
-the MAC gets no answer. Bounded: the mirror keeps at most ``MAX_REPLAY_BLOCKS`` (131072 hashes, the most recently
-stored; about 1.2 MB of msgpack), more than any node's prefix cache we run -- a node with more blocks replays the
-newest ones, which only costs routing hits.
+the MAC gets no answer, and a flood of them costs a counter and one warning per ``LOG_EVERY_S``, not a log line each;
+a signed request whose nonce was seen before (one a local user captured, e.g. by squatting a dead node's replay
+port, and sends again) gets no answer either, and the node answers at most ``MAX_REPLIES_PER_S`` a second (each is a
+snapshot of up to 1.2 MB; a proxy asks at most once a second per node). Bounded: the mirror keeps at most
+``MAX_REPLAY_BLOCKS`` (131072 hashes, the most recently stored; about 1.2 MB of msgpack), more than any node's prefix
+cache we run -- a node with more blocks replays the newest ones, which only costs routing hits.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 import blake3
@@ -39,6 +43,9 @@ REPLAY_VERSION = 1
 MAX_REPLAY_BLOCKS = 1 << 17
 MAX_REPLY_BYTES = 2 << 20            # 131072 x 9-byte ints + the rest, with room
 NONCE_BYTES = 16
+LOG_EVERY_S = 10.0                   # at most one warning this often about dropped requests
+MAX_REPLIES_PER_S = 8                # answers a second (a token bucket of as many)
+RECENT_NONCES = 4096                 # nonces answered, remembered to refuse a copy of their request
 
 
 class ReplayState(msgspec.Struct, frozen=True):
@@ -143,13 +150,13 @@ class ReplayServer:
         self._sock.close()
 
     def _run(self) -> None:
+        guard = _RequestGuard()
         while not self._stop.is_set():
             if not self._sock.poll(200):
                 continue
             frames = self._sock.recv_multipart()
-            nonce = verify_request(self._key, frames[1:])
+            nonce = guard.admit(verify_request(self._key, frames[1:]))
             if nonce is None:
-                logger.warning("dropped a KV replay request that is not signed with the cluster's key")
                 continue
             seq, blocks = self._mirror.snapshot()
             try:
@@ -157,3 +164,33 @@ class ReplayServer:
                                           flags=zmq.NOBLOCK)
             except zmq.Again:
                 pass
+
+
+class _RequestGuard:
+    """Which verified requests the replay thread answers: not a nonce seen before, not beyond MAX_REPLIES_PER_S;
+    the dropped ones are counted and logged at most once per LOG_EVERY_S."""
+
+    def __init__(self):
+        self._nonces: OrderedDict[bytes, None] = OrderedDict()
+        self._tokens, self._refilled = float(MAX_REPLIES_PER_S), time.monotonic()
+        self._dropped = {"unsigned": 0, "repeated": 0, "over rate": 0}
+        self._logged = -LOG_EVERY_S
+
+    def admit(self, nonce: bytes | None) -> bytes | None:
+        now = time.monotonic()
+        self._tokens = min(float(MAX_REPLIES_PER_S), self._tokens + (now - self._refilled) * MAX_REPLIES_PER_S)
+        self._refilled = now
+        why = "unsigned" if nonce is None else "repeated" if nonce in self._nonces else \
+            "over rate" if self._tokens < 1.0 else None
+        if why is None:
+            self._tokens -= 1.0
+            self._nonces[nonce] = None
+            if len(self._nonces) > RECENT_NONCES:
+                self._nonces.popitem(last=False)
+            return nonce
+        self._dropped[why] += 1
+        if now - self._logged >= LOG_EVERY_S:
+            self._logged = now
+            logger.warning("dropped KV replay requests (unsigned with the cluster's key, a copy of one answered "
+                           "before, or over %d a second) -- so far: %s", MAX_REPLIES_PER_S, self._dropped)
+        return None
