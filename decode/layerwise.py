@@ -45,12 +45,8 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from pdserve.decode.loader import LoadJob
 
 
 TIMED_OUT = "timed out: the KV store did not answer in time"   # a load the engine gave up on (``abandon``)

@@ -41,7 +41,7 @@ COUNTERS = frozenset({
     "marked_down",                                      # TierHealth
     "wt_written", "wt_failed", "wt_skipped_down",       # TieredStore, per lower tier (objects)
     "dropped", "lost",                                  # TieredStore write-through (objects)
-    "requests", "shm_reclaimed", "shm_refused",          # KVDaemon
+    "requests", "shm_reclaimed", "shm_refused", "sends_copied",   # KVDaemon (sends_copied: replies past the pin cap)
     "arena_reserved", "arena_committed", "arena_cancelled", "arena_leased", "arena_expired",   # KVDaemon's arena
     "timeouts", "arena_maps", "shm_attaches", "shm_abandoned", "shm_objects", "frame_objects",   # DaemonClient
     "daemon_auth_failures",                             # DaemonClient: the peer could not prove the key

@@ -32,10 +32,11 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 KEY = process_key().seal_key          # what engines in this process seal with (an embedded store, no token)
 
 
-def _engine(model_dir, role, store, chunk=32):
+def _engine(model_dir, role, store, chunk=32, publish_layerwise=True):
     cfg = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=8),
                        scheduler=SchedulerConfig(max_num_batched_tokens=2048),
-                       kv_transfer=KVTransferConfig(role=role, kv_store="embedded", kv_chunk_tokens=chunk))
+                       kv_transfer=KVTransferConfig(role=role, kv_store="embedded", kv_chunk_tokens=chunk,
+                                                    kv_publish_layerwise=publish_layerwise))
     return LLMEngine(cfg, store=store)
 
 
@@ -86,8 +87,8 @@ def test_chunk_digest_depends_on_order_and_content():
 
 # -- the loader refuses what the seal or the digest says is not this chunk --------------------
 
-def _prefill(tiny_llama, store, prompt):
-    prefill = _engine(tiny_llama, "prefill", store)
+def _prefill(tiny_llama, store, prompt, publish_layerwise=True):
+    prefill = _engine(tiny_llama, "prefill", store, publish_layerwise=publish_layerwise)
     _, out = _run(prefill, "p", prompt, SamplingParams(max_tokens=1, **GREEDY), {"do_remote_decode": True})
     return out.kv_transfer_params
 
@@ -140,7 +141,9 @@ def test_the_last_chunks_digest_is_checked_too(tiny_llama, reference, store):
 
 
 def test_unpublished_chunks_are_not_advertised(tiny_llama, reference, store, monkeypatch):
-    """Mutation caught: ``num_tokens`` counted chunks handed to the publisher, not those the store took."""
+    """Mutation caught: ``num_tokens`` counted chunks handed to the publisher, not those the store took.
+    Per-step publishing: one put per chunk, so refusing the second put refuses chunk 1 alone (a layerwise publisher
+    may put layers of two chunks together when the store lags: ``test_publish_layerwise.py`` covers that path)."""
     prompt = random_prompt(reference.config.vocab_size, 70, seed=14)
     real_adopt, calls = store.adopt, []
 
@@ -151,7 +154,7 @@ def test_unpublished_chunks_are_not_advertised(tiny_llama, reference, store, mon
         real_adopt(items)
 
     monkeypatch.setattr(store, "adopt", flaky_adopt)
-    params = _prefill(tiny_llama, store, prompt)
+    params = _prefill(tiny_llama, store, prompt, publish_layerwise=False)
     assert params["num_tokens"] == 32 and len(params["chunk_digests"]) == 1
     monkeypatch.setattr(store, "adopt", real_adopt)
     tokens, _ = _run(_engine(tiny_llama, "decode", store), "d", prompt, SamplingParams(max_tokens=6, **GREEDY), params)

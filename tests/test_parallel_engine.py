@@ -183,7 +183,8 @@ def test_parallel_config_names_the_flag(kwargs, flag):
 
 def test_stage_layers_and_micro_batches():
     from pdserve.engine.parallel.messages import StepRequest
-    from pdserve.engine.parallel.stage import micro_batches, stage_layers
+    from pdserve.engine.parallel.messages import micro_batches
+    from pdserve.engine.parallel.stage import stage_layers
 
     assert stage_layers(5, 2) == [(0, 3), (3, 2)]
     assert stage_layers(8, 4) == [(0, 2), (2, 2), (4, 2), (6, 2)]

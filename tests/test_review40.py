@@ -169,11 +169,12 @@ def test_a_stopped_tcp_reader_does_not_keep_other_clients_slots_pinned(tmp_path)
     from kvstore_fixtures import TOKEN, wait_for
 
     from pdserve.kvstore.client import DaemonClient
-    from pdserve.kvstore.daemon import KVDaemon
+    from pdserve.kvstore.daemon import DaemonLimits, KVDaemon
     from pdserve.kvstore.tiered import TieredStore
 
     store = TieredStore(ArenaTier(256 << 20), [])
-    daemon = KVDaemon(store, port=0, token=TOKEN)
+    # the order of unpinning is under test, not the cap on bytes sent in place (test_review_tcp.py): all in place
+    daemon = KVDaemon(store, port=0, token=TOKEN, limits=DaemonLimits(max_send_pinned_bytes=1 << 30))
     stop = threading.Event()
     thread = threading.Thread(target=daemon.serve, args=(stop,))
     thread.start()

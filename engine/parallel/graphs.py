@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine import envs
-from pdserve.engine.parallel.messages import StepMessage, StepRequest
+from pdserve.engine.parallel.messages import StepMessage, StepRequest, micro_batches
 from pdserve.engine.runner.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
@@ -99,9 +99,7 @@ def batch_bucket(batch: list[StepRequest], sizes: list[int], width: int, block_s
 def plan_step(message: StepMessage, pp_size: int, sizes: list[int], width: int,
               block_size: int) -> list[tuple[list, int | None]]:
     """[(micro-batch, its bucket or None)] of a step: a pure function of the broadcast message, the same on
-    every rank (the micro-batches are ``stage.micro_batches``'s cut)."""
-    from pdserve.engine.parallel.stage import micro_batches
-
+    every rank (the micro-batches are ``messages.micro_batches``'s cut, as the stage runs them)."""
     return [(batch, batch_bucket(batch, sizes, width, block_size))
             for batch in micro_batches(message.requests, pp_size)]
 

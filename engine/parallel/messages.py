@@ -156,3 +156,22 @@ def _check(message):
     if message.version != VERSION:
         raise ValueError(f"message version {message.version}; this build speaks {VERSION} (mixed pdserve versions?)")
     return message
+
+
+def micro_batches(requests: list[StepRequest], n: int) -> list[list[StepRequest]]:
+    """Up to ``n`` contiguous groups with about equal token counts (never an empty group).
+
+    Before each request: cut if that lands nearer the next group's token target than after it, or if
+    only one request per group still to open is left."""
+    n = max(1, min(n, len(requests)))
+    total = sum(len(r.token_ids) for r in requests)
+    groups, current, done = [], [], 0
+    for i, r in enumerate(requests):
+        size, to_open, target = len(r.token_ids), n - len(groups) - 1, total * (len(groups) + 1) / n
+        if current and to_open and (len(requests) - i == to_open or abs(done - target) <= abs(done + size - target)):
+            groups.append(current)
+            current = []
+        current.append(r)
+        done += size
+    groups.append(current)
+    return groups

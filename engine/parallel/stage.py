@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.parallel.graphs import plan_step
-from pdserve.engine.parallel.messages import SampledToken, StepMessage, StepRequest
+from pdserve.engine.parallel.messages import SampledToken, StepMessage, StepRequest, micro_batches
 from pdserve.engine.runner.input_batch import build_step_inputs
 from pdserve.engine.runner.staging import StepStaging
 from pdserve.engine.structured.bitmask import GrammarBitmask
@@ -145,25 +145,6 @@ class StageRunner:
                              device="cpu" if self.via_host else self.device)
         dist.recv(hidden, src=self.coords.rank - self.coords.tp_size, tag=tag)
         return hidden.to(self.device)
-
-
-def micro_batches(requests: list[StepRequest], n: int) -> list[list[StepRequest]]:
-    """Up to ``n`` contiguous groups with about equal token counts (never an empty group).
-
-    Before each request: cut if that lands nearer the next group's token target than after it, or if
-    only one request per group still to open is left."""
-    n = max(1, min(n, len(requests)))
-    total = sum(len(r.token_ids) for r in requests)
-    groups, current, done = [], [], 0
-    for i, r in enumerate(requests):
-        size, to_open, target = len(r.token_ids), n - len(groups) - 1, total * (len(groups) + 1) / n
-        if current and to_open and (len(requests) - i == to_open or abs(done - target) <= abs(done + size - target)):
-            groups.append(current)
-            current = []
-        current.append(r)
-        done += size
-    groups.append(current)
-    return groups
 
 
 class _Tokens:
