@@ -1,11 +1,18 @@
 """Routing by cache vs round robin, same run: TTFT of later chat rounds, and store hits against the ideal.
 
     python devbench/kv_routing_bench.py [--model DIR] [--users 4 --rounds 3 --repeats 3] [--output kv_routing.json]
-                                        [--node-args "..."] [--sequential]
+                                        [--node-args "..."] [--schedule concurrent|alternating|sequential]
 
-Two local clusters up at once, each ``--prefill 2 --decode 2`` with a store daemon and the same nodes' flags; the
-same fixed-seed workloads (``pdserve bench serve``, streaming) run against both at the same time, ``--repeats``
-times, so a shared box's load hits both alike:
+Two local clusters, each ``--prefill 2 --decode 2`` with a store daemon and the same nodes' flags; the same
+fixed-seed workloads (``pdserve bench serve``, streaming) run against both, ``--repeats`` times, in one of three
+schedules:
+  concurrent   (default) both clusters up, each repeat's two workloads at the same time: a shared box's load hits
+               both alike -- but on a box with fewer cores than engines the two clusters also share the CPU, so
+               the prefills the kv cluster skips hand their CPU to the baseline, which understates the gain
+  alternating  both clusters up, each repeat runs one workload after the other (baseline first on even repeats,
+               kv first on odd ones), so neither measures while the other computes and drift cancels in pairs
+  sequential   one cluster up at a time (baseline, then kv): for models whose 8 engines do not fit the box at once
+The clusters:
   baseline   the proxy's round_robin for both phases; every request is prefilled on a prefill node
   kv         --routing-policy kv_aware, the store lookup, prefill skipping (full store hit) and
              --local-prefill-threshold: the proxy follows the nodes' KV events
@@ -117,7 +124,7 @@ def decisions(url: str) -> dict[str, float]:
 
 
 def run_sequential(model: str, out: Path, a) -> dict:
-    """``--sequential``: one cluster up at a time (baseline, then kv), for models whose 8 engines do not fit the box at
+    """``--schedule sequential``: one cluster up at a time (baseline, then kv), for models whose 8 engines do not fit the box at
     once; the box's load then differs between the two, so take more repeats. No shared-prefix part."""
     res = {}
     for name, kv in (("baseline", False), ("kv", True)):
@@ -130,14 +137,20 @@ def run_sequential(model: str, out: Path, a) -> dict:
 
 
 def run(model: str, out: Path, a) -> dict:
-    """Both clusters up at once; each repeat runs the multi-round workload (fresh prompts: seed 10 + i) against both
-    at the same time, so both see the same machine load (and each other's, alike)."""
+    """Both clusters up at once; each repeat runs the multi-round workload (fresh prompts: seed 10 + i) against both,
+    at the same time (``concurrent``: both see the same machine load, and each other's, alike) or one after the other
+    in alternating order (``alternating``)."""
     ttft: dict[str, list[float]] = {"baseline": [], "kv": []}
     with LocalCluster(model, spec(False, a)) as base, LocalCluster(model, spec(True, a)) as kv:
         clusters = {"baseline": base, "kv": kv}
         for i in range(a.repeats):
-            results = benches([(c.url, f"{name}-multi-round-{i}", multi_round_args(a, 10 + i))
-                               for name, c in clusters.items()], out)
+            runs = [(c.url, f"{name}-multi-round-{i}", multi_round_args(a, 10 + i)) for name, c in clusters.items()]
+            if a.schedule == "concurrent":
+                results = benches(runs, out)
+            else:
+                order = [0, 1] if i % 2 == 0 else [1, 0]
+                done = {j: bench(runs[j][0], out, runs[j][1], runs[j][2]) for j in order}
+                results = [done[0], done[1]]
             for name, result in zip(clusters, results):
                 ttft[name].append(later_rounds_ttft(result))
         res = {name: {"later_rounds_mean_ttft_ms": ttft[name], "decisions": decisions(c.url)}
@@ -164,7 +177,8 @@ def main() -> int:
                    "268435456\" (8 nodes at once: a real model's default KV cache may not fit the box)")
     p.add_argument("--question-len", type=int, default=32, help="multi-round question tokens per round")
     p.add_argument("--answer-len", type=int, default=32, help="multi-round answer tokens per round (in the history)")
-    p.add_argument("--sequential", action="store_true", help="one cluster at a time (see run_sequential)")
+    p.add_argument("--schedule", choices=("concurrent", "alternating", "sequential"), default="concurrent",
+                   help="how the two clusters' workloads are run (see the module's docstring)")
     p.add_argument("--output", default="kv_routing.json")
     a = p.parse_args()
     out = Path(tempfile.mkdtemp(prefix="kv-routing-bench-"))
@@ -173,11 +187,12 @@ def main() -> int:
         from pdserve.engine.checkpoints.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(out / "tiny", arch="llama", seed=0))
-    res = (run_sequential if a.sequential else run)(model, out, a)
+    res = (run_sequential if a.schedule == "sequential" else run)(model, out, a)
     base, kv = (sum(res[n]["later_rounds_mean_ttft_ms"]) / a.repeats for n in ("baseline", "kv"))
     pairs = [k / b for k, b in zip(res["kv"]["later_rounds_mean_ttft_ms"], res["baseline"]["later_rounds_mean_ttft_ms"])]
     sp = res["shared_prefix"]
     result = {"hardware": f"{platform.machine()} {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}",
+              "schedule": a.schedule,
               "model": model, **res, "ttft_ratio_rounds_ge_2": kv / base, "ttft_ratio_per_repeat": pairs,
               "store_hit_vs_ideal": sp["store_hit_tokens_per_request"] / max(sp["ideal_per_request"], 1e-9)}
     for name, mean in (("baseline", base), ("kv", kv)):
