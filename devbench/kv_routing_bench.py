@@ -11,7 +11,8 @@ schedules:
                the prefills the kv cluster skips hand their CPU to the baseline, which understates the gain
   alternating  both clusters up, each repeat runs one workload after the other (baseline first on even repeats,
                kv first on odd ones), so neither measures while the other computes and drift cancels in pairs
-  sequential   one cluster up at a time (baseline, then kv): for models whose 8 engines do not fit the box at once
+  sequential   one cluster up at a time, a fresh one per repeat, in alternating order: for models whose 8 engines
+               do not fit the box at once
 The clusters:
   baseline   the proxy's round_robin for both phases; every request is prefilled on a prefill node
   kv         --routing-policy kv_aware, the store lookup, prefill skipping (full store hit) and
@@ -124,14 +125,18 @@ def decisions(url: str) -> dict[str, float]:
 
 
 def run_sequential(model: str, out: Path, a) -> dict:
-    """``--schedule sequential``: one cluster up at a time (baseline, then kv), for models whose 8 engines do not fit the box at
-    once; the box's load then differs between the two, so take more repeats. No shared-prefix part."""
-    res = {}
-    for name, kv in (("baseline", False), ("kv", True)):
-        with LocalCluster(model, spec(kv, a)) as c:
-            ttft = [later_rounds_ttft(bench(c.url, out, f"{name}-multi-round-{i}", multi_round_args(a, 10 + i)))
-                    for i in range(a.repeats)]
-            res[name] = {"later_rounds_mean_ttft_ms": ttft, "decisions": decisions(c.url)}
+    """``--schedule sequential``: one cluster up at a time, for models whose 8 engines do not fit the box at once.
+    Each repeat starts a fresh cluster of each kind, in alternating order (baseline first on even repeats), runs the
+    workload and stops it: no two clusters ever share the box, and drift in the box's load cancels in pairs. No
+    shared-prefix part."""
+    res = {name: {"later_rounds_mean_ttft_ms": [], "decisions": {}} for name in ("baseline", "kv")}
+    for i in range(a.repeats):
+        for name in (("baseline", "kv") if i % 2 == 0 else ("kv", "baseline")):
+            with LocalCluster(model, spec(name == "kv", a)) as c:
+                result = bench(c.url, out, f"{name}-multi-round-{i}", multi_round_args(a, 10 + i))
+                res[name]["later_rounds_mean_ttft_ms"].append(later_rounds_ttft(result))
+                for decision, n in decisions(c.url).items():
+                    res[name]["decisions"][decision] = res[name]["decisions"].get(decision, 0.0) + n
     res["shared_prefix"] = {"store_hit_tokens_per_request": 0.0, "ideal_per_request": 0.0}
     return res
 
