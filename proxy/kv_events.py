@@ -5,7 +5,8 @@ Who calls what (all on the proxy's event loop):
     ProxyState.on_card(node, card)   subscriber.watch(node, endpoint,    a node's /v1/models names its endpoints
                                                       replay)            (again after a restart: a new port)
     app lifespan                     await subscriber.stop()
-    on subscribing, after a gap      replay: a signed request to the node's replay socket -> node.kv.restore
+    on subscribing, after a gap      replay: a signed request to the node's replay socket (a CURVE client of it,
+                                     ``engine.kv.kv_curve``) -> node.kv.restore
                                      (``engine.kv.kv_replay``): what it cached before counts at once
     per message                      decode_batch (MAC, bounds) -> node.kv.apply -> metrics
 
@@ -29,7 +30,8 @@ import time
 import zmq
 import zmq.asyncio
 
-from pdserve.engine.kv.kv_events import decode_batch
+from pdserve.engine.kv.kv_curve import connect_to, server_keys
+from pdserve.engine.kv.kv_events import decode_batch, events_key
 from pdserve.engine.kv.kv_replay import MAX_REPLY_BYTES, NONCE_BYTES, decode_reply, replay_key, request_frames
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.nodes import Node
@@ -41,9 +43,11 @@ REPLAY_MIN_INTERVAL_S = 1.0
 
 
 class EventSubscriber:
-    def __init__(self, key: bytes, metrics: ProxyMetrics):
-        self._key, self._metrics = key, metrics
-        self._replay_key = replay_key(key)
+    def __init__(self, token: str, metrics: ProxyMetrics):
+        """``token``: the cluster's (the MAC keys and the nodes' CURVE key follow from it)."""
+        self._key, self._metrics = events_key(token), metrics
+        self._replay_key = replay_key(self._key)
+        self._curve = server_keys(token)
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, tuple[str, asyncio.Task]] = {}    # node url -> (endpoint, reader)
         self._replays: dict[str, str | None] = {}                 # node url -> its replay endpoint (the card's)
@@ -98,6 +102,7 @@ class EventSubscriber:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES + 1024)
+        connect_to(sock, self._curve)
         nonce = os.urandom(NONCE_BYTES)
         try:
             sock.connect(replay)

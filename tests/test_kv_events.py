@@ -63,7 +63,7 @@ def test_node_state_follows_epochs_and_sequences():
 
 def test_subscriber_drops_forged_messages_and_keeps_the_node_state():
     metrics, node = ProxyMetrics(), Node("http://n", "decode")
-    sub = EventSubscriber(KEY, metrics)
+    sub = EventSubscriber(TOKEN, metrics)
     assert sub.handle(node, encode_batch(KEY, batch(stored=[11, 12])), "") == "accepted"
     forged = encode_batch(events_key(OTHER), batch("evil", started=99.0, cleared=True, stored=[666]))
     assert sub.handle(node, forged, "") == "forged"
@@ -77,7 +77,7 @@ def test_subscriber_drops_forged_messages_and_keeps_the_node_state():
 def test_publisher_to_subscriber_over_zmq_and_a_new_endpoint_forgets():
     async def run():
         metrics, node = ProxyMetrics(), Node("http://n", "prefill")
-        sub = EventSubscriber(KEY, metrics)
+        sub = EventSubscriber(TOKEN, metrics)
         pub = KVEventPublisher(TOKEN)
         forger = zmq.Context.instance().socket(zmq.PUB)        # another local user's socket, another key
         forger.bind("tcp://127.0.0.1:*")

@@ -34,6 +34,7 @@ import blake3
 import msgspec
 import zmq
 
+from pdserve.engine.kv.kv_curve import server_keys
 from pdserve.engine.kv.kv_replay import BlockMirror, ReplayServer, ReplayState
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class KVEventPublisher:
 
     def __init__(self, token: str, port: int = 0):
         self._key = events_key(token)
+        curve = server_keys(token)                    # None without a token: plain sockets (dev mode)
         self._epoch, self._started, self._seq = os.urandom(16).hex(), time.time(), 0
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
@@ -114,7 +116,7 @@ class KVEventPublisher:
         self._stop = threading.Event()
         self._pending_clear = True                    # the first batch of an epoch clears the subscriber's view
         self._mirror = BlockMirror()                  # what the batches sent leave stored: the replay's answer
-        self._replay = ReplayServer(self._key, self._mirror, self._describe)
+        self._replay = ReplayServer(self._key, curve, self._mirror, self._describe)
         self.replay_endpoint = self._replay.endpoint
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-events", daemon=True)
         self._thread.start()
