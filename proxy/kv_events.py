@@ -17,7 +17,9 @@ old one said; a new replay endpoint for the same events endpoint (the node resta
 ``--kv-events-port``) is asked from then on. A replay that fails (no answer in ``REPLAY_TIMEOUT_S``, a bad MAC) is
 counted (``replay_failed``) and routing goes on with the live events; replays of one node are at least
 ``REPLAY_MIN_INTERVAL_S`` apart. The socket only connects (to 127.0.0.1 endpoints the nodes bind); see
-docs/threat-model.md.
+docs/threat-model.md. Both sockets (SUB and the replay DEALER) are CURVE clients of the node's key pair, which
+follows from the token (``engine.kv.kv_curve``): a socket on that port without the token never completes the
+handshake, so nothing it sends reaches the proxy.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class EventSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        connect_to(sock, self._curve)
         sock.connect(endpoint)
         self._tasks[node.url] = (endpoint, asyncio.ensure_future(self._read(node, sock, endpoint)))
         logger.info("KV events of %s node %s from %s", node.role, node.url, endpoint)

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.engine.kv import kv_curve
 from pdserve.engine.kv.kv_events import (TOPIC, EventBatch, KVEventPublisher, decode_batch, encode_batch, events_key,
                                          public_hash)
 from pdserve.proxy.inputs import Routing
@@ -79,7 +80,8 @@ def test_publisher_to_subscriber_over_zmq_and_a_new_endpoint_forgets():
         metrics, node = ProxyMetrics(), Node("http://n", "prefill")
         sub = EventSubscriber(TOKEN, metrics)
         pub = KVEventPublisher(TOKEN)
-        forger = zmq.Context.instance().socket(zmq.PUB)        # another local user's socket, another key
+        forger = zmq.Context.instance().socket(zmq.PUB)        # past CURVE (the cluster's key pair), another MAC key
+        kv_curve.serve(forger, kv_curve.server_keys(TOKEN))
         forger.bind("tcp://127.0.0.1:*")
         try:
             sub.watch(node, pub.endpoint)
@@ -119,6 +121,7 @@ def test_engine_publishes_the_hashes_the_proxy_computes(tiny_llama, salt):
                                     kv_transfer=KVTransferConfig(kv_events_port=0, kv_auth_token=TOKEN)))
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    kv_curve.connect_to(sub, kv_curve.server_keys(TOKEN))
     sub.connect(engine.kv_events_endpoint)
     try:
         assert sub.poll(5000), "no heartbeat"              # connected: what follows is not lost

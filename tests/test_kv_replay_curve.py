@@ -1,9 +1,10 @@
-"""CURVE on the KV replay ROUTER (engine/kv/kv_curve.py, kv_replay.py, proxy/kv_events.py): real publishers'
-sockets on 127.0.0.1, the proxy's subscriber, and a flooding peer in its own process.
+"""CURVE on a node's KV-event sockets (engine/kv/kv_curve.py, kv_replay.py, kv_events.py, proxy/kv_events.py): real
+publishers' sockets on 127.0.0.1, the proxy's subscriber, and a flooding peer in its own process.
 
 - A peer without the token (a plain ZMQ socket, or CURVE with another token's key) sends one message of 200k empty
   frames: its handshake never succeeds, nothing reaches the replay thread (its counters stay at zero), and the
   proxy's signed replay afterwards is answered (before CURVE the message reached the thread whole).
+- Such a peer cannot subscribe to the events PUB either (nor send it subscriptions); the proxy still reads it.
 - A proxy with another token gets no answer, and nothing reaches the replay thread.
 - Without a token (dev mode) the sockets stay plain and the replay works as before; a libzmq without CURVE is an
   error at start that names the fix.
@@ -32,15 +33,16 @@ FLOOD_FRAMES = 200_000
 NOTHING = {"answered": 0, "unsigned": 0, "repeated": 0, "over rate": 0}
 
 # The flooding peer: connects (as a CURVE client of `token`'s key, or plain for "-"), says how its handshake went
-# (the monitor's first verdict), then sends one message of `frames` empty frames and lingers until it is out.
-# Once refused, a socket has no peer to queue for: the message goes nowhere.
+# (the monitor's first verdict), then sends what it has -- a DEALER one message of `frames` empty frames (to the
+# replay ROUTER), an XSUB `frames` made-up subscriptions (to the PUB) -- and lingers until it is out. Once
+# refused, a socket has no peer to queue for: what it sends goes nowhere.
 FLOODER = r"""
 import sys, zmq
 from zmq.utils.monitor import recv_monitor_message
 from pdserve.engine.kv import kv_curve
-endpoint, token, frames = sys.argv[1], sys.argv[2], int(sys.argv[3])
+endpoint, token, frames, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 ctx = zmq.Context()
-sock = ctx.socket(zmq.DEALER)
+sock = ctx.socket(getattr(zmq, kind))
 sock.setsockopt(zmq.LINGER, 2000)
 if token != "-":
     kv_curve.connect_to(sock, kv_curve.server_keys(token))
@@ -53,10 +55,12 @@ verdict = "none"
 while verdict == "none" and monitor.poll(3000):
     verdict = verdicts.get(recv_monitor_message(monitor)["event"], "none")
 print(verdict, flush=True)
-try:
-    sock.send_multipart([b""] * frames, flags=zmq.NOBLOCK)      # (no peer to queue for once refused)
-except zmq.Again:
-    pass
+messages = [[b""] * frames] if kind == "DEALER" else [[b"\x01" + i.to_bytes(8, "little")] for i in range(frames)]
+for message in messages:
+    try:
+        sock.send_multipart(message, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        break
 monitor.close()
 sock.close()
 ctx.term()
@@ -70,9 +74,9 @@ def publisher():
     pub.close()
 
 
-def _flood(endpoint: str, token: str, frames: int = FLOOD_FRAMES) -> str:
+def _flood(endpoint: str, token: str, frames: int = FLOOD_FRAMES, kind: str = "DEALER") -> str:
     """Runs the flooding peer to its end; its handshake's verdict."""
-    done = subprocess.run([sys.executable, "-c", FLOODER, endpoint, token, str(frames)], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", FLOODER, endpoint, token, str(frames), kind], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
@@ -106,6 +110,24 @@ def test_a_flood_without_the_token_never_reaches_the_replay_thread(publisher, fl
     outcome, node = _replay(TOKEN, publisher)
     assert outcome == "replayed" and node.kv.blocks == wanted
     assert publisher._replay.counts == {**NOTHING, "answered": 1}     # the proxy's request, and nothing else
+
+
+@pytest.mark.parametrize("flooder_token", ["-", OTHER], ids=["plain", "another token"])
+def test_a_peer_without_the_token_cannot_subscribe_to_the_events(publisher, flooder_token):
+    assert _flood(publisher.endpoint, flooder_token, frames=10_000, kind="XSUB") != "succeeded"
+
+    async def main():                                  # the proxy's subscriber still reads the node's heartbeats
+        sub, node = EventSubscriber(TOKEN, ProxyMetrics()), Node("http://n", "decode")
+        try:
+            sub.watch(node, publisher.endpoint)
+            deadline = time.monotonic() + 5
+            while node.kv.epoch != publisher._epoch:
+                assert time.monotonic() < deadline, "no heartbeat reached the proxy"
+                await asyncio.sleep(0.02)
+        finally:
+            await sub.stop()
+
+    asyncio.run(main())
 
 
 def test_a_proxy_with_another_token_gets_no_answer(publisher, monkeypatch):
