@@ -5,8 +5,7 @@ Who calls what (all on the proxy's event loop):
     ProxyState.on_card(node, card)   subscriber.watch(node, endpoint,    a node's /v1/models names its endpoints
                                                       replay)            (again after a restart: a new port)
     app lifespan                     await subscriber.stop()
-    on subscribing, after a gap      replay: a signed request to the node's replay socket (a CURVE client of it,
-                                     ``engine.kv.kv_curve``) -> node.kv.restore
+    on subscribing, after a gap      replay: a signed request to the node's replay socket -> node.kv.restore
                                      (``engine.kv.kv_replay``): what it cached before counts at once
     per message                      decode_batch (MAC, bounds) -> node.kv.apply -> metrics
 
@@ -16,10 +15,10 @@ replays an old epoch or sequence is dropped as ``stale`` (``kv_state``). Watchin
 old one said; a new replay endpoint for the same events endpoint (the node restarted on a fixed
 ``--kv-events-port``) is asked from then on. A replay that fails (no answer in ``REPLAY_TIMEOUT_S``, a bad MAC) is
 counted (``replay_failed``) and routing goes on with the live events; replays of one node are at least
-``REPLAY_MIN_INTERVAL_S`` apart. The socket only connects (to 127.0.0.1 endpoints the nodes bind); see
-docs/threat-model.md. Both sockets (SUB and the replay DEALER) are CURVE clients of the node's key pair, which
-follows from the token (``engine.kv.kv_curve``): a socket on that port without the token never completes the
-handshake, so nothing it sends reaches the proxy.
+``REPLAY_MIN_INTERVAL_S`` apart. The sockets only connect (to 127.0.0.1 endpoints the nodes bind), both (the SUB
+and the replay DEALER) as CURVE clients of the nodes' key pair, which follows from the token
+(``engine.kv.kv_curve``): whoever sits on such a port without the token never completes the handshake, so
+nothing it sends reaches the proxy; see docs/threat-model.md.
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ node's subscription table without bound, 1M made-up ones cost ~141 MB). Only a h
 batch the proxy accepts (the MAC), and a proxy only reads a node that completes the handshake (a squatter on a
 dead node's port cannot). Beneath CURVE, what a reader sees stays opaque: every block hash leaves the node as
 ``public_hash`` -- a keyed hash of it -- so even a leaked CURVE key does not let one test whether a prompt they
-guess is cached. Without a token (dev mode; the CLI refuses events then) the socket is plain, as before. Block hashes are already salted per tenant (``sched.hashing.salt_root``). The
-first batch of an epoch carries ``cleared``: a restarted node's state starts empty. A subscriber that joins late or
-lost events asks the publisher's replay socket for the whole set (``kv_replay``). See docs/threat-model.md.
+guess is cached. Without a token (dev mode; the CLI refuses events then) the socket is plain, as before. Block
+hashes are already salted per tenant (``sched.hashing.salt_root``). The first batch of an epoch carries
+``cleared``: a restarted node's state starts empty. A subscriber that joins late or lost events asks the
+publisher's replay socket for the whole set (``kv_replay``). See docs/threat-model.md.
 """
 
 from __future__ import annotations

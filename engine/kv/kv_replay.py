@@ -23,9 +23,11 @@ Wire:   request  [b"kv-replay", nonce (16 bytes), mac(replay_key, b"request" + n
 an event batch or for the other; the reply carries the request's nonce (an old reply cannot be replayed) and the
 PUB endpoint it describes (a reply relayed from another node's port is refused, as batches are). A request without
 the MAC gets no answer, and a flood of them costs a counter and one warning per ``LOG_EVERY_S``, not a log line each;
-a signed request whose nonce was seen before (one a local user captured, e.g. by squatting a dead node's replay
-port, and sends again) gets no answer either, and the node answers at most ``MAX_REPLIES_PER_S`` a second (each is a
-snapshot of up to 1.2 MB; a proxy asks at most once a second per node). Bounded: the mirror keeps at most
+a signed request whose nonce was seen before (one captured, e.g. by squatting a dead node's replay port -- which
+CURVE now keeps a peer without the token from: it never completes the handshake with the proxy -- and sent again)
+gets no answer either, and the node answers at most ``MAX_REPLIES_PER_S`` a second (each is a snapshot of up to
+1.2 MB; a proxy asks at most once a second per node). ``ReplayServer.counts`` says what the thread did with each
+message it took from its socket. Bounded: the mirror keeps at most
 ``MAX_REPLAY_BLOCKS`` (131072 hashes, the most recently stored; about 1.2 MB of msgpack), more than any node's prefix
 cache we run -- a node with more blocks replays the newest ones, which only costs routing hits.
 """
