@@ -16,8 +16,8 @@ only a peer that knows that key gets past it, and here that key is as secret as 
 is never on the wire: a CurveZMQ client must know it beforehand; the handshake carries short-term keys and, boxed,
 the client's own). A ZAP check of the client's key would add a handler thread to the ZMQ context (one per context:
 the publisher shares ``zmq.Context.instance()`` with the rest of the node), and protect only against that public
-key leaking while the token did not -- a peer that had it would be back where every local user was before (able to make ZMQ read a large
-message), and would still fail every MAC of the application, which stays as the second layer.
+key leaking while the token did not -- a peer that had it would be back where every local user was before (able
+to make ZMQ read a large message), and would still fail every MAC of the application, the second layer.
 So: **never put the server public key in a card, a log or a metric.** Clients use a fresh key pair of their own.
 A node's side is authenticated as well: a squatter on a dead node's port without the token cannot complete the
 handshake with the proxy, so it never sees a request (before, the nonce guard alone dealt with a captured one).
