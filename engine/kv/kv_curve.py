@@ -4,7 +4,7 @@ Why: the sockets bind 127.0.0.1, so every local user can connect. The MACs (``kv
 a user from making a message the other side accepts, but not from making ZMQ read one: ZMQ bounds each frame
 (``MAXMSGSIZE``), not the number of frames in a message, and hands a message over only whole -- one message of
 2M empty frames held the replay thread 19 s and the node 153 MB (``devbench/replay_flood.py``); and a PUB keeps
-every subscription its peers send (1M made-up ones: +141 MB). Under CURVE nothing a peer sends gets past ZMQ's I/O
+every subscription its peers send (1M made-up ones: +153 MB). Under CURVE nothing a peer sends gets past ZMQ's I/O
 thread until the handshake has succeeded, and it succeeds only for a peer that knows the server's key.
 
 Keys: the server key pair is a function of the cluster token alone -- secret = ``ClusterKey.events_curve_key``

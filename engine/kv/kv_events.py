@@ -17,7 +17,7 @@ Wire (one ZMQ multipart message per batch):  [b"kv-events", payload, mac]
 Who may publish and subscribe: the socket binds 127.0.0.1 only and is a CURVE server with the cluster's key pair
 (``kv_curve``): a local user without the token cannot complete the handshake, so can neither read the batches nor
 send the socket anything (a PUB takes subscriptions from its peers: without CURVE any local user could grow the
-node's subscription table without bound, 1M made-up ones cost ~141 MB). Only a holder of the token can make a
+node's subscription table without bound, 1M made-up ones cost 153 MB). Only a holder of the token can make a
 batch the proxy accepts (the MAC), and a proxy only reads a node that completes the handshake (a squatter on a
 dead node's port cannot). Beneath CURVE, what a reader sees stays opaque: every block hash leaves the node as
 ``public_hash`` -- a keyed hash of it -- so even a leaked CURVE key does not let one test whether a prompt they
