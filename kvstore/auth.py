@@ -1,13 +1,15 @@
 """The cluster key: who may use the KV store, and the key that seals what it holds.
 
 One secret per cluster (the operator's, or the one ``pdserve serve`` makes). Every process that holds it is
-trusted; nothing else is. Two keys are derived from it, so neither reveals the other or the secret:
+trusted; nothing else is. Keys are derived from it, so none reveals another or the secret:
 
     cluster token ──BLAKE3 derive_key("pdserve kvstore wire auth v1")──> wire key: daemon and client prove it
                   │                                                       to each other and sign every request
                   │                                                       (``session.py``); it never travels
-                  └─BLAKE3 derive_key("pdserve kv seal v1")────────────> seal key: the keyed MAC of every
-                                                                          stored object (``seal.py``)
+                  ├─BLAKE3 derive_key("pdserve kv seal v1")────────────> seal key: the keyed MAC of every
+                  │                                                       stored object (``seal.py``)
+                  └─BLAKE3 derive_key("pdserve kv events curve v1")────> the Curve25519 secret key of a node's
+                                                                          KV-event sockets (``engine.kv.kv_curve``)
 
 A daemon checks the signature of every request; a node seals every object it publishes with the seal key and
 checks the MAC of every object it loads. Redis, the disk tier and the daemon's memory never see the seal key,
@@ -38,16 +40,18 @@ MIN_TOKEN_CHARS = 16
 _WIRE_CONTEXT = "pdserve kvstore wire auth v1"
 _SEAL_CONTEXT = "pdserve kv seal v1"
 _ID_CONTEXT = "pdserve cluster key id v1"
+_EVENTS_CURVE_CONTEXT = "pdserve kv events curve v1"
 TOKEN_HELP = ("set PDSERVE_KV_AUTH_TOKEN or --kv-auth-token-file FILE to the cluster's secret (at least "
               f"{MIN_TOKEN_CHARS} characters; `pdserve serve` makes one)")
 
 
 class ClusterKey:
     """The derived keys of one cluster token. ``wire_key``: 32 bytes that authenticate daemon and clients to each
-    other (``session.py``); ``seal_key``: 32 bytes for ``seal.seal``/``unseal``; ``key_id``: 8 hex characters
+    other (``session.py``); ``seal_key``: 32 bytes for ``seal.seal``/``unseal``; ``events_curve_key``: 32 bytes,
+    the CURVE secret key of the nodes' KV-event sockets (``engine.kv.kv_curve``); ``key_id``: 8 hex characters
     that name the key in logs."""
 
-    __slots__ = ("wire_key", "seal_key", "key_id")
+    __slots__ = ("wire_key", "seal_key", "events_curve_key", "key_id")
 
     def __init__(self, token: str) -> None:
         if len(token) < MIN_TOKEN_CHARS:
@@ -56,6 +60,7 @@ class ClusterKey:
         secret = token.encode()
         self.wire_key = blake3.blake3(secret, derive_key_context=_WIRE_CONTEXT).digest()
         self.seal_key = blake3.blake3(secret, derive_key_context=_SEAL_CONTEXT).digest()
+        self.events_curve_key = blake3.blake3(secret, derive_key_context=_EVENTS_CURVE_CONTEXT).digest()
         self.key_id = blake3.blake3(secret, derive_key_context=_ID_CONTEXT).hexdigest()[:8]
 
     @classmethod

@@ -15,8 +15,10 @@ replays an old epoch or sequence is dropped as ``stale`` (``kv_state``). Watchin
 old one said; a new replay endpoint for the same events endpoint (the node restarted on a fixed
 ``--kv-events-port``) is asked from then on. A replay that fails (no answer in ``REPLAY_TIMEOUT_S``, a bad MAC) is
 counted (``replay_failed``) and routing goes on with the live events; replays of one node are at least
-``REPLAY_MIN_INTERVAL_S`` apart. The socket only connects (to 127.0.0.1 endpoints the nodes bind); see
-docs/threat-model.md.
+``REPLAY_MIN_INTERVAL_S`` apart. The sockets only connect (to 127.0.0.1 endpoints the nodes bind), both (the SUB
+and the replay DEALER) as CURVE clients of the nodes' key pair, which follows from the token
+(``engine.kv.kv_curve``): whoever sits on such a port without the token never completes the handshake, so
+nothing it sends reaches the proxy; see docs/threat-model.md.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import time
 import zmq
 import zmq.asyncio
 
-from pdserve.engine.kv.kv_events import decode_batch
+from pdserve.engine.kv.kv_curve import connect_to, server_keys
+from pdserve.engine.kv.kv_events import decode_batch, events_key
 from pdserve.engine.kv.kv_replay import MAX_REPLY_BYTES, NONCE_BYTES, decode_reply, replay_key, request_frames
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.nodes import Node
@@ -41,9 +44,11 @@ REPLAY_MIN_INTERVAL_S = 1.0
 
 
 class EventSubscriber:
-    def __init__(self, key: bytes, metrics: ProxyMetrics):
-        self._key, self._metrics = key, metrics
-        self._replay_key = replay_key(key)
+    def __init__(self, token: str, metrics: ProxyMetrics):
+        """``token``: the cluster's (the MAC keys and the nodes' CURVE key follow from it)."""
+        self._key, self._metrics = events_key(token), metrics
+        self._replay_key = replay_key(self._key)
+        self._curve = server_keys(token)
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, tuple[str, asyncio.Task]] = {}    # node url -> (endpoint, reader)
         self._replays: dict[str, str | None] = {}                 # node url -> its replay endpoint (the card's)
@@ -65,6 +70,7 @@ class EventSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        connect_to(sock, self._curve)
         sock.connect(endpoint)
         self._tasks[node.url] = (endpoint, asyncio.ensure_future(self._read(node, sock, endpoint)))
         logger.info("KV events of %s node %s from %s", node.role, node.url, endpoint)
@@ -98,6 +104,7 @@ class EventSubscriber:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES + 1024)
+        connect_to(sock, self._curve)
         nonce = os.urandom(NONCE_BYTES)
         try:
             sock.connect(replay)

@@ -79,7 +79,7 @@ class KVRouting:
         self._prefix_mismatch: dict[str, bool] = {}   # node url -> its card named another Redis prefix
         self.threshold, self.skip_on_store_hit = local_prefill_threshold, skip_on_store_hit
         self._key = events_key(token) if token else None
-        self.events = EventSubscriber(self._key, metrics) if self._key else None
+        self.events = EventSubscriber(token, metrics) if token else None
         self._client = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._failing = False                       # the last lookup failed: requests skip it, a probe retries

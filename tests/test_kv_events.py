@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.engine.kv import kv_curve
 from pdserve.engine.kv.kv_events import (TOPIC, EventBatch, KVEventPublisher, decode_batch, encode_batch, events_key,
                                          public_hash)
 from pdserve.proxy.inputs import Routing
@@ -63,7 +64,7 @@ def test_node_state_follows_epochs_and_sequences():
 
 def test_subscriber_drops_forged_messages_and_keeps_the_node_state():
     metrics, node = ProxyMetrics(), Node("http://n", "decode")
-    sub = EventSubscriber(KEY, metrics)
+    sub = EventSubscriber(TOKEN, metrics)
     assert sub.handle(node, encode_batch(KEY, batch(stored=[11, 12])), "") == "accepted"
     forged = encode_batch(events_key(OTHER), batch("evil", started=99.0, cleared=True, stored=[666]))
     assert sub.handle(node, forged, "") == "forged"
@@ -77,9 +78,10 @@ def test_subscriber_drops_forged_messages_and_keeps_the_node_state():
 def test_publisher_to_subscriber_over_zmq_and_a_new_endpoint_forgets():
     async def run():
         metrics, node = ProxyMetrics(), Node("http://n", "prefill")
-        sub = EventSubscriber(KEY, metrics)
+        sub = EventSubscriber(TOKEN, metrics)
         pub = KVEventPublisher(TOKEN)
-        forger = zmq.Context.instance().socket(zmq.PUB)        # another local user's socket, another key
+        forger = zmq.Context.instance().socket(zmq.PUB)        # past CURVE (the cluster's key pair), another MAC key
+        kv_curve.serve(forger, kv_curve.server_keys(TOKEN))
         forger.bind("tcp://127.0.0.1:*")
         try:
             sub.watch(node, pub.endpoint)
@@ -119,6 +121,7 @@ def test_engine_publishes_the_hashes_the_proxy_computes(tiny_llama, salt):
                                     kv_transfer=KVTransferConfig(kv_events_port=0, kv_auth_token=TOKEN)))
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    kv_curve.connect_to(sub, kv_curve.server_keys(TOKEN))
     sub.connect(engine.kv_events_endpoint)
     try:
         assert sub.poll(5000), "no heartbeat"              # connected: what follows is not lost

@@ -50,7 +50,7 @@ def test_a_late_subscriber_learns_what_the_node_cached_before(publisher):
     wanted = _cache(publisher, [11, 12, 13])
 
     async def main():
-        sub, node = EventSubscriber(events_key(TOKEN), ProxyMetrics()), Node("http://n", "decode")
+        sub, node = EventSubscriber(TOKEN, ProxyMetrics()), Node("http://n", "decode")
         try:
             sub.watch(node, publisher.endpoint, publisher.replay_endpoint)
             await _until(lambda: node.kv.blocks == wanted, 5, "the replayed blocks")
@@ -70,7 +70,7 @@ def test_without_the_key_the_node_does_not_answer(publisher, monkeypatch):
 
     async def main():
         metrics = ProxyMetrics()
-        sub, node = EventSubscriber(events_key("x" * 32), metrics), Node("http://n", "decode")
+        sub, node = EventSubscriber("x" * 32, metrics), Node("http://n", "decode")
         try:
             assert await sub.replay(node, publisher.endpoint, publisher.replay_endpoint) == "replay_failed"
             assert node.kv.blocks == set()

@@ -208,7 +208,7 @@ def test_a_batch_relayed_from_another_nodes_socket_is_refused():
 
     key = events_key("k" * 32)
     metrics, x = ProxyMetrics(), Node("http://x", "decode")
-    sub = EventSubscriber(key, metrics)
+    sub = EventSubscriber("k" * 32, metrics)
     try:
         x_end, y_end = "tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"
         assert sub.handle(x, encode_batch(key, EventBatch("ex", 1.0, 1, endpoint=x_end, stored=[1])), x_end) == \

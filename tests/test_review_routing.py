@@ -1,8 +1,8 @@
 """Hostile review of KV-event replay and Redis lookups (engine/kv/kv_replay.py, proxy/kv_events.py,
 kvstore/redis_tier.py): real publishers' PUB + ROUTER sockets on 127.0.0.1, the proxy's subscriber, a real Redis.
 
-- A local user without the token floods the replay ROUTER: the node logs a bounded number of warnings (not one line
-  per message) and still answers the proxy.
+- A peer past CURVE (it knows the server key) floods the replay ROUTER with unsigned requests: the node logs a
+  bounded number of warnings (not one line per message) and still answers the proxy.
 - A signed request captured once (by a local user squatting a dead node's replay port) and sent again and again:
   the node answers it once, not once per copy (each answer is a snapshot of up to 131072 hashes, ~1.2 MB).
 - A node restarted on the same --kv-events-port has a new replay port: the proxy asks the new one.
@@ -20,7 +20,7 @@ import time
 import pytest
 import zmq
 
-from pdserve.engine.kv import kv_replay
+from pdserve.engine.kv import kv_curve, kv_replay
 from pdserve.engine.kv.kv_events import KVEventPublisher, events_key, public_hash
 from pdserve.proxy import kv_events as proxy_events
 from pdserve.proxy.kv_events import EventSubscriber
@@ -33,8 +33,10 @@ REDIS = "redis://127.0.0.1:6379/0"
 
 
 def _dealer(endpoint: str):
+    """A client that completes the CURVE handshake (it knows the token): what follows tests the MAC layer."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    kv_curve.connect_to(sock, kv_curve.server_keys(TOKEN))
     sock.connect(endpoint)
     return sock
 
@@ -89,7 +91,7 @@ def test_a_node_restarted_on_the_same_events_port_is_replayed_from_its_new_repla
 
     async def main():
         metrics = ProxyMetrics()
-        sub, node = EventSubscriber(events_key(TOKEN), metrics), Node("http://n", "decode")
+        sub, node = EventSubscriber(TOKEN, metrics), Node("http://n", "decode")
         failed = metrics.kv_events.labels("replay_failed")
         new = None
         try:

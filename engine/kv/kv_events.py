@@ -14,12 +14,17 @@ Wire (one ZMQ multipart message per batch):  [b"kv-events", payload, mac]
                                        arrives on another: one relayed from another node's socket)
     mac     = BLAKE3-keyed(events_key, payload), 32 bytes; events_key = derive_key(cluster token, EVENTS_CONTEXT)
 
-Who may publish and subscribe: the socket binds 127.0.0.1 only; anyone local can connect, but only a holder of
-the cluster token can make a batch the proxy accepts (the MAC), and what a reader sees is opaque: every block hash
-leaves the node as ``public_hash`` -- a keyed hash of it -- so a local user without the token cannot test whether
-a prompt they guess is cached. Block hashes are already salted per tenant (``sched.hashing.salt_root``). The
-first batch of an epoch carries ``cleared``: a restarted node's state starts empty. A subscriber that joins late or
-lost events asks the publisher's replay socket for the whole set (``kv_replay``). See docs/threat-model.md.
+Who may publish and subscribe: the socket binds 127.0.0.1 only and is a CURVE server with the cluster's key pair
+(``kv_curve``): a local user without the token cannot complete the handshake, so can neither read the batches nor
+send the socket anything (a PUB takes subscriptions from its peers: without CURVE any local user could grow the
+node's subscription table without bound, 1M made-up ones cost 153 MB). Only a holder of the token can make a
+batch the proxy accepts (the MAC), and a proxy only reads a node that completes the handshake (a squatter on a
+dead node's port cannot). Beneath CURVE, what a reader sees stays opaque: every block hash leaves the node as
+``public_hash`` -- a keyed hash of it -- so even a leaked CURVE key does not let one test whether a prompt they
+guess is cached. Without a token (dev mode; the CLI refuses events then) the socket is plain, as before. Block
+hashes are already salted per tenant (``sched.hashing.salt_root``). The first batch of an epoch carries
+``cleared``: a restarted node's state starts empty. A subscriber that joins late or lost events asks the
+publisher's replay socket for the whole set (``kv_replay``). See docs/threat-model.md.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import blake3
 import msgspec
 import zmq
 
+from pdserve.engine.kv.kv_curve import serve, server_keys
 from pdserve.engine.kv.kv_replay import BlockMirror, ReplayServer, ReplayState
 
 logger = logging.getLogger(__name__)
@@ -103,18 +109,20 @@ class KVEventPublisher:
 
     def __init__(self, token: str, port: int = 0):
         self._key = events_key(token)
+        curve = server_keys(token)                    # None without a token: plain sockets (dev mode)
         self._epoch, self._started, self._seq = os.urandom(16).hex(), time.time(), 0
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 1000)     # a slow subscriber loses batches (it sees the seq gap)
+        serve(self._sock, curve)                      # only token holders subscribe (``kv_curve``)
         self._sock.bind(f"tcp://127.0.0.1:{port or '*'}")
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._pending_clear = True                    # the first batch of an epoch clears the subscriber's view
         self._mirror = BlockMirror()                  # what the batches sent leave stored: the replay's answer
-        self._replay = ReplayServer(self._key, self._mirror, self._describe)
+        self._replay = ReplayServer(self._key, curve, self._mirror, self._describe)
         self.replay_endpoint = self._replay.endpoint
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-events", daemon=True)
         self._thread.start()

@@ -12,15 +12,22 @@ Who calls what:
     ReplayServer (own thread)             request -> verify -> BlockMirror.snapshot() -> signed ReplayState
     proxy.kv_events (proxy loop)          request_frames / decode_reply
 
+Transport: the ROUTER is a CURVE server with the cluster's key pair (``kv_curve``): a peer without the token
+cannot complete the handshake, so nothing it sends -- not even one message of millions of empty frames, which
+ZMQ would buffer whole -- reaches this thread. The MACs below stay as a second layer (they bind a reply to its
+request and its socket, which CURVE does not). Without a token (dev mode) the socket is plain, as it was.
+
 Wire:   request  [b"kv-replay", nonce (16 bytes), mac(replay_key, b"request" + nonce)]
         reply    [b"kv-replay", payload = msgpack(ReplayState), mac(replay_key, b"reply" + payload)]
 ``replay_key`` is derived from the events key (the cluster token's), apart from it, so neither message can pass for
 an event batch or for the other; the reply carries the request's nonce (an old reply cannot be replayed) and the
 PUB endpoint it describes (a reply relayed from another node's port is refused, as batches are). A request without
 the MAC gets no answer, and a flood of them costs a counter and one warning per ``LOG_EVERY_S``, not a log line each;
-a signed request whose nonce was seen before (one a local user captured, e.g. by squatting a dead node's replay
-port, and sends again) gets no answer either, and the node answers at most ``MAX_REPLIES_PER_S`` a second (each is a
-snapshot of up to 1.2 MB; a proxy asks at most once a second per node). Bounded: the mirror keeps at most
+a signed request whose nonce was seen before (one captured, e.g. by squatting a dead node's replay port -- which
+CURVE now keeps a peer without the token from: it never completes the handshake with the proxy -- and sent again)
+gets no answer either, and the node answers at most ``MAX_REPLIES_PER_S`` a second (each is a snapshot of up to
+1.2 MB; a proxy asks at most once a second per node). ``ReplayServer.counts`` says what the thread did with each
+message it took from its socket. Bounded: the mirror keeps at most
 ``MAX_REPLAY_BLOCKS`` (131072 hashes, the most recently stored; about 1.2 MB of msgpack), more than any node's prefix
 cache we run -- a node with more blocks replays the newest ones, which only costs routing hits.
 """
@@ -36,6 +43,8 @@ import blake3
 import msgspec
 import zmq
 
+from pdserve.engine.kv.kv_curve import CurveKeys, serve
+
 logger = logging.getLogger(__name__)
 TOPIC = b"kv-replay"
 REPLAY_CONTEXT = "pdserve kv events replay v1"
@@ -43,6 +52,7 @@ REPLAY_VERSION = 1
 MAX_REPLAY_BLOCKS = 1 << 17
 MAX_REPLY_BYTES = 2 << 20            # 131072 x 9-byte ints + the rest, with room
 NONCE_BYTES = 16
+MAX_FRAME_BYTES = 512                # requests are ~60 bytes; CURVE's INITIATE command is ~300
 LOG_EVERY_S = 10.0                   # at most one warning this often about dropped requests
 MAX_REPLIES_PER_S = 8                # answers a second (a token bucket of as many)
 RECENT_NONCES = 4096                 # nonces answered, remembered to refuse a copy of their request
@@ -131,18 +141,26 @@ class BlockMirror:
 class ReplayServer:
     """A ROUTER on 127.0.0.1 answering signed replay requests from its own thread."""
 
-    def __init__(self, events_key: bytes, mirror: BlockMirror, describe):
-        """``describe(seq, blocks, nonce)`` -> the ``ReplayState`` to send."""
+    def __init__(self, events_key: bytes, curve: CurveKeys | None, mirror: BlockMirror, describe):
+        """``curve``: the cluster's server keys (``kv_curve``; None: a plain socket, dev mode);
+        ``describe(seq, blocks, nonce)`` -> the ``ReplayState`` to send."""
         self._key, self._mirror, self._describe = replay_key(events_key), mirror, describe
+        self._guard = _RequestGuard()
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 256)          # requests are ~60 bytes
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.setsockopt(zmq.SNDHWM, 16)
+        serve(self._sock, curve)
         self._sock.bind("tcp://127.0.0.1:*")
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-replay", daemon=True)
         self._thread.start()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Messages the replay thread took from its socket, by what it did with them (answered, or why not)."""
+        return dict(self._guard.counts)
 
     def close(self) -> None:
         self._stop.set()
@@ -150,12 +168,11 @@ class ReplayServer:
         self._sock.close()
 
     def _run(self) -> None:
-        guard = _RequestGuard()
         while not self._stop.is_set():
             if not self._sock.poll(200):
                 continue
             frames = self._sock.recv_multipart()
-            nonce = guard.admit(verify_request(self._key, frames[1:]))
+            nonce = self._guard.admit(verify_request(self._key, frames[1:]))
             if nonce is None:
                 continue
             seq, blocks = self._mirror.snapshot()
@@ -173,7 +190,7 @@ class _RequestGuard:
     def __init__(self):
         self._nonces: OrderedDict[bytes, None] = OrderedDict()
         self._tokens, self._refilled = float(MAX_REPLIES_PER_S), time.monotonic()
-        self._dropped = {"unsigned": 0, "repeated": 0, "over rate": 0}
+        self.counts = {"answered": 0, "unsigned": 0, "repeated": 0, "over rate": 0}
         self._logged = -LOG_EVERY_S
 
     def admit(self, nonce: bytes | None) -> bytes | None:
@@ -182,15 +199,15 @@ class _RequestGuard:
         self._refilled = now
         why = "unsigned" if nonce is None else "repeated" if nonce in self._nonces else \
             "over rate" if self._tokens < 1.0 else None
+        self.counts[why or "answered"] += 1
         if why is None:
             self._tokens -= 1.0
             self._nonces[nonce] = None
             if len(self._nonces) > RECENT_NONCES:
                 self._nonces.popitem(last=False)
             return nonce
-        self._dropped[why] += 1
         if now - self._logged >= LOG_EVERY_S:
             self._logged = now
             logger.warning("dropped KV replay requests (unsigned with the cluster's key, a copy of one answered "
-                           "before, or over %d a second) -- so far: %s", MAX_REPLIES_PER_S, self._dropped)
+                           "before, or over %d a second) -- so far: %s", MAX_REPLIES_PER_S, self.counts)
         return None
