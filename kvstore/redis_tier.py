@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 
+import hiredis
 import redis
 import torch
 from redis.cluster import RedisCluster
@@ -29,6 +30,7 @@ from pdserve.kvstore import codec
 from pdserve.kvstore.blob import BlobTier
 from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
 from pdserve.kvstore.keys import check_key
+from pdserve.kvstore.seal import sealed_for
 
 CLUSTER_SCHEME = "redis+cluster://"
 NOT_AN_OBJECT = b"\0"       # what a key holding a hash, list, ... reads as: refused by the codec, counted, deleted
@@ -75,7 +77,7 @@ class RedisTier(BlobTier):
         pipe = self._client.pipeline(transaction=True)
         nbytes = 0
         for key, tensor in fits:
-            header, payload = codec.encode_parts(tensor, "none", key)
+            header, payload = codec.encode_parts(tensor, "none", key, sealed_for)
             pipe.set(self.prefix + key, header, ex=self.ttl_s)
             pipe.append(self.prefix + key, memoryview(payload))
             nbytes += len(header) + len(payload)
@@ -93,7 +95,8 @@ class RedisTier(BlobTier):
         if not keys:
             return []
         if not self._cluster:
-            replies = self._lean_pipeline([("GETRANGE", self.prefix + k, 0, self.max_blob_bytes) for k in keys],
+            limit = self.max_blob_bytes                                      # one byte past the limit: cut, refused
+            replies = self._lean_pipeline([("GETRANGE", self.prefix + k, 0, limit) for k in keys],
                                           wrong_type=NOT_AN_OBJECT)
         else:
             pipe = self._client.pipeline(transaction=False)
@@ -112,7 +115,7 @@ class RedisTier(BlobTier):
         pool = self._client.connection_pool
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(conn.pack_commands(commands))
+            conn.send_packed_command([b"".join([hiredis.pack_command(c) for c in commands])])
             replies = [_read_reply(conn) for _ in commands]
         except BaseException:
             conn.disconnect()                      # replies may still be in flight: never reuse this connection

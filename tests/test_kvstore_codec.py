@@ -39,7 +39,7 @@ def test_edge_shapes(shape):
 def test_layout_starts_with_magic_and_never_pickles():
     blob = codec.encode(torch.zeros(4), "none", KEY)
     assert blob[:4] == codec.MAGIC and len(blob) == codec.HEADER_BYTES + 16 and codec.HEADER_BYTES == 108
-    assert int.from_bytes(blob[4:6], "little") == codec.FORMAT_VERSION == 2
+    assert int.from_bytes(blob[4:6], "little") == codec.FORMAT_VERSION == 3 and blob[9] == 0     # not sealed
     assert int.from_bytes(blob[76:84], "little") == xxhash.xxh3_64_intdigest(KEY.encode())
     assert blob[codec.HEADER_BYTES:] == torch.zeros(4).numpy().tobytes()     # header + raw bytes, nothing else
 
