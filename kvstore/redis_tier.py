@@ -35,6 +35,7 @@ from pdserve.kvstore.seal import sealed_for
 CLUSTER_SCHEME = "redis+cluster://"
 NOT_AN_OBJECT = b"\0"       # what a key holding a hash, list, ... reads as: refused by the codec, counted, deleted
 APPEND_FROM = 256 << 10     # payloads from this size are APPENDed from the tensor's memory, smaller ones joined
+PACK_JOIN = 64 << 10        # packed commands are joined into sends of up to this many bytes
 
 
 class RedisTier(BlobTier):
@@ -86,6 +87,10 @@ class RedisTier(BlobTier):
         self._stats.add(bytes_in=nbytes)
 
     def _write(self, blobs: list[tuple[str, bytes]]) -> None:
+        if not self._cluster:
+            expiry = () if self.ttl_s is None else ("EX", self.ttl_s)
+            self._lean_pipeline([("SET", self.prefix + key, blob, *expiry) for key, blob in blobs])
+            return
         pipe = self._client.pipeline(transaction=False)
         for key, blob in blobs:
             pipe.set(self.prefix + key, blob, ex=self.ttl_s)
@@ -94,14 +99,14 @@ class RedisTier(BlobTier):
     def _read(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
             return []
+        limit = self.max_blob_bytes                                    # one byte past the limit: cut, refused
         if not self._cluster:
-            limit = self.max_blob_bytes                                      # one byte past the limit: cut, refused
             replies = self._lean_pipeline([("GETRANGE", self.prefix + k, 0, limit) for k in keys],
                                           wrong_type=NOT_AN_OBJECT)
         else:
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
-                pipe.getrange(self.prefix + key, 0, self.max_blob_bytes)   # one byte past the limit: cut, refused
+                pipe.getrange(self.prefix + key, 0, limit)
             replies = [_wrong_type(r, NOT_AN_OBJECT) for r in pipe.execute(raise_on_error=False)]
             for reply in replies:
                 if isinstance(reply, Exception):
@@ -110,19 +115,19 @@ class RedisTier(BlobTier):
 
     def _lean_pipeline(self, commands: list[tuple], wrong_type=None) -> list:
         """Send every command at once and read the replies in order on one pooled connection: a pipeline without
-        redis-py's per-command layers (callbacks, command stack), which cost more than a 64 KiB read. A WRONGTYPE
-        reply (a value of another type under the key: junk someone planted) is ``wrong_type``; other errors raise."""
+        redis-py's per-command layers (callbacks, command stack), which cost more than a 64 KiB read; hiredis
+        packs the commands (``_packed``) and parses the replies. A WRONGTYPE reply (a value of another type under
+        the key: junk someone planted) is ``wrong_type``; any other error reply raises once every reply is read."""
         pool = self._client.connection_pool
         conn = pool.get_connection()
         try:
-            conn.send_packed_command([b"".join([hiredis.pack_command(c) for c in commands])])
-            replies = [_read_reply(conn) for _ in commands]
+            conn.send_packed_command(_packed(commands))
+            replies = [_wrong_type(_read_reply(conn), wrong_type) for _ in commands]
         except BaseException:
             conn.disconnect()                      # replies may still be in flight: never reuse this connection
             raise
         finally:
             pool.release(conn)
-        replies = [_wrong_type(reply, wrong_type) for reply in replies]
         for reply in replies:
             if isinstance(reply, redis.ResponseError):
                 raise reply
@@ -151,6 +156,22 @@ def _wrong_type(reply, replacement):
     if replacement is not None and isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
         return replacement
     return reply
+
+
+def _packed(commands: list[tuple]) -> list[bytes]:
+    """The commands in RESP (hiredis packs each), runs of small ones joined into one buffer up to PACK_JOIN bytes
+    (fewer sends); a larger one -- a SET of a whole object -- is sent as it is, not copied again."""
+    out, run, size = [], [], 0
+    for command in commands:
+        packed = hiredis.pack_command(command)
+        if size + len(packed) > PACK_JOIN and run:
+            out.append(b"".join(run))
+            run, size = [], 0
+        run.append(packed)
+        size += len(packed)
+    if run:
+        out.append(b"".join(run))
+    return out
 
 
 def _read_reply(conn):
