@@ -3,11 +3,18 @@
 Who calls it: ``TieredStore`` (write-through worker and read misses), the bench, tests.
 All I/O is batched. A put: objects from ``APPEND_FROM`` bytes go in one MULTI/EXEC, per object SET header +
 APPEND payload (the payload leaves from the tensor's own memory, no header+payload copy; the transaction
-makes each object appear whole or not at all); smaller ones, lz4 and Redis Cluster (a transaction cannot
-span slots) in a pipeline of SETs of joined blobs. A get: one GETRANGE per key, each reading at most
-``max_blob_bytes`` (a huge value someone else wrote is cut short and fails its checks, never read whole),
-sent at once on one pooled connection (``_lean_pipeline``; Redis Cluster: redis-py's pipeline); the payload
-stays in the reply's ``bytes`` (codec.decode uses it in place). hiredis (a dependency) parses replies in C.
+makes each object appear whole or not at all); smaller ones and lz4 as SETs of joined blobs on ``_lean_pipeline``
+(Redis Cluster, where a transaction cannot span slots: every object that way, on redis-py's cluster pipeline).
+A get: one GETRANGE per key, each reading at most ``max_blob_bytes``, sent at once on one pooled connection
+(``_lean_pipeline``; Redis Cluster: redis-py's pipeline); the payload stays in the reply's ``bytes``
+(codec.decode uses it in place). The bound is the server's: GETRANGE never sends more than ``max_blob_bytes`` +
+1 bytes of a value, however large a value someone planted (it is cut there and fails the codec's length check),
+and nothing is read twice -- STRLEN first would race a writer, a Lua wrapper would copy every value again.
+``_lean_pipeline`` is redis-py's connection pool and hiredis (a dependency): hiredis packs the commands and
+parses the replies in C; what it leaves out is redis-py's per-command layers (command stack, callbacks), which
+cost more than a 64 KiB object's transfer. Sealed objects (every KV object a node stores) are written with the
+codec's FLAG_SEALED: neither put nor get hashes their payload; the MAC every loader checks covers every byte
+(codec.py, blob.py).
 Contains: one pipeline of EXISTS. redis-py's connection pool is shared by the threads that call in.
 ``redis+cluster://host:port`` uses redis-py's cluster client (the scale-out path).
 Connection errors propagate (counted in ``errors``); ``TieredStore`` marks the tier down. A key that holds

@@ -132,3 +132,19 @@ def test_a_flag_set_on_an_object_that_is_not_sealed_is_refused(tier):
     assert flagged[9] == codec.FLAG_SEALED
     client.set(prefix + "y:0", flagged)
     assert store.get(["y:0"]) == [None] and store.stats()["redis"]["checksum_failures"] == 1
+
+
+def test_a_planted_value_past_the_bound_is_read_cut_and_is_a_counted_miss(tier):
+    """The read bound: a value longer than any object this tier stores (a sealed object's valid header, then junk)
+    comes back cut at ``max_blob_bytes`` + 1 bytes, never whole, and is refused, counted and deleted."""
+    _, client, prefix = tier
+    store = RedisTier(REDIS, prefix=prefix, max_object_bytes=4096)
+    try:
+        obj = seal("big:0", torch.arange(960, dtype=torch.float32), SEAL_KEY)[0]     # 3968 bytes: fits
+        store.put([("big:0", obj), ("ok:0", obj[:0].new_zeros(16))])
+        client.append(prefix + "big:0", b"\xab" * (1 << 20))                       # a local user makes it 1 MiB
+        assert [len(b or b"") for b in store._read(["big:0"])] == [store.max_blob_bytes + 1]
+        assert store.get(["big:0", "ok:0"])[0] is None
+        assert store.stats()["redis"]["checksum_failures"] == 1 and client.exists(prefix + "big:0") == 0
+    finally:
+        store.close()
