@@ -29,7 +29,7 @@ import time
 import torch
 import zmq
 
-from pdserve.bench.kvstore_table import SIZES, hardware, print_table, row
+from pdserve.bench.kvstore_table import BASELINE, SIZES, hardware, print_table, row
 
 RAW_ZMQ_SERVER = """
 import sys, zmq
@@ -169,6 +169,7 @@ def run(args) -> dict:
             if args.redis_url:
                 steps |= {"raw redis-py": lambda: raw_redis(args.redis_url, items, rep),
                           "redis tier": lambda: store_put_get(RedisTier(args.redis_url, prefix="bench:"), items, rep)}
+            steps = _picked(steps, args.paths)
             figures = {}
             for i, (path, step) in enumerate(steps.items()):
                 print(f"[{n + 1}/{len(sizes)} {label}] {i + 1}/{len(steps)} {path} ...", file=sys.stderr, flush=True)
@@ -192,6 +193,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unsealed", action="store_true",
                    help="move plain tensors rather than sealed objects (what nodes store): the daemon's TCP "
                         "transport then hashes every payload on both sides")
+    p.add_argument("--paths", default="", help="comma-separated paths to run (their baselines run too), e.g. "
+                   "'redis tier'; empty: every path")
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
 
 
@@ -214,6 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench kvstore", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run_command(p.parse_args(argv))
+
+
+def _picked(steps: dict, paths: str) -> dict:
+    """The steps of ``paths`` (comma-separated; all when empty) and of their baselines, in the table's order."""
+    wanted = {p.strip() for p in paths.split(",") if p.strip()}
+    if not wanted:
+        return steps
+    unknown = wanted - set(steps)
+    if unknown:
+        raise SystemExit(f"pdserve bench kvstore: --paths {sorted(unknown)} not in {list(steps)}")
+    wanted |= {BASELINE[p] for p in wanted}
+    return {path: step for path, step in steps.items() if path in wanted}
 
 
 def _bytes(items) -> int:

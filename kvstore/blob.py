@@ -9,6 +9,10 @@ deleted. The store key (without any backend prefix) is written into every object
 Reads are bounded: a backend reads at most ``codec.max_blob_bytes(max_object_bytes)`` bytes of one object
 (a longer value is cut there and fails its checks), and ``codec.decode`` checks the header's sizes before it
 allocates: whoever else writes to Redis or the directory cannot make this process allocate more.
+Sealed objects (every KV object a node stores; ``seal.py``) are written with ``codec``'s FLAG_SEALED when
+``seal.sealed_for`` says they are laid out for their key: the tier's checksum then covers the header and the seal
+head, and the payload's bytes are checked once, by the MAC every loader verifies (``ChunkLoader.unsealed``): a
+flipped payload byte is a loader's integrity failure (counted, the object deleted), not a checksum failure here.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from pdserve.kvstore import codec
 from pdserve.kvstore.base import KVStore, StatsDict, TierStats
 from pdserve.kvstore.keys import check_key
+from pdserve.kvstore.seal import sealed_for
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ class BlobTier(KVStore):
         fits = [(k, t) for k, t in items if t.numel() * t.element_size() <= self.max_object_bytes]
         if len(fits) < len(items):          # no reader would take it back (decode's bound): not stored, counted
             self._stats.add(rejected=len(items) - len(fits))
-        blobs = [(check_key(k), codec.encode(t, self.codec_name, k)) for k, t in fits]
+        blobs = [(check_key(k), codec.encode(t, self.codec_name, k, sealed_for)) for k, t in fits]
         self._guarded(self._write, blobs)
         self._stats.add(bytes_in=sum(len(b) for _, b in blobs))
 
@@ -80,7 +85,7 @@ class BlobTier(KVStore):
 
     def _decode(self, key: str, blob: bytes | memoryview, corrupt: list[str]) -> torch.Tensor | None:
         try:
-            return codec.decode(blob, key, self.max_object_bytes)
+            return codec.decode(blob, key, self.max_object_bytes, sealed_for)
         except codec.CorruptObject as exc:
             log.warning("%s tier: object %s is corrupt (%s); counted as a miss and deleted", self.name, key, exc)
             if isinstance(exc, codec.KeyMismatch):
@@ -96,3 +101,4 @@ class BlobTier(KVStore):
         except Exception:
             self._stats.add(errors=1)
             raise
+

@@ -9,12 +9,13 @@ tensors and never serialises. Never pickle: the format is this header and the by
     6       1     codec  (0 none, 1 lz4 over byte-shuffled data)
     7       1     dtype code (_DTYPES)
     8       1     ndim (<= 8)
-    9       3     padding
+    9       1     flags (FLAG_SEALED)
+    10      2     padding
     12      64    shape, 8 x uint64 (unused dims 0)
     76      8     key hash: xxh3_64 of the store key (utf-8) the object was written for
     84      8     payload length (bytes after the header)
     92      8     raw length (numel * itemsize)
-    100     8     xxh3_64 of bytes 0..99 and the payload
+    100     8     xxh3_64 of bytes 0..99 and the payload (FLAG_SEALED: and the payload's first SEALED_HEAD bytes)
     108           payload
 
 ``decode(blob, key, max_bytes)`` raises ``CorruptObject`` for a bad magic/version/codec/dtype, a
@@ -27,6 +28,15 @@ most ``max_bytes`` (the tier's ``--kv-max-object-bytes``) and, for lz4, at most 
 expand to (lz4 expands at most ``LZ4_MAX_RATIO`` x): a small value in Redis or on disk that claims a
 huge shape is refused, never inflated. The checksum is an accident check, not a seal: anyone can
 compute it; what makes a stored object trustworthy is the keyed MAC inside it (``seal.py``).
+
+Sealed objects (FLAG_SEALED, codec "none" only): when the writer says the payload is a sealed object laid out for
+its key (``seal.sealed_for``; the tier checks it, this module does not import seal), the checksum covers the
+header and the seal's head (its first SEALED_HEAD bytes: magic, shape, key hash, MAC), not the payload, and
+``decode`` hands the payload out only if the same check passes on the bytes read. The payload's bytes are then
+checked once, by the keyed MAC every loader verifies (``seal.unseal``, before a block is scattered), which
+covers the key and every byte: a flipped payload byte fails the seal there (the loader counts it and deletes the
+object); a flipped header or seal-head byte, another key's object, a short or long read fail here as before.
+Hashing the payload here too would only cost a pass over every byte of every put and get.
 """
 
 from __future__ import annotations
@@ -45,12 +55,16 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.frombuffer(b"\0", dtype=torch.uint8)
 MAGIC = b"PDKV"
-FORMAT_VERSION = 2                     # 2: key hash in the header
+FORMAT_VERSION = 3                     # 2: key hash in the header; 3: the flags byte (FLAG_SEALED)
 CODECS = {"none": 0, "lz4": 1}
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
            torch.uint8, torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2]
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-_HEADER = struct.Struct("<4sHBBB3x8QQQQQ")
+_UINT8 = _DTYPE_CODE[torch.uint8]
+_HEADER = struct.Struct("<4sHBBBB2x8QQQQQ")
+FLAG_SEALED = 1                        # the payload is a sealed object for the key: checksum over header + seal head
+_FLAGS = {CODECS["none"]: (0, FLAG_SEALED), CODECS["lz4"]: (0,)}     # the flags each codec may carry
+SEALED_HEAD = 128                      # the payload bytes a sealed object's checksum covers (seal.SEAL_BYTES)
 HEADER_BYTES = _HEADER.size
 MAX_DIMS = 8
 LZ4_MAX_RATIO = 255                    # an lz4 block never decompresses to more than ~255x its size
@@ -76,50 +90,77 @@ def key_hash(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode())
 
 
-def encode(tensor: torch.Tensor, codec: str, key: str) -> bytes:
+def encode(tensor: torch.Tensor, codec: str, key: str, sealed_for=None) -> bytes:
     """Header + payload for one CPU tensor (any shape, dtypes in _DTYPES) stored under ``key``."""
-    return b"".join(encode_parts(tensor, codec, key))
+    return b"".join(encode_parts(tensor, codec, key, sealed_for))
 
 
-def encode_parts(tensor: torch.Tensor, codec: str, key: str) -> tuple[bytes, memoryview | np.ndarray]:
+def encode_parts(tensor: torch.Tensor, codec: str, key: str, sealed_for=None) -> tuple[bytes, memoryview | np.ndarray]:
     """(header, payload) of ``encode`` without joining them: the payload is the tensor's own memory for codec
-    "none" (a writer that can send two buffers -- Redis SET + APPEND in one transaction -- copies nothing)."""
+    "none" (a writer that can send two buffers -- Redis SET + APPEND in one transaction -- copies nothing).
+    ``sealed_for`` (``seal.sealed_for``, from the tier: this module does not import seal): a 1-D uint8 tensor it
+    says is a sealed object laid out for ``key`` is written, with codec "none", as FLAG_SEALED (module docstring)."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {sorted(CODECS)} (--kv-codec)")
     if tensor.dtype not in _DTYPE_CODE or tensor.dim() > MAX_DIMS:
         raise ValueError(f"cannot store dtype {tensor.dtype} with {tensor.dim()} dims (max {MAX_DIMS})")
     raw = tensor_bytes(tensor)
     payload = raw if codec == "none" else lz4.block.compress(_shuffle(raw, tensor.element_size()), store_size=False)
+    flags = FLAG_SEALED if codec == "none" and _sealed(tensor, key, raw, sealed_for) else 0
     shape = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
-    fields = (MAGIC, FORMAT_VERSION, CODECS[codec], _DTYPE_CODE[tensor.dtype], tensor.dim(), *shape,
+    fields = (MAGIC, FORMAT_VERSION, CODECS[codec], _DTYPE_CODE[tensor.dtype], tensor.dim(), flags, *shape,
               key_hash(key), len(payload), len(raw))
-    return _HEADER.pack(*fields, _checksum(_HEADER.pack(*fields, 0), payload)), payload
+    checked = payload[:SEALED_HEAD] if flags else payload
+    return _HEADER.pack(*fields, _checksum(_HEADER.pack(*fields, 0), checked)), payload
 
 
-def decode(blob: bytes | memoryview, key: str, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> torch.Tensor:
+def decode(blob: bytes | memoryview, key: str, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+           sealed_for=None) -> torch.Tensor:
     """The tensor stored in ``blob`` under ``key`` (a fresh, writable tensor of at most ``max_bytes``), or raise
-    CorruptObject -- before allocating anything when the header's sizes are wrong or too large."""
+    CorruptObject -- before allocating anything when the header's sizes are wrong or too large. An object flagged
+    FLAG_SEALED is handed out only if ``sealed_for(key, payload)`` (``seal.sealed_for``) says it is laid out as a
+    sealed object for ``key``; its payload bytes are the loader's MAC to check (module docstring)."""
     view = memoryview(blob)
     if len(view) < HEADER_BYTES:
         raise CorruptObject(f"object of {len(view)} bytes is shorter than the {HEADER_BYTES}-byte header")
-    magic, version, codec, dcode, ndim, *rest = _HEADER.unpack_from(view)
-    shape, (stored_key_hash, payload_len, raw_len, checksum) = rest[:MAX_DIMS], rest[MAX_DIMS:]
+    fields = _HEADER.unpack_from(view)
+    magic, version, codec, dcode, ndim, flags = fields[:6]
+    stored_key_hash, payload_len, raw_len, checksum = fields[6 + MAX_DIMS:]
     if magic != MAGIC or version != FORMAT_VERSION:
         raise CorruptObject(f"bad magic/version {magic!r}/{version} (want {MAGIC!r}/{FORMAT_VERSION})")
-    if codec not in CODECS.values() or dcode >= len(_DTYPES) or ndim > MAX_DIMS:
-        raise CorruptObject(f"bad codec {codec}, dtype code {dcode} or ndim {ndim}")
+    if codec not in CODECS.values() or dcode >= len(_DTYPES) or ndim > MAX_DIMS or flags not in _FLAGS[codec]:
+        raise CorruptObject(f"bad codec {codec}, dtype code {dcode}, ndim {ndim} or flags {flags}")
     payload = view[HEADER_BYTES:]
     if len(payload) != payload_len:
         raise CorruptObject(f"payload is {len(payload)} bytes, header says {payload_len} (truncated?)")
-    dtype, dims = _DTYPES[dcode], tuple(shape[:ndim])
-    itemsize = dtype.itemsize
-    _check_sizes(raw_len, itemsize * _numel(dims), payload_len, codec, max_bytes)
-    if _checksum(view[:HEADER_BYTES - 8], payload) != checksum:
-        raise CorruptObject("payload checksum mismatch")
+    dtype, dims = _DTYPES[dcode], fields[6:6 + ndim]
+    _check_sizes(raw_len, dtype.itemsize * _numel(dims), payload_len, codec, max_bytes)
+    _check_sum(view, payload, flags, checksum)
     if stored_key_hash != key_hash(key):
         raise KeyMismatch(f"object was written for another key (key hash {stored_key_hash:#018x}), "
                           f"read as {key!r} (key hash {key_hash(key):#018x})")
-    return _to_tensor(payload, codec, raw_len, itemsize, isinstance(blob, bytes)).view(dtype).reshape(dims)
+    if flags and not (dcode == _UINT8 and ndim == 1 and sealed_for is not None and sealed_for(key, payload)):
+        raise CorruptObject(f"object is flagged sealed but is not a sealed object laid out for {key!r}")
+    flat = _to_tensor(payload, codec, raw_len, dtype.itemsize, isinstance(blob, bytes))
+    return flat if dcode == _UINT8 and ndim == 1 else flat.view(dtype).reshape(dims)   # a sealed object: as it is
+
+
+def _sealed(tensor: torch.Tensor, key: str, raw: memoryview, sealed_for) -> bool:
+    """Whether ``tensor`` (its bytes: ``raw``) is a sealed object laid out for ``key``: a 1-D uint8 tensor of at
+    least SEALED_HEAD bytes that ``sealed_for`` accepts."""
+    return (sealed_for is not None and tensor.dtype == torch.uint8 and tensor.dim() == 1 and len(raw) >= SEALED_HEAD
+            and sealed_for(key, raw))
+
+
+def _check_sum(view: memoryview, payload: memoryview, flags: int, checksum: int) -> None:
+    """The checksum over the header and the payload -- a sealed object's seal head only (FLAG_SEALED)."""
+    covered = payload
+    if flags & FLAG_SEALED:
+        if len(payload) < SEALED_HEAD:
+            raise CorruptObject(f"sealed payload of {len(payload)} bytes is shorter than its {SEALED_HEAD}-byte head")
+        covered = payload[:SEALED_HEAD]
+    if _checksum(view[:HEADER_BYTES - 8], covered) != checksum:
+        raise CorruptObject("payload checksum mismatch")
 
 
 def _check_sizes(raw_len: int, shape_bytes: int, payload_len: int, codec: int, max_bytes: int) -> None:
@@ -135,14 +176,20 @@ def _check_sizes(raw_len: int, shape_bytes: int, payload_len: int, codec: int, m
 
 
 def _checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:
-    """xxh3_64 over the header fields (checksum slot excluded) and the payload."""
-    h = xxhash.xxh3_64(bytes(header[:HEADER_BYTES - 8]))
+    """xxh3_64 over the header fields (checksum slot excluded) and the payload (a short one -- a seal head -- in one
+    call over both: the same digest, fewer calls)."""
+    fields = bytes(header[:HEADER_BYTES - 8])
+    if len(payload) <= SEALED_HEAD:
+        return xxhash.xxh3_64_intdigest(fields + bytes(payload))
+    h = xxhash.xxh3_64(fields)
     h.update(payload)
     return h.intdigest()
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a CPU tensor, without a copy when it is already contiguous."""
+    if tensor.dtype == torch.uint8 and tensor.dim() == 1 and tensor.is_contiguous() and not tensor.requires_grad:
+        return memoryview(tensor.numpy())            # a sealed object, say: already its own bytes (fewer torch calls)
     flat = tensor.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
 

@@ -3,11 +3,18 @@
 Who calls it: ``TieredStore`` (write-through worker and read misses), the bench, tests.
 All I/O is batched. A put: objects from ``APPEND_FROM`` bytes go in one MULTI/EXEC, per object SET header +
 APPEND payload (the payload leaves from the tensor's own memory, no header+payload copy; the transaction
-makes each object appear whole or not at all); smaller ones, lz4 and Redis Cluster (a transaction cannot
-span slots) in a pipeline of SETs of joined blobs. A get: one GETRANGE per key, each reading at most
-``max_blob_bytes`` (a huge value someone else wrote is cut short and fails its checks, never read whole),
-sent at once on one pooled connection (``_lean_pipeline``; Redis Cluster: redis-py's pipeline); the payload
-stays in the reply's ``bytes`` (codec.decode uses it in place). hiredis (a dependency) parses replies in C.
+makes each object appear whole or not at all); smaller ones and lz4 as SETs of joined blobs on ``_lean_pipeline``
+(Redis Cluster, where a transaction cannot span slots: every object that way, on redis-py's cluster pipeline).
+A get: one GETRANGE per key, each reading at most ``max_blob_bytes``, sent at once on one pooled connection
+(``_lean_pipeline``; Redis Cluster: redis-py's pipeline); the payload stays in the reply's ``bytes``
+(codec.decode uses it in place). The bound is the server's: GETRANGE never sends more than ``max_blob_bytes`` +
+1 bytes of a value, however large a value someone planted (it is cut there and fails the codec's length check),
+and nothing is read twice -- STRLEN first would race a writer, a Lua wrapper would copy every value again.
+``_lean_pipeline`` is redis-py's connection pool and hiredis (a dependency): hiredis packs the commands and
+parses the replies in C; what it leaves out is redis-py's per-command layers (command stack, callbacks), which
+cost more than a 64 KiB object's transfer. Sealed objects (every KV object a node stores) are written with the
+codec's FLAG_SEALED: neither put nor get hashes their payload; the MAC every loader checks covers every byte
+(codec.py, blob.py).
 Contains: one pipeline of EXISTS. redis-py's connection pool is shared by the threads that call in.
 ``redis+cluster://host:port`` uses redis-py's cluster client (the scale-out path).
 Connection errors propagate (counted in ``errors``); ``TieredStore`` marks the tier down. A key that holds
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import threading
 
+import hiredis
 import redis
 import torch
 from redis.cluster import RedisCluster
@@ -29,10 +37,12 @@ from pdserve.kvstore import codec
 from pdserve.kvstore.blob import BlobTier
 from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
 from pdserve.kvstore.keys import check_key
+from pdserve.kvstore.seal import sealed_for
 
 CLUSTER_SCHEME = "redis+cluster://"
 NOT_AN_OBJECT = b"\0"       # what a key holding a hash, list, ... reads as: refused by the codec, counted, deleted
 APPEND_FROM = 256 << 10     # payloads from this size are APPENDed from the tensor's memory, smaller ones joined
+PACK_JOIN = 64 << 10        # packed commands are joined into sends of up to this many bytes
 
 
 class RedisTier(BlobTier):
@@ -75,7 +85,7 @@ class RedisTier(BlobTier):
         pipe = self._client.pipeline(transaction=True)
         nbytes = 0
         for key, tensor in fits:
-            header, payload = codec.encode_parts(tensor, "none", key)
+            header, payload = codec.encode_parts(tensor, "none", key, sealed_for)
             pipe.set(self.prefix + key, header, ex=self.ttl_s)
             pipe.append(self.prefix + key, memoryview(payload))
             nbytes += len(header) + len(payload)
@@ -84,6 +94,10 @@ class RedisTier(BlobTier):
         self._stats.add(bytes_in=nbytes)
 
     def _write(self, blobs: list[tuple[str, bytes]]) -> None:
+        if not self._cluster:
+            expiry = () if self.ttl_s is None else ("EX", self.ttl_s)
+            self._lean_pipeline([("SET", self.prefix + key, blob, *expiry) for key, blob in blobs])
+            return
         pipe = self._client.pipeline(transaction=False)
         for key, blob in blobs:
             pipe.set(self.prefix + key, blob, ex=self.ttl_s)
@@ -92,13 +106,14 @@ class RedisTier(BlobTier):
     def _read(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
             return []
+        limit = self.max_blob_bytes                                    # one byte past the limit: cut, refused
         if not self._cluster:
-            replies = self._lean_pipeline([("GETRANGE", self.prefix + k, 0, self.max_blob_bytes) for k in keys],
+            replies = self._lean_pipeline([("GETRANGE", self.prefix + k, 0, limit) for k in keys],
                                           wrong_type=NOT_AN_OBJECT)
         else:
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
-                pipe.getrange(self.prefix + key, 0, self.max_blob_bytes)   # one byte past the limit: cut, refused
+                pipe.getrange(self.prefix + key, 0, limit)
             replies = [_wrong_type(r, NOT_AN_OBJECT) for r in pipe.execute(raise_on_error=False)]
             for reply in replies:
                 if isinstance(reply, Exception):
@@ -107,19 +122,19 @@ class RedisTier(BlobTier):
 
     def _lean_pipeline(self, commands: list[tuple], wrong_type=None) -> list:
         """Send every command at once and read the replies in order on one pooled connection: a pipeline without
-        redis-py's per-command layers (callbacks, command stack), which cost more than a 64 KiB read. A WRONGTYPE
-        reply (a value of another type under the key: junk someone planted) is ``wrong_type``; other errors raise."""
+        redis-py's per-command layers (callbacks, command stack), which cost more than a 64 KiB read; hiredis
+        packs the commands (``_packed``) and parses the replies. A WRONGTYPE reply (a value of another type under
+        the key: junk someone planted) is ``wrong_type``; any other error reply raises once every reply is read."""
         pool = self._client.connection_pool
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(conn.pack_commands(commands))
-            replies = [_read_reply(conn) for _ in commands]
+            conn.send_packed_command(_packed(commands))
+            replies = [_wrong_type(_read_reply(conn), wrong_type) for _ in commands]
         except BaseException:
             conn.disconnect()                      # replies may still be in flight: never reuse this connection
             raise
         finally:
             pool.release(conn)
-        replies = [_wrong_type(reply, wrong_type) for reply in replies]
         for reply in replies:
             if isinstance(reply, redis.ResponseError):
                 raise reply
@@ -148,6 +163,22 @@ def _wrong_type(reply, replacement):
     if replacement is not None and isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
         return replacement
     return reply
+
+
+def _packed(commands: list[tuple]) -> list[bytes]:
+    """The commands in RESP (hiredis packs each), runs of small ones joined into one buffer up to PACK_JOIN bytes
+    (fewer sends); a larger one -- a SET of a whole object -- is sent as it is, not copied again."""
+    out, run, size = [], [], 0
+    for command in commands:
+        packed = hiredis.pack_command(command)
+        if size + len(packed) > PACK_JOIN and run:
+            out.append(b"".join(run))
+            run, size = [], 0
+        run.append(packed)
+        size += len(packed)
+    if run:
+        out.append(b"".join(run))
+    return out
 
 
 def _read_reply(conn):

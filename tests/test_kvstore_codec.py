@@ -39,7 +39,7 @@ def test_edge_shapes(shape):
 def test_layout_starts_with_magic_and_never_pickles():
     blob = codec.encode(torch.zeros(4), "none", KEY)
     assert blob[:4] == codec.MAGIC and len(blob) == codec.HEADER_BYTES + 16 and codec.HEADER_BYTES == 108
-    assert int.from_bytes(blob[4:6], "little") == codec.FORMAT_VERSION == 2
+    assert int.from_bytes(blob[4:6], "little") == codec.FORMAT_VERSION == 3 and blob[9] == 0     # not sealed
     assert int.from_bytes(blob[76:84], "little") == xxhash.xxh3_64_intdigest(KEY.encode())
     assert blob[codec.HEADER_BYTES:] == torch.zeros(4).numpy().tobytes()     # header + raw bytes, nothing else
 
@@ -119,3 +119,25 @@ def test_unknown_codec_and_dtype_are_rejected():
         codec.encode(torch.zeros(1), "zstd", KEY)
     with pytest.raises(ValueError, match="cannot store dtype"):
         codec.encode(torch.zeros(1, dtype=torch.complex64), "none", KEY)
+
+
+def test_only_a_sealed_object_for_its_key_is_flagged_and_its_checksum_skips_the_payload():
+    """FLAG_SEALED: set for a 1-D uint8 tensor ``sealed_for`` accepts with codec "none" only; the checksum then
+    covers header + seal head, so a payload byte past the head still decodes (the loader's MAC refuses it)."""
+    from pdserve.kvstore.seal import seal, sealed_for
+
+    obj = seal(KEY, torch.arange(64, dtype=torch.float32), b"k" * 32)[0]
+    blob = codec.encode(obj, "none", KEY, sealed_for)
+    assert blob[9] == codec.FLAG_SEALED
+    assert codec.encode(obj, "lz4", KEY, sealed_for)[9] == 0
+    assert codec.encode(obj, "none", "chunk9:0", sealed_for)[9] == 0          # laid out for another key
+    assert codec.encode(obj.view(torch.int32), "none", KEY, lambda k, p: True)[9] == 0   # not a 1-D uint8 tensor
+    bad, at = bytearray(blob), codec.HEADER_BYTES + codec.SEALED_HEAD + 3
+    bad[at] ^= 1
+    assert codec.decode(bytes(bad), KEY, sealed_for=sealed_for)[codec.SEALED_HEAD + 3] == bad[at] != blob[at]
+    with pytest.raises(codec.CorruptObject, match="flagged sealed"):
+        codec.decode(blob, KEY)                                              # a reader that cannot check it
+    lz4_flagged = bytearray(codec.encode(obj, "lz4", KEY))
+    lz4_flagged[9] = codec.FLAG_SEALED
+    with pytest.raises(codec.CorruptObject, match="flags"):
+        codec.decode(bytes(lz4_flagged), KEY, sealed_for=sealed_for)
