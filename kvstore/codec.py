@@ -56,6 +56,8 @@ with warnings.catch_warnings():
     torch.frombuffer(b"\0", dtype=torch.uint8)
 MAGIC = b"PDKV"
 FORMAT_VERSION = 3                     # 2: key hash in the header; 3: the flags byte (FLAG_SEALED)
+READ_VERSIONS = (2, FORMAT_VERSION)    # format 2 is format 3 with byte 9 always 0 (padding): still read, never
+                                       # deleted, so nodes upgraded one by one keep their peers' objects
 CODECS = {"none": 0, "lz4": 1}
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
            torch.uint8, torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -126,8 +128,9 @@ def decode(blob: bytes | memoryview, key: str, max_bytes: int = DEFAULT_MAX_OBJE
     fields = _HEADER.unpack_from(view)
     magic, version, codec, dcode, ndim, flags = fields[:6]
     stored_key_hash, payload_len, raw_len, checksum = fields[6 + MAX_DIMS:]
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise CorruptObject(f"bad magic/version {magic!r}/{version} (want {MAGIC!r}/{FORMAT_VERSION})")
+    if magic != MAGIC or version not in READ_VERSIONS or (version == 2 and flags):
+        raise CorruptObject(f"bad magic/version {magic!r}/{version} (want {MAGIC!r}/{READ_VERSIONS}) "
+                            f"or flags {flags} in a format 2 object")
     if codec not in CODECS.values() or dcode >= len(_DTYPES) or ndim > MAX_DIMS or flags not in _FLAGS[codec]:
         raise CorruptObject(f"bad codec {codec}, dtype code {dcode}, ndim {ndim} or flags {flags}")
     payload = view[HEADER_BYTES:]

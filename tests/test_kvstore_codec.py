@@ -106,6 +106,26 @@ def test_version_1_objects_are_corrupt_not_misread():
         codec.decode(bytes(blob), KEY)
 
 
+def _as_format_2(blob: bytes, flags: int = 0) -> bytes:
+    """``blob`` as a format 2 writer (nodes before the flags byte) made it: version 2, byte 9 ``flags`` (padding, 0
+    there), the checksum over that header and the whole payload."""
+    b = bytearray(blob)
+    b[4:6], b[9] = (2).to_bytes(2, "little"), flags
+    payload = bytes(b[codec.HEADER_BYTES:])
+    b[100:108] = codec._checksum(bytes(b[:100]), payload).to_bytes(8, "little")
+    return bytes(b)
+
+
+@pytest.mark.parametrize("name", ["none", "lz4"])
+def test_format_2_objects_are_still_read(name):
+    """Catches: format 3 made every object an older node wrote a corrupt miss, deleted -- nodes upgraded one by
+    one would delete their peers' KV."""
+    t = _sample(torch.bfloat16)
+    assert torch.equal(codec.decode(_as_format_2(codec.encode(t, name, KEY)), KEY), t)
+    with pytest.raises(codec.CorruptObject, match="format 2"):
+        codec.decode(_as_format_2(codec.encode(t, name, KEY), flags=1), KEY)
+
+
 def test_byte_shuffle_is_what_makes_lz4_pay_on_bf16():
     t = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     raw = bytes(codec.tensor_bytes(t))
