@@ -17,7 +17,8 @@ dead client processes are reclaimed on Attach at the limit and every
 serves MapArena/Reserve/Lease/Release (daemon_arena.py): local clients then write and read L1 in place.
 TCP payloads go out zero-copy: an arena slot sent as a frame stays pinned until zmq's I/O thread is done
 with it (``_sending``: trackers swept by the serve thread; at most ``DaemonLimits.max_send_pinned_bytes`` in
-flight, the rest sent as copies), and a put's frame is copied once, into L1.
+flight, the rest sent as copies), and a put's frames are given to L1 as they are (``keep_frames``: no copy; a
+frame-backed slot is copied into the arena only when a shared-memory client leases it, arena_tier.py).
 Standalone: ``python -m pdserve.kvstore --port 5557`` (same flags as ``pdserve kvstore``).
 """
 
@@ -210,7 +211,7 @@ class KVDaemon:
         payload = iter(frames)
         if self._arena is not None and seg is None:
             checked = [(meta, self._checked_frame(meta, frame)) for meta, frame in zip(req.objs, payload)]
-            self.store.store_many(checked)        # every digest first: a bad one stores nothing
+            self.store.keep_frames(checked)       # every digest first: a bad one stores nothing
             return P.Reply(), []
         items = [(m.key, self._read_payload(m, seg, payload)) for m in req.objs]
         self.store.adopt(items)

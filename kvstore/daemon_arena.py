@@ -99,9 +99,10 @@ class ArenaServer:
         return reply, payload
 
     def serve(self, keys: list[str], client: _Client | None) -> tuple[P.Reply, list, list]:
-        """-> (reply, payload frames, pinned slots). With a mapped ``client``: slots by offset; without (a TCP
-        get): slots as frames straight out of the arena (the caller unpins them once zmq has sent them). An
-        object not in the arena (a lower tier's that could not be promoted) is a frame of its own bytes."""
+        """-> (reply, payload frames, pinned slots). With a mapped ``client``: slots by offset (a frame-backed one
+        placed in the arena first; when no room can be made there, a frame of its bytes, still pinned); without (a
+        TCP get): slots as frames straight out of L1 (the caller unpins them once zmq has sent them). An object not
+        in the arena (a lower tier's that could not be promoted) is a frame of its own bytes."""
         objs, payload, pinned = [], [], []
         for key, found in zip(keys, self.store.lease(keys)):
             if found is None:
@@ -109,7 +110,7 @@ class ArenaServer:
                 continue
             if hasattr(found, "offset"):
                 pinned.append(found)
-                if client is not None:
+                if client is not None and self.store.place(found):      # (a frame-backed slot: into the arena)
                     objs.append(P.ObjMeta(key, found.dtype, found.shape, found.nbytes, found.offset))
                     continue
                 data = self.store.bytes_of(found)          # the slot's bytes in place: no typed tensor built
