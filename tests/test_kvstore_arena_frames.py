@@ -8,6 +8,7 @@ shared-memory client (after placing), to a TCP client, and written through to di
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -127,3 +128,35 @@ def test_objects_put_over_tcp_are_served_bit_exact_over_shm_tcp_and_from_disk(fr
         wait_for(lambda: tcp.stats()["memory"]["pinned"] == 0, what="leases and zmq sends unpinned")
     wait_for(lambda: all(disk.contains(keys)), what="write-through of frame-backed slots to disk")
     assert all(torch.equal(a, b) for a, (_, b) in zip(disk.get(keys), items))
+
+
+def test_accounting_over_random_kept_copied_placed_pinned_and_deleted_objects_is_the_sum_of_the_live_ones():
+    """Once every pin is gone: the arena's free bytes are its size less the live arena slots' extents, the frame
+    bytes are the live frame-backed slots' extents, and every live object still has its own bytes."""
+    tier, rng, held = ArenaTier(1 << 20), random.Random(11), []
+    for step in range(400):
+        items = [_item(f"k{rng.randrange(30)}:0", n, step % 251)
+                 for n in (rng.choice([1, 4000, N, N + 1, 3 * N, 300_000]) for _ in range(rng.randrange(1, 6)))]
+        slots = tier.store_many(items, pin=rng.random() < 0.2, keep=rng.random() < 0.7)
+        held += [[s] for s in slots if s is not None and s.pins]
+        if rng.random() < 0.3:
+            leased = [s for s in tier.lease([f"k{rng.randrange(30)}:0" for _ in range(3)]) if s is not None]
+            for slot in leased:
+                if rng.random() < 0.5:
+                    tier.place(slot)
+            held.append(leased)
+        if rng.random() < 0.2:
+            tier.delete([f"k{rng.randrange(30)}:0"])
+        if held and rng.random() < 0.5:
+            tier.unpin(held.pop(0))
+        assert _used(tier) <= tier.arena.size
+    for slots in held:
+        tier.unpin(slots)
+    live = list(tier._index.values())
+    in_arena = [s for s in live if s.data is None]
+    assert tier.arena.free_bytes == tier.arena.size - sum(_extent(s.nbytes) for s in in_arena)
+    assert tier.stats()["memory"]["frame_bytes"] == sum(_extent(s.nbytes) for s in live if s.data is not None)
+    assert tier.stats()["memory"]["pinned"] == 0 and tier._pinned_bytes == 0
+    for slot, got in zip(live, tier.get([s.key for s in live])):
+        assert got.numel() == slot.nbytes and len(set(got.tolist())) == 1
+    tier.close()
