@@ -63,6 +63,7 @@ class Slot:
     pins: int = 0
     live: bool = False              # in the index (committed, not deleted/evicted/replaced)
     data: np.ndarray | None = None  # frame-backed: its bytes ([nbytes] uint8, a received frame's); offset is -1
+    source: object = None           # frame-backed: the buffer it was given (the daemon sends a zmq frame as itself)
 
 
 class ArenaTier(KVStore):
@@ -168,7 +169,8 @@ class ArenaTier(KVStore):
         if not self._make_room(meta.key, meta.nbytes):
             return None
         self._frame_bytes += _extent(meta.nbytes)
-        return Slot(meta.key, meta.dtype, list(meta.shape), meta.nbytes, -1, data=np.frombuffer(data, dtype=np.uint8))
+        return Slot(meta.key, meta.dtype, list(meta.shape), meta.nbytes, -1,
+                    data=np.frombuffer(data, dtype=np.uint8), source=data)
 
     def place(self, slot: Slot) -> bool:
         """Copy a pinned frame-backed slot's bytes into an arena extent (where a mapped client reads them); it is an
@@ -183,7 +185,7 @@ class ArenaTier(KVStore):
         self.arena.buf[offset:offset + slot.nbytes] = data   # outside the lock: the extent is ours, the frame immutable
         with self._lock:
             slot.offset = offset                              # (offset first: a reader that sees data None finds it)
-            slot.data = None
+            slot.data = slot.source = None
             self._frame_bytes -= _extent(slot.nbytes)
         return True
 
@@ -291,6 +293,10 @@ class ArenaTier(KVStore):
         data = slot.data
         return self.arena.buf[slot.offset:slot.offset + slot.nbytes] if data is None else data
 
+    def source_of(self, slot: Slot):
+        """A frame-backed slot's buffer as it was given (a received zmq frame), else None."""
+        return slot.source
+
     def keys_lru_order(self) -> list[str]:
         with self._lock:
             return list(self._index)
@@ -314,7 +320,7 @@ class ArenaTier(KVStore):
             self.arena.free(slot.offset, slot.nbytes)
         else:
             self._frame_bytes -= _extent(slot.nbytes)
-            slot.data = None
+            slot.data = slot.source = None
 
 
 def _groups(items: list) -> list[list]:

@@ -72,6 +72,9 @@ class ArenaSlots:
     def bytes_of(self, slot):
         return self.l1.bytes_of(slot)
 
+    def source_of(self, slot):
+        return self.l1.source_of(slot)
+
     def _enqueue_slots(self, slots: list) -> None:
         """Queue pinned slots' arena views for write-through; unpinned once written (or dropped)."""
         self._enqueue([(s.key, self.l1.tensor_of(s)) for s in slots], release=lambda: self.l1.unpin(slots))

@@ -9,6 +9,8 @@ shared-memory client (after placing), to a TCP client, and written through to di
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -21,6 +23,7 @@ from pdserve.kvstore.client import DaemonClient
 from pdserve.kvstore.daemon import KVDaemon
 from pdserve.kvstore.disk import DiskTier
 from pdserve.kvstore.tiered import TieredStore
+from pdserve.proxy.cluster import terminate
 
 N = KEEP_FRAME_FROM
 
@@ -160,3 +163,50 @@ def test_accounting_over_random_kept_copied_placed_pinned_and_deleted_objects_is
     for slot, got in zip(live, tier.get([s.key for s in live])):
         assert got.numel() == slot.nbytes and len(set(got.tolist())) == 1
     tier.close()
+
+
+STALLED_READER = """
+import signal, sys, zmq
+from pdserve.kvstore import protocol as P
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.RCVHWM, 1)
+sock.setsockopt(zmq.RCVBUF, 4096)
+sock.connect(sys.argv[1])
+for i in range(int(sys.argv[2])):
+    sock.send_multipart([P.ENCODER.encode(P.Get(keys=sys.argv[3:], id=i + 1))])
+print("SENT", flush=True)
+signal.pause()
+"""
+
+
+def test_frame_backed_objects_sent_to_a_stalled_reader_pin_nothing_and_are_never_copied():
+    """A TCP get sends a frame-backed object as the frame it came in (zmq counts references to it): nothing pinned,
+    nothing copied past the send budget, and L1 can still evict it for a new put while the reader holds it. Before:
+    each was pinned until sent (up to the budget, a quarter of the arena) and the rest of every reply was copied."""
+    store = TieredStore(ArenaTier(8 << 20))
+    daemon = KVDaemon(store, port=0)
+    stop = threading.Event()
+    thread = threading.Thread(target=daemon.serve, args=(stop,))
+    thread.start()
+    keys = [f"big{i}:0" for i in range(6)]
+    try:
+        with DaemonClient(daemon.endpoint, timeout_s=20) as client:
+            client.put([(k, torch.full((1 << 20,), i, dtype=torch.uint8)) for i, k in enumerate(keys)])
+            proc = subprocess.Popen([sys.executable, "-c", STALLED_READER, daemon.endpoint, "8", *keys],
+                                    stdout=subprocess.PIPE, text=True)
+            try:
+                assert proc.stdout.readline().strip() == "SENT"
+                wait_for(lambda: store.stats()["memory"]["hits"] >= 48, 20, "the stalled reader's gets were served")
+                assert store.stats()["memory"]["pinned"] == 0 and daemon._sending_bytes == 0
+                assert daemon._counters["sends_copied"] == 0
+                want = torch.arange(3 << 20, dtype=torch.int32).view(torch.uint8)[: 5 << 20]
+                client.put([("after:0", want)])
+                assert torch.equal(client.get(["after:0"])[0], want)
+                assert store.stats()["memory"]["rejected"] == 0
+            finally:
+                terminate(proc)
+    finally:
+        stop.set()
+        thread.join()
+        daemon.close()
+        store.close()
