@@ -20,7 +20,8 @@ with it (``_sending``: trackers swept by the serve thread; at most ``DaemonLimit
 flight, the rest sent as copies), and a put's frames are given to L1 as they are (``keep_frames``: no copy; a
 frame-backed slot is copied into the arena only when a shared-memory client leases it, arena_tier.py). A TCP get
 sends a frame-backed slot as the very frame it came in (zmq counts references to its bytes, which never change),
-unpinned: it holds no arena bytes, and L1 evicting it only drops L1's reference.
+unpinned: it holds no arena bytes, and L1 evicting it only drops L1's reference (a reader that stopped reading then
+keeps alive what zmq queued for it -- as it would the copies sent past the budget -- never arena slots).
 Standalone: ``python -m pdserve.kvstore --port 5557`` (same flags as ``pdserve kvstore``).
 """
 
