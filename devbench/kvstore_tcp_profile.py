@@ -1,7 +1,7 @@
 """Where the daemon's TCP put/get time goes, per MiB, on each side (issue: daemon tcp >= 0.8 x raw pyzmq).
 
 Runs a real daemon (token, signed requests, arena L1) in a child process with perf counters wrapped around its
-stages (recv, request handling, digest, the copy into L1, send), and a ``DaemonClient`` here with counters around
+stages (recv, request handling, digest, the copy into L1 -- or keeping the frames --, send), and a ``DaemonClient`` here with counters around
 its digest and wait; then the same bytes through raw pyzmq. Prints microseconds per MiB per stage (best of
 ``--repeats`` whole runs for the totals; stage sums over all runs divided by the MiB moved).
 
@@ -38,8 +38,10 @@ def _daemon(token: str, cpu_bytes: int, track_from: int | None, q) -> None:
     from pdserve.kvstore import daemon as D
     from pdserve.kvstore import daemon_arena
     from pdserve.kvstore import protocol as P
+    from pdserve.engine import host_memory
     from pdserve.kvstore.config import KVStoreConfig, build_store
 
+    host_memory.tune()                # as cli.run does for `pdserve kvstore` (and the raw pyzmq server for itself)
     torch.set_num_threads(1)
     if track_from is not None:
         D.TRACK_FROM = track_from
@@ -49,7 +51,7 @@ def _daemon(token: str, cpu_bytes: int, track_from: int | None, q) -> None:
         P.digest_of = timed("daemon digest", P.digest_of)
     P.check_digest = timed("daemon digest", P.check_digest)
     store = build_store(KVStoreConfig(cpu_bytes=cpu_bytes), arena=True)
-    for name in ("store_bytes", "store_many"):   # (store_many: a newer build's batch of them)
+    for name in ("store_bytes", "store_many", "keep_frames"):   # (newer builds: a batch; frames kept, not copied)
         if hasattr(store, name):
             setattr(store, name, timed("daemon copy into L1", getattr(store, name)))
     d = D.KVDaemon(store, port=0, token=token)
@@ -82,10 +84,12 @@ def main() -> None:
     import zmq
 
     from pdserve.bench.kvstore_bench import objects, sealed_objects, start_raw_zmq
+    from pdserve.engine import host_memory
     from pdserve.kvstore import protocol as P
     from pdserve.kvstore.auth import new_token
     from pdserve.kvstore.client import DaemonClient
 
+    host_memory.tune()                # as the bench and a node's engine do
     torch.set_num_threads(1)
     token, total = new_token(), args.total_mib << 20
     ctx = mp.get_context("spawn")

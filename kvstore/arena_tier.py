@@ -11,11 +11,19 @@ An object lives in one ``Slot`` (an extent of the arena, see arena.py). A slot's
 Only committed slots are ever in the index, so bytes a client is still writing -- or left half written when
 it was killed -- are never served: the commit comes after the write, from the writer itself.
 
+Frame-backed slots (a TCP put's objects from ``KEEP_FRAME_FROM`` bytes: ``store_many(keep=True)``): the daemon
+hands over the zmq frames it received -- memory nobody else holds or writes -- and the slot keeps that frame as
+its bytes (``Slot.data``, offset -1) instead of copying it into the arena. TCP gets and the write-through thread
+read it there. A mapped client can only read the arena, so a Lease first ``place``s the slot: its bytes are
+copied into an arena extent once, and it is an ordinary arena slot from then on. Capacity counts both kinds:
+arena extents in use (reserved, committed, or retired but pinned) plus frame-backed slots' bytes (``_frame_bytes``)
+stay within the arena's size, and eviction (oldest unpinned first) frees either kind.
+
 Pins: a slot is pinned while a client holds a lease on it (reading it out of the arena), while the daemon's
 zmq I/O thread sends it, and while the write-through thread copies it to Redis/disk. Eviction skips pinned
 slots; a pinned slot that is deleted or replaced leaves the index at once and gives its extent back when
-its last pin goes. So a reader never sees its bytes change under it. ``bytes`` counts committed slots;
-reserved ones count too, against the same budget (the arena's size).
+its last pin goes (a frame-backed slot drops its frame then). So a reader never sees its bytes change under it.
+``bytes`` counts committed slots; reserved ones count too, against the same budget (the arena's size).
 
 Threads: the daemon's serve thread calls everything; the write-through thread calls ``unpin``; a zmq send
 completes on zmq's I/O thread and the serve thread unpins after it. One lock guards the index and the
@@ -41,6 +49,8 @@ from pdserve.kvstore.keys import check_key
 
 log = logging.getLogger(__name__)
 STORE_GROUP_BYTES = 8 << 20     # store_many reserves, copies and commits this much at a time
+KEEP_FRAME_FROM = 64 << 10      # store_many(keep=True) keeps buffers from this size as they are; smaller ones are
+#                                 copied (a small zmq frame may share the I/O thread's 8 KiB receive buffer)
 
 
 @dataclass(eq=False)
@@ -52,6 +62,8 @@ class Slot:
     offset: int
     pins: int = 0
     live: bool = False              # in the index (committed, not deleted/evicted/replaced)
+    data: np.ndarray | None = None  # frame-backed: its bytes ([nbytes] uint8, a received frame's); offset is -1
+    source: object = None           # frame-backed: the buffer it was given (the daemon sends a zmq frame as itself)
 
 
 class ArenaTier(KVStore):
@@ -64,6 +76,7 @@ class ArenaTier(KVStore):
         self._lock = threading.Lock()
         self._stats = TierStats()
         self._live_bytes = self._pinned_bytes = 0      # extent bytes of committed slots; of those, pinned ones
+        self._frame_bytes = 0                          # extent bytes of frame-backed slots not yet dropped
 
     # --- the KVStore interface (copies in and out: TCP puts, promotions, in-process use) -------------
 
@@ -97,7 +110,9 @@ class ArenaTier(KVStore):
     def stats(self) -> StatsDict:
         with self._lock:
             pinned = sum(1 for s in self._index.values() if s.pins)
-        return {self.name: {**self._stats.snapshot(), "pinned": pinned, "arena_free_bytes": self.arena.free_bytes}}
+            frames = self._frame_bytes
+        return {self.name: {**self._stats.snapshot(), "pinned": pinned, "arena_free_bytes": self.arena.free_bytes,
+                            "frame_bytes": frames}}
 
     def close(self) -> None:
         self.arena.close()
@@ -109,20 +124,23 @@ class ArenaTier(KVStore):
         ``pin``: the slot comes back pinned (for a write-through copy; the caller unpins)."""
         return self.store_many([(meta, data)], pin)[0]
 
-    def store_many(self, items: list[tuple[P.ObjMeta, object]], pin: bool = False) -> list[Slot | None]:
+    def store_many(self, items: list[tuple[P.ObjMeta, object]], pin: bool = False,
+                   keep: bool = False) -> list[Slot | None]:
         """``store_bytes`` for a batch of (meta, buffer): slots reserved under one lock, the bytes copied outside it,
         committed together -- in groups of about ``STORE_GROUP_BYTES``, so a batch never holds much more than that
-        reserved beside the objects it replaces."""
+        reserved beside the objects it replaces. ``keep``: the buffers are given to the tier (received frames no
+        one else holds or writes): those from ``KEEP_FRAME_FROM`` bytes become frame-backed slots, not copied."""
         for meta, _ in items:                 # a key no get or delete could name is refused before any slot
             check_key(meta.key)
         out: list[Slot | None] = []
         for group in _groups(items):
             with self._lock:
-                slots = [self._reserve(meta) for meta, _ in group]
+                slots = [self._keep(meta, data) if keep and meta.nbytes >= KEEP_FRAME_FROM else self._reserve(meta)
+                         for meta, data in group]
             reserved = [s for s in slots if s is not None]
             try:
                 for slot, (_, data) in zip(slots, group):
-                    if slot is not None:
+                    if slot is not None and slot.data is None:
                         self.arena.buf[slot.offset:slot.offset + slot.nbytes] = np.frombuffer(data, dtype=np.uint8)
             except BaseException:
                 self.cancel(reserved)             # a buffer that is not its meta's bytes: nothing of its group stays
@@ -130,6 +148,10 @@ class ArenaTier(KVStore):
             self.commit(reserved, pin=pin)
             out += slots
         return out
+
+    def keep_frames(self, items: list[tuple[P.ObjMeta, object]]) -> list[Slot | None]:
+        """``store_many(keep=True)``: what the daemon calls when L1 is this tier alone (no ``TieredStore``)."""
+        return self.store_many(items, keep=True)
 
     def reserve(self, meta: P.ObjMeta) -> Slot | None:
         """A slot for ``meta``'s bytes (evicting unpinned LRU objects for room); None -- counted -- if none fits."""
@@ -139,23 +161,75 @@ class ArenaTier(KVStore):
 
     def _reserve(self, meta: P.ObjMeta) -> Slot | None:
         """``reserve`` with the lock held."""
-        offset = self.arena.alloc(meta.nbytes)
-        if offset is None and _extent(meta.nbytes) > self.arena.free_bytes + self._evictable_bytes():
-            self._stats.add(rejected=1)          # never fits: evicting would empty L1 for nothing
-            log.debug("arena tier rejected %s (%d bytes; the arena holds %d, the rest is pinned or reserved)",
-                      meta.key, meta.nbytes, self.arena.size)
+        offset = self._alloc(meta.key, meta.nbytes)
+        return None if offset is None else Slot(meta.key, meta.dtype, list(meta.shape), meta.nbytes, offset)
+
+    def _keep(self, meta: P.ObjMeta, data) -> Slot | None:
+        """A frame-backed slot holding ``data`` itself (lock held); None -- counted -- if no room can be made."""
+        if not self._make_room(meta.key, meta.nbytes):
             return None
-        while offset is None:
-            victim = next((s for s in self._index.values() if s.pins == 0), None)    # the oldest unpinned
-            if victim is None:
-                self._stats.add(rejected=1)
-                log.debug("arena tier rejected %s (%d bytes; the rest is pinned or reserved)", meta.key, meta.nbytes)
+        self._frame_bytes += _extent(meta.nbytes)
+        return Slot(meta.key, meta.dtype, list(meta.shape), meta.nbytes, -1,
+                    data=np.frombuffer(data, dtype=np.uint8), source=data)
+
+    def place(self, slot: Slot) -> bool:
+        """Copy a pinned frame-backed slot's bytes into an arena extent (where a mapped client reads them); it is an
+        ordinary arena slot from then on. False when no room can be made (the caller sends the bytes as a frame)."""
+        data = slot.data
+        if data is None:
+            return True
+        with self._lock:
+            offset = self._alloc(slot.key, slot.nbytes)      # the slot is pinned: never its own victim
+        if offset is None:
+            return False
+        self.arena.buf[offset:offset + slot.nbytes] = data   # outside the lock: the extent is ours, the frame immutable
+        with self._lock:
+            slot.offset = offset                              # (offset first: a reader that sees data None finds it)
+            slot.data = slot.source = None
+            self._frame_bytes -= _extent(slot.nbytes)
+        return True
+
+    def _alloc(self, key: str, nbytes: int) -> int | None:
+        """An arena extent for ``nbytes`` (lock held), evicting unpinned LRU objects for room; None -- counted --
+        if none can be made."""
+        while True:
+            if not self._make_room(key, nbytes):
                 return None
-            del self._index[victim.key]
-            self._stats.add(evictions=1)
-            self._retire(victim)
-            offset = self.arena.alloc(meta.nbytes)
-        return Slot(meta.key, meta.dtype, list(meta.shape), meta.nbytes, offset)
+            offset = self.arena.alloc(nbytes)
+            if offset is not None:
+                return offset
+            if not self._evict_oldest():                 # room enough, but no free extent that long
+                self._reject(key, nbytes)
+                return None
+
+    def _make_room(self, key: str, nbytes: int) -> bool:
+        """Evict unpinned LRU objects until ``nbytes`` more fit within the arena's size (lock held)."""
+        need = _extent(nbytes)
+        if need > self.arena.size - self._used_bytes() + self._evictable_bytes():
+            return self._reject(key, nbytes)            # never fits: evicting would empty L1 for nothing
+        while self._used_bytes() + need > self.arena.size:
+            if not self._evict_oldest():
+                return self._reject(key, nbytes)
+        return True
+
+    def _evict_oldest(self) -> bool:
+        victim = next((s for s in self._index.values() if s.pins == 0), None)    # the oldest unpinned
+        if victim is None:
+            return False
+        del self._index[victim.key]
+        self._stats.add(evictions=1)
+        self._retire(victim)
+        return True
+
+    def _reject(self, key: str, nbytes: int) -> bool:
+        self._stats.add(rejected=1)
+        log.debug("arena tier rejected %s (%d bytes; the arena holds %d, the rest is pinned or reserved)",
+                  key, nbytes, self.arena.size)
+        return False
+
+    def _used_bytes(self) -> int:
+        """Bytes counted against the arena's size (lock held): its extents in use, and frame-backed slots."""
+        return self.arena.size - self.arena.free_bytes + self._frame_bytes
 
     def commit(self, slots: list[Slot], pin: bool = False) -> None:
         """Serve these reserved slots from now on (their bytes are written), replacing older objects."""
@@ -205,16 +279,23 @@ class ArenaTier(KVStore):
                 if slot.pins == 0 and slot.live:
                     self._pinned_bytes -= _extent(slot.nbytes)
                 elif slot.pins == 0:
-                    self.arena.free(slot.offset, slot.nbytes)
+                    self._free(slot)
 
     def tensor_of(self, slot: Slot) -> torch.Tensor:
-        """The slot's object as a typed view into the arena (valid while the slot is pinned)."""
-        return self.arena.view(slot.offset, slot.nbytes).view(P.dtype_of(slot.dtype)).reshape(slot.shape)
+        """The slot's object as a typed view into the arena or its frame (valid while the slot is pinned)."""
+        data = slot.data
+        raw = self.arena.view(slot.offset, slot.nbytes) if data is None else torch.frombuffer(data, dtype=torch.uint8)
+        return raw.view(P.dtype_of(slot.dtype)).reshape(slot.shape)
 
     def bytes_of(self, slot: Slot) -> np.ndarray:
-        """The slot's bytes as a numpy uint8 view into the arena (valid while the slot is pinned): what a TCP get
-        sends, without building a typed tensor first."""
-        return self.arena.buf[slot.offset:slot.offset + slot.nbytes]
+        """The slot's bytes as a numpy uint8 view into the arena or its frame (valid while the slot is pinned): what a
+        TCP get sends, without building a typed tensor first."""
+        data = slot.data
+        return self.arena.buf[slot.offset:slot.offset + slot.nbytes] if data is None else data
+
+    def source_of(self, slot: Slot):
+        """A frame-backed slot's buffer as it was given (a received zmq frame), else None."""
+        return slot.source
 
     def keys_lru_order(self) -> list[str]:
         with self._lock:
@@ -231,7 +312,15 @@ class ArenaTier(KVStore):
         self._live_bytes -= _extent(slot.nbytes)
         self._pinned_bytes -= _extent(slot.nbytes) if slot.pins else 0
         if slot.pins == 0:
+            self._free(slot)
+
+    def _free(self, slot: Slot) -> None:
+        """Give a retired, unpinned slot's bytes back (lock held): its arena extent, or its frame."""
+        if slot.data is None:
             self.arena.free(slot.offset, slot.nbytes)
+        else:
+            self._frame_bytes -= _extent(slot.nbytes)
+            slot.data = slot.source = None
 
 
 def _groups(items: list) -> list[list]:

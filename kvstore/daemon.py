@@ -17,7 +17,11 @@ dead client processes are reclaimed on Attach at the limit and every
 serves MapArena/Reserve/Lease/Release (daemon_arena.py): local clients then write and read L1 in place.
 TCP payloads go out zero-copy: an arena slot sent as a frame stays pinned until zmq's I/O thread is done
 with it (``_sending``: trackers swept by the serve thread; at most ``DaemonLimits.max_send_pinned_bytes`` in
-flight, the rest sent as copies), and a put's frame is copied once, into L1.
+flight, the rest sent as copies), and a put's frames are given to L1 as they are (``keep_frames``: no copy; a
+frame-backed slot is copied into the arena only when a shared-memory client leases it, arena_tier.py). A TCP get
+sends a frame-backed slot as the very frame it came in (zmq counts references to its bytes, which never change),
+unpinned: it holds no arena bytes, and L1 evicting it only drops L1's reference (a reader that stopped reading then
+keeps alive what zmq queued for it -- as it would the copies sent past the budget -- never arena slots).
 Standalone: ``python -m pdserve.kvstore --port 5557`` (same flags as ``pdserve kvstore``).
 """
 
@@ -119,8 +123,9 @@ class KVDaemon:
             frames = [reply[0], *_copies(reply[1:])]
             self.store.unpin(pinned)
             return frames
-        frames = [reply[0], *(zmq.Frame(p, track=True) if p.nbytes >= TRACK_FROM else zmq.Frame(p.tobytes())
-                              for p in reply[1:])]         # a small one: a copy costs less than tracking it
+        frames = [reply[0], *(p if isinstance(p, zmq.Frame) else zmq.Frame(p, track=True) if p.nbytes >= TRACK_FROM
+                              else zmq.Frame(p.tobytes()) for p in reply[1:])]   # a small one: a copy costs less
+        #                                                   than tracking it; a received frame (frame-backed) is itself
         self._sending.append(([f.tracker for f in frames[1:] if f.tracker is not None], pinned, nbytes))
         self._sending_bytes += nbytes
         return frames
@@ -209,15 +214,15 @@ class KVDaemon:
         seg = self._segments.get(ident, req.gen) if len(framed) < len(req.objs) else None
         payload = iter(frames)
         if self._arena is not None and seg is None:
-            checked = [(meta, self._checked_frame(meta, frame)) for meta, frame in zip(req.objs, payload)]
-            self.store.store_many(checked)        # every digest first: a bad one stores nothing
+            checked = [(meta, self._checked(meta, frame)) for meta, frame in zip(req.objs, payload)]
+            self.store.keep_frames(checked)       # every digest first: a bad one stores nothing
             return P.Reply(), []
         items = [(m.key, self._read_payload(m, seg, payload)) for m in req.objs]
         self.store.adopt(items)
         return P.Reply(), []
 
-    def _checked_frame(self, meta: P.ObjMeta, frame) -> memoryview:
-        """A frame's bytes, in place, once its length and digest match its meta."""
+    def _checked(self, meta: P.ObjMeta, frame: zmq.Frame) -> zmq.Frame:
+        """``frame`` itself, once its length and digest match its meta."""
         buf = frame.buffer
         if len(buf) != meta.nbytes:
             raise ValueError(f"object {meta.key!r}: frame has {len(buf)} bytes, meta says {meta.nbytes}")
@@ -225,7 +230,7 @@ class KVDaemon:
             self._counters["checksum_failures"] += 1
             raise ValueError(f"object {meta.key!r}: digest {meta.digest:#x} does not match its "
                              f"{meta.nbytes} bytes; nothing stored")
-        return buf
+        return frame
 
     def _read_payload(self, meta: P.ObjMeta, seg: ShmSegment | None, frames) -> torch.Tensor:
         """A private copy of one object's bytes, its digest verified on that copy."""
@@ -327,6 +332,9 @@ def _copies(payload: list) -> list:
     made: dict[tuple[int, int], bytes] = {}
     out = []
     for array in payload:
+        if isinstance(array, zmq.Frame):          # a frame-backed slot's own frame: its bytes never change
+            out.append(array)
+            continue
         span = (array.__array_interface__["data"][0], array.nbytes)
         if span not in made:
             made[span] = array.tobytes()

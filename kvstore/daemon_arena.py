@@ -99,26 +99,30 @@ class ArenaServer:
         return reply, payload
 
     def serve(self, keys: list[str], client: _Client | None) -> tuple[P.Reply, list, list]:
-        """-> (reply, payload frames, pinned slots). With a mapped ``client``: slots by offset; without (a TCP
-        get): slots as frames straight out of the arena (the caller unpins them once zmq has sent them). An
-        object not in the arena (a lower tier's that could not be promoted) is a frame of its own bytes."""
-        objs, payload, pinned = [], [], []
+        """-> (reply, payload frames, pinned slots). With a mapped ``client``: slots by offset (a frame-backed one
+        placed in the arena first; when no room can be made there, a frame of its bytes, still pinned); without (a
+        TCP get): slots as frames straight out of the arena (the caller unpins them once zmq has sent them), and
+        frame-backed slots as the zmq frames they came in (unpinned now: zmq counts references to those). An object not
+        in the arena (a lower tier's that could not be promoted) is a frame of its own bytes."""
+        objs, payload, pinned, unpin = [], [], [], []
         for key, found in zip(keys, self.store.lease(keys)):
             if found is None:
                 objs.append(None)
                 continue
             if hasattr(found, "offset"):
-                pinned.append(found)
-                if client is not None:
+                source = self.store.source_of(found) if client is None else None
+                (unpin if source is not None else pinned).append(found)
+                if client is not None and self.store.place(found):      # (a frame-backed slot: into the arena)
                     objs.append(P.ObjMeta(key, found.dtype, found.shape, found.nbytes, found.offset))
                     continue
                 data = self.store.bytes_of(found)          # the slot's bytes in place: no typed tensor built
-                payload.append(data)
+                payload.append(data if source is None else source)     # (a frame-backed slot: its own frame)
                 objs.append(P.ObjMeta(key, found.dtype, found.shape, found.nbytes, P.FRAME, P.wire_digest(key, data)))
                 continue
             data = found.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
             payload.append(data)
             objs.append(P.meta_of(key, found, digest=P.wire_digest(key, data)))
+        self.store.unpin(unpin)
         return P.Reply(objs=objs), payload, pinned
 
     def drop(self, ident: bytes) -> None:

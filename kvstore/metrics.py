@@ -31,7 +31,7 @@ GAUGES = frozenset({
     "down", "consecutive_failures",                     # TierHealth
     "queued_bytes", "queued_objects",                   # TieredStore write-through queue
     "shm_clients", "arena_clients",                     # KVDaemon
-    "arena_free_bytes",                                 # ArenaTier (the daemon's L1 arena)
+    "arena_free_bytes", "frame_bytes",                  # ArenaTier (the daemon's L1 arena; frame-backed slots)
     "store_down", "store_consecutive_failures",         # KV connector's store health
     "publish_buffer_bytes", "publish_buffer_bytes_in_flight", "publish_buffer_peak_bytes",   # publish ring
 })

@@ -3,7 +3,9 @@
 Who calls it: the daemon (daemon.py, daemon_arena.py) through its ``TieredStore``; ``TieredStore`` mixes this in
 and provides ``l1``, ``lower``, ``_enqueue`` and ``_fill_from_lower``. A slot committed here is pinned for the
 write-through thread, which reads its bytes straight from the arena and unpins it once Redis/disk have them
-(or the write is dropped): eviction never reuses bytes still on their way down.
+(or the write is dropped): eviction never reuses bytes still on their way down. A TCP put's received frames are
+given to L1 (``keep_frames``: large ones become frame-backed slots, no copy); a Lease ``place``s such a slot in
+the arena first.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ class ArenaSlots:
         slots = [s for s in self.l1.store_many(items, pin=bool(self.lower)) if s is not None]
         if slots and self.lower:
             self._enqueue_slots(slots)
+
+    def keep_frames(self, items: list) -> None:
+        """``store_many`` for (meta, received frame buffer) pairs the caller gives away: L1 keeps large ones as they
+        are (frame-backed slots) rather than copying them into the arena."""
+        slots = [s for s in self.l1.store_many(items, pin=bool(self.lower), keep=True) if s is not None]
+        if slots and self.lower:
+            self._enqueue_slots(slots)
+
+    def place(self, slot) -> bool:
+        return self.l1.place(slot)
 
     def reserve(self, meta):
         return self.l1.reserve(meta)
@@ -59,6 +71,9 @@ class ArenaSlots:
 
     def bytes_of(self, slot):
         return self.l1.bytes_of(slot)
+
+    def source_of(self, slot):
+        return self.l1.source_of(slot)
 
     def _enqueue_slots(self, slots: list) -> None:
         """Queue pinned slots' arena views for write-through; unpinned once written (or dropped)."""

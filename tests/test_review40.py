@@ -180,8 +180,10 @@ def test_a_stopped_tcp_reader_does_not_keep_other_clients_slots_pinned(tmp_path)
     thread.start()
     child = None
     try:
+        with DaemonClient(daemon.endpoint, token=TOKEN, timeout_s=20, shm_bytes=1 << 20) as shm:
+            shm.put([("big:0", torch.ones(8 << 20)), ("small:0", torch.ones(1 << 18))])      # 32 MiB, 1 MiB
+        #   (into arena slots: a TCP put's frames would be sent as themselves, unpinned -- test_kvstore_arena_frames)
         with DaemonClient(daemon.endpoint, token=TOKEN, timeout_s=20) as tcp:
-            tcp.put([("big:0", torch.ones(8 << 20)), ("small:0", torch.ones(1 << 18))])      # 32 MiB, 1 MiB
             child = subprocess.Popen([sys.executable, "-P", "-c", STALLED_READER, daemon.endpoint, TOKEN],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             assert child.stdout.readline().strip() == "sent"

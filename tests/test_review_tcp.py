@@ -251,8 +251,9 @@ def test_a_reader_that_stops_reading_cannot_pin_the_arena_full(served):
     Now slots in flight are bounded (DaemonLimits.max_send_pinned_bytes): beyond that a reply is a copy."""
     daemon = served(cpu_bytes=8 << 20)
     keys = [f"big{i}:0" for i in range(6)]
-    with DaemonClient(daemon.endpoint, timeout_s=20) as client:
-        client.put([(k, torch.full((1 << 20,), i, dtype=torch.uint8)) for i, k in enumerate(keys)])
+    with DaemonClient(daemon.endpoint, timeout_s=20, shm_bytes=1 << 20) as client:     # arena slots (test_kvstore_
+        client.put([(k, torch.full((1 << 20,), i, dtype=torch.uint8)) for i, k in enumerate(keys)])   # arena_frames:
+        #                                                               a TCP put's frames, sent as themselves)
         proc = subprocess.Popen([sys.executable, "-c", STALLED_READER, daemon.endpoint, "8", *keys],
                                 stdout=subprocess.PIPE, text=True)
         try:
@@ -274,8 +275,8 @@ def test_a_reply_sent_as_a_copy_copies_each_slot_once(served):
     get naming one big key a thousand times would make the daemon allocate a thousand copies)."""
     daemon = served(cpu_bytes=4 << 20, limits=DaemonLimits(max_send_pinned_bytes=0))
     want = torch.arange(64 << 10, dtype=torch.int32)                  # 256 KiB
-    with DaemonClient(daemon.endpoint, timeout_s=20) as client:
-        client.put([("big:0", want)])
+    with DaemonClient(daemon.endpoint, timeout_s=20, shm_bytes=1 << 20) as client:
+        client.put([("big:0", want)])                     # into an arena slot (a TCP put's frame would be sent as itself)
     sock = shared_context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(daemon.endpoint)
@@ -300,7 +301,7 @@ def test_slots_sent_in_place_to_a_reader_that_dies_mid_reply_are_unpinned(served
     stayed pinned (6 MiB of an 8 MiB arena here) for as long as the daemon got no other request."""
     daemon = served(cpu_bytes=8 << 20, limits=DaemonLimits(max_send_pinned_bytes=1 << 30))
     keys = [f"big{i}:0" for i in range(6)]
-    with DaemonClient(daemon.endpoint, timeout_s=20) as client:
+    with DaemonClient(daemon.endpoint, timeout_s=20, shm_bytes=1 << 20) as client:      # into arena slots
         client.put([(k, torch.full((1 << 20,), i, dtype=torch.uint8)) for i, k in enumerate(keys)])
     proc = subprocess.Popen([sys.executable, "-c", STALLED_READER, daemon.endpoint, "8", *keys],
                             stdout=subprocess.PIPE, text=True)
