@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import zmq
 
 TOKEN = "c" * 32
 
@@ -89,3 +90,62 @@ def test_a_peer_without_any_key_cannot_make_the_node_buffer_a_huge_handshake_fra
     grown = _rss_mb(proc.pid) - before
     assert sent < HUGE_HELLO, f"the node took a {HUGE_HELLO >> 20} MB handshake frame whole (+{grown:.0f} MB)"
     assert grown < 16, f"the node's memory grew {grown:.0f} MB"
+
+
+def test_a_node_on_another_token_is_reported_and_read_again_once_it_matches(caplog):
+    """A node restarted on its fixed events port with another cluster token refuses the proxy's CURVE handshake.
+    Before the fix nothing said so: no log line, no counter (before CURVE its batches were counted ``forged`` and
+    logged) -- the SUB retried every ~0.1 s in silence. Now the refusal is logged once and counted
+    (``kv_events{outcome="refused"}``), and the proxy reads the node again when it is back on the cluster's token."""
+    import asyncio
+    import logging
+
+    from pdserve.engine.kv.kv_events import KVEventPublisher
+    from pdserve.proxy.kv_events import EventSubscriber
+    from pdserve.proxy.metrics import ProxyMetrics
+    from pdserve.proxy.nodes import Node
+
+    caplog.set_level(logging.INFO, logger="pdserve.proxy.kv_events")
+    first = KVEventPublisher(TOKEN)
+    port = int(_address(first.endpoint)[1])
+
+    async def until(condition, what):
+        deadline = time.monotonic() + 5
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.02)
+
+    async def restart(token):                                      # the old socket unbinds in ZMQ's I/O thread
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                return KVEventPublisher(token, port)
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, f"port {port} stays bound"
+                await asyncio.sleep(0.02)
+
+    async def main():
+        metrics, node = ProxyMetrics(), Node("http://n", "decode")
+        refused = metrics.kv_events.labels("refused")._value.get
+        sub = EventSubscriber(TOKEN, metrics)
+        pubs = [first]
+        try:
+            sub.watch(node, first.endpoint, first.replay_endpoint)
+            await until(lambda: node.kv.epoch == first._epoch, "the proxy reads the node")
+            first.close()
+            pubs.append(await restart("o" * 32))          # restarted on another token
+            sub.watch(node, pubs[-1].endpoint, pubs[-1].replay_endpoint)
+            await until(lambda: refused() >= 1, "the refused handshake is counted")
+            await asyncio.sleep(0.3)                              # ~3 more refusals: still one line, one count
+            lines = [r for r in caplog.records if "refused" in r.getMessage() and "handshake" in r.getMessage()]
+            assert len(lines) == 1 and refused() == 1, [r.getMessage() for r in lines]
+            pubs[-1].close()
+            pubs.append(await restart(TOKEN))             # back on the cluster's token
+            sub.watch(node, pubs[-1].endpoint, pubs[-1].replay_endpoint)
+            await until(lambda: node.kv.epoch == pubs[-1]._epoch, "the proxy reads the node again")
+        finally:
+            await sub.stop()
+            for pub in pubs[1:]:
+                pub.close()
+
+    asyncio.run(main())
