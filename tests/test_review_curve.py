@@ -1,6 +1,12 @@
 """Hostile review of CURVE on a node's KV-event sockets (merge 59e32b8): what a local user without the cluster
 token can still make the node do, and what the proxy sees when node and proxy disagree on the token.
 
+- A peer with no key at all greets the PUB / replay ROUTER as a CURVE client and sends a 64 MB "HELLO": the node
+  must hang up at the frame's size, not buffer it (the PUB had no MAXMSGSIZE).
+- A node restarted on its port with another token refuses the proxy's handshake: the proxy must say so (a log line
+  and ``kv_events{outcome="refused"}``, once per run of refusals) and read the node again once it is back on the
+  cluster's token.
+
 Real processes and sockets: the node's publisher runs in its own process (so its memory is its own), the attacker
 is a raw TCP socket speaking just enough ZMTP (the greeting, then one command frame) -- no key of any kind.
 """
