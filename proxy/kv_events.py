@@ -18,7 +18,10 @@ counted (``replay_failed``) and routing goes on with the live events; replays of
 ``REPLAY_MIN_INTERVAL_S`` apart. The sockets only connect (to 127.0.0.1 endpoints the nodes bind), both (the SUB
 and the replay DEALER) as CURVE clients of the nodes' key pair, which follows from the token
 (``engine.kv.kv_curve``): whoever sits on such a port without the token never completes the handshake, so
-nothing it sends reaches the proxy; see docs/threat-model.md.
+nothing it sends reaches the proxy; see docs/threat-model.md. A node whose socket refuses the SUB's handshake (on
+another cluster token; or someone else on its port) sends nothing the proxy could count, so the SUB's monitor
+reports it: one warning and one ``outcome="refused"`` per run of refusals (ZMQ retries every ~0.1 s), and an info
+line when the node accepts again.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from pdserve.engine.kv.kv_curve import connect_to, server_keys
 from pdserve.engine.kv.kv_events import decode_batch, events_key
@@ -41,6 +45,8 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 2 << 20
 REPLAY_TIMEOUT_S = 2.0
 REPLAY_MIN_INTERVAL_S = 1.0
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class EventSubscriber:
@@ -86,6 +92,8 @@ class EventSubscriber:
 
     async def _read(self, node: Node, sock, endpoint: str) -> None:
         last_replay = -REPLAY_MIN_INTERVAL_S
+        monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+        handshakes = asyncio.ensure_future(self._handshakes(node, monitor, endpoint))
         try:
             node.kv.needs_replay = True
             while True:
@@ -96,7 +104,25 @@ class EventSubscriber:
                     await self.replay(node, endpoint, replay)
                 self.handle(node, await sock.recv_multipart(), endpoint)
         finally:
+            handshakes.cancel()
             sock.close()
+            monitor.close()                   # here, not in the task: stop() terms the context right after
+
+    async def _handshakes(self, node: Node, monitor, endpoint: str) -> None:
+        """Says when ``node``'s socket refuses the SUB's handshake, once per run of refusals, and when it accepts
+        again (the retries themselves are ZMQ's)."""
+        refused = False
+        while True:
+            event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event != zmq.EVENT_HANDSHAKE_SUCCEEDED and not refused:
+                logger.warning("%s node %s's KV-event socket %s refused the proxy's handshake: it is on another "
+                               "cluster token (PDSERVE_KV_AUTH_TOKEN), or not the node; its events are not read "
+                               "until it accepts", node.role, node.url, endpoint)
+                self._metrics.kv_events.labels("refused").inc()
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and refused:
+                logger.info("%s node %s's KV-event socket %s accepts the proxy's handshake again", node.role,
+                            node.url, endpoint)
+            refused = event != zmq.EVENT_HANDSHAKE_SUCCEEDED
 
     async def replay(self, node: Node, endpoint: str, replay: str) -> str:
         """Ask ``node``'s replay socket for its whole block set (live batches wait in the SUB socket meanwhile);

@@ -46,8 +46,10 @@ class ProxyMetrics:
                                         registry=r)
         self.kv_events = Counter("pdserve_proxy_kv_events", "KV-event batches from the nodes by outcome (accepted, "
                                  "reset: accepted after forgetting the node's state, stale: a replayed epoch or "
-                                 "sequence, forged: bad MAC or malformed; replayed: a node's whole set read from its replay "
-                                 "socket, or a batch it already held; replay_failed)", ["outcome"], registry=r)
+                                 "sequence, forged: bad MAC or malformed; replayed: a node's whole set read from its "
+                                 "replay socket, or a batch it already held; replay_failed; refused: a node's socket "
+                                 "refused the proxy's CURVE handshake (another cluster token), once per run of "
+                                 "refusals)", ["outcome"], registry=r)
         self.node_cached_blocks = Gauge("pdserve_proxy_node_cached_blocks", "blocks a node's KV events say its prefix "
                                         "cache holds", ["role", "node"], registry=r)
         self.redis_prefix_mismatch = Gauge("pdserve_proxy_kv_redis_prefix_mismatch", "1 when a node's card names "

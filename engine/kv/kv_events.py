@@ -40,7 +40,7 @@ import msgspec
 import zmq
 
 from pdserve.engine.kv.kv_curve import serve, server_keys
-from pdserve.engine.kv.kv_replay import BlockMirror, ReplayServer, ReplayState
+from pdserve.engine.kv.kv_replay import MAX_FRAME_BYTES, BlockMirror, ReplayServer, ReplayState
 
 logger = logging.getLogger(__name__)
 TOPIC = b"kv-events"
@@ -115,6 +115,10 @@ class KVEventPublisher:
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 1000)     # a slow subscriber loses batches (it sees the seq gap)
+        # What a PUB reads: subscriptions (the proxy's is 1 byte) and, before that, the handshake -- which ZMQ
+        # buffers whole before CURVE looks at it: uncapped, a peer without any key made the node hold a 200 MB
+        # "HELLO" per connection until the handshake timed out (tests/test_review_curve.py).
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         serve(self._sock, curve)                      # only token holders subscribe (``kv_curve``)
         self._sock.bind(f"tcp://127.0.0.1:{port or '*'}")
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
