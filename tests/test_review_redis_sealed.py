@@ -226,3 +226,73 @@ def test_a_flagged_object_whose_payload_length_differs_from_its_seal_is_a_counte
         assert tier.get(["n:0"]) == [None] and client.exists(prefix + "n:0") == 0
     assert tier.stats()["redis"]["checksum_failures"] == 2
     tier.close()
+
+
+# -- end to end: real engines, the store between them is Redis --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    from hf_reference import hf_model
+    return hf_model(tiny_llama)
+
+
+def test_kv_planted_flagged_in_redis_is_refused_and_recomputed(tiny_llama, reference, redis_server):
+    """Holds: forged KV planted the way format 3 writes a sealed object (FLAG_SEALED, so the tier never hashes the
+    payload; MAC'd with a key the attacker made up) reaches both loaders and is refused by their seal: the prefill
+    node recomputes and publishes the real KV over it, the decode node loads that, both answers are HF's."""
+    from forgery import forge_keyed
+    from test_kv_forgery import _engine, _plant, _victim
+    from hf_reference import random_prompt
+
+    prefix = unique_prefix() + ":"
+    raw = redis.Redis(port=redis_server.port)
+    prompt = random_prompt(reference.config.vocab_size, 70, seed=31)
+    probe = _engine(tiny_llama, "both", TieredStore(MemoryTier(1 << 20)))
+    planted = _plant(probe, prompt, lambda k, obj: raw.set(prefix + k, codec.encode(obj, "none", k, sealed_for)),
+                     forge_keyed)
+    probe.shutdown()
+    assert all(raw.getrange(prefix + k, 9, 9) == b"\x01" for k in planted)
+    stores = [TieredStore(MemoryTier(64 << 20), [RedisTier(redis_server.url, prefix)]) for _ in range(2)]
+    try:
+        loader, pacc, dacc = _victim(tiny_llama, reference, prompt, *stores)
+    finally:
+        for store in stores:
+            store.close()
+    assert loader.integrity_failures == 1 and pacc["loaded_tokens"] == 0 and dacc["loaded_tokens"] > 0
+
+
+def test_a_payload_flipped_in_redis_between_publish_and_load_is_recomputed(tiny_llama, reference, redis_server):
+    """Holds: the prefill node publishes (write-through to Redis); one payload byte of a published object is changed
+    in Redis; a decode node with its own L1 loads the request: its seal refuses that object (counted, discarded),
+    the chunks after it are recomputed, the answer is HF's, and a second decode of the same prompt is too."""
+    from engine_run import run_request
+    from forgery import victim_keys
+    from hf_reference import hf_greedy, random_prompt
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.kvstore.keys import object_key
+    from test_kv_forgery import _engine
+
+    prefix = unique_prefix() + ":"
+    raw = redis.Redis(port=redis_server.port)
+    prompt = random_prompt(reference.config.vocab_size, 70, seed=32)
+    pstore = TieredStore(MemoryTier(64 << 20), [RedisTier(redis_server.url, prefix)])
+    dstore = TieredStore(MemoryTier(64 << 20), [RedisTier(redis_server.url, prefix)])
+    prefill, decode = _engine(tiny_llama, "prefill", pstore), _engine(tiny_llama, "decode", dstore)
+    try:
+        _, out = run_request(prefill, "p", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                             {"do_remote_decode": True})
+        assert pstore.flush(10.0)
+        victim = object_key(victim_keys(prompt, 32, prefill.connector.fingerprint)[1], 0)   # chunk 1, layer 0
+        _flip(raw, prefix + victim, PAYLOAD + 7)
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        tokens, dout = run_request(decode, "d", prompt, greedy, out.kv_transfer_params)
+        assert tokens == hf_greedy(reference, prompt, 8)
+        assert decode.connector.loader.integrity_failures == 1 and raw.exists(prefix + victim) == 0
+        assert 0 < dout.kv_accounting["loaded_tokens"] <= 32           # chunk 0 loaded, the rest recomputed
+        again, _ = run_request(decode, "d2", prompt, greedy, out.kv_transfer_params)
+        assert again == tokens
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+        pstore.close()
+        dstore.close()
