@@ -105,15 +105,15 @@ class TieredStore(ArenaSlots, KVStore):
         for tier in self.lower:
             self._read(tier, "delete", keys)
 
-    def discard(self, key: str, refused: torch.Tensor) -> None:
-        """L1's copy, then each lower tier's copy that holds ``refused``'s bytes (or that its tier cannot read): a
-        sealed object's payload is checked by the loader's MAC alone (codec FLAG_SEALED), so a byte changed in Redis
-        reaches the loader -- the other tiers' copies may be intact, and the next read takes them (and checks them)."""
+    def discard_where(self, key: str, is_refused) -> None:
+        """L1's copy, then each lower tier's copy that ``is_refused`` (or that its tier cannot read): a sealed
+        object's payload is checked by the loader's MAC alone (codec FLAG_SEALED), so a byte changed in Redis reaches
+        the loader -- the other tiers' copies may be intact, and the next read takes them (and checks them)."""
         self.l1.delete([key])
         self._wait_queued(("barrier", _Marker()))
         for tier in self.lower:
             copy = self._read(tier, "get", [key])
-            if copy and copy[0] is not None and not torch.equal(copy[0], refused):
+            if copy and copy[0] is not None and not is_refused(copy[0]):
                 continue                   # another object: the next reader's (its seal is checked then)
             self._read(tier, "delete", [key])
 

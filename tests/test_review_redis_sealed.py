@@ -296,3 +296,39 @@ def test_a_payload_flipped_in_redis_between_publish_and_load_is_recomputed(tiny_
         decode.shutdown()
         pstore.close()
         dstore.close()
+
+
+def test_through_a_daemon_a_payload_flipped_in_redis_does_not_cost_the_disk_copy(redis_server, tmp_path):
+    """Finding (the daemon's half of the one above): a node loading through ``--kv-store tcp://`` refused the object
+    the daemon read from Redis and sent Delete: the daemon removed every copy, the intact one on its disk too. Now
+    the client sends Discard with the refused bytes' digest; the daemon keeps the disk's copy, the next get has it."""
+    from kvstore_fixtures import TOKEN, DaemonProcess, wait_for
+    from pdserve.kvstore.client import DaemonClient
+
+    prefix = unique_prefix() + ":"
+    raw = redis.Redis(port=redis_server.port)
+    flags = ("--kv-cpu-bytes", str(64 << 20), "--kv-redis", redis_server.url, "--kv-redis-prefix", prefix,
+             "--kv-disk-dir", str(tmp_path / "kv"), "--log-level", "ERROR")
+    obj = _sealed("c:0")
+    daemon = DaemonProcess(*flags, token=TOKEN)
+    try:
+        with DaemonClient(daemon.url, token=TOKEN, timeout_s=20) as client:
+            client.put([("c:0", obj)])
+        wait_for(lambda: raw.exists(prefix + "c:0") and list((tmp_path / "kv").glob("*.kv")), what="write-through")
+    finally:
+        daemon.stop()
+    _flip(raw, prefix + "c:0", PAYLOAD + 1000)
+    daemon = DaemonProcess(*flags, token=TOKEN)                 # empty L1: the read goes to Redis
+    try:
+        with DaemonClient(daemon.url, token=TOKEN, timeout_s=20) as client:
+            loader = _loader(client)
+            try:
+                with client.borrow(["c:0"]) as objs:
+                    assert loader.unsealed("c:0", objs[0], SHAPE[1]) is None
+                assert loader.integrity_failures == 1 and raw.exists(prefix + "c:0") == 0
+                with client.borrow(["c:0"]) as objs:
+                    assert objs[0] is not None and torch.equal(objs[0], obj)
+            finally:
+                loader.stop()
+    finally:
+        daemon.stop()
