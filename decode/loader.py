@@ -17,7 +17,8 @@ scatters the token range ``[start, start + n)`` into the blocks the scheduler al
 thread's own double-buffered ``ScatterPipe`` (``kernels/scatter_pipe.py``: chunk i+1 is read, checked and packed
 while chunk i moves into the cache; one sync per job, before the load is reported finished). A missing,
 malformed or mismatching object stops the load at the chunk before it: those tokens are recomputed,
-never read wrong. An object whose seal fails is deleted from the store (it would fail every reader).
+never read wrong. An object whose seal fails is discarded from the store (it would fail every reader; a
+tier that holds another copy keeps it: ``KVStore.discard``).
 
     prompt   |<- chunk 0 ->|<- chunk 1 ->|<- chunk 2 ->|
     load         [start ................ start+n)          (block-aligned; never the last prompt token)
@@ -201,7 +202,7 @@ class ChunkLoader:
         except SealError as exc:
             self.integrity_failures += 1
             logger.warning("%s; deleted from the store, recomputing from here", exc)
-            self._discard(key)
+            self._discard(key, obj)
             return None
         if tuple(view.shape) != self._shape(length):
             logger.warning("chunk object %s has shape %s, want %s; recomputing from here", key,
@@ -217,9 +218,10 @@ class ChunkLoader:
                        "recomputing from here", key.rsplit(":", 1)[0], chunk_digest(macs), expect)
         return False
 
-    def _discard(self, key: str) -> None:
+    def _discard(self, key: str, obj) -> None:
+        """The refused object's copies leave the store (``KVStore.discard``: a tier holding another copy keeps it)."""
         try:
-            self.store.delete([key])
+            self.store.discard(key, obj)
         except Exception as exc:  # noqa: BLE001 - the store is failing anyway; the miss is what counts
             logger.debug("could not delete bad object %s: %s", key, exc)
 

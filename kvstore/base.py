@@ -62,6 +62,15 @@ class KVStore(abc.ABC):
         """Tensors to read (not write) while the block lasts; hits stay pinned until exit."""
         yield self.get(keys)
 
+    def discard(self, key: str, refused: torch.Tensor) -> None:
+        """A reader refused ``refused``, read under ``key`` (its seal failed): remove it. Here every copy of ``key``;
+        a store that keeps several copies (``TieredStore``) removes only those holding the refused bytes."""
+        self.discard_where(key, lambda copy: torch.equal(copy, refused))
+
+    def discard_where(self, key: str, is_refused) -> None:
+        """``discard`` with the refused bytes known by a test, ``is_refused(copy)`` (one copy here: deleted)."""
+        self.delete([key])
+
     def lookup(self, chunk_keys: list[str], num_layers: int) -> int:
         """Number of leading chunks whose every layer object is present."""
         if num_layers <= 0:

@@ -119,6 +119,14 @@ class DaemonClient(KVStore):
         for b in self._batches(keys):
             self._request(P.Delete(keys=b))
 
+    def discard(self, key: str, refused: torch.Tensor) -> None:
+        """Only the daemon's copies of ``refused``'s bytes (``P.Discard``); a daemon without Discard: Delete."""
+        self._batches([key])
+        try:
+            self._request(P.Discard(keys=[key], digests=[P.digest_of(key, tensor_bytes(refused))]))
+        except DaemonError:
+            self.delete([key])
+
     def stats(self) -> StatsDict:
         with self._lock:
             self._check_open()

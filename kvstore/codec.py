@@ -57,7 +57,10 @@ with warnings.catch_warnings():
 MAGIC = b"PDKV"
 FORMAT_VERSION = 3                     # 2: key hash in the header; 3: the flags byte (FLAG_SEALED)
 READ_VERSIONS = (2, FORMAT_VERSION)    # format 2 is format 3 with byte 9 always 0 (padding): still read, never
-                                       # deleted, so nodes upgraded one by one keep their peers' objects
+                                       # deleted, so an upgraded node keeps the objects older peers wrote. Not the
+                                       # other way: an older node refuses every format 3 object it reads (bad
+                                       # version) and deletes it -- during a rolling upgrade an old node's reads
+                                       # cost the new nodes' KV (a recompute, never a wrong answer)
 CODECS = {"none": 0, "lz4": 1}
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
            torch.uint8, torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -39,8 +39,9 @@ import zmq
 from pdserve.kvstore import protocol as P
 from pdserve.kvstore.auth import ClusterKey, check_exposure
 from pdserve.kvstore.base import KVStore
-from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
+from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES, tensor_bytes
 from pdserve.kvstore.daemon_arena import ArenaServer
+from pdserve.kvstore.keys import check_key
 from pdserve.kvstore.session import Sessions, SessionError
 from pdserve.kvstore.shm import MAP_GRACE_S, NoSegment, SegmentTable, ShmSegment, align
 from pdserve.kvstore.zmq_context import shared_context
@@ -86,7 +87,8 @@ class KVDaemon:
             (self._arena.arena.size // 4 if self._arena is not None else 0)
         self._pinned_reply: list = []     # slots the reply being built sends (handler -> serve)
         self._handlers = {P.Put: self._put, P.Get: self._get, P.Contains: self._contains,
-                          P.Lookup: self._lookup, P.Delete: self._delete, P.Stats: self._stats,
+                          P.Lookup: self._lookup, P.Delete: self._delete, P.Discard: self._discard,
+                          P.Stats: self._stats,
                           P.Ping: lambda req, ident, frames: (P.Reply(), []),
                           P.Attach: self._attach, P.Detach: self._detach, P.Hello: self._hello,
                           P.MapArena: self._map_arena, P.Reserve: self._reserve, P.Lease: self._lease,
@@ -300,6 +302,15 @@ class KVDaemon:
     def _delete(self, req: P.Delete, ident: bytes, frames: list):
         self._check_batch(len(req.keys))
         self.store.delete(req.keys)
+        return P.Reply(), []
+
+    def _discard(self, req: P.Discard, ident: bytes, frames: list):
+        self._check_batch(len(req.keys))
+        if len(req.digests) != len(req.keys):
+            raise ValueError(f"discard of {len(req.keys)} keys with {len(req.digests)} digests")
+        for key, digest in zip(req.keys, req.digests):
+            check_key(key)
+            self.store.discard_where(key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d)
         return P.Reply(), []
 
     def _stats(self, req: P.Stats, ident: bytes, frames: list):

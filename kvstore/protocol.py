@@ -26,7 +26,7 @@ nothing is hashed, as the keyed MAC every loader checks covers the key and every
 verifies it on its own copy (daemon: Put refused; client: that object is a miss): a sealed
 object's header must name the key and the frame's length, else its digest must match.
 
-Order of a session: [Hello] -> [Attach] -> any of Put/Get/Contains/Lookup/Delete/Stats/Ping ->
+Order of a session: [Hello] -> [Attach] -> any of Put/Get/Contains/Lookup/Delete/Discard/Stats/Ping ->
 [Detach]. Every request carries ``v`` (PROTOCOL_VERSION), ``id`` (echoed in the reply) and
 ``token``. With a cluster token the daemon first proves it holds the wire key in its Hello reply, and
 every other request's ``token`` is a MAC of the daemon's nonce, the client's identity and ``id``
@@ -109,6 +109,14 @@ class Delete(_Req, tag="delete"):
     keys: list[str]
 
 
+class Discard(_Req, tag="discard"):
+    """A loader refused these objects (their seal failed): the daemon removes only the copies whose ``digest_of``
+    is the refused one's -- another tier's intact copy stays (``TieredStore.discard``). A daemon from before this
+    op answers an error; the client then sends Delete."""
+    keys: list[str]
+    digests: list[int]
+
+
 class Stats(_Req, tag="stats"):
     pass
 
@@ -156,7 +164,7 @@ class Envelope(msgspec.Struct):
     token: str = ""
 
 
-Request = Union[Put, Get, Contains, Lookup, Delete, Stats, Ping, Attach, Detach, Hello, MapArena, Reserve, Lease,
+Request = Union[Put, Get, Contains, Lookup, Delete, Discard, Stats, Ping, Attach, Detach, Hello, MapArena, Reserve, Lease,
                 Release]
 
 

@@ -8,6 +8,7 @@ Who calls it: the engine's KV connector (embedded store, the default), the daemo
     get/borrow ──> L1 ──miss──> L2 ──miss──> L3 ; a lower-tier hit is promoted to L1
     contains/lookup: L1, then the lower tiers for what L1 lacks
     delete: L1, wait for queued writes, then every lower tier
+    discard (a loader refused an object's seal): L1, then each lower tier's copy of the refused bytes
 
 Write-through queue: an empty queue accepts any batch (one batch may exceed
 ``queue_bytes``); a non-empty queue that the batch would overflow drops it: memory stays
@@ -103,6 +104,18 @@ class TieredStore(ArenaSlots, KVStore):
         self._wait_queued(("barrier", _Marker()))
         for tier in self.lower:
             self._read(tier, "delete", keys)
+
+    def discard_where(self, key: str, is_refused) -> None:
+        """L1's copy, then each lower tier's copy that ``is_refused`` (or that its tier cannot read): a sealed
+        object's payload is checked by the loader's MAC alone (codec FLAG_SEALED), so a byte changed in Redis reaches
+        the loader -- the other tiers' copies may be intact, and the next read takes them (and checks them)."""
+        self.l1.delete([key])
+        self._wait_queued(("barrier", _Marker()))
+        for tier in self.lower:
+            copy = self._read(tier, "get", [key])
+            if copy and copy[0] is not None and not is_refused(copy[0]):
+                continue                   # another object: the next reader's (its seal is checked then)
+            self._read(tier, "delete", [key])
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """True iff every write this thread enqueued since its previous flush reached every lower tier.
