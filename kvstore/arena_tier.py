@@ -130,8 +130,11 @@ class ArenaTier(KVStore):
         committed together -- in groups of about ``STORE_GROUP_BYTES``, so a batch never holds much more than that
         reserved beside the objects it replaces. ``keep``: the buffers are given to the tier (received frames no
         one else holds or writes): those from ``KEEP_FRAME_FROM`` bytes become frame-backed slots, not copied."""
-        for meta, _ in items:                 # a key no get or delete could name is refused before any slot
-            check_key(meta.key)
+        for meta, data in items:              # a key no get or delete could name is refused before any slot,
+            check_key(meta.key)               # and so is a buffer to keep that is not its meta's length
+            if keep and meta.nbytes >= KEEP_FRAME_FROM and memoryview(data).nbytes != meta.nbytes:
+                raise ValueError(f"object {meta.key!r}: buffer has {memoryview(data).nbytes} bytes, "
+                                 f"meta says {meta.nbytes}")
         out: list[Slot | None] = []
         for group in _groups(items):
             with self._lock:
@@ -179,14 +182,15 @@ class ArenaTier(KVStore):
         if data is None:
             return True
         with self._lock:
-            offset = self._alloc(slot.key, slot.nbytes)      # the slot is pinned: never its own victim
-        if offset is None:
-            return False
+            self._frame_bytes -= _extent(slot.nbytes)         # its frame goes once copied: the room it takes is the
+            offset = self._alloc(slot.key, slot.nbytes)      # frame's (a full L1 evicts nothing); pinned: no victim
+            if offset is None:
+                self._frame_bytes += _extent(slot.nbytes)
+                return False
         self.arena.buf[offset:offset + slot.nbytes] = data   # outside the lock: the extent is ours, the frame immutable
         with self._lock:
             slot.offset = offset                              # (offset first: a reader that sees data None finds it)
             slot.data = slot.source = None
-            self._frame_bytes -= _extent(slot.nbytes)
         return True
 
     def _alloc(self, key: str, nbytes: int) -> int | None:
@@ -249,7 +253,7 @@ class ArenaTier(KVStore):
         """Free reserved slots that were never committed (their writer is gone or moved on)."""
         with self._lock:
             for slot in slots:
-                self.arena.free(slot.offset, slot.nbytes)
+                self._free(slot)
 
     def pin(self, keys: list[str]) -> list[Slot | None]:
         """The committed slots of ``keys`` (None: a miss), each pinned once; LRU order refreshed."""
