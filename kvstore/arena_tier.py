@@ -202,8 +202,8 @@ class ArenaTier(KVStore):
             offset = self.arena.alloc(nbytes)
             if offset is not None:
                 return offset
-            if not self._evict_oldest():                 # room enough, but no free extent that long
-                self._reject(key, nbytes)
+            if not self._evict_oldest(in_arena=True):    # room enough, but no free extent that long: only an
+                self._reject(key, nbytes)                # arena slot's going can make one (a frame holds none)
                 return None
 
     def _make_room(self, key: str, nbytes: int) -> bool:
@@ -216,8 +216,10 @@ class ArenaTier(KVStore):
                 return self._reject(key, nbytes)
         return True
 
-    def _evict_oldest(self) -> bool:
-        victim = next((s for s in self._index.values() if s.pins == 0), None)    # the oldest unpinned
+    def _evict_oldest(self, in_arena: bool = False) -> bool:
+        """Evict the oldest unpinned object (``in_arena``: the oldest unpinned arena slot); False if none."""
+        victim = next((s for s in self._index.values() if s.pins == 0 and not (in_arena and s.data is not None)),
+                      None)
         if victim is None:
             return False
         del self._index[victim.key]

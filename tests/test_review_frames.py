@@ -10,6 +10,8 @@ Findings, each failing on eb919de:
     (``Arena.free(-1, n)``): the allocator took offset -1 as free space and the frame bytes stayed counted for good;
     and a kept buffer whose length is not its meta's was kept (served with the wrong length, counted as the meta's).
     Not reachable from the daemon, which checks frame lengths first.
+  * Room for an arena extent in a fragmented arena (a Reserve, a place) was made by evicting the oldest unpinned
+    objects, frame-backed ones too -- which hold no extent: they went for nothing.
 What held up, kept as a test: objects of sizes around zmq's 8 KiB receive buffer and KEEP_FRAME_FROM put over
 TCP by several clients at once, one per message and many per message, each read back bit-exact over TCP and
 shared memory, and from disk after L1 evicted them.
@@ -119,3 +121,20 @@ def test_objects_around_the_keep_threshold_from_concurrent_writers_read_back_bit
             assert [k for k, t in zip(keys, got) if not torch.equal(t, written[k])] == []
     finally:
         daemon.stop()
+
+
+def test_room_for_an_arena_extent_in_a_fragmented_arena_is_not_made_by_evicting_frame_backed_objects():
+    """Placing an object that fits L1's size but no free extent evicts arena slots until one is long enough: a
+    frame-backed object, which holds no extent, must not go for nothing."""
+    tier, half = ArenaTier(4 * N), N // 2
+    tier.put([(f"a{i}:0", _full(i, half)) for i in range(8)])         # the arena full of N/2 slots
+    tier.delete(["a1:0", "a3:0", "a5:0"])                               # three N/2 holes, none next to another
+    tier.store_many([(_meta("g:0", half), memoryview(bytearray(half))),
+                     (_meta("f:0", N), memoryview(bytearray(N)))], keep=True)
+    tier.get([f"a{i}:0" for i in (0, 2, 4, 6, 7)])                    # LRU now: g, f, a0, a2, ...
+    (slot,) = tier.lease(["f:0"])
+    assert tier.place(slot)
+    assert tier.contains(["g:0", "a0:0"]) == [True, False]              # a0 went (its extent joins a1's hole)
+    assert tier.stats()["memory"]["evictions"] == 1
+    tier.unpin([slot])
+    tier.close()
