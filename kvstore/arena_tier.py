@@ -17,7 +17,9 @@ its bytes (``Slot.data``, offset -1) instead of copying it into the arena. TCP g
 read it there. A mapped client can only read the arena, so a Lease first ``place``s the slot: its bytes are
 copied into an arena extent once, and it is an ordinary arena slot from then on. Capacity counts both kinds:
 arena extents in use (reserved, committed, or retired but pinned) plus frame-backed slots' bytes (``_frame_bytes``)
-stay within the arena's size, and eviction (oldest unpinned first) frees either kind.
+stay within the arena's size, and eviction (oldest unpinned first) frees either kind -- except when there is room
+but no free extent long enough: then only arena slots go (a frame holds none). A place takes its extent in the room
+its frame counted (a full L1 evicts nothing for it); while it copies, the frame and the extent both exist.
 
 Pins: a slot is pinned while a client holds a lease on it (reading it out of the arena), while the daemon's
 zmq I/O thread sends it, and while the write-through thread copies it to Redis/disk. Eviction skips pinned
