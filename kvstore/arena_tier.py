@@ -51,8 +51,8 @@ from pdserve.kvstore.keys import check_key
 
 log = logging.getLogger(__name__)
 STORE_GROUP_BYTES = 8 << 20     # store_many reserves, copies and commits this much at a time
-KEEP_FRAME_FROM = 64 << 10      # store_many(keep=True) keeps buffers from this size as they are; smaller ones are
-#                                 copied (a small zmq frame may share the I/O thread's 8 KiB receive buffer)
+KEEP_FRAME_FROM = P.KEEP_FRAME_FROM  # store_many(keep=True) keeps buffers from this size as they are; smaller ones
+#                                     are copied (a small zmq frame may share the I/O thread's 8 KiB receive buffer)
 
 
 @dataclass(eq=False)

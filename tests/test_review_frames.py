@@ -138,3 +138,28 @@ def test_room_for_an_arena_extent_in_a_fragmented_arena_is_not_made_by_evicting_
     assert tier.stats()["memory"]["evictions"] == 1
     tier.unpin([slot])
     tier.close()
+
+
+def _rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1]) >> 10
+
+
+def test_small_objects_put_over_tcp_into_a_plain_l1_do_not_each_keep_a_zmq_receive_buffer():
+    """A frame that fits in zmq's 8 KiB receive buffer is a slice of it (zmq counts references to the buffer):
+    L1 keeping it kept the whole buffer. One 100-byte object per put held ~9 KiB (20000 puts: 2 MB in L1, the
+    daemon's RSS +183 MiB)."""
+    daemon = DaemonProcess("--kv-cpu-bytes", str(64 << 20), "--no-kv-shm-arena", "--log-level", "WARNING",
+                           token=TOKEN)
+    try:
+        with DaemonClient(daemon.url, token=TOKEN, timeout_s=20) as client:
+            small = torch.arange(100, dtype=torch.uint8)
+            client.put([("warm:0", small)])
+            before = _rss_mib(daemon.proc.pid)
+            for i in range(4000):                                      # one per message: one receive each
+                client.put([(f"s{i}:0", small)])
+            assert client.stats()["memory"]["bytes"] == 4001 * 100
+            assert _rss_mib(daemon.proc.pid) - before < 16             # kept buffers: ~36 MiB; copies: < 2 MiB
+            assert torch.equal(client.get(["s3999:0"])[0], small)
+    finally:
+        daemon.stop()
