@@ -12,6 +12,12 @@ Findings, each failing on eb919de:
     Not reachable from the daemon, which checks frame lengths first.
   * Room for an arena extent in a fragmented arena (a Reserve, a place) was made by evicting the oldest unpinned
     objects, frame-backed ones too -- which hold no extent: they went for nothing.
+  * A daemon with a plain L1 (``--no-kv-shm-arena``) kept every received frame as its object's bytes, however
+    small: a frame under 8 KiB is a slice of zmq's receive buffer, so each one kept that whole buffer (20000 puts
+    of 100 bytes, one per message: 2 MB in L1, the daemon's RSS +183 MiB; copied: +18 MiB). The 64 KiB threshold
+    held only on the arena path; ``protocol.frame_tensor`` now copies below it too.
+  * (test_kvstore_arena_frames) the stalled-reader test read ``pinned`` right after the hits it waited for, but a
+    get counts its hits when it pins, before it unpins: under load it saw the last get's 6 pins.
 What held up, kept as a test: objects of sizes around zmq's 8 KiB receive buffer and KEEP_FRAME_FROM put over
 TCP by several clients at once, one per message and many per message, each read back bit-exact over TCP and
 shared memory, and from disk after L1 evicted them.
