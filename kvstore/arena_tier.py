@@ -17,7 +17,9 @@ its bytes (``Slot.data``, offset -1) instead of copying it into the arena. TCP g
 read it there. A mapped client can only read the arena, so a Lease first ``place``s the slot: its bytes are
 copied into an arena extent once, and it is an ordinary arena slot from then on. Capacity counts both kinds:
 arena extents in use (reserved, committed, or retired but pinned) plus frame-backed slots' bytes (``_frame_bytes``)
-stay within the arena's size, and eviction (oldest unpinned first) frees either kind.
+stay within the arena's size, and eviction (oldest unpinned first) frees either kind -- except when there is room
+but no free extent long enough: then only arena slots go (a frame holds none). A place takes its extent in the room
+its frame counted (a full L1 evicts nothing for it); while it copies, the frame and the extent both exist.
 
 Pins: a slot is pinned while a client holds a lease on it (reading it out of the arena), while the daemon's
 zmq I/O thread sends it, and while the write-through thread copies it to Redis/disk. Eviction skips pinned
@@ -49,8 +51,8 @@ from pdserve.kvstore.keys import check_key
 
 log = logging.getLogger(__name__)
 STORE_GROUP_BYTES = 8 << 20     # store_many reserves, copies and commits this much at a time
-KEEP_FRAME_FROM = 64 << 10      # store_many(keep=True) keeps buffers from this size as they are; smaller ones are
-#                                 copied (a small zmq frame may share the I/O thread's 8 KiB receive buffer)
+KEEP_FRAME_FROM = P.KEEP_FRAME_FROM  # store_many(keep=True) keeps buffers from this size as they are; smaller ones
+#                                     are copied (a small zmq frame may share the I/O thread's 8 KiB receive buffer)
 
 
 @dataclass(eq=False)
@@ -130,8 +132,11 @@ class ArenaTier(KVStore):
         committed together -- in groups of about ``STORE_GROUP_BYTES``, so a batch never holds much more than that
         reserved beside the objects it replaces. ``keep``: the buffers are given to the tier (received frames no
         one else holds or writes): those from ``KEEP_FRAME_FROM`` bytes become frame-backed slots, not copied."""
-        for meta, _ in items:                 # a key no get or delete could name is refused before any slot
-            check_key(meta.key)
+        for meta, data in items:              # a key no get or delete could name is refused before any slot,
+            check_key(meta.key)               # and so is a buffer to keep that is not its meta's length
+            if keep and meta.nbytes >= KEEP_FRAME_FROM and memoryview(data).nbytes != meta.nbytes:
+                raise ValueError(f"object {meta.key!r}: buffer has {memoryview(data).nbytes} bytes, "
+                                 f"meta says {meta.nbytes}")
         out: list[Slot | None] = []
         for group in _groups(items):
             with self._lock:
@@ -179,14 +184,15 @@ class ArenaTier(KVStore):
         if data is None:
             return True
         with self._lock:
-            offset = self._alloc(slot.key, slot.nbytes)      # the slot is pinned: never its own victim
-        if offset is None:
-            return False
+            self._frame_bytes -= _extent(slot.nbytes)         # its frame goes once copied: the room it takes is the
+            offset = self._alloc(slot.key, slot.nbytes)      # frame's (a full L1 evicts nothing); pinned: no victim
+            if offset is None:
+                self._frame_bytes += _extent(slot.nbytes)
+                return False
         self.arena.buf[offset:offset + slot.nbytes] = data   # outside the lock: the extent is ours, the frame immutable
         with self._lock:
             slot.offset = offset                              # (offset first: a reader that sees data None finds it)
             slot.data = slot.source = None
-            self._frame_bytes -= _extent(slot.nbytes)
         return True
 
     def _alloc(self, key: str, nbytes: int) -> int | None:
@@ -198,8 +204,8 @@ class ArenaTier(KVStore):
             offset = self.arena.alloc(nbytes)
             if offset is not None:
                 return offset
-            if not self._evict_oldest():                 # room enough, but no free extent that long
-                self._reject(key, nbytes)
+            if not self._evict_oldest(in_arena=True):    # room enough, but no free extent that long: only an
+                self._reject(key, nbytes)                # arena slot's going can make one (a frame holds none)
                 return None
 
     def _make_room(self, key: str, nbytes: int) -> bool:
@@ -212,8 +218,10 @@ class ArenaTier(KVStore):
                 return self._reject(key, nbytes)
         return True
 
-    def _evict_oldest(self) -> bool:
-        victim = next((s for s in self._index.values() if s.pins == 0), None)    # the oldest unpinned
+    def _evict_oldest(self, in_arena: bool = False) -> bool:
+        """Evict the oldest unpinned object (``in_arena``: the oldest unpinned arena slot); False if none."""
+        victim = next((s for s in self._index.values() if s.pins == 0 and not (in_arena and s.data is not None)),
+                      None)
         if victim is None:
             return False
         del self._index[victim.key]
@@ -249,7 +257,7 @@ class ArenaTier(KVStore):
         """Free reserved slots that were never committed (their writer is gone or moved on)."""
         with self._lock:
             for slot in slots:
-                self.arena.free(slot.offset, slot.nbytes)
+                self._free(slot)
 
     def pin(self, keys: list[str]) -> list[Slot | None]:
         """The committed slots of ``keys`` (None: a miss), each pinned once; LRU order refreshed."""

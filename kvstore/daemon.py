@@ -240,7 +240,7 @@ class KVDaemon:
             frame = next(frames)
             if len(frame) != meta.nbytes:
                 raise ValueError(f"object {meta.key!r}: frame has {len(frame)} bytes, meta says {meta.nbytes}")
-            raw = P.frame_tensor(frame)           # the frame's own memory: L1 keeps it, no copy
+            raw = P.frame_tensor(frame)           # a large frame's own memory (L1 keeps it, no copy)
         else:
             raw = seg.read(meta.offset, meta.nbytes)
         if not P.check_digest(meta, raw.numpy()):

@@ -47,6 +47,8 @@ from pdserve.kvstore.seal import sealed_for
 MAX_DIMS = 8        # what every tier can store (kvstore.codec.MAX_DIMS)
 PROTOCOL_VERSION = 4             # 4: Hello and signed requests (kvstore/session.py)
 FRAME = -1          # ObjMeta.offset: payload is the next zmq frame
+KEEP_FRAME_FROM = 64 << 10   # a received frame from this size is kept as an object's bytes; a smaller one is copied:
+#                              it may be a slice of zmq's 8 KiB receive buffer, which it would keep alive whole
 DEFERRED = -2       # ObjMeta.offset in a Get reply: did not fit in shm this time, ask again
 NO_SEGMENT = "no-segment"   # Reply.code: no segment of the request's generation; Attach again
 NO_SESSION = "no-session"   # Reply.code: no session for this client (daemon restarted, or forgot it); Hello again
@@ -252,5 +254,9 @@ def check_meta(meta: ObjMeta, max_object_bytes: int) -> None:
 
 def frame_tensor(frame) -> torch.Tensor:
     """uint8 [len(frame)] over a received zmq frame's own memory (no copy: the frame is ours alone, writable,
-    and lives as long as the tensor)."""
-    return torch.frombuffer(frame.buffer, dtype=torch.uint8) if len(frame) else torch.empty(0, dtype=torch.uint8)
+    and lives as long as the tensor) -- from ``KEEP_FRAME_FROM`` bytes; a smaller frame is copied (kept, it could
+    hold zmq's whole receive buffer: a 100-byte object ~9 KiB)."""
+    if len(frame) >= KEEP_FRAME_FROM:
+        return torch.frombuffer(frame.buffer, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(frame.buffer), dtype=torch.uint8) if len(frame) else \
+        torch.empty(0, dtype=torch.uint8)
