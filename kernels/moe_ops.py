@@ -110,7 +110,9 @@ def _segments_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.
     start = 0
     for e, end in enumerate(ends.tolist()):             # widths grouped_mm refuses: nonempty segments only
         if end > start:
-            out[start:end] = F.linear(a[start:end], w[e])
+            # a copy: a slice starting mid-buffer is unaligned, and BLAS may then sum in another order than on the
+            # loop's fresh x[token] -- other bits (it did on an AMD EPYC host, test_moe_layer)
+            out[start:end] = F.linear(a[start:end].clone(), w[e])
         start = end
     return out
 
