@@ -11,6 +11,7 @@ import math
 
 from pdserve.bench.client import BACKENDS
 from pdserve.bench.datasets import NAMES, DatasetConfig
+from pdserve.bench.datasets_rounds import HISTORIES
 from pdserve.bench.metrics import METRIC_NAMES, parse_goodput
 from pdserve.bench.runner import TrafficConfig
 from pdserve.bench.serve import BenchConfig
@@ -59,8 +60,9 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=None, help="sets every dataset's output length")
     for name in [f for f in DatasetConfig.__dataclass_fields__ if f not in ("name", "num_prompts", "seed", "path")]:
         default = getattr(d, name)
-        kind = float if isinstance(default, float) else int
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
+        kind = float if isinstance(default, float) else str if isinstance(default, str) else int
+        choices = HISTORIES if name == "multi_round_history" else None
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, choices=choices)
 
 
 def dataset_config(args) -> DatasetConfig:

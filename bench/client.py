@@ -41,6 +41,8 @@ class RequestSpec:
     extra_body: dict[str, Any] = field(default_factory=dict)    # temperature, kv_transfer_params, ...
     headers: dict[str, str] = field(default_factory=dict)
     round: int = 0
+    session: int = -1                 # multi-round generated history: the user, and the text this round adds
+    turn: str = ""                    # after the previous answer (runner.py builds the prompt)
 
 
 def build_body(spec: RequestSpec) -> dict[str, Any]:

@@ -18,6 +18,8 @@ class SampleRequest:
     prompt_len: int
     expected_output_len: int
     round: int = 0                 # requests of round r start after every request of round r-1 ended
+    session: int = -1              # multi-round --multi-round-history generated: the user (runner.py threads it)
+    turn: str = ""                 # ... and the text this round adds after the previous round's answer
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class DatasetConfig:
     multi_round_system_len: int = 256
     multi_round_question_len: int = 64
     multi_round_answer_len: int = 64
+    multi_round_history: str = "synthetic"     # or "generated": the server's own answers (LMCache's multi-round QA)
     long_doc_num_docs: int = 4
     long_doc_len: int = 2048
     long_doc_question_len: int = 32

@@ -1,8 +1,15 @@
 """Datasets played in rounds: round r starts after every request of round r-1 has ended.
 
 Called through ``datasets.sample_requests``. Both reuse long prefixes on purpose, to measure
-prefix caching and the KV store; answers in the history are synthetic (fixed-seed tokens), so the
-workload is the same on every server.
+prefix caching and the KV store.
+
+multi-round's history (``--multi-round-history``):
+  synthetic   (default) the answers in the history are fixed-seed tokens, so the workload is the same text on
+              every server, whatever it answers
+  generated   each round's prompt is the previous round's prompt + the answer the server streamed + the new
+              question, as a chat client sends it and as LMCache's multi-round QA benchmark builds its history
+              (run it greedy, ``--temperature 0``, for the same workload on two servers); the runner threads it
+              (``runner.py``): the dataset gives round 0's prompt and, for later rounds, the question (``turn``)
 
 multi-round (LMCache's multi-round QA shape), user u, round r:
 
@@ -15,21 +22,32 @@ long-doc, document d, round r (round 0 cold, later rounds warm):
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdserve.bench.dataset_base import DatasetConfig, SampleRequest, TokenSource
+
+HISTORIES = ("synthetic", "generated")
 
 
 def multi_round_requests(cfg: DatasetConfig, tokenizer) -> list[SampleRequest]:
     if cfg.multi_round_users < 1 or cfg.multi_round_rounds < 1:
         raise ValueError(f"--multi-round-users {cfg.multi_round_users} and --multi-round-rounds "
                          f"{cfg.multi_round_rounds} must be >= 1")
+    if cfg.multi_round_history not in HISTORIES:
+        raise ValueError(f"--multi-round-history {cfg.multi_round_history!r} must be one of {', '.join(HISTORIES)}")
     src = TokenSource(tokenizer, cfg.seed)
     system = src.tokens(cfg.multi_round_system_len)
     history = [list(system) for _ in range(cfg.multi_round_users)]
+    generated = cfg.multi_round_history == "generated"
     out = []
     for r in range(cfg.multi_round_rounds):
         for u in range(cfg.multi_round_users):
-            history[u] += src.tokens(cfg.multi_round_question_len)
-            out.append(src.request(history[u], cfg.multi_round_answer_len, r))
+            question = src.tokens(cfg.multi_round_question_len)
+            history[u] += question
+            req = src.request(history[u], cfg.multi_round_answer_len, r)
+            if generated:
+                req = dataclasses.replace(req, session=u, turn=src.to_text(question)[0])
+            out.append(req)
             history[u] += src.tokens(cfg.multi_round_answer_len)
     return out
 

@@ -10,13 +10,16 @@ Order: ``num_warmups`` copies of the first request (``run_warmups``) -> the cloc
 round (datasets_rounds; one round otherwise): requests are released at gamma-distributed arrival
 times (shape = burstiness, mean 1/rate, rescaled so the last one is released at n/rate; all at
 once when the rate is inf), each waits for a ``--max-concurrency`` slot, then streams -> the clock
-stops when the last request of the last round has ended.
+stops when the last request of the last round has ended. A multi-round request with a ``session``
+(``--multi-round-history generated``) is sent with its session's last prompt + the answer streamed back +
+its ``turn``: the conversation a chat client carries.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -68,12 +71,27 @@ async def run_requests(http: aiohttp.ClientSession, specs: list[RequestSpec],
     rng = np.random.default_rng(traffic.seed)
     bar = tqdm(total=len(specs), disable=traffic.disable_tqdm, desc="requests")
     outputs: list[RequestOutput] = []
+    history: dict[int, str] = {}           # session -> its last prompt + the answer streamed back
     start = time.perf_counter()
     for round_specs in _rounds(specs):
-        outputs += await _run_round(http, round_specs, traffic, rng, limit, bar)
+        round_specs = [_continued(s, history) for s in round_specs]
+        round_outputs = await _run_round(http, round_specs, traffic, rng, limit, bar)
+        for spec, out in zip(round_specs, round_outputs):
+            if spec.session >= 0:
+                history[spec.session] = spec.prompt + out.generated_text
+        outputs += round_outputs
     duration = time.perf_counter() - start
     bar.close()
     return outputs, duration
+
+
+def _continued(spec: RequestSpec, history: dict[int, str]) -> RequestSpec:
+    """A later round of a generated-history session: its prompt is the session's last prompt, the answer the
+    server gave it (empty when that request failed) and this round's question. Its token count is the usage
+    chunk's (``prompt_len`` keeps the synthetic history's count for a server that sends no usage)."""
+    if spec.session < 0 or spec.session not in history:
+        return spec
+    return dataclasses.replace(spec, prompt=history[spec.session] + spec.turn)
 
 
 def _rounds(specs: list[RequestSpec]) -> list[list[RequestSpec]]:

@@ -126,7 +126,7 @@ def _tokenizer_dir(tokenizer_id: str) -> Path:
 def _spec(cfg: BenchConfig, model_name: str, req: SampleRequest) -> RequestSpec:
     return RequestSpec(cfg.api_url, cfg.backend, model_name, req.prompt, req.prompt_len, req.expected_output_len,
                        ignore_eos=cfg.ignore_eos, extra_body=dict(cfg.sampling), headers=dict(cfg.headers),
-                       round=req.round)
+                       round=req.round, session=req.session, turn=req.turn)
 
 
 def round_stats(outputs: list[RequestOutput]) -> list[dict[str, float]]:

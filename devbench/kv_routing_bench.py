@@ -19,7 +19,8 @@ The clusters:
              --local-prefill-threshold: the proxy follows the nodes' KV events
 Figures:
   * multi-round (``--dataset-name multi-round``): mean TTFT of rounds >= 2 (request-weighted), kv / baseline, over
-    the repeats and per repeat
+    the repeats and per repeat. ``--history generated`` (default): each round's prompt carries the answers the
+    cluster gave (greedy), as a chat client's does; ``synthetic``: fixed-seed answer tokens in the history
   * shared prefix (``prefix_repetition``, one request at a time, kv cluster): the proxy's store-hit tokens per
     request (``pdserve_proxy_store_hit_tokens``) against the ideal -- for each request, the whole chunks it shares
     with an earlier prompt (the store holds every chunk a prefill published; tokens counted by a node's /tokenize)
@@ -78,7 +79,8 @@ def metric(url: str, name: str, **labels) -> float:
 def multi_round_args(a, seed: int) -> list[str]:
     return ["--seed", str(seed), "--dataset-name", "multi-round", "--multi-round-users", str(a.users), "--multi-round-rounds",
             str(a.rounds), "--multi-round-system-len", str(a.system_len), "--multi-round-question-len", str(a.question_len),
-            "--multi-round-answer-len", str(a.answer_len), "--max-concurrency", str(a.users)]
+            "--multi-round-answer-len", str(a.answer_len), "--max-concurrency", str(a.users),
+            "--multi-round-history", a.history, *(("--temperature", "0") if a.history == "generated" else ())]
 
 
 def shared_prefix_args(a) -> list[str]:
@@ -182,6 +184,9 @@ def main() -> int:
                    "268435456\" (8 nodes at once: a real model's default KV cache may not fit the box)")
     p.add_argument("--question-len", type=int, default=32, help="multi-round question tokens per round")
     p.add_argument("--answer-len", type=int, default=32, help="multi-round answer tokens per round (in the history)")
+    p.add_argument("--history", choices=("generated", "synthetic"), default="generated",
+                   help="multi-round history: the server's own answers, greedy (a chat client; LMCache's multi-round "
+                   "QA), or fixed-seed answer tokens (--multi-round-history of pdserve bench serve)")
     p.add_argument("--schedule", choices=("concurrent", "alternating", "sequential"), default="concurrent",
                    help="how the two clusters' workloads are run (see the module's docstring)")
     p.add_argument("--output", default="kv_routing.json")
@@ -197,7 +202,7 @@ def main() -> int:
     pairs = [k / b for k, b in zip(res["kv"]["later_rounds_mean_ttft_ms"], res["baseline"]["later_rounds_mean_ttft_ms"])]
     sp = res["shared_prefix"]
     result = {"hardware": f"{platform.machine()} {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}",
-              "schedule": a.schedule,
+              "schedule": a.schedule, "history": a.history,
               "model": model, **res, "ttft_ratio_rounds_ge_2": kv / base, "ttft_ratio_per_repeat": pairs,
               "store_hit_vs_ideal": sp["store_hit_tokens_per_request"] / max(sp["ideal_per_request"], 1e-9)}
     for name, mean in (("baseline", base), ("kv", kv)):

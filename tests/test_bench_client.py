@@ -35,6 +35,7 @@ DATA = Path(__file__).parent / "data"
 class ScriptedServer:
     def __init__(self):
         self.open = self.peak = self.done = 0
+        self.prompts: list[str] = []          # every completions prompt, in arrival order
         self.pair_up = 0                       # requests still to come that are held in pairs (0: none)
         self.app = FastAPI()
         self.app.post("/v1/completions")(self.completions)
@@ -43,6 +44,8 @@ class ScriptedServer:
 
     async def completions(self, request: Request):
         body = await request.json()
+        if isinstance(body.get("prompt"), str):
+            self.prompts.append(body["prompt"])
         if body.get("prompt") == "fail":
             return JSONResponse({"error": {"message": "scripted failure"}}, status_code=500)
         n = body.get("max_tokens") or body.get("max_completion_tokens")
@@ -177,3 +180,30 @@ def test_result_keys_equal_vllm_reference(scripted, tiny_llama):
     e2el = {"mean_e2el_ms", "median_e2el_ms", "std_e2el_ms", "p99_e2el_ms"}
     expected = set(reference["keys"]) | set(reference["save_detailed_extra_keys"]) | e2el
     assert set(detailed.result) - {"pdserve"} == expected
+
+
+def test_generated_history_carries_each_sessions_answers(scripted):
+    """``--multi-round-history generated``: round r's prompt is the session's round r-1 prompt + the text the
+    server streamed back + round r's question; a failed answer continues the history with nothing; sessionless
+    requests go as they are. Mutations caught: the runner ignoring sessions (round 1 sent its dataset prompt),
+    threading another session's answer, or keeping the round-0 prompt instead of the last one."""
+    url = scripted.url + "/v1/completions"
+    specs = [RequestSpec(url, "openai", "scripted", f"sys u{u} q0 ", 2, 2 + u, round=0, session=u) for u in (0, 1)]
+    specs += [RequestSpec(url, "openai", "scripted", "dataset text", 2, 1, round=r, session=u, turn=f"q{r}u{u} ")
+              for r in (1, 2) for u in (0, 1)]
+    specs += [RequestSpec(url, "openai", "scripted", "fail", 2, 1, round=1, session=7, turn="x"),
+              RequestSpec(url, "openai", "scripted", "dataset text", 2, 1, round=2, session=7, turn="after ")]
+
+    async def go():
+        async with make_client(None) as http:
+            return await run_requests(http, specs, TrafficConfig(disable_tqdm=True))
+    scripted.prompts.clear()
+    outputs, _ = asyncio.run(go())
+    assert [(o.round, o.success) for o in outputs] == [(0, True)] * 2 + [(1, True)] * 2 + [(1, False)] + \
+        [(2, True)] * 3
+    u0 = [p for p in scripted.prompts if p.startswith("sys u0")]
+    u1 = [p for p in scripted.prompts if p.startswith("sys u1")]
+    assert sorted(u0, key=len) == ["sys u0 q0 ", "sys u0 q0 t0 t1 q1u0 ", "sys u0 q0 t0 t1 q1u0 t0 q2u0 "]
+    assert sorted(u1, key=len) == ["sys u1 q0 ", "sys u1 q0 t0 t1 t2 q1u1 ", "sys u1 q0 t0 t1 t2 q1u1 t0 q2u1 "]
+    assert "dataset text" not in scripted.prompts                   # every later round was rebuilt
+    assert "fail" in scripted.prompts and "failafter " in scripted.prompts   # the failed answer added nothing

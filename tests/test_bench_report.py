@@ -97,6 +97,23 @@ def test_multi_round_history_grows(tok):
         assert prompts[1].startswith(prompts[0][:-8]) and prompts[2].startswith(prompts[1][:-8])
 
 
+def test_multi_round_generated_history_names_sessions_and_questions(tok):
+    """``generated``: the same draws as ``synthetic`` (round 0's prompts are equal), each request names its user
+    and the question it adds (the runner builds later prompts from the server's answers); a bad value is a
+    ValueError naming it."""
+    base = dict(name="multi-round", multi_round_users=2, multi_round_rounds=2, multi_round_system_len=20,
+                multi_round_question_len=8, multi_round_answer_len=6)
+    synthetic = sample_requests(DatasetConfig(**base), tok)
+    generated = sample_requests(DatasetConfig(**base, multi_round_history="generated"), tok)
+    assert [r.prompt for r in generated[:2]] == [r.prompt for r in synthetic[:2]]
+    assert [(r.round, r.session) for r in generated] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r.session == -1 and r.turn == "" for r in synthetic)
+    for r in generated:
+        assert r.turn and r.prompt.endswith(r.turn) and len(tok.encode(r.turn, add_special_tokens=False)) <= 8
+    with pytest.raises(ValueError, match="--multi-round-history 'echo'"):
+        sample_requests(DatasetConfig(**base, multi_round_history="echo"), tok)
+
+
 def test_long_doc_rounds_reuse_documents(tok):
     cfg = DatasetConfig(name="long-doc", long_doc_num_docs=2, long_doc_len=64, long_doc_question_len=8,
                         long_doc_rounds=2, long_doc_output_len=4)
