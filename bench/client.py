@@ -43,12 +43,16 @@ class RequestSpec:
     round: int = 0
     session: int = -1                 # multi-round generated history: the user, and the text this round adds
     turn: str = ""                    # after the previous answer (runner.py builds the prompt)
+    messages: tuple[tuple[str, str], ...] = ()   # ... and the conversation as (role, text) turns: openai-chat
+                                                  # sends them as its messages (else one user message: prompt)
 
 
 def build_body(spec: RequestSpec) -> dict[str, Any]:
     body: dict[str, Any] = {"model": spec.model, "stream": True, "stream_options": {"include_usage": True}}
     if spec.backend == "openai-chat":
-        body.update(messages=[{"role": "user", "content": spec.prompt}], max_completion_tokens=spec.output_len)
+        turns = spec.messages or (("user", spec.prompt),)
+        body.update(messages=[{"role": role, "content": text} for role, text in turns],
+                    max_completion_tokens=spec.output_len)
     else:
         body.update(prompt=spec.prompt, max_tokens=spec.output_len)
     if spec.ignore_eos:

@@ -43,10 +43,11 @@ def multi_round_requests(cfg: DatasetConfig, tokenizer) -> list[SampleRequest]:
     for r in range(cfg.multi_round_rounds):
         for u in range(cfg.multi_round_users):
             question = src.tokens(cfg.multi_round_question_len)
+            head = src.tokenizer.decode(history[u]) if generated else ""
             history[u] += question
             req = src.request(history[u], cfg.multi_round_answer_len, r)
             if generated:
-                req = dataclasses.replace(req, session=u, turn=src.to_text(question)[0])
+                req = dataclasses.replace(req, session=u, turn=_added_text(req.prompt, head, src, question))
             out.append(req)
             history[u] += src.tokens(cfg.multi_round_answer_len)
     return out
@@ -60,3 +61,9 @@ def long_doc_requests(cfg: DatasetConfig, tokenizer) -> list[SampleRequest]:
     docs = [src.tokens(cfg.long_doc_len) for _ in range(cfg.long_doc_num_docs)]
     return [src.request(doc + src.tokens(cfg.long_doc_question_len), cfg.long_doc_output_len, r)
             for r in range(cfg.long_doc_rounds) for doc in docs]
+
+
+def _added_text(prompt: str, head: str, src: TokenSource, question: list[int]) -> str:
+    """The text the question adds after the history: decoded with it, so a tokenizer that drops a sequence's
+    leading space (SentencePiece's Metaspace) keeps the space between the answer and the question."""
+    return prompt[len(head):] if prompt.startswith(head) else src.to_text(question)[0]

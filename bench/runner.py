@@ -71,27 +71,30 @@ async def run_requests(http: aiohttp.ClientSession, specs: list[RequestSpec],
     rng = np.random.default_rng(traffic.seed)
     bar = tqdm(total=len(specs), disable=traffic.disable_tqdm, desc="requests")
     outputs: list[RequestOutput] = []
-    history: dict[int, str] = {}           # session -> its last prompt + the answer streamed back
+    history: dict[int, tuple[tuple[str, str], ...]] = {}     # session -> its turns, the last answer included
     start = time.perf_counter()
     for round_specs in _rounds(specs):
         round_specs = [_continued(s, history) for s in round_specs]
         round_outputs = await _run_round(http, round_specs, traffic, rng, limit, bar)
         for spec, out in zip(round_specs, round_outputs):
             if spec.session >= 0:
-                history[spec.session] = spec.prompt + out.generated_text
+                history[spec.session] = (spec.messages or (("user", spec.prompt),)) + \
+                    (("assistant", out.generated_text),)
         outputs += round_outputs
     duration = time.perf_counter() - start
     bar.close()
     return outputs, duration
 
 
-def _continued(spec: RequestSpec, history: dict[int, str]) -> RequestSpec:
-    """A later round of a generated-history session: its prompt is the session's last prompt, the answer the
-    server gave it (empty when that request failed) and this round's question. Its token count is the usage
-    chunk's (``prompt_len`` keeps the synthetic history's count for a server that sends no usage)."""
+def _continued(spec: RequestSpec, history: dict[int, tuple[tuple[str, str], ...]]) -> RequestSpec:
+    """A later round of a generated-history session: the session's turns, the answer the server gave (empty
+    when that request failed), then this round's question -- as messages for openai-chat, as one text (their
+    concatenation) for completions. Its token count is the usage chunk's (``prompt_len`` keeps the synthetic
+    history's count for a server that sends no usage)."""
     if spec.session < 0 or spec.session not in history:
         return spec
-    return dataclasses.replace(spec, prompt=history[spec.session] + spec.turn)
+    turns = history[spec.session] + (("user", spec.turn),)
+    return dataclasses.replace(spec, prompt="".join(text for _, text in turns), messages=turns)
 
 
 def _rounds(specs: list[RequestSpec]) -> list[list[RequestSpec]]:

@@ -36,6 +36,7 @@ class ScriptedServer:
     def __init__(self):
         self.open = self.peak = self.done = 0
         self.prompts: list[str] = []          # every completions prompt, in arrival order
+        self.chats: list[list[dict]] = []     # every chat request's messages, in arrival order
         self.pair_up = 0                       # requests still to come that are held in pairs (0: none)
         self.app = FastAPI()
         self.app.post("/v1/completions")(self.completions)
@@ -46,6 +47,8 @@ class ScriptedServer:
         body = await request.json()
         if isinstance(body.get("prompt"), str):
             self.prompts.append(body["prompt"])
+        if isinstance(body.get("messages"), list):
+            self.chats.append(body["messages"])
         if body.get("prompt") == "fail":
             return JSONResponse({"error": {"message": "scripted failure"}}, status_code=500)
         n = body.get("max_tokens") or body.get("max_completion_tokens")
@@ -207,3 +210,25 @@ def test_generated_history_carries_each_sessions_answers(scripted):
     assert sorted(u1, key=len) == ["sys u1 q0 ", "sys u1 q0 t0 t1 t2 q1u1 ", "sys u1 q0 t0 t1 t2 q1u1 t0 q2u1 "]
     assert "dataset text" not in scripted.prompts                   # every later round was rebuilt
     assert "fail" in scripted.prompts and "failafter " in scripted.prompts   # the failed answer added nothing
+
+
+def test_generated_history_goes_to_a_chat_server_as_messages(scripted):
+    """openai-chat: a later round is the session's messages -- user, the streamed answer as assistant, the new
+    question as user -- as a chat client (and LMCache's multi-round QA) sends them, so the server renders its
+    template around each turn and the answer's KV is a prefix of the next round's (review 40: it went as one user
+    message, whose template parts right after the first question)."""
+    url = scripted.url + "/v1/chat/completions"
+    specs = [RequestSpec(url, "openai-chat", "scripted", "system. q0?", 2, 2, round=0, session=0),
+             RequestSpec(url, "openai-chat", "scripted", "dataset", 2, 1, round=1, session=0, turn=" q1?"),
+             RequestSpec(url, "openai-chat", "scripted", "dataset", 2, 3, round=2, session=0, turn=" q2?")]
+
+    async def go():
+        async with make_client(None) as http:
+            return await run_requests(http, specs, TrafficConfig(disable_tqdm=True))
+    scripted.chats.clear()
+    outputs, _ = asyncio.run(go())
+    assert all(o.success for o in outputs)
+    assert [[(m["role"], m["content"]) for m in chat] for chat in scripted.chats] == [
+        [("user", "system. q0?")],
+        [("user", "system. q0?"), ("assistant", "t0 t1 "), ("user", " q1?")],
+        [("user", "system. q0?"), ("assistant", "t0 t1 "), ("user", " q1?"), ("assistant", "t0 "), ("user", " q2?")]]
