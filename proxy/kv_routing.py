@@ -25,7 +25,8 @@ The decision, for a request with one prompt (several prompts, a prefill-only ans
     store_hit      the store holds all but the last block (``--no-skip-prefill-on-store-hit`` turns it off)
     decode_local   the tokens neither the store nor the best decode node's prefix cache holds are fewer than
                    ``--local-prefill-threshold`` (a short prompt, or a next turn of a chat the node just served);
-                   "best" is the worst when the decode policy is not ``kv_aware``: it may pick any node
+                   "best" is the node ``kv_aware`` will pick (its cost weighs load too: a busy warm node may lose
+                   to a cold one, whose cache then counts), the worst when the decode policy is not ``kv_aware``
     prefill        otherwise: prefill node, then decode node
 Both skips send the decode node the prompt without ``kv_transfer_params``: it looks the prompt up in the store,
 loads what is there, computes the rest and samples the first token itself (draw 0 of seeded sampling, as the
@@ -46,7 +47,7 @@ from pdserve.proxy.inputs import ProxyRequest, Routing
 from pdserve.proxy.kv_events import EventSubscriber
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.nodes import Node
-from pdserve.proxy.policies import KVHint
+from pdserve.proxy.policies import KVAware, KVHint
 
 logger = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 2.0
@@ -129,17 +130,23 @@ class KVRouting:
         return bool(self._store_url or self._key or self.threshold)
 
     async def plan(self, req: ProxyRequest, decode_nodes: list[Node], best_is_picked: bool = True) -> Route:
-        """``best_is_picked``: the decode pool picks the node holding most of the prompt (``kv_aware``); else any
-        of ``decode_nodes`` may get it, and a decode node's prefix cache counts only as far as all of them hold it."""
+        """``best_is_picked``: the decode pool's policy is ``kv_aware``, and the node it will pick for this hint
+        (the same cost, cache and load, right after) is the one whose prefix cache counts; else any of
+        ``decode_nodes`` may get it, and a decode node's cache counts only as far as all of them hold it."""
         hints = tuple([await self._hint(req, i) for i in range(len(req.prompts))])
         first = hints[0]
         store = first.store_tokens if first else 0
-        pick = max if best_is_picked else min
-        local = pick((first.local_tokens(n) for n in decode_nodes), default=0) if first else 0
+        if first is None or not decode_nodes:
+            local = 0
+        elif best_is_picked:
+            local = first.local_tokens(KVAware().choose(decode_nodes, req.chunk_keys, first))
+        else:
+            local = min(first.local_tokens(n) for n in decode_nodes)
         return Route(self._decide(req, store, local), hints, store, local)
 
     def _decide(self, req: ProxyRequest, store: int, local: int) -> str:
-        if len(req.prompts) != 1 or req.prefill_only or any(req.body.get(f) for f in NO_SKIP_FIELDS):
+        if len(req.prompts) != 1 or req.prefill_only or \
+                any(_asked(req.body.get(f)) for f in NO_SKIP_FIELDS):
             return "prefill"
         n = len(req.prompt_ids)
         if self.skip_on_store_hit and store > 0 and store >= n - max(self.block_size, 1):
@@ -234,6 +241,12 @@ def _store_client(url: str, token: str, redis_prefix: str):
 
 class _StoreDown(Exception):
     """A lookup that waited in the queue while another found the store failing: not asked."""
+
+
+def _asked(value) -> bool:
+    """A field is asked for unless absent, null or false: ``prompt_logprobs: 0`` asks (each prompt token's own
+    logprob), so it is not a truth test."""
+    return value is not None and value is not False
 
 
 def _valid_store_space(store) -> bool:
