@@ -103,7 +103,7 @@ def encode(tensor: torch.Tensor, codec: str, key: str, sealed_for=None) -> bytes
 
 def encode_parts(tensor: torch.Tensor, codec: str, key: str, sealed_for=None) -> tuple[bytes, memoryview | np.ndarray]:
     """(header, payload) of ``encode`` without joining them: the payload is the tensor's own memory for codec
-    "none" (a writer that can send two buffers -- Redis SET + APPEND in one transaction -- copies nothing).
+    "none" (a writer that can send two buffers -- the Redis tier's framed SET, ``redis_wire`` -- copies nothing).
     ``sealed_for`` (``seal.sealed_for``, from the tier: this module does not import seal): a 1-D uint8 tensor it
     says is a sealed object laid out for ``key`` is written, with codec "none", as FLAG_SEALED (module docstring)."""
     if codec not in CODECS:

@@ -1,11 +1,12 @@
 """L2: Redis (or Redis Cluster) holding serialised objects under a key prefix.
 
 Who calls it: ``TieredStore`` (write-through worker and read misses), the bench, tests.
-All I/O is batched. A put of uncompressed objects: those under ``APPEND_FROM`` bytes as one SET each on
-``_lean_pipeline``, framed by ``redis_wire.set_frames`` (the payload leaves from the tensor's own memory: no
-header+payload copy, no packed copy); larger ones in one MULTI/EXEC, per object SET header + APPEND payload (the
-transaction makes each object appear whole or not at all). lz4 objects are SETs of joined blobs (Redis Cluster,
-where a transaction cannot span slots: every object that way, on redis-py's cluster pipeline).
+All I/O is batched. A put of uncompressed objects: one SET each on ``_lean_pipeline``, framed by
+``redis_wire.set_frames``: the payload leaves from the tensor's own memory (no header+payload copy, no packed
+copy), and Redis can keep a large value in the buffer it read it into (a SET is whole or absent; an earlier
+SET header + APPEND payload in MULTI/EXEC made Redis grow and copy every value: 8 MiB puts ~0.7x raw redis-py,
+now ~1.3x). lz4 objects are SETs of joined blobs (Redis Cluster: every object that way, on redis-py's cluster
+pipeline).
 A get: one GETRANGE per key, each reading at most ``max_blob_bytes``, sent at once on one pooled connection
 (``_lean_pipeline``; Redis Cluster: redis-py's pipeline); the payload stays in the reply's ``bytes``
 (codec.decode uses it in place). The bound is the server's: GETRANGE never sends more than ``max_blob_bytes`` +
@@ -41,7 +42,6 @@ from pdserve.kvstore.seal import sealed_for
 
 CLUSTER_SCHEME = "redis+cluster://"
 NOT_AN_OBJECT = b"\0"       # what a key holding a hash, list, ... reads as: refused by the codec, counted, deleted
-APPEND_FROM = 256 << 10     # payloads from this size are APPENDed from the tensor's memory, smaller ones joined
 
 
 class RedisTier(BlobTier):
@@ -70,19 +70,14 @@ class RedisTier(BlobTier):
         return self._conn
 
     def put(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        """Objects under ``APPEND_FROM`` bytes: one SET each on ``_lean_pipeline``, framed by ``redis_wire.set_frames``
-        (the payload sent from the tensor's memory). Larger ones: one transaction, per object SET header, APPEND
-        payload; MULTI/EXEC makes each object appear whole or not at all. Redis Cluster (one transaction cannot span
-        slots) and lz4 take the joined blob of ``BlobTier.put``."""
+        """One SET per object on ``_lean_pipeline``, framed by ``redis_wire.set_frames`` (the payload sent from the
+        tensor's memory). Redis Cluster and lz4 take the joined blob of ``BlobTier.put``."""
         if self._cluster or self.codec_name != "none":
             return super().put(items)
         fits = [(check_key(k), t) for k, t in items if t.numel() * t.element_size() <= self.max_object_bytes]
         self._stats.add(rejected=len(items) - len(fits))        # no reader would take it back (decode's bound)
-        small = [(k, t) for k, t in fits if t.numel() * t.element_size() < APPEND_FROM]
-        if small:
-            self._guarded(self._set_framed, small)
-        if len(small) < len(fits):
-            self._guarded(self._set_appended, [(k, t) for k, t in fits if t.numel() * t.element_size() >= APPEND_FROM])
+        if fits:
+            self._guarded(self._set_framed, fits)
 
     def _set_framed(self, items: list[tuple[str, torch.Tensor]]) -> None:
         sets, nbytes = [], 0
@@ -91,17 +86,6 @@ class RedisTier(BlobTier):
             sets.append(((self.prefix + key).encode(), header, payload))
             nbytes += len(header) + len(payload)
         self._send_read(redis_wire.set_frames(sets, self.ttl_s), len(sets))
-        self._stats.add(bytes_in=nbytes)
-
-    def _set_appended(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        pipe = self._client.pipeline(transaction=True)
-        nbytes = 0
-        for key, tensor in items:
-            header, payload = codec.encode_parts(tensor, "none", key, sealed_for)
-            pipe.set(self.prefix + key, header, ex=self.ttl_s)
-            pipe.append(self.prefix + key, memoryview(payload))
-            nbytes += len(header) + len(payload)
-        pipe.execute()
         self._stats.add(bytes_in=nbytes)
 
     def _write(self, blobs: list[tuple[str, bytes]]) -> None:

@@ -8,8 +8,10 @@ Who calls it: ``redis_tier.RedisTier`` only -- ``packed`` for any command list (
 length and its bytes, so the value -- header + payload -- need never be one buffer. The payload leaves from the
 tensor's own memory (a buffer of its own in the list); only the small pieces (the command, the key, the header,
 small payloads) are copied, into joined runs. hiredis would copy every payload twice (joined blob, packed command):
-~20 us of a 64 KiB object's ~45 us of client work. The key is ``check_key``'s (``[A-Za-z0-9_.:-]``) under the tier's
-prefix; lengths are byte counts, so nothing in a key or a value can end a frame early.
+~20 us of a 64 KiB object's ~45 us of client work. Redis can keep a large value (>= 32 KiB) in the buffer it read
+it into, so one SET of the whole value costs it less than SET header + APPEND payload (which grows and copies it).
+The key is ``check_key``'s (``[A-Za-z0-9_.:-]``) under the tier's prefix; lengths are byte counts, so nothing in a
+key or a value can end a frame early.
 
     SET:  *3\\r\\n $3\\r\\n SET\\r\\n $<len key>\\r\\n <key>\\r\\n $<len value>\\r\\n <header> <payload> \\r\\n
           (with a TTL: *5 ... <payload>\\r\\n $2\\r\\n EX\\r\\n $<len ttl>\\r\\n <ttl>\\r\\n)

@@ -1,6 +1,6 @@
 """The Redis tier's framed SETs (kvstore/redis_wire.py) and many-object reads, against real Redis on 127.0.0.1:6379.
 
-A put of uncompressed objects under APPEND_FROM bytes writes each SET's RESP itself, the payload sent from the
+A put of uncompressed objects writes each SET's RESP itself, the payload sent from the
 tensor's memory: the framing must equal hiredis's packing byte for byte, and every value in Redis must be exactly
 the codec's blob, TTL included, on both sides of SEND_APART and PACK_JOIN. A read of many objects refuses only the
 corrupt ones (counted, deleted); the rest load bit-identical, a format 2 object among them included.
@@ -16,12 +16,12 @@ import torch
 
 from pdserve.kvstore import codec, redis_wire
 from pdserve.kvstore.auth import ClusterKey
-from pdserve.kvstore.redis_tier import APPEND_FROM, RedisTier
+from pdserve.kvstore.redis_tier import RedisTier
 from pdserve.kvstore.seal import SEAL_BYTES, seal, sealed_for
 
 REDIS = "redis://127.0.0.1:6379/0"
 SEAL_KEY = ClusterKey.random().seal_key
-SIZES = [0, 1, 200, redis_wire.SEND_APART - 1, redis_wire.SEND_APART, 64 << 10, APPEND_FROM - 2]  # bytes
+SIZES = [0, 1, 200, redis_wire.SEND_APART - 1, redis_wire.SEND_APART, 64 << 10, 3 << 20]  # bytes
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_every_value_is_the_codecs_blob_across_the_frame_sizes(tier, ttl_s):
     store = RedisTier(REDIS, prefix=prefix, ttl_s=ttl_s)
     items = [(f"p{i}:0", _plain(size, i)) for i, size in enumerate(SIZES)]
     items += [(f"s{i}:0", _sealed(f"s{i}:0", size, i)) for i, size in enumerate(SIZES) if size >= SEAL_BYTES]
-    items += [("bf:0", torch.randn(3, 5, 7).to(torch.bfloat16)), ("big:0", _plain(APPEND_FROM, 99))]
+    items += [("bf:0", torch.randn(3, 5, 7).to(torch.bfloat16)), ("big:0", torch.randn(1 << 20))]
     store.put(items)
     for key, tensor in items:
         assert client.get(prefix + key) == codec.encode(tensor, "none", key, sealed_for), key
