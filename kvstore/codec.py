@@ -62,6 +62,7 @@ READ_VERSIONS = (2, FORMAT_VERSION)    # format 2 is format 3 with byte 9 always
                                        # version) and deletes it -- during a rolling upgrade an old node's reads
                                        # cost the new nodes' KV (a recompute, never a wrong answer)
 CODECS = {"none": 0, "lz4": 1}
+_CODEC_CODES = frozenset(CODECS.values())
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
            torch.uint8, torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2]
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
@@ -102,7 +103,7 @@ def encode(tensor: torch.Tensor, codec: str, key: str, sealed_for=None) -> bytes
 
 def encode_parts(tensor: torch.Tensor, codec: str, key: str, sealed_for=None) -> tuple[bytes, memoryview | np.ndarray]:
     """(header, payload) of ``encode`` without joining them: the payload is the tensor's own memory for codec
-    "none" (a writer that can send two buffers -- Redis SET + APPEND in one transaction -- copies nothing).
+    "none" (a writer that can send two buffers -- the Redis tier's framed SET, ``redis_wire`` -- copies nothing).
     ``sealed_for`` (``seal.sealed_for``, from the tier: this module does not import seal): a 1-D uint8 tensor it
     says is a sealed object laid out for ``key`` is written, with codec "none", as FLAG_SEALED (module docstring)."""
     if codec not in CODECS:
@@ -125,26 +126,28 @@ def decode(blob: bytes | memoryview, key: str, max_bytes: int = DEFAULT_MAX_OBJE
     CorruptObject -- before allocating anything when the header's sizes are wrong or too large. An object flagged
     FLAG_SEALED is handed out only if ``sealed_for(key, payload)`` (``seal.sealed_for``) says it is laid out as a
     sealed object for ``key``; its payload bytes are the loader's MAC to check (module docstring)."""
-    view = memoryview(blob)
-    if len(view) < HEADER_BYTES:
-        raise CorruptObject(f"object of {len(view)} bytes is shorter than the {HEADER_BYTES}-byte header")
-    fields = _HEADER.unpack_from(view)
+    if len(blob) < HEADER_BYTES:
+        raise CorruptObject(f"object of {len(blob)} bytes is shorter than the {HEADER_BYTES}-byte header")
+    fields = _HEADER.unpack_from(blob)
     magic, version, codec, dcode, ndim, flags = fields[:6]
     stored_key_hash, payload_len, raw_len, checksum = fields[6 + MAX_DIMS:]
     if magic != MAGIC or version not in READ_VERSIONS or (version == 2 and flags):
         raise CorruptObject(f"bad magic/version {magic!r}/{version} (want {MAGIC!r}/{READ_VERSIONS}) "
                             f"or flags {flags} in a format 2 object")
-    if codec not in CODECS.values() or dcode >= len(_DTYPES) or ndim > MAX_DIMS or flags not in _FLAGS[codec]:
+    if codec not in _CODEC_CODES or dcode >= len(_DTYPES) or ndim > MAX_DIMS or flags not in _FLAGS[codec]:
         raise CorruptObject(f"bad codec {codec}, dtype code {dcode}, ndim {ndim} or flags {flags}")
-    payload = view[HEADER_BYTES:]
-    if len(payload) != payload_len:
-        raise CorruptObject(f"payload is {len(payload)} bytes, header says {payload_len} (truncated?)")
+    if len(blob) - HEADER_BYTES != payload_len:
+        raise CorruptObject(f"payload is {len(blob) - HEADER_BYTES} bytes, header says {payload_len} (truncated?)")
     dtype, dims = _DTYPES[dcode], fields[6:6 + ndim]
     _check_sizes(raw_len, dtype.itemsize * _numel(dims), payload_len, codec, max_bytes)
-    _check_sum(view, payload, flags, checksum)
+    if flags and payload_len < SEALED_HEAD:
+        raise CorruptObject(f"sealed payload of {payload_len} bytes is shorter than its {SEALED_HEAD}-byte head")
+    if _stored_sum(blob, SEALED_HEAD if flags else payload_len) != checksum:
+        raise CorruptObject("payload checksum mismatch")
     if stored_key_hash != key_hash(key):
         raise KeyMismatch(f"object was written for another key (key hash {stored_key_hash:#018x}), "
                           f"read as {key!r} (key hash {key_hash(key):#018x})")
+    payload = memoryview(blob)[HEADER_BYTES:]
     if flags and not (dcode == _UINT8 and ndim == 1 and sealed_for is not None and sealed_for(key, payload)):
         raise CorruptObject(f"object is flagged sealed but is not a sealed object laid out for {key!r}")
     flat = _to_tensor(payload, codec, raw_len, dtype.itemsize, isinstance(blob, bytes))
@@ -158,15 +161,16 @@ def _sealed(tensor: torch.Tensor, key: str, raw: memoryview, sealed_for) -> bool
             and sealed_for(key, raw))
 
 
-def _check_sum(view: memoryview, payload: memoryview, flags: int, checksum: int) -> None:
-    """The checksum over the header and the payload -- a sealed object's seal head only (FLAG_SEALED)."""
-    covered = payload
-    if flags & FLAG_SEALED:
-        if len(payload) < SEALED_HEAD:
-            raise CorruptObject(f"sealed payload of {len(payload)} bytes is shorter than its {SEALED_HEAD}-byte head")
-        covered = payload[:SEALED_HEAD]
-    if _checksum(view[:HEADER_BYTES - 8], covered) != checksum:
-        raise CorruptObject("payload checksum mismatch")
+def _stored_sum(blob: bytes | memoryview, covered: int) -> int:
+    """The checksum of a stored object: xxh3_64 over its header fields (checksum slot excluded) and the first
+    ``covered`` payload bytes -- the seal head of a sealed object (FLAG_SEALED), else the whole payload. Slices of a
+    ``bytes`` blob are bytes already (``bytes()`` copies nothing); a short range is hashed in one call."""
+    fields = bytes(blob[:HEADER_BYTES - 8])
+    if covered <= SEALED_HEAD:
+        return xxhash.xxh3_64_intdigest(fields + bytes(blob[HEADER_BYTES:HEADER_BYTES + covered]))
+    h = xxhash.xxh3_64(fields)
+    h.update(memoryview(blob)[HEADER_BYTES:HEADER_BYTES + covered])
+    return h.intdigest()
 
 
 def _check_sizes(raw_len: int, shape_bytes: int, payload_len: int, codec: int, max_bytes: int) -> None:

@@ -1,17 +1,19 @@
 """L2: Redis (or Redis Cluster) holding serialised objects under a key prefix.
 
 Who calls it: ``TieredStore`` (write-through worker and read misses), the bench, tests.
-All I/O is batched. A put: objects from ``APPEND_FROM`` bytes go in one MULTI/EXEC, per object SET header +
-APPEND payload (the payload leaves from the tensor's own memory, no header+payload copy; the transaction
-makes each object appear whole or not at all); smaller ones and lz4 as SETs of joined blobs on ``_lean_pipeline``
-(Redis Cluster, where a transaction cannot span slots: every object that way, on redis-py's cluster pipeline).
+All I/O is batched. A put of uncompressed objects: one SET each on ``_lean_pipeline``, framed by
+``redis_wire.set_frames``: the payload leaves from the tensor's own memory (no header+payload copy, no packed
+copy), and Redis can keep a large value in the buffer it read it into (a SET is whole or absent; an earlier
+SET header + APPEND payload in MULTI/EXEC made Redis grow and copy every value: 8 MiB puts ~0.7x raw redis-py,
+now ~1.3x). lz4 objects are SETs of joined blobs (Redis Cluster: every object that way, on redis-py's cluster
+pipeline).
 A get: one GETRANGE per key, each reading at most ``max_blob_bytes``, sent at once on one pooled connection
 (``_lean_pipeline``; Redis Cluster: redis-py's pipeline); the payload stays in the reply's ``bytes``
 (codec.decode uses it in place). The bound is the server's: GETRANGE never sends more than ``max_blob_bytes`` +
 1 bytes of a value, however large a value someone planted (it is cut there and fails the codec's length check),
 and nothing is read twice -- STRLEN first would race a writer, a Lua wrapper would copy every value again.
-``_lean_pipeline`` is redis-py's connection pool and hiredis (a dependency): hiredis packs the commands and
-parses the replies in C; what it leaves out is redis-py's per-command layers (command stack, callbacks), which
+``_lean_pipeline`` is redis-py's connection pool and hiredis (a dependency): hiredis (or ``redis_wire``) packs
+the commands and parses the replies in C; what it leaves out is redis-py's per-command layers (command stack, callbacks), which
 cost more than a 64 KiB object's transfer. Sealed objects (every KV object a node stores) are written with the
 codec's FLAG_SEALED: neither put nor get hashes their payload; the MAC every loader checks covers every byte
 (codec.py, blob.py).
@@ -28,12 +30,11 @@ from __future__ import annotations
 
 import threading
 
-import hiredis
 import redis
 import torch
 from redis.cluster import RedisCluster
 
-from pdserve.kvstore import codec
+from pdserve.kvstore import codec, redis_wire
 from pdserve.kvstore.blob import BlobTier
 from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES
 from pdserve.kvstore.keys import check_key
@@ -41,8 +42,6 @@ from pdserve.kvstore.seal import sealed_for
 
 CLUSTER_SCHEME = "redis+cluster://"
 NOT_AN_OBJECT = b"\0"       # what a key holding a hash, list, ... reads as: refused by the codec, counted, deleted
-APPEND_FROM = 256 << 10     # payloads from this size are APPENDed from the tensor's memory, smaller ones joined
-PACK_JOIN = 64 << 10        # packed commands are joined into sends of up to this many bytes
 
 
 class RedisTier(BlobTier):
@@ -71,26 +70,22 @@ class RedisTier(BlobTier):
         return self._conn
 
     def put(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        """One transaction: per object SET header, APPEND payload (the tensor's memory, sent as it is; no
-        header+payload copy). MULTI/EXEC makes each object appear whole or not at all. Redis Cluster (one
-        transaction cannot span slots) and lz4 take the joined blob of ``BlobTier.put``."""
+        """One SET per object on ``_lean_pipeline``, framed by ``redis_wire.set_frames`` (the payload sent from the
+        tensor's memory). Redis Cluster and lz4 take the joined blob of ``BlobTier.put``."""
         if self._cluster or self.codec_name != "none":
             return super().put(items)
-        small = [(k, t) for k, t in items if t.numel() * t.element_size() < APPEND_FROM]
-        if small:                                  # a small copy costs less than a second command in a transaction
-            super().put(small)
-        fits = [(check_key(k), t) for k, t in items
-                if APPEND_FROM <= t.numel() * t.element_size() <= self.max_object_bytes]
-        self._stats.add(rejected=len(items) - len(small) - len(fits))
-        pipe = self._client.pipeline(transaction=True)
-        nbytes = 0
-        for key, tensor in fits:
-            header, payload = codec.encode_parts(tensor, "none", key, sealed_for)
-            pipe.set(self.prefix + key, header, ex=self.ttl_s)
-            pipe.append(self.prefix + key, memoryview(payload))
-            nbytes += len(header) + len(payload)
+        fits = [(check_key(k), t) for k, t in items if t.numel() * t.element_size() <= self.max_object_bytes]
+        self._stats.add(rejected=len(items) - len(fits))        # no reader would take it back (decode's bound)
         if fits:
-            self._guarded(lambda _: pipe.execute(), None)
+            self._guarded(self._set_framed, fits)
+
+    def _set_framed(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        sets, nbytes = [], 0
+        for key, tensor in items:
+            header, payload = codec.encode_parts(tensor, "none", key, sealed_for)
+            sets.append(((self.prefix + key).encode(), header, payload))
+            nbytes += len(header) + len(payload)
+        self._send_read(redis_wire.set_frames(sets, self.ttl_s), len(sets))
         self._stats.add(bytes_in=nbytes)
 
     def _write(self, blobs: list[tuple[str, bytes]]) -> None:
@@ -123,13 +118,18 @@ class RedisTier(BlobTier):
     def _lean_pipeline(self, commands: list[tuple], wrong_type=None) -> list:
         """Send every command at once and read the replies in order on one pooled connection: a pipeline without
         redis-py's per-command layers (callbacks, command stack), which cost more than a 64 KiB read; hiredis
-        packs the commands (``_packed``) and parses the replies. A WRONGTYPE reply (a value of another type under
-        the key: junk someone planted) is ``wrong_type``; any other error reply raises once every reply is read."""
+        packs the commands (``redis_wire.packed``) and parses the replies."""
+        return self._send_read(redis_wire.packed(commands), len(commands), wrong_type)
+
+    def _send_read(self, frames: list, count: int, wrong_type=None) -> list:
+        """Send ``frames`` (RESP of ``count`` commands) on one pooled connection and read the ``count`` replies. A
+        WRONGTYPE reply (a value of another type under the key: junk someone planted) is ``wrong_type``; any other
+        error reply raises once every reply is read."""
         pool = self._client.connection_pool
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(_packed(commands))
-            replies = [_wrong_type(_read_reply(conn), wrong_type) for _ in commands]
+            conn.send_packed_command(frames)
+            replies = [_wrong_type(_read_reply(conn), wrong_type) for _ in range(count)]
         except BaseException:
             conn.disconnect()                      # replies may still be in flight: never reuse this connection
             raise
@@ -163,22 +163,6 @@ def _wrong_type(reply, replacement):
     if replacement is not None and isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
         return replacement
     return reply
-
-
-def _packed(commands: list[tuple]) -> list[bytes]:
-    """The commands in RESP (hiredis packs each), runs of small ones joined into one buffer up to PACK_JOIN bytes
-    (fewer sends); a larger one -- a SET of a whole object -- is sent as it is, not copied again."""
-    out, run, size = [], [], 0
-    for command in commands:
-        packed = hiredis.pack_command(command)
-        if size + len(packed) > PACK_JOIN and run:
-            out.append(b"".join(run))
-            run, size = [], 0
-        run.append(packed)
-        size += len(packed)
-    if run:
-        out.append(b"".join(run))
-    return out
 
 
 def _read_reply(conn):

@@ -63,7 +63,7 @@ def test_a_sealed_object_is_stored_flagged_and_read_back_bit_identical(tier):
     store, client, prefix = tier
     small, large = _sealed("s:0"), seal("l:0", torch.randn(64, 1024, dtype=torch.float32), SEAL_KEY)[0]
     plain = torch.randn(SHAPE).to(torch.bfloat16)
-    store.put([("s:0", small), ("l:0", large), ("p:0", plain)])     # l:0 is APPENDed, s:0 and p:0 joined
+    store.put([("s:0", small), ("l:0", large), ("p:0", plain)])     # l:0's payload sent apart, s:0 and p:0 joined
     assert [client.getrange(prefix + k, 9, 9) for k in ("s:0", "l:0", "p:0")] == [b"\x01", b"\x01", b"\x00"]
     got = store.get(["s:0", "l:0", "p:0"])
     assert torch.equal(got[0], small) and torch.equal(got[1], large) and torch.equal(got[2], plain)

@@ -117,8 +117,8 @@ def test_a_connection_killed_mid_read_and_a_restarted_redis_leave_the_pool_usabl
 
 
 def test_publisher_and_loader_threads_sharing_one_tier_read_only_their_own_objects(redis_server):
-    """Holds: six threads put and read back (in reverse order) 40 keys each, small (lean pipeline) and large (MULTI
-    SET + APPEND) mixed, 20 generations: every read unseals to the generation that thread just wrote."""
+    """Holds: six threads put and read back (in reverse order) 40 keys each, small (joined sends) and large (payload
+    sent apart) mixed, 20 generations: every read unseals to the generation that thread just wrote."""
     tier = RedisTier(redis_server.url, prefix=unique_prefix() + ":")
     wrong = []
 
