@@ -9,7 +9,8 @@ Who calls what:
                                                   route.hint(i): the ``KVHint`` the kv_aware policy scores with
     app lifespan                                  await kv.stop()
 
-The store is asked once per request, with one batched ``lookup`` of the prompt's chunk keys (no data): the keys
+The store is asked once per one-prompt request (several prompts: never, see ``_stored_tokens``), with one batched
+``lookup`` of the prompt's chunk keys (no data): the keys
 are the store's own (``kvstore.keys.chunk_keys`` with the nodes' fingerprint, chunk size and the request's
 ``cache_salt``, the last partial chunk included, as the prefill node publishes them). The proxy talks to the
 daemon as any client does, with the cluster token (``--kv-store tcp://``, PDSERVE_KV_AUTH_TOKEN); a cluster whose
@@ -133,7 +134,8 @@ class KVRouting:
         """``best_is_picked``: the decode pool's policy is ``kv_aware``, and the node it will pick for this hint
         (the same cost, cache and load, right after) is the one whose prefix cache counts; else any of
         ``decode_nodes`` may get it, and a decode node's cache counts only as far as all of them hold it."""
-        hints = tuple([await self._hint(req, i) for i in range(len(req.prompts))])
+        stored = await self._stored_tokens(req.prompts)
+        hints = tuple(self._hint(prompt, tokens) for prompt, tokens in zip(req.prompts, stored))
         first = hints[0]
         store = first.store_tokens if first else 0
         if first is None or not decode_nodes:
@@ -155,44 +157,49 @@ class KVRouting:
             return "decode_local"
         return "prefill"
 
-    async def _hint(self, req: ProxyRequest, index: int) -> KVHint | None:
-        prompt = req.prompts[index]
+    def _hint(self, prompt, store_tokens: int) -> KVHint | None:
         if not prompt.block_hashes and not self._routes_by_store:
             return None                              # nothing known yet: kv_aware is least_loaded
-        store = await self._stored_tokens(prompt.ids, prompt.chunk_keys)
-        return KVHint(len(prompt.ids), self.block_size, prompt.block_hashes, store)
+        return KVHint(len(prompt.ids), self.block_size, prompt.block_hashes, store_tokens)
 
     @property
     def _routes_by_store(self) -> bool:
         return self.store_space is not None and bool(self._store_url)
 
-    async def _stored_tokens(self, ids: list[int], keys: list[str]) -> int:
-        """Leading prompt tokens whose every layer the store holds (0 when it cannot tell)."""
-        if not self._routes_by_store or not keys:
-            return 0
+    async def _stored_tokens(self, prompts) -> list[int]:
+        """Per prompt, the leading tokens whose every layer the store holds (0 when it cannot tell or did not
+        ask). Only a one-prompt request asks, once, waiting at most ``STORE_TIMEOUT_S``: several prompts go to a
+        prefill node whatever the store holds, and a node-independent store share hardly moves which one (their
+        nodes' caches and load still do) -- one lookup each would wait up to ``MAX_PROMPTS`` x the timeout."""
+        asked = [0] if self._routes_by_store and len(prompts) == 1 and prompts[0].chunk_keys else []
+        out = [0] * len(prompts)
+        if not asked:
+            return out
+        keys = prompts[0].chunk_keys
+        lookups = self._metrics.store_lookups
         if self._failing or self._pending >= MAX_PENDING_LOOKUPS:
             if self._failing and time.monotonic() >= self._down_until and not self._pending:
                 self._submit(keys)                  # a probe in the background: no request waits on a failing store
-            self._metrics.store_lookups.labels("skipped").inc()
-            return 0
+            lookups.labels("skipped").inc()
+            return out
         try:
             chunks = await asyncio.wait_for(asyncio.wrap_future(self._submit(keys)), STORE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 -- a store that fails costs routing hints, not requests
             if isinstance(exc, _StoreDown):
-                self._metrics.store_lookups.labels("skipped").inc()
-                return 0
+                lookups.labels("skipped").inc()
+                return out
             self._fail()
             logger.log(logging.DEBUG if self._lookup_failed else logging.WARNING, "store lookup for routing failed "
                        "(%s: %s); routing as a miss, the store asked again in the background every %.0f s (counted "
                        "in pdserve_proxy_store_lookups{outcome=\"error\"}, logged once)", type(exc).__name__, exc,
                        STORE_RETRY_S)
             self._lookup_failed = True
-            self._metrics.store_lookups.labels("error").inc()
-            return 0
-        tokens = min(len(ids), chunks * self.store_space["chunk_tokens"])
-        self._metrics.store_lookups.labels("hit" if tokens else "miss").inc()
-        self._metrics.store_hit_tokens.inc(tokens)
-        return tokens
+            lookups.labels("error").inc()
+            return out
+        out[0] = min(len(prompts[0].ids), chunks * self.store_space["chunk_tokens"])
+        lookups.labels("hit" if out[0] else "miss").inc()
+        self._metrics.store_hit_tokens.inc(out[0])
+        return out
 
     def _submit(self, keys: list[str]) -> concurrent.futures.Future:
         self._pending += 1
