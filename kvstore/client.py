@@ -113,7 +113,15 @@ class DaemonClient(KVStore):
     def lookup(self, chunk_keys: list[str], num_layers: int) -> int:
         if num_layers <= 0:
             raise ValueError(f"num_layers must be > 0, got {num_layers}")
-        return self._request(P.Lookup(chunk_keys=chunk_keys, num_layers=num_layers))[0].count
+        per = max(1, self.max_batch // num_layers)      # the daemon takes chunks x layers <= its max_batch keys
+        found = 0
+        for start in range(0, len(chunk_keys), per):
+            batch = chunk_keys[start:start + per]
+            count = self._request(P.Lookup(chunk_keys=batch, num_layers=num_layers))[0].count
+            found += count
+            if count < len(batch):
+                break
+        return found
 
     def delete(self, keys: list[str]) -> None:
         for b in self._batches(keys):
