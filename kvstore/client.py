@@ -64,7 +64,7 @@ MAX_FRAME_BYTES = 1 << 30   # no reply frame larger (a frame is one object, or t
 COPY_BELOW = 128 << 10      # a put's payload frame under this size is copied into zmq, a larger one sent in place:
 #                             pyzmq's zero-copy send (a Frame, its release through pyzmq's garbage-collector thread)
 #                             cost more CPU than a memcpy of 64 KiB here -- ~600 vs ~400 us/MiB for 64 KiB frames,
-#                             while from 256 KiB zero-copy costs less (devbench/kvstore_tcp_profile.py for an A/B)
+#                             while from 256 KiB zero-copy costs less (devbench/kvstore_tcp_profile.py --copy-below for an A/B)
 
 
 class DaemonError(RuntimeError):
