@@ -1,8 +1,10 @@
 """A ``DaemonClient``'s puts and gets as zmq frames or through a per-client segment (shm.py), and the checks
 every received payload passes.
 
-Who calls it: ``DaemonClient`` (client.py) under its lock when the daemon has no arena (or the client no
-shared memory); ``own`` and ``payload`` also check the frames of the arena path (client_arena.py).
+Who calls it: ``DaemonClient`` (client.py) under its lock when the daemon has no arena or the client no
+shared memory (a TCP client: frames only); ``own`` and ``payload`` also check the frames of the arena path
+(client_arena.py). Over TCP a put goes as requests of about ``PART_BYTES`` and a get as ``GET_PARTS`` requests,
+all sent back to back; each get reply is checked in one pass (``framed_objects``).
 The segment belongs to the request holding the client's lock: a put writes its objects at 64-byte aligned
 offsets, a get's reply names where the daemon wrote them; what does not fit goes as frames (a get's
 DEFERRED objects are asked again). Every payload carries the xxh3 digest of key + bytes (0 for a sealed object of its key:
