@@ -80,6 +80,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--track-from", type=int, default=None, help="the daemon's TRACK_FROM (bytes), for an A/B")
     p.add_argument("--unsealed", action="store_true", help="plain tensors (digested) rather than sealed objects")
+    p.add_argument("--copy-below", type=int, default=None,
+                   help="the client's COPY_BELOW (bytes: put frames under it are copied into zmq), for an A/B")
     args = p.parse_args()
     import zmq
 
@@ -87,6 +89,7 @@ def main() -> None:
     from pdserve.engine import host_memory
     from pdserve.kvstore import protocol as P
     from pdserve.kvstore.auth import new_token
+    from pdserve.kvstore import client as client_module
     from pdserve.kvstore.client import DaemonClient
 
     host_memory.tune()                # as the bench and a node's engine do
@@ -104,6 +107,8 @@ def main() -> None:
     else:
         P.digest_of = timed("client digest", P.digest_of)
     P.check_digest = timed("client digest", P.check_digest)
+    if args.copy_below is not None:
+        client_module.COPY_BELOW = args.copy_below
     client = DaemonClient(url, token=token)
     client._await = timed("client wait for reply", client._await)
     client.ping()

@@ -45,11 +45,12 @@ import numpy as np
 import torch
 
 from pdserve.kvstore import protocol as P
-from pdserve.kvstore.arena import Arena, align
+from pdserve.kvstore.arena import ALIGN, Arena, align
 from pdserve.kvstore.base import KVStore, StatsDict, TierStats
 from pdserve.kvstore.keys import check_key
 
 log = logging.getLogger(__name__)
+_ALIGN_MASK = ALIGN - 1             # (ALIGN is a power of two)
 STORE_GROUP_BYTES = 8 << 20     # store_many reserves, copies and commits this much at a time
 KEEP_FRAME_FROM = P.KEEP_FRAME_FROM  # store_many(keep=True) keeps buffers from this size as they are; smaller ones
 #                                     are copied (a small zmq frame may share the I/O thread's 8 KiB receive buffer)
@@ -243,15 +244,18 @@ class ArenaTier(KVStore):
         """Serve these reserved slots from now on (their bytes are written), replacing older objects."""
         nbytes = sum(s.nbytes for s in slots)
         with self._lock:
+            gone = gone_bytes = 0                       # the objects these replace (their stats: one add)
             for slot in slots:
                 old = self._index.pop(slot.key, None)
                 if old is not None:
-                    self._retire(old)
+                    self._retire(old, counted=False)
+                    gone, gone_bytes = gone + 1, gone_bytes + old.nbytes
                 slot.live, slot.pins = True, slot.pins + pin
-                self._live_bytes += _extent(slot.nbytes)
-                self._pinned_bytes += _extent(slot.nbytes) if slot.pins else 0
+                extent = _extent(slot.nbytes)
+                self._live_bytes += extent
+                self._pinned_bytes += extent if slot.pins else 0
                 self._index[slot.key] = slot
-            self._stats.add(objects=len(slots), bytes=nbytes, bytes_in=nbytes)
+            self._stats.add(objects=len(slots) - gone, bytes=nbytes - gone_bytes, bytes_in=nbytes)
 
     def cancel(self, slots: list[Slot]) -> None:
         """Free reserved slots that were never committed (their writer is gone or moved on)."""
@@ -313,12 +317,15 @@ class ArenaTier(KVStore):
         """Extent bytes of committed, unpinned slots (lock held): the most an eviction could free."""
         return self._live_bytes - self._pinned_bytes
 
-    def _retire(self, slot: Slot) -> None:
-        """``slot`` has left the index (lock held): free its extent now, or when its last pin goes."""
+    def _retire(self, slot: Slot, counted: bool = True) -> None:
+        """``slot`` has left the index (lock held): free its extent now, or when its last pin goes. ``counted``:
+        False when the caller takes it off the ``objects``/``bytes`` stats itself (``commit``, once a batch)."""
         slot.live = False
-        self._stats.add(objects=-1, bytes=-slot.nbytes)
-        self._live_bytes -= _extent(slot.nbytes)
-        self._pinned_bytes -= _extent(slot.nbytes) if slot.pins else 0
+        if counted:
+            self._stats.add(objects=-1, bytes=-slot.nbytes)
+        extent = _extent(slot.nbytes)
+        self._live_bytes -= extent
+        self._pinned_bytes -= extent if slot.pins else 0
         if slot.pins == 0:
             self._free(slot)
 
@@ -348,5 +355,6 @@ def _raw(tensor: torch.Tensor):
 
 
 def _extent(nbytes: int) -> int:
-    """The bytes ``Arena.alloc`` takes for an object of ``nbytes``."""
-    return align(max(nbytes, 1))
+    """The bytes ``Arena.alloc`` takes for an object of ``nbytes`` (``align(max(nbytes, 1))``, in one step: it runs
+    several times per object a TCP put stores)."""
+    return (nbytes + _ALIGN_MASK) & ~_ALIGN_MASK if nbytes > 0 else ALIGN

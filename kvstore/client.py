@@ -61,6 +61,10 @@ SHM_RETRY_S = 30.0      # after a refused Attach, use frames this long before as
 _COUNTERS = ("checksum_failures", "timeouts", "arena_maps", "shm_attaches", "shm_refused", "shm_abandoned",
              "shm_objects", "frame_objects", "daemon_auth_failures")
 MAX_FRAME_BYTES = 1 << 30   # no reply frame larger (a frame is one object, or the header of a batch)
+COPY_BELOW = 128 << 10      # a put's payload frame under this size is copied into zmq, a larger one sent in place:
+#                             pyzmq's zero-copy send (a Frame, its release through pyzmq's garbage-collector thread)
+#                             cost more CPU than a memcpy of 64 KiB here -- ~600 vs ~400 us/MiB for 64 KiB frames,
+#                             while from 256 KiB zero-copy costs less (devbench/kvstore_tcp_profile.py --copy-below for an A/B)
 
 
 class DaemonError(RuntimeError):
@@ -89,6 +93,7 @@ class DaemonClient(KVStore):
         self._sock.setsockopt(zmq.IDENTITY, self._ident)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)   # a reply frame: one object, or one header
+        self._sock.copy_threshold = COPY_BELOW
         self._sock.connect(url)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()

@@ -1,8 +1,10 @@
 """A ``DaemonClient``'s puts and gets as zmq frames or through a per-client segment (shm.py), and the checks
 every received payload passes.
 
-Who calls it: ``DaemonClient`` (client.py) under its lock when the daemon has no arena (or the client no
-shared memory); ``own`` and ``payload`` also check the frames of the arena path (client_arena.py).
+Who calls it: ``DaemonClient`` (client.py) under its lock when the daemon has no arena or the client no
+shared memory (a TCP client: frames only); ``own`` and ``payload`` also check the frames of the arena path
+(client_arena.py). Over TCP a put goes as requests of about ``PART_BYTES`` and a get as ``GET_PARTS`` requests,
+all sent back to back; each get reply is checked in one pass (``framed_objects``).
 The segment belongs to the request holding the client's lock: a put writes its objects at 64-byte aligned
 offsets, a get's reply names where the daemon wrote them; what does not fit goes as frames (a get's
 DEFERRED objects are asked again). Every payload carries the xxh3 digest of key + bytes (0 for a sealed object of its key:
@@ -21,7 +23,8 @@ from pdserve.kvstore.shm import ShmSegment, align
 log = logging.getLogger(__name__)
 
 
-PART_BYTES = 4 << 20      # frames: a batch goes as requests of about this many bytes, sent back to back
+PART_BYTES = 4 << 20      # frames: a put batch goes as requests of about this many bytes, sent back to back
+GET_PARTS = 8             # frames: a get batch is asked as this many requests (of 8 keys at least), back to back
 
 
 def put_batch(client, objs: list, start: int, seg: ShmSegment | None) -> int:
@@ -70,15 +73,37 @@ def _put_frames(client, objs: list, start: int) -> int:
 
 def _get_frames(client, keys: list[str]) -> list[torch.Tensor | None]:
     """Frames for ``keys`` in parts asked back to back: one part is checked while the next arrives."""
-    step = max(8, -(-len(keys) // 8))
+    step = max(8, -(-len(keys) // GET_PARTS))
     parts = [keys[i:i + step] for i in range(0, len(keys), step)]
     out: list[torch.Tensor | None] = []
     for part, (reply, frames) in zip(parts, client._call_many((P.Get(keys=p), []) for p in parts)):
-        if len(reply.objs) != len(part):
-            raise client.error(f"answered {len(reply.objs)} objects for {len(part)} keys")
-        frames = iter(frames)
-        out += [None if m is None else own(client, k, m, payload(client, m, frames, None)) for k, m in zip(part, reply.objs)]
+        out += framed_objects(client, part, reply.objs, frames)
     return out
+
+
+def framed_objects(client, keys: list[str], objs: list, frames: list) -> list[torch.Tensor | None]:
+    """A frames-only Get reply's objects (``objs``: its metas, one per key; every payload a frame, in order): what
+    ``own(payload(...))`` gives each -- a sealed object (uint8, 1-D) is the frame's own tensor, no typed view built.
+    A reply whose frames do not pair with its metas raises (the caller: a store miss)."""
+    if len(objs) != len(keys):
+        raise client.error(f"answered {len(objs)} objects for {len(keys)} keys")
+    if len(frames) != sum(m is not None for m in objs) or any(m is not None and m.offset != P.FRAME for m in objs):
+        raise client.error(f"answered {len(frames)} frames for {sum(m is not None for m in objs)} framed objects")
+    frames = iter(frames)
+    return [None if meta is None else _framed(client, key, meta, next(frames)) for key, meta in zip(keys, objs)]
+
+
+def _framed(client, key: str, meta: P.ObjMeta, frame) -> torch.Tensor | None:
+    """``own(payload(client, meta, iter([frame]), None))``, with fewer steps."""
+    if len(frame) != meta.nbytes or P.nbytes_of(meta) != meta.nbytes:
+        return _bad_frame(client, meta, frame)
+    client._count(0, 1)
+    if not P.check_digest(meta, frame.buffer):
+        return _bad_digest(client, meta)
+    raw = own(client, key, meta, P.frame_tensor(frame))
+    if raw is None or (meta.dtype == "uint8" and len(meta.shape) == 1):
+        return raw                                  # (uint8 [nbytes]: the frame's tensor is the object)
+    return raw.view(P.dtype_of(meta.dtype)).reshape(meta.shape)
 
 
 def get_batch(client, keys: list[str], seg: ShmSegment | None) -> list[torch.Tensor | None]:
@@ -117,17 +142,23 @@ def payload(client, meta: P.ObjMeta, frames, seg: ShmSegment | None) -> torch.Te
     if meta.offset == P.FRAME:
         frame = next(frames)
         if len(frame) != meta.nbytes or P.nbytes_of(meta) != meta.nbytes:
-            client._counters["checksum_failures"] += 1
-            log.warning("KV daemon at %s: object %r has a %d-byte frame for %d bytes of %s%s; treated as a "
-                        "miss", client.url, meta.key[:80], len(frame), meta.nbytes, meta.dtype, meta.shape[:8])
-            return None
+            return _bad_frame(client, meta, frame)
         raw = P.frame_tensor(frame)
     else:
         raw = seg.read(meta.offset, meta.nbytes)
     client._count(meta.offset != P.FRAME, meta.offset == P.FRAME)
     if not P.check_digest(meta, raw.numpy()):
-        client._counters["checksum_failures"] += 1
-        log.warning("KV daemon at %s: object %r failed its digest check (%d bytes); treated as a miss",
-                    client.url, meta.key, meta.nbytes)
-        return None
+        return _bad_digest(client, meta)
     return raw.view(P.dtype_of(meta.dtype)).reshape(meta.shape)
+
+
+def _bad_frame(client, meta: P.ObjMeta, frame) -> None:
+    client._counters["checksum_failures"] += 1
+    log.warning("KV daemon at %s: object %r has a %d-byte frame for %d bytes of %s%s; treated as a "
+                "miss", client.url, meta.key[:80], len(frame), meta.nbytes, meta.dtype, meta.shape[:8])
+
+
+def _bad_digest(client, meta: P.ObjMeta) -> None:
+    client._counters["checksum_failures"] += 1
+    log.warning("KV daemon at %s: object %r failed its digest check (%d bytes); treated as a miss",
+                client.url, meta.key, meta.nbytes)

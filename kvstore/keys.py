@@ -28,7 +28,7 @@ KEY_FORMAT_VERSION = 2
 _ROOT_TAG = b"pdserve-kv-root"
 _SALT_TAG = b"pdserve-kv-salt"
 _KEY_HEX_CHARS = 32
-_VALID_KEY = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+_VALID_KEY = re.compile(r"[A-Za-z0-9_.:\-]{1,200}")      # fullmatch: "^...$" let a key end in a newline ("$" matches before one)
 
 
 def model_fingerprint(
@@ -83,7 +83,7 @@ def object_key(chunk_key: str, layer: int) -> str:
 
 def check_key(key: str) -> str:
     """Reject keys that could escape a file name or a Redis prefix; returns the key."""
-    if not isinstance(key, str) or not _VALID_KEY.match(key):
+    if not isinstance(key, str) or not _VALID_KEY.fullmatch(key):
         raise ValueError(f"invalid store key {key!r}: want 1-200 chars of [A-Za-z0-9_.:-]")
     return key
 

@@ -104,7 +104,7 @@ def sealed_for(key: str, payload) -> bool:
         view = view.cast("B")
     if view.nbytes < SEAL_BYTES:
         return False
-    magic, version, dcode, ndim, *rest = _HEAD.unpack(view[:_HEAD.size])
+    magic, version, dcode, ndim, *rest = _HEAD.unpack_from(view)
     if magic != MAGIC or version != SEAL_VERSION or dcode >= len(_DTYPES) or ndim > _MAX_DIMS:
         return False
     return rest[_MAX_DIMS] == key_hash(key) and view.nbytes == SEAL_BYTES + _numel(rest[:ndim]) * _DTYPES[dcode].itemsize

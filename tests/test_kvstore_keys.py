@@ -66,3 +66,10 @@ def test_object_keys_and_validation():
         chunk_keys(TOKENS, 0, FP)
     with pytest.raises(ValueError, match="int64"):
         chunk_keys([2**63], 1, FP)
+
+
+@pytest.mark.parametrize("bad", ["ab12:3\n", "\n", "", "a" * 201, "a/b", "a\nb", "a b"])
+def test_check_key_refuses_any_character_outside_the_set_a_trailing_newline_too(bad):
+    """``^...$`` with ``match`` let "ab12:3\\n" through ("$" matches before a final newline)."""
+    with pytest.raises(ValueError, match="invalid store key"):
+        check_key(bad)
