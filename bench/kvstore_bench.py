@@ -2,7 +2,9 @@
 
 Who calls it: ``bench/cli.py`` (``pdserve bench kvstore``); ``python -m pdserve.bench.kvstore_bench`` runs
 the same. Each row moves ``--total-mib`` of objects of one size (64 KiB, 1 MiB, 8 MiB; fixed ``--seed``) in
-one batched call, best of ``--repeats``, and is divided by its baseline from this run. The objects are
+one batched call, best of ``--repeats`` rounds, and is divided by its baseline from this run. A round times
+every path's put, then every path's get, one call each, so a burst of load on the box lands on a path and its
+baseline alike (``measure``); each path moves objects of its own keys (``PREFIXES``). The objects are
 sealed (kvstore/seal.py) as every KV object a node stores is; ``--unsealed`` moves plain tensors instead:
 
     path                 baseline          what the baseline is
@@ -25,11 +27,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import zmq
 
 from pdserve.bench.kvstore_table import BASELINE, SIZES, hardware, print_table, row
+
+PREFIXES = {"memcpy": "c-", "raw pyzmq": "z-", "memory tier": "m-", "daemon shm": "s-", "daemon tcp": "t-",
+            "disk tier (page cache)": "d-", "raw redis-py": "r-", "redis tier": "R-"}
 
 RAW_ZMQ_SERVER = """
 import sys, zmq
@@ -48,47 +55,71 @@ while True:
 """
 
 
-def objects(size: int, total: int, seed: int) -> list[tuple[str, torch.Tensor]]:
+def objects(size: int, total: int, seed: int, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     n = max(1, total // size)
-    return [(f"bench{size}-{seed}-{i}:0", torch.randn(size // 2, generator=g).to(torch.bfloat16)) for i in range(n)]
+    return [(f"{prefix}bench{size}-{seed}-{i}:0", torch.randn(size // 2, generator=g).to(torch.bfloat16))
+            for i in range(n)]
 
 
-def sealed_objects(size: int, total: int, seed: int) -> list[tuple[str, torch.Tensor]]:
+def sealed_objects(size: int, total: int, seed: int, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """``objects`` as the store holds them in a cluster: each sealed for its key (kvstore/seal.py, a random seal
     key), ``size`` bytes in all (seal header included). The transport skips its digest for these (protocol.py)."""
     from pdserve.kvstore.auth import ClusterKey
     from pdserve.kvstore.seal import SEAL_BYTES, seal
 
     key = ClusterKey.random().seal_key
-    return [(k, seal(k, t[:(size - SEAL_BYTES) // 2], key)[0]) for k, t in objects(size, total, seed)]
+    return [(k, seal(k, t[:(size - SEAL_BYTES) // 2], key)[0]) for k, t in objects(size, total, seed, prefix)]
 
 
-def best_gbps(fn, nbytes: int, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+@dataclass
+class Step:
+    """One path's put and get, each timed once per round (``measure``); ``check`` runs after the first put,
+    ``close`` at the end."""
+    put: Callable[[], object]
+    get: Callable[[], object]
+    check: Callable[[], None] = lambda: None
+    close: Callable[[], None] = lambda: None
 
 
-def memcpy(items, repeats: int) -> tuple[float, float]:
+def measure(steps: dict[str, Step], nbytes: int, repeats: int, label: str) -> dict[str, tuple[float, float]]:
+    """Best put and get GB/s of each path over ``repeats`` rounds; a round times every path's put, then every
+    path's get, so a burst of load on the box lands on a path and its baseline alike (not on whichever ran
+    during it, as when a path's repeats all ran before the next path's)."""
+    best = {path: [float("inf"), float("inf")] for path in steps}
+    for r in range(repeats):
+        print(f"[{label}] round {r + 1}/{repeats}", file=sys.stderr, flush=True)
+        for op in (0, 1):
+            for path, step in steps.items():
+                fn = step.put if op == 0 else step.get
+                t0 = time.perf_counter()
+                fn()
+                best[path][op] = min(best[path][op], time.perf_counter() - t0)
+                if r == 0 and op == 0:
+                    step.check()
+    return {path: (nbytes / put / 1e9, nbytes / get / 1e9) for path, (put, get) in best.items()}
+
+
+def memcpy(items) -> Step:
     dst = [torch.empty_like(t) for _, t in items]
-    gbps = best_gbps(lambda: [d.copy_(t) for d, (_, t) in zip(dst, items)], _bytes(items), repeats)
-    return gbps, gbps
+
+    def copy():
+        for d, (_, t) in zip(dst, items):
+            d.copy_(t)
+    return Step(copy, copy)
 
 
-def store_put_get(store, items, repeats: int) -> tuple[float, float]:
+def store_step(store, items) -> Step:
     keys = [k for k, _ in items]
-    put = best_gbps(lambda: store.put(items), _bytes(items), repeats)
-    got = store.get(keys)
-    if not all(g is not None and torch.equal(g, t) for g, (_, t) in zip(got, items)):
-        raise RuntimeError(f"{type(store).__name__}: a round trip did not return the bytes put")
-    return put, best_gbps(lambda: store.get(keys), _bytes(items), repeats)
+
+    def check():
+        got = store.get(keys)
+        if not all(g is not None and torch.equal(g, t) for g, (_, t) in zip(got, items)):
+            raise RuntimeError(f"{type(store).__name__}: a round trip did not return the bytes put")
+    return Step(lambda: store.put(items), lambda: store.get(keys), check, lambda: store.delete(keys))
 
 
-def raw_redis(url: str, items, repeats: int) -> tuple[float, float]:
+def raw_redis(url: str, items) -> Step:
     import redis
 
     client = redis.Redis.from_url(url)
@@ -99,14 +130,14 @@ def raw_redis(url: str, items, repeats: int) -> tuple[float, float]:
         for k, b in blobs:
             pipe.set(k, b)
         pipe.execute()
-    put_gbps = best_gbps(put, _bytes(items), repeats)
-    get_gbps = best_gbps(lambda: client.mget([k for k, _ in blobs]), _bytes(items), repeats)
-    client.delete(*[k for k, _ in blobs])
-    client.close()
-    return put_gbps, get_gbps
+
+    def close():
+        client.delete(*[k for k, _ in blobs])
+        client.close()
+    return Step(put, lambda: client.mget([k for k, _ in blobs]), close=close)
 
 
-def raw_zmq(url: str, items, repeats: int) -> tuple[float, float]:
+def raw_zmq(url: str, items) -> Step:
     """What pyzmq itself moves: the objects as frames of one message to a ROUTER in another process, and back."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -120,10 +151,7 @@ def raw_zmq(url: str, items, repeats: int) -> tuple[float, float]:
     def get():
         sock.send_multipart([b"get"])
         return sock.recv_multipart(copy=False)[1:]
-    put_gbps = best_gbps(put, _bytes(items), repeats)
-    get_gbps = best_gbps(get, _bytes(items), repeats)
-    sock.close()
-    return put_gbps, get_gbps
+    return Step(put, get, close=sock.close)
 
 
 def start_daemon(cpu_bytes: int, token: str) -> tuple[subprocess.Popen, str]:
@@ -160,20 +188,25 @@ def run(args) -> dict:
     result = {"hardware": hardware(), "total_bytes": total, "repeats": rep, "seed": args.seed, "rows": []}
     try:
         for n, (label, size) in enumerate(sizes.items()):
-            items = (objects if args.unsealed else sealed_objects)(size, total, args.seed)
-            steps = {"memcpy": lambda: memcpy(items, rep), "raw pyzmq": lambda: raw_zmq(raw_url, items, rep)}
-            steps |= {"memory tier": lambda: store_put_get(MemoryTier(4 * total), items, rep),
-                      "daemon shm": lambda: store_put_get(shm, items, rep),
-                      "daemon tcp": lambda: store_put_get(tcp, items, rep),
-                      "disk tier (page cache)": lambda: store_put_get(DiskTier(tmp.name, 4 * total), items, rep)}
+            make = objects if args.unsealed else sealed_objects
+            items = _Items(lambda path: make(size, total, args.seed, PREFIXES[path]))
+            steps = {"memcpy": lambda: memcpy(items["memcpy"]),
+                     "raw pyzmq": lambda: raw_zmq(raw_url, items["raw pyzmq"]),
+                     "memory tier": lambda: store_step(MemoryTier(4 * total), items["memory tier"]),
+                     "daemon shm": lambda: store_step(shm, items["daemon shm"]),
+                     "daemon tcp": lambda: store_step(tcp, items["daemon tcp"]),
+                     "disk tier (page cache)": lambda: store_step(DiskTier(tmp.name, 4 * total),
+                                                                  items["disk tier (page cache)"])}
             if args.redis_url:
-                steps |= {"raw redis-py": lambda: raw_redis(args.redis_url, items, rep),
-                          "redis tier": lambda: store_put_get(RedisTier(args.redis_url, prefix="bench:"), items, rep)}
-            steps = _picked(steps, args.paths)
-            figures = {}
-            for i, (path, step) in enumerate(steps.items()):
-                print(f"[{n + 1}/{len(sizes)} {label}] {i + 1}/{len(steps)} {path} ...", file=sys.stderr, flush=True)
-                figures[path] = step()
+                steps |= {"raw redis-py": lambda: raw_redis(args.redis_url, items["raw redis-py"]),
+                          "redis tier": lambda: store_step(RedisTier(args.redis_url, prefix="bench:"),
+                                                           items["redis tier"])}
+            built = {path: make_step() for path, make_step in _picked(steps, args.paths).items()}
+            try:
+                figures = measure(built, total_of(items[next(iter(built))]), rep, f"{n + 1}/{len(sizes)} {label}")
+            finally:
+                for step in built.values():
+                    step.close()
             result["rows"] += [row(label, path, figures) for path in figures]
     finally:
         tcp.close(), shm.close()
@@ -188,7 +221,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="'' leaves the Redis rows out")
     p.add_argument("--total-mib", type=int, default=64, help="MiB moved per measurement")
     p.add_argument("--sizes", default="64KiB,1MiB,8MiB", help=f"object sizes, of {', '.join(SIZES)}")
-    p.add_argument("--repeats", type=int, default=5, help="best of this many")
+    p.add_argument("--repeats", type=int, default=5, help="rounds (each times every path once); best of them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--unsealed", action="store_true",
                    help="move plain tensors rather than sealed objects (what nodes store): the daemon's TCP "
@@ -231,7 +264,19 @@ def _picked(steps: dict, paths: str) -> dict:
     return {path: step for path, step in steps.items() if path in wanted}
 
 
-def _bytes(items) -> int:
+class _Items(dict):
+    """Each path's objects, made on first use: the same sizes and bytes, keys of their own (``PREFIXES``), so no
+    two paths read each other's objects from a shared daemon or Redis."""
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, path: str):
+        self[path] = self.make(path)
+        return self[path]
+
+
+def total_of(items) -> int:
     return sum(t.numel() * t.element_size() for _, t in items)
 
 

@@ -21,4 +21,4 @@ def test_bench_kvstore_prints_the_table_and_writes_every_ratio(tmp_path, capsys)
     assert rows["daemon shm"]["goal"] == 0.5 and result["seed"] == 3
     printed = capsys.readouterr()
     assert "daemon shm" in printed.out and "raw pyzmq" in printed.out
-    assert "daemon tcp ..." in printed.err                    # progress, on stderr
+    assert "[1/1 64KiB] round 1/1" in printed.err             # progress, on stderr
