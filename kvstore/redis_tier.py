@@ -51,8 +51,8 @@ class RedisTier(BlobTier):
                  codec_name: str = "none", timeout_s: float = 1.0,
                  max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> None:
         super().__init__(codec_name, max_object_bytes)
-        if ttl_s is not None and ttl_s <= 0:
-            raise ValueError(f"Redis TTL must be > 0 seconds, got {ttl_s} (--kv-redis-ttl)")
+        if ttl_s is not None and (not isinstance(ttl_s, int) or isinstance(ttl_s, bool) or ttl_s <= 0):
+            raise ValueError(f"Redis TTL must be a whole number of seconds > 0, got {ttl_s!r} (--kv-redis-ttl)")
         self.url, self.prefix, self.ttl_s = url, prefix, ttl_s
         self._opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._cluster = url.startswith(CLUSTER_SCHEME)

@@ -103,7 +103,7 @@ class ShmSegment(MappedBytes):
         a regular file of this user's (the daemon and its nodes run as one user) that no one else may open, of
         the size named -- never a file the answer points at."""
         p = Path(path)
-        if p.parent != SHM_DIR or not _NAME.match(p.name):
+        if p.parent != SHM_DIR or not _NAME.fullmatch(p.name):
             raise ValueError(f"shm path {path!r} is not a pdserve segment under {SHM_DIR}")
         fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:

@@ -42,6 +42,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from pdserve.engine.kv.kv_events import events_key
 from pdserve.proxy.inputs import ProxyRequest, Routing
@@ -130,12 +131,16 @@ class KVRouting:
         """Anything to decide with: a store, KV events or a threshold (else ``orchestrate`` skips ``plan``)."""
         return bool(self._store_url or self._key or self.threshold)
 
-    async def plan(self, req: ProxyRequest, decode_nodes: list[Node], best_is_picked: bool = True) -> Route:
-        """``best_is_picked``: the decode pool's policy is ``kv_aware``, and the node it will pick for this hint
-        (the same cost, cache and load, right after) is the one whose prefix cache counts; else any of
-        ``decode_nodes`` may get it, and a decode node's cache counts only as far as all of them hold it."""
+    async def plan(self, req: ProxyRequest, decode_nodes: list[Node] | Callable[[], list[Node]],
+                   best_is_picked: bool = True) -> Route:
+        """``decode_nodes``: the healthy decode nodes, or what gives them -- read after the store lookup, which
+        may take a while (a node may leave meanwhile). ``best_is_picked``: the decode pool's policy is
+        ``kv_aware``, and the node it will pick for this hint (the same cost, cache and load, right after) is the
+        one whose prefix cache counts; else any of them may get it, and a decode node's cache counts only as far
+        as all of them hold it. A retry on another node asks ``skips_on`` again."""
         stored = await self._stored_tokens(req.prompts)
         hints = tuple(self._hint(prompt, tokens) for prompt, tokens in zip(req.prompts, stored))
+        decode_nodes = decode_nodes() if callable(decode_nodes) else decode_nodes
         first = hints[0]
         store = first.store_tokens if first else 0
         if first is None or not decode_nodes:
@@ -146,9 +151,19 @@ class KVRouting:
             local = min(first.local_tokens(n) for n in decode_nodes)
         return Route(self._decide(req, store, local), hints, store, local)
 
+    def skips_on(self, route: Route, req: ProxyRequest, node: Node) -> bool:
+        """Whether ``node`` may take the request without a prefill node, as ``route`` decided: a store hit on any
+        node; ``decode_local`` where this node's cache (or the store) leaves under the threshold to compute -- the
+        planned node, not a cold one a retry lands on."""
+        if route.decision != "decode_local":
+            return route.decision == "store_hit"
+        hint = route.hint()
+        local = hint.local_tokens(node) if hint is not None else 0
+        return len(req.prompt_ids) - max(route.store_tokens, local) < self.threshold
+
     def _decide(self, req: ProxyRequest, store: int, local: int) -> str:
         if len(req.prompts) != 1 or req.prefill_only or \
-                any(_asked(req.body.get(f)) for f in NO_SKIP_FIELDS):
+                any(_asked(f, req.body.get(f)) for f in NO_SKIP_FIELDS):
             return "prefill"
         n = len(req.prompt_ids)
         if self.skip_on_store_hit and store > 0 and store >= n - max(self.block_size, 1):
@@ -250,10 +265,11 @@ class _StoreDown(Exception):
     """A lookup that waited in the queue while another found the store failing: not asked."""
 
 
-def _asked(value) -> bool:
-    """A field is asked for unless absent, null or false: ``prompt_logprobs: 0`` asks (each prompt token's own
-    logprob), so it is not a truth test."""
-    return value is not None and value is not False
+def _asked(field: str, value) -> bool:
+    """``prompt_logprobs`` is asked unless absent or null: 0 asks (each prompt token's own logprob), and so does
+    ``false``, which the node reads as 0. ``echo`` is asked when true (a false-looking value that the node reads
+    as false costs a prefill node, nothing else)."""
+    return value is not None if field == "prompt_logprobs" else bool(value)
 
 
 def _valid_store_space(store) -> bool:

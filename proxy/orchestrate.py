@@ -102,7 +102,7 @@ class Orchestrator:
             return error_response(502, f"{exc} (after retries on other nodes)")
 
     async def _handle(self, req: ProxyRequest, on_end: OnEnd) -> Response:
-        route = await self._kv.plan(req, self._decode.healthy, self._decode.picks_by_cache) \
+        route = await self._kv.plan(req, lambda: self._decode.healthy, self._decode.picks_by_cache) \
             if self._kv is not None and self._kv.active else None
         decision = route.decision if route is not None else "prefill"
         self._metrics.pd_decisions.labels(decision).inc()
@@ -121,17 +121,20 @@ class Orchestrator:
         else:                      # the decode node looks the prompt up in the store and computes the rest itself
             kv = [None] * len(req.prompts)
         hint = route.hint() if route is not None else None
+        skipped = _Skip(self, req, route) if decision != "prefill" else None
         if not req.stream:
-            content = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_json(node, req, kv),
-                                           hint)
+            content = await _unwrapped(self._retrying(
+                self._decode, req.chunk_keys, lambda node: self._decode_json(node, req, kv, skipped), hint))
+            shown = skipped.shown(shown) if skipped is not None else shown
             on_end("ok")
             if not self._expose:
                 content = json_without_kv_accounting(content)
             elif shown is not None:
                 content = json_with_route(content, shown)
             return Response(content, media_type="application/json")      # the node's JSON, as it sent it
-        stream = await self._retrying(self._decode, req.chunk_keys, lambda node: self._decode_stream(node, req, kv),
-                                      hint)
+        stream = await _unwrapped(self._retrying(
+            self._decode, req.chunk_keys, lambda node: self._decode_stream(node, req, kv, skipped), hint))
+        shown = skipped.shown(shown) if skipped is not None else shown
         redact = event_without_kv_accounting if not self._expose else \
             (event_with_route(shown) if shown is not None else None)
         return RelayResponse(stream, on_end, redact)
@@ -158,7 +161,8 @@ class Orchestrator:
 
         return await self._retrying(self._prefill, prompt.chunk_keys, call, hint)
 
-    async def _decode_json(self, node: Node, req: ProxyRequest, kv: list[Any]) -> bytes:
+    async def _decode_json(self, node: Node, req: ProxyRequest, kv: list[Any], skipped: _Skip | None) -> bytes:
+        kv = await skipped.kv_for(node) if skipped is not None else kv
         start = time.perf_counter()
         span = tracing.start_span("decode", "client") if tracing.enabled() else None
         try:
@@ -169,8 +173,10 @@ class Orchestrator:
             tracing.end(span)
             self._metrics.phase_latency.labels("decode").observe(time.perf_counter() - start)
 
-    async def _decode_stream(self, node: Node, req: ProxyRequest, kv: list[Any]) -> NodeStream:
+    async def _decode_stream(self, node: Node, req: ProxyRequest, kv: list[Any], skipped: _Skip | None
+                             ) -> NodeStream:
         """The decode node's stream, its lease (and "decode" span, tracing on) held until the stream closes."""
+        kv = await skipped.kv_for(node) if skipped is not None else kv
         start = time.perf_counter()
         release = self._decode.acquire(node, req.decode_tokens)
         span = tracing.start_span("decode", "client") if tracing.enabled() else None
@@ -214,6 +220,49 @@ class Orchestrator:
                 last = exc
         assert last is not None
         raise last
+
+
+class _Skip:
+    """A request routed past the prefill node (``store_hit``, ``decode_local``): per decode attempt, the
+    ``kv_transfer_params`` to send -- none where the node may compute the rest itself (``KVRouting.skips_on``),
+    else, once, a prefill node's (a retry that left the warm node ``decode_local`` counted on lands on a cold
+    one: it gets the prompt's KV as the prefill path would give it, not a whole prompt to prefill)."""
+
+    def __init__(self, orchestrator: Orchestrator, req: ProxyRequest, route: Route):
+        self._o, self._req, self._route = orchestrator, req, route
+        self._prefilled: list[Any] | None = None
+
+    async def kv_for(self, node: Node) -> list[Any]:
+        if self._prefilled is None and not self._o._kv.skips_on(self._route, self._req, node):
+            logger.info("%s was planned on another decode node; %s lacks the prompt's KV: prefill first",
+                        self._route.decision, node.url)
+            try:
+                self._prefilled = [p.get("kv_transfer_params") for p in await self._o.prefill(self._req, self._route)]
+            except (NodeFailed, NoHealthyNode) as exc:
+                raise _PrefillFailed(exc) from exc          # not the decode node's failure: no retry, no mark
+            self._o._metrics.pd_decisions.labels("prefill").inc()
+        return self._prefilled or [None] * len(self._req.prompts)
+
+    def shown(self, shown: dict | None) -> dict | None:
+        """``usage.kv_transfer.route`` once a retry went through a prefill node."""
+        if shown is None or self._prefilled is None:
+            return shown
+        return {**shown, "decision": "prefill", "planned": self._route.decision}
+
+
+class _PrefillFailed(Exception):
+    """A skipped request's fallback prefill failed: raised past the decode retries as the prefill's error."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _unwrapped(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except _PrefillFailed as exc:
+        raise exc.error from None
 
 
 async def _all_or_cancel(calls: list[Awaitable[T]]) -> list[T]:

@@ -47,6 +47,11 @@ def test_a_busy_warm_node_does_not_send_decode_local_to_a_cold_node():
         blocks = tuple(range(100, 150))                             # 200 tokens in blocks of 4: all on warm
         warm.kv.blocks, warm.kv.heard = set(blocks), time.monotonic()
         warm_node.script(CMPL, Reply(status=503, headers={"Retry-After": "1"}))     # warm is full
+        prefilled = {"id": "fake-1", "object": "text_completion", "created": 0, "model": "llama",
+                     "choices": [{"index": 0, "text": "", "finish_reason": "length", "logprobs": None}],
+                     "usage": {"prompt_tokens": 200, "completion_tokens": 1, "total_tokens": 201},
+                     "kv_transfer_params": {"do_remote_prefill": True, "request_id": "fake-prefill-1"}}
+        prefill_node.script(CMPL, Reply(body=prefilled))          # the prefill path's answer, should it be asked
         req = ProxyRequest(CMPL, {"prompt": "x", "max_tokens": 4}, [Prompt(list(range(200)), [], blocks)],
                            False, 4)
 

@@ -46,8 +46,8 @@ def test_decode_local_not_decided_on_a_node_that_left_rotation_during_the_lookup
                                                                           include_partial=True), blocks)], False, 8)
 
     async def main():
-        # as orchestrate does: the healthy list is read when plan is called
-        task = asyncio.ensure_future(kv.plan(req, pool.healthy, pool.picks_by_cache))
+        # as orchestrate does: the healthy nodes, read by plan after its lookup
+        task = asyncio.ensure_future(kv.plan(req, lambda: pool.healthy, pool.picks_by_cache))
         for _ in range(200):                      # plan is waiting on the store lookup (a thread): a probe fails warm
             await asyncio.sleep(0)
             if kv._pending:
