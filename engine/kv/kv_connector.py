@@ -1,6 +1,6 @@
 """The engine's one connection to a KV store: look up and load before prefill, publish after.
 
-Who calls what (all on the engine thread; the I/O runs on the publisher/loader threads):
+Who calls what (all on the engine thread; the I/O runs on the publisher/loader/lookup threads):
 
     LLMEngine.add_request      connector.add(req, kv_transfer_params)     keys, compatibility check; the store
                                                                           lookup starts on the loader's lookup

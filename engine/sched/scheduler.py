@@ -26,11 +26,13 @@ reports back, the request joins ``running`` with those tokens computed (a failed
 the tokens are recomputed). A request aborted while loading keeps its blocks until the loader
 is done with them. The connector's answer comes from a store lookup that runs off the engine thread: while it
 has not answered (``num_loadable_tokens`` -> None, vLLM's ``get_num_new_matched_tokens``) the request keeps its
-place at the head of the waiting queue, takes nothing, and the requests behind it are scheduled as if it were
-not there; it is asked again next step. With a layerwise connector (``--kv-load-layerwise``) the request does not wait: it is
-scheduled at once with the loaded range counted as computed, the load lands layer by layer during that step, and
-a load that failed makes ``update_from_output`` rewind it (``rewound``: its computed tokens go back to the load's
-start, it keeps its blocks, nothing of that step counts) to recompute from its local prefix.
+place in the waiting queue, takes no blocks and no budget, the requests behind it are scheduled as if it were
+not there, and it is asked again next step.
+
+With a layerwise connector (``--kv-load-layerwise``) the request does not wait: it is scheduled at once with the
+loaded range counted as computed, the load lands layer by layer during that step, and a load that failed makes
+``update_from_output`` rewind it (``rewound``: its computed tokens go back to the load's start, it keeps its
+blocks, nothing of that step counts) to recompute from its local prefix.
 
 With structured outputs (``grammars``: the engine's ``StructuredOutputManager``), a request with a constraint
 waits in WAITING_FOR_GRAMMAR (in ``compiling``: no blocks, no budget, not counted against ``max_num_seqs``)
