@@ -48,8 +48,11 @@ from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.kernels import resolve_backend
 
 logger = logging.getLogger(__name__)
-LOOKUP_WAIT_S = 0.02    # idle engine: longest wait per step for a store lookup's answer (AsyncEngine's adds and
-                        # aborts wait as long; the lookup's own bound is the store client's timeout)
+LOOKUP_WAIT_S = 0.1     # idle engine: longest wait per step for a store lookup's answer. A store that is up
+                        # answers in well under 1 ms (the wait ends then); a contended host can delay the lookup
+                        # thread by tens of ms, and the request would miss the step. Only while a store does not
+                        # answer is it spent whole: AsyncEngine's adds and aborts wait as long, no stream does
+                        # (nothing runs). The lookup's own bound is the store client's timeout.
 
 
 class PromptTooLongError(ValueError):
