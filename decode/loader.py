@@ -12,10 +12,11 @@ Called by ``StoreConnector`` (engine thread):
                                                            #   layerwise.py; this thread's half: layer_reader.py)
 
 Threads and the store: the engine thread never calls the store. The ``kv-lookup`` thread calls ``store.lookup``,
-the ``kv-loader`` thread ``store.borrow``/``discard``, the publisher's thread ``store.put`` -- one store object
-shared by the three: the embedded ``TieredStore`` is thread-safe, and a ``DaemonClient`` serialises them under its
-lock (one request in flight per client; a daemon that does not answer holds the caller up to the client's timeout,
-and the other two behind it, never the engine thread). The health gate (``TierHealth``) is shared by all three.
+the ``kv-loader`` thread ``store.borrow``/``discard``, the publisher's thread ``store.put`` (and the node's
+``kv-stats`` thread ``store.stats``, ``kvstore/stats_cache.py``) -- one store object shared by them: the embedded
+``TieredStore`` is thread-safe, and a ``DaemonClient`` serialises them under its lock (one request in flight per
+client; a daemon that does not answer holds the caller up to the client's timeout, and the others behind it,
+never the engine thread). The three KV threads share one health gate (``TierHealth``).
 
 The loader thread reads each chunk's layer objects and, before a single block is written, checks
 each object's seal (``kvstore.seal``: a MAC with the cluster's seal key over the key it was written for
