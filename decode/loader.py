@@ -2,12 +2,21 @@
 
 Called by ``StoreConnector`` (engine thread):
 
-    hit = loader.lookup(chunk_keys, chunk_lens)            # store_hit_tokens (leading chunks, every layer)
+    loader.lookups.ask(req_id, chunk_keys, chunk_lens)     # at add: ``lookup`` on the lookup thread (lookups.py)
+    hit = loader.lookups.take(req_id)                      # store_hit_tokens (leading chunks, every layer), or
+                                                           #   None while the store has not answered
     loader.start(req_id, chunk_keys, chunk_lens, slots, start, n)   # request waits in WAITING_FOR_KV
     for req_id, loaded in loader.finished().items(): ...   # loaded <= n tokens; 0 after a failure
     batch = loader.start_layers(jobs)                      # --kv-load-layerwise: one step's loads, layer-major,
                                                            #   handed to the model layer by layer (the design:
                                                            #   layerwise.py; this thread's half: layer_reader.py)
+
+Threads and the store: the engine thread never calls the store. The ``kv-lookup`` thread calls ``store.lookup``,
+the ``kv-loader`` thread ``store.borrow``/``discard``, the publisher's thread ``store.put`` (and the node's
+``kv-stats`` thread ``store.stats``, ``kvstore/stats_cache.py``) -- one store object shared by them: the embedded
+``TieredStore`` is thread-safe, and a ``DaemonClient`` serialises them under its lock (one request in flight per
+client; a daemon that does not answer holds the caller up to the client's timeout, and the others behind it,
+never the engine thread). The three KV threads share one health gate (``TierHealth``).
 
 The loader thread reads each chunk's layer objects and, before a single block is written, checks
 each object's seal (``kvstore.seal``: a MAC with the cluster's seal key over the key it was written for
@@ -36,6 +45,7 @@ import torch
 
 from pdserve.decode.layer_reader import LayerReader
 from pdserve.decode.layerwise import LayerBatch
+from pdserve.decode.lookups import StoreLookups
 from pdserve.kernels.chunk_io import ChunkIO
 from pdserve.kernels.scatter_pipe import ScatterPipe
 from pdserve.kernels.transfer import scatter_kv
@@ -80,9 +90,10 @@ class ChunkLoader:
         self.layer_timeout_s: float | None = None   # layerwise: the engine's longest wait for a step's loads
         self._thread = threading.Thread(target=self._loop, name="kv-loader", daemon=True)
         self._thread.start()
+        self.lookups = StoreLookups(self.lookup)    # its own thread: a store that does not answer stalls no step
 
     def lookup(self, chunk_keys: list[str], chunk_lens: list[int]) -> int:
-        """Tokens covered by the leading chunks whose every layer is in the store (0 if it is down)."""
+        """The lookup thread: tokens covered by the leading chunks whose every layer is in the store (0 if it is down)."""
         if not chunk_keys or not self.health.available():
             return 0
         try:
@@ -116,10 +127,10 @@ class ChunkLoader:
         return done
 
     def stop(self, timeout_s: float = 10.0) -> bool:
-        """Finish the queued loads, then end the thread; False if it did not finish within the timeout."""
+        """Finish the queued loads, then end the threads; False if they did not finish within the timeout."""
         self._jobs.put(None)
         self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        return self.lookups.stop(timeout_s) and not self._thread.is_alive()
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:

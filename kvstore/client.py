@@ -1,7 +1,7 @@
 """``DaemonClient``: the ``KVStore`` interface over a store daemon (``--kv-store tcp://...``).
 
-Who calls it: an engine whose store lives in another process (its publisher and loader
-threads share one client), the bench, tests. Daemon errors raise ``DaemonError``; a silent
+Who calls it: an engine whose store lives in another process (its publisher, loader, lookup and
+kv-stats threads share one client, never its engine thread: ``decode/loader.py``), the bench, tests. Daemon errors raise ``DaemonError``; a silent
 daemon raises ``TimeoutError`` naming the URL -- the caller treats both as a store miss.
 
 Who owns what (issue 9):

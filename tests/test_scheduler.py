@@ -329,9 +329,10 @@ class ScriptedLoads:
 
     def __init__(self, loadable: int):
         self.loadable, self.started, self.done = loadable, {}, {}
+        self.pending: set[str] = set()      # requests whose store lookup has not answered (-> None)
 
-    def num_loadable_tokens(self, req, local_hit: int) -> int:
-        return self.loadable
+    def num_loadable_tokens(self, req, local_hit: int) -> int | None:
+        return None if req.request_id in self.pending else self.loadable
 
     def start_load(self, req, start: int, num_tokens: int) -> None:
         self.started[req.request_id] = (start, num_tokens, list(req.block_ids))
@@ -384,3 +385,28 @@ def test_a_layerwise_load_runs_at_once_and_a_failed_one_rewinds_to_its_start():
     assert chunks(h.step()) == [("a", 8, 8)] and a.output_token_ids == h.expect(a)[:1]
     h.run()
     assert a.output_token_ids == h.expect(a)
+
+
+def test_a_request_whose_lookup_is_pending_waits_in_place_and_holds_up_no_one():
+    """vLLM's ``get_num_new_matched_tokens`` -> None: the request at the queue's head is skipped (no blocks, no
+    budget), the running request decodes and the one behind it is admitted; it keeps its place ahead of later
+    arrivals and is admitted in the step its answer came. Mutation caught: a ``break`` on None (the queue behind
+    it waits for the store), or dropping it from the queue (it never runs)."""
+    h = Harness(num_blocks=32, block_size=4, budget=16)
+    loads = ScriptedLoads(loadable=0)
+    h.sched.connector = loads
+    a = h.add("a", range(1, 6), max_tokens=8, ignore_eos=True)
+    assert chunks(h.step()) == [("a", 0, 5)]
+    loads.pending.add("b")
+    b = h.add("b", range(10, 16), max_tokens=3, ignore_eos=True)
+    c = h.add("c", range(20, 23), max_tokens=3, ignore_eos=True)
+    assert chunks(h.step()) == [("a", 5, 1), ("c", 0, 3)]
+    assert b.status == RequestStatus.WAITING and not b.block_ids and list(h.sched.waiting) == [b]
+    d = h.add("d", range(30, 33), max_tokens=3, ignore_eos=True)
+    assert chunks(h.step()) == [("a", 6, 1), ("c", 3, 1), ("d", 0, 3)] and list(h.sched.waiting) == [b]
+    loads.pending.clear()
+    e = h.add("e", range(40, 43), max_tokens=3, ignore_eos=True)
+    assert chunks(h.step()) == [("a", 7, 1), ("c", 4, 1), ("d", 3, 1), ("b", 0, 6), ("e", 0, 3)]
+    h.run()
+    for r in (a, b, c, d, e):
+        assert r.output_token_ids == h.expect(r), r.request_id

@@ -13,7 +13,8 @@ this loop by ``structured.StructuredOutputManager`` (it waits in WAITING_FOR_GRA
 manager fills the step's token bitmask before the model runs and the runner masks the logits with it.
 
 With a KV store attached (``--role prefill|decode``, or ``both`` with ``--kv-store``) the
-``StoreConnector`` loads prompt KV before prefill and publishes it after; a finished request that
+``StoreConnector`` loads prompt KV before prefill and publishes it after (its store lookups run off this
+thread: a step waits for them only when nothing else runs, ``_await_lookups``); a finished request that
 is still publishing is held back until the store acknowledged it (see ``outputs.OutputAssembler``).
 """
 
@@ -47,6 +48,11 @@ from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.kernels import resolve_backend
 
 logger = logging.getLogger(__name__)
+LOOKUP_WAIT_S = 0.1     # idle engine: longest wait per step for a store lookup's answer. A store that is up
+                        # answers in well under 1 ms (the wait ends then); a contended host can delay the lookup
+                        # thread by tens of ms, and the request would miss the step. Only while a store does not
+                        # answer is it spent whole: AsyncEngine's adds and aborts wait as long, no stream does
+                        # (nothing runs). The lookup's own bound is the store client's timeout.
 
 
 class PromptTooLongError(ValueError):
@@ -254,6 +260,7 @@ class LLMEngine:
         requests, then the scheduler and block manager are checked and stepping goes on. Only what
         cannot be recovered (a dead worker rank, inconsistent block tables) propagates.
         """
+        self._await_lookups()
         sched_out = self.scheduler.schedule()
         self.iterations.observe(sched_out.num_batched_tokens)
         if self.connector is not None:                       # --kv-publish-layerwise: decided before the forward
@@ -280,6 +287,14 @@ class LLMEngine:
         if not sched_out.scheduled and not outputs:
             time.sleep(0.001)                                # only waiting on KV loads / publishes
         return outputs
+
+    def _await_lookups(self) -> None:
+        """Nothing is running: a bounded wait for the store lookups of waiting requests (``kv_connector.add`` started
+        them off this thread; a store that is up answers well within it) -- the step admits a request whose answer
+        came, and the loop does not spin while a store does not answer. With requests running it never waits:
+        their steps go on and a lookup's request is admitted in a later step."""
+        if self.connector is not None and not self.scheduler.running:
+            self.connector.wait_lookups(0.001 if self.scheduler.loading else LOOKUP_WAIT_S)
 
     def _end_loads(self, sampled: dict) -> dict[str, int]:
         """The step's layerwise loads have ended; a request whose load failed loses what the step gave it (no token,

@@ -1,10 +1,16 @@
 """The engine's one connection to a KV store: look up and load before prefill, publish after.
 
-Who calls what (all on the engine thread; the I/O runs on the publisher/loader threads):
+Who calls what (all on the engine thread; the I/O runs on the publisher/loader/lookup threads):
 
-    LLMEngine.add_request      connector.add(req, kv_transfer_params)     keys, compatibility check
-    Scheduler, first admission n = connector.num_loadable_tokens(req, local_hit)   (lookup + accounting)
+    LLMEngine.add_request      connector.add(req, kv_transfer_params)     keys, compatibility check; the store
+                                                                          lookup starts on the loader's lookup
+                                                                          thread (``decode/lookups.py``)
+    Scheduler, first admission n = connector.num_loadable_tokens(req, local_hit)   (lookup answer + accounting;
+                                                                          None: not answered yet, the request
+                                                                          stays waiting, asked again next step)
                                connector.start_load(req, local_hit, n)    req waits in WAITING_FOR_KV
+    LLMEngine.step, nothing    connector.wait_lookups(timeout_s)          a bounded wait for a lookup's answer
+      running
     Scheduler.schedule         connector.finished_loads() -> {id: loaded tokens}   (0 = recompute all)
   --kv-load-layerwise (``decode/layerwise.py``): start_load queues the load and the request runs in this step
     LLMEngine.step, before run connector.begin_loads() -> the step's LayerHooks (None: no load queued)
@@ -22,7 +28,8 @@ Who calls what (all on the engine thread; the I/O runs on the publisher/loader t
                                                                           for a publish-ring slot: back-pressure)
                                connector.abandon_step()                   instead, when the forward raised
     request finished           connector.close(req)  -> the response waits for finished_publishes()
-    request aborted            connector.forget(req)  (queued chunks are still put; no result is kept)
+    request aborted            connector.forget(req)  (queued chunks are still put; no result is kept; a lookup
+                                                       still running is dropped: its answer is not kept)
     response                   connector.transfer_params(req), connector.accounting(req)
 
 Integrity: every object is sealed by the publisher (``kvstore.seal``: a keyed MAC with the cluster's seal
@@ -65,6 +72,7 @@ class _Transfer:
     lens: list[int]
     publish: bool
     remote: KVTransferParams | None
+    store_hit: int | None = None        # tokens the store lookup found (None: not answered yet)
     stored: int = 0                     # leading chunks already in the store at lookup (not published here)
     published: int = 0                  # chunks handed to the publisher (or already stored)
     result: PublishResult | None = None # what the store acknowledged, once the publish finished
@@ -131,16 +139,29 @@ class StoreConnector:
                           cache_salt=req.cache_salt)
         n = req.num_prompt_tokens
         lens = [min(self.chunk_tokens, n - i * self.chunk_tokens) for i in range(len(keys))]
-        self._reqs[req.request_id] = _Transfer(keys, lens, publish=self.role != "decode", remote=params)
+        t = _Transfer(keys, lens, publish=self.role != "decode", remote=params)
+        self._reqs[req.request_id] = t
+        if req.computes_prompt_logprobs or not keys:    # a load has no logits in it: it computes every token
+            t.store_hit = 0
+        else:
+            self.loader.lookups.ask(req.request_id, keys, lens)
 
-    def num_loadable_tokens(self, req, local_hit: int) -> int:
+    def num_loadable_tokens(self, req, local_hit: int) -> int | None:
+        """Tokens to load beyond ``local_hit``; None while the store lookup has not answered (ask next step)."""
         t = self._reqs.get(req.request_id)
         if t is None:
             return 0
-        store_hit = 0 if req.computes_prompt_logprobs else self.loader.lookup(t.keys, t.lens)   # no logits in it
-        t.accounting = account(req.num_tokens, local_hit, store_hit, self.block_size)
-        t.stored = t.published = _chunks_covered(t.lens, store_hit)   # already in the store: not again
+        if t.store_hit is None:
+            t.store_hit = self.loader.lookups.take(req.request_id)
+            if t.store_hit is None:
+                return None
+        t.accounting = account(req.num_tokens, local_hit, t.store_hit, self.block_size)
+        t.stored = t.published = _chunks_covered(t.lens, t.store_hit)   # already in the store: not again
         return t.accounting.need_to_load
+
+    def wait_lookups(self, timeout_s: float) -> bool:
+        """Until a pending store lookup is answered, at most ``timeout_s``; False at once if none is pending."""
+        return self.loader.lookups.wait(timeout_s)
 
     def start_load(self, req, start: int, num_tokens: int) -> None:
         t = self._reqs[req.request_id]
@@ -293,6 +314,7 @@ class StoreConnector:
     def forget(self, request_id: str) -> None:
         """The request was aborted: no publish result will be asked for."""
         self.publisher.forget(request_id)
+        self.loader.lookups.cancel(request_id)
         self._reqs.pop(request_id, None)
 
     def finished_publishes(self) -> set[str]:
@@ -335,6 +357,7 @@ class StoreConnector:
                                 accounting=_acc_dict(self.accounting(req)))
 
     def release(self, request_id: str) -> None:
+        self.loader.lookups.cancel(request_id)       # one never scheduled (ended by the prefill node's token)
         self._reqs.pop(request_id, None)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

@@ -24,10 +24,15 @@ request takes blocks for them and waits in WAITING_FOR_KV (in ``loading``, count
 ``max_num_seqs``, spending no token budget) while the loader fills those blocks; when the load
 reports back, the request joins ``running`` with those tokens computed (a failed load reports 0:
 the tokens are recomputed). A request aborted while loading keeps its blocks until the loader
-is done with them. With a layerwise connector (``--kv-load-layerwise``) the request does not wait: it is
-scheduled at once with the loaded range counted as computed, the load lands layer by layer during that step, and
-a load that failed makes ``update_from_output`` rewind it (``rewound``: its computed tokens go back to the load's
-start, it keeps its blocks, nothing of that step counts) to recompute from its local prefix.
+is done with them. The connector's answer comes from a store lookup that runs off the engine thread: while it
+has not answered (``num_loadable_tokens`` -> None, vLLM's ``get_num_new_matched_tokens``) the request keeps its
+place in the waiting queue, takes no blocks and no budget, the requests behind it are scheduled as if it were
+not there, and it is asked again next step.
+
+With a layerwise connector (``--kv-load-layerwise``) the request does not wait: it is scheduled at once with the
+loaded range counted as computed, the load lands layer by layer during that step, and a load that failed makes
+``update_from_output`` rewind it (``rewound``: its computed tokens go back to the load's start, it keeps its
+blocks, nothing of that step counts) to recompute from its local prefix.
 
 With structured outputs (``grammars``: the engine's ``StructuredOutputManager``), a request with a constraint
 waits in WAITING_FOR_GRAMMAR (in ``compiling``: no blocks, no budget, not counted against ``max_num_seqs``)
@@ -208,6 +213,13 @@ class Scheduler:
         return undone.num_new_tokens if undone is not None else 0
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []     # their store lookup has not answered: they keep their place in the queue
+        try:
+            self._admit_waiting(out, budget, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, skipped: list[Request]) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             req = self.waiting[0]
@@ -217,6 +229,9 @@ class Scheduler:
                 continue
             blocks, num_hit = bm.get_computed_blocks(req)
             num_load = self._loadable(req, num_hit)
+            if num_load is None:                         # asked again next step; the requests behind it go on
+                skipped.append(self.waiting.popleft())
+                continue
             if num_load and not getattr(self.connector, "load_layerwise", False):
                 if not bm.allocate_slots(req, num_load, blocks):
                     break
@@ -262,7 +277,8 @@ class Scheduler:
 
     # ---- remote KV ------------------------------------------------------------------------
 
-    def _loadable(self, req: Request, num_hit: int) -> int:
+    def _loadable(self, req: Request, num_hit: int) -> int | None:
+        """Tokens the connector will load beyond ``num_hit``; None: its store lookup is still running."""
         if self.connector is None or req.num_preemptions:
             return 0
         return self.connector.num_loadable_tokens(req, num_hit)
