@@ -287,7 +287,7 @@ def test_decode_local_counts_a_nodes_cache_only_when_the_decode_policy_picks_tha
     blocks = tuple(range(25))                                   # 100 tokens in blocks of 4
     warm.kv.blocks, warm.kv.heard = set(blocks), _time.monotonic()
     req = ProxyRequest("/v1/completions", {}, [Prompt([1] * 100, [], blocks)], False, 8)
-    kv._hint = lambda r, i: _hint(KVHint(100, 4, blocks, 0))
+    kv._hint = lambda prompt, store_tokens: KVHint(100, 4, blocks, 0)
 
     async def main():
         rr, aware = NodePool("decode", ("http://a", "http://b"), "round_robin", metrics), \
@@ -299,9 +299,6 @@ def test_decode_local_counts_a_nodes_cache_only_when_the_decode_policy_picks_tha
 
     assert asyncio.run(main()) == ("prefill", "decode_local")
 
-
-async def _hint(hint):
-    return hint
 
 
 def test_a_restart_across_a_clock_stepped_back_is_followed_once_the_old_process_is_silent():

@@ -23,6 +23,7 @@ import zmq
 from pdserve.engine.kv import kv_curve, kv_replay
 from pdserve.engine.kv.kv_events import KVEventPublisher, events_key, public_hash
 from pdserve.proxy import kv_events as proxy_events
+from pdserve.proxy.inputs import Prompt
 from pdserve.proxy.kv_events import EventSubscriber
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.nodes import Node
@@ -212,7 +213,7 @@ def test_a_proxy_whose_redis_cluster_is_down_at_start_routes_without_it():
 
     async def main():
         try:
-            assert await routing._stored_tokens(list(range(16)), ["k1", "k2"]) == 0
+            assert await routing._stored_tokens([Prompt(list(range(16)), ["k1", "k2"], ())]) == [0]
         finally:
             await routing.stop()
 
