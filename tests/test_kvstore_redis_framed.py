@@ -1,4 +1,4 @@
-"""The Redis tier's framed SETs (kvstore/redis_wire.py) and many-object reads, against real Redis on 127.0.0.1:6379.
+"""The Redis tier's framed SETs (kvstore/redis_wire.py) and many-object reads, against a private redis-server.
 
 A put of uncompressed objects writes each SET's RESP itself, the payload sent from the
 tensor's memory: the framing must equal hiredis's packing byte for byte, and every value in Redis must be exactly
@@ -7,8 +7,6 @@ corrupt ones (counted, deleted); the rest load bit-identical, a format 2 object 
 """
 
 from __future__ import annotations
-
-import os
 
 import hiredis
 import pytest
@@ -19,24 +17,18 @@ from pdserve.kvstore.auth import ClusterKey
 from pdserve.kvstore.redis_tier import RedisTier
 from pdserve.kvstore.seal import SEAL_BYTES, seal, sealed_for
 
-REDIS = "redis://127.0.0.1:6379/0"
+from kvstore_fixtures import *  # noqa: F401,F403 - fixtures (redis_server)
+from kvstore_fixtures import unique_prefix
+
 SEAL_KEY = ClusterKey.random().seal_key
 SIZES = [0, 1, 200, redis_wire.SEND_APART - 1, redis_wire.SEND_APART, 64 << 10, 3 << 20]  # bytes
 
 
 @pytest.fixture
-def tier():
-    redis = pytest.importorskip("redis")
-    client = redis.Redis.from_url(REDIS, socket_timeout=1)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"no Redis on 127.0.0.1:6379: {exc}")
-    prefix = f"pdkv-framed-{os.getpid()}-{os.urandom(4).hex()}:"
-    yield prefix, client
-    keys = list(client.scan_iter(match=prefix + "*", count=1000))
-    if keys:
-        client.delete(*keys)
+def tier(redis_server):
+    """(url, prefix, client) on the session's private redis-server (kvstore_fixtures)."""
+    client = redis_server.client()
+    yield redis_server.url, unique_prefix() + ":", client
     client.close()
 
 
@@ -66,8 +58,8 @@ def test_set_frames_equal_hiredis_packing(ttl_s):
 
 @pytest.mark.parametrize("ttl_s", [None, 600])
 def test_every_value_is_the_codecs_blob_across_the_frame_sizes(tier, ttl_s):
-    prefix, client = tier
-    store = RedisTier(REDIS, prefix=prefix, ttl_s=ttl_s)
+    url, prefix, client = tier
+    store = RedisTier(url, prefix=prefix, ttl_s=ttl_s)
     items = [(f"p{i}:0", _plain(size, i)) for i, size in enumerate(SIZES)]
     items += [(f"s{i}:0", _sealed(f"s{i}:0", size, i)) for i, size in enumerate(SIZES) if size >= SEAL_BYTES]
     items += [("bf:0", torch.randn(3, 5, 7).to(torch.bfloat16)), ("big:0", torch.randn(1 << 20))]
@@ -84,8 +76,8 @@ def test_every_value_is_the_codecs_blob_across_the_frame_sizes(tier, ttl_s):
 def test_corrupt_objects_among_many_in_one_read_are_refused_the_rest_bit_identical(tier):
     """One read of 64 sealed 64 KiB objects: a header byte flipped in one, a seal-head byte in another, a third
     replaced by a format 2 object (an older node's): two counted misses, deleted; 62 objects bit-identical."""
-    prefix, client = tier
-    store = RedisTier(REDIS, prefix=prefix)
+    url, prefix, client = tier
+    store = RedisTier(url, prefix=prefix)
     items = [(f"m{i}:0", _sealed(f"m{i}:0", 64 << 10, i)) for i in range(64)]
     store.put(items)
     for name, offset in ((prefix + "m10:0", 20), (prefix + "m40:0", codec.HEADER_BYTES + 50)):
