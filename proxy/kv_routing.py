@@ -186,9 +186,8 @@ class KVRouting:
         ask). Only a one-prompt request asks, once, waiting at most ``STORE_TIMEOUT_S``: several prompts go to a
         prefill node whatever the store holds, and a node-independent store share hardly moves which one (their
         nodes' caches and load still do) -- one lookup each would wait up to ``MAX_PROMPTS`` x the timeout."""
-        asked = [0] if self._routes_by_store and len(prompts) == 1 and prompts[0].chunk_keys else []
         out = [0] * len(prompts)
-        if not asked:
+        if not (self._routes_by_store and len(prompts) == 1 and prompts[0].chunk_keys):
             return out
         keys = prompts[0].chunk_keys
         lookups = self._metrics.store_lookups
