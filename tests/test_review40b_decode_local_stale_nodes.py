@@ -17,6 +17,7 @@ Real parts: ``KVRouting`` asking a real redis-server (``--kv-store redis://``), 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from kvstore_fixtures import *  # noqa: F401,F403 - fixtures
@@ -45,15 +46,24 @@ def test_decode_local_not_decided_on_a_node_that_left_rotation_during_the_lookup
     req = ProxyRequest("/v1/completions", {}, [Prompt(ids, chunk_keys(ids, 8, SPACE["fingerprint"],
                                                                           include_partial=True), blocks)], False, 8)
 
+    # the lookup (a thread, against the real server) waits until the probe below has failed warm: a fast store
+    # must not finish it before the test gets to fail the node (CI saw that race)
+    started, probed, lookup = threading.Event(), threading.Event(), kv._lookup
+
+    def gated_lookup(keys):
+        started.set()
+        assert probed.wait(10), "the test never failed the warm node"
+        return lookup(keys)
+
+    kv._lookup = gated_lookup
+
     async def main():
         # as orchestrate does: the healthy nodes, read by plan after its lookup
         task = asyncio.ensure_future(kv.plan(req, lambda: pool.healthy, pool.picks_by_cache))
-        for _ in range(200):                      # plan is waiting on the store lookup (a thread): a probe fails warm
-            await asyncio.sleep(0)
-            if kv._pending:
-                break
-        assert kv._pending, "precondition: plan is awaiting its store lookup"
+        assert await asyncio.to_thread(started.wait, 10), "precondition: plan asks the store"
+        assert kv._pending and not task.done(), "precondition: plan is awaiting its store lookup"
         pool.mark_failed(warm, "health probe failed")
+        probed.set()
         route = await task
         node = pool.choose(req.chunk_keys, hint=route.hint())     # orchestrate._retrying, right after plan
         await kv.stop()
