@@ -67,6 +67,8 @@ class Slot:
     live: bool = False              # in the index (committed, not deleted/evicted/replaced)
     data: np.ndarray | None = None  # frame-backed: its bytes ([nbytes] uint8, a received frame's); offset is -1
     source: object = None           # frame-backed: the buffer it was given (the daemon sends a zmq frame as itself)
+    digest: int | None = None       # frame-backed: its meta's wire digest, checked against these (unchanging) bytes
+    #                                 by the daemon's Put before ``keep_frames``; a TCP get sends it without rehashing
 
 
 class ArenaTier(KVStore):
@@ -132,7 +134,8 @@ class ArenaTier(KVStore):
         """``store_bytes`` for a batch of (meta, buffer): slots reserved under one lock, the bytes copied outside it,
         committed together -- in groups of about ``STORE_GROUP_BYTES``, so a batch never holds much more than that
         reserved beside the objects it replaces. ``keep``: the buffers are given to the tier (received frames no
-        one else holds or writes): those from ``KEEP_FRAME_FROM`` bytes become frame-backed slots, not copied."""
+        one else holds or writes, each meta's ``digest`` checked against them): those from ``KEEP_FRAME_FROM`` bytes
+        become frame-backed slots, not copied."""
         for meta, data in items:              # a key no get or delete could name is refused before any slot,
             check_key(meta.key)               # and so is a buffer to keep that is not its meta's length
             if keep and meta.nbytes >= KEEP_FRAME_FROM and memoryview(data).nbytes != meta.nbytes:
@@ -176,7 +179,7 @@ class ArenaTier(KVStore):
             return None
         self._frame_bytes += _extent(meta.nbytes)
         return Slot(meta.key, meta.dtype, list(meta.shape), meta.nbytes, -1,
-                    data=np.frombuffer(data, dtype=np.uint8), source=data)
+                    data=np.frombuffer(data, dtype=np.uint8), source=data, digest=meta.digest)
 
     def place(self, slot: Slot) -> bool:
         """Copy a pinned frame-backed slot's bytes into an arena extent (where a mapped client reads them); it is an
@@ -193,7 +196,7 @@ class ArenaTier(KVStore):
         self.arena.buf[offset:offset + slot.nbytes] = data   # outside the lock: the extent is ours, the frame immutable
         with self._lock:
             slot.offset = offset                              # (offset first: a reader that sees data None finds it)
-            slot.data = slot.source = None
+            slot.data = slot.source = slot.digest = None
         return True
 
     def _alloc(self, key: str, nbytes: int) -> int | None:

@@ -54,7 +54,7 @@ from pdserve.kvstore.base import KVStore, StatsDict
 from pdserve.kvstore.codec import tensor_bytes
 from pdserve.kvstore.keys import check_key
 from pdserve.kvstore.shm import ShmSegment
-from pdserve.kvstore.zmq_context import shared_context
+from pdserve.kvstore.zmq_context import send_frames, shared_context
 
 log = logging.getLogger(__name__)
 SHM_RETRY_S = 30.0      # after a refused Attach, use frames this long before asking again
@@ -277,7 +277,7 @@ class DaemonClient(KVStore):
 
     def _exchange(self, req, frames) -> tuple[P.Reply, list]:
         """One request, one reply (matched by id; late replies are discarded)."""
-        self._sock.send_multipart([P.ENCODER.encode(req), *frames], copy=False)
+        send_frames(self._sock, [P.ENCODER.encode(req), *frames])
         return self._await(req)
 
     def _call_many(self, reqs):
@@ -298,7 +298,7 @@ class DaemonClient(KVStore):
 
     def _send_signed(self, req, frames) -> tuple:
         self._sign(req)
-        self._sock.send_multipart([P.ENCODER.encode(req), *frames], copy=False)
+        send_frames(self._sock, [P.ENCODER.encode(req), *frames])
         return req, frames
 
     def _await(self, req) -> tuple[P.Reply, list]:

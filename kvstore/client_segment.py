@@ -18,6 +18,7 @@ import logging
 import torch
 
 from pdserve.kvstore import protocol as P
+from pdserve.kvstore.seal import sealed_for
 from pdserve.kvstore.shm import ShmSegment, align
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,21 @@ def framed_objects(client, keys: list[str], objs: list, frames: list) -> list[to
         raise client.error(f"answered {len(objs)} objects for {len(keys)} keys")
     if len(frames) != sum(m is not None for m in objs) or any(m is not None and m.offset != P.FRAME for m in objs):
         raise client.error(f"answered {len(frames)} frames for {sum(m is not None for m in objs)} framed objects")
-    frames = iter(frames)
-    return [None if meta is None else _framed(client, key, meta, next(frames)) for key, meta in zip(keys, objs)]
+    out, frames, fast = [], iter(frames), 0
+    for key, meta in zip(keys, objs):
+        if meta is None:
+            out.append(None)
+            continue
+        frame = next(frames)
+        buf, n = frame.buffer, meta.nbytes
+        if meta.digest == 0 and meta.key == key and meta.dtype == "uint8" and len(buf) == n >= P.KEEP_FRAME_FROM \
+                and meta.shape == [n] and sealed_for(key, buf):
+            out.append(torch.frombuffer(buf, dtype=torch.uint8))    # what _framed gives a sealed object, in one step
+            fast += 1
+        else:
+            out.append(_framed(client, key, meta, frame))
+    client._count(0, fast)
+    return out
 
 
 def _framed(client, key: str, meta: P.ObjMeta, frame) -> torch.Tensor | None:

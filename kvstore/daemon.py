@@ -44,7 +44,7 @@ from pdserve.kvstore.daemon_arena import ArenaServer
 from pdserve.kvstore.keys import check_key
 from pdserve.kvstore.session import Sessions, SessionError
 from pdserve.kvstore.shm import MAP_GRACE_S, NoSegment, SegmentTable, ShmSegment, align
-from pdserve.kvstore.zmq_context import shared_context
+from pdserve.kvstore.zmq_context import send_frames, shared_context
 
 log = logging.getLogger(__name__)
 TRACK_FROM = 32 << 10       # arena frames from this size are sent in place (tracked: ~6 us a frame); smaller ones are copied
@@ -111,7 +111,7 @@ class KVDaemon:
             pinned, self._pinned_reply = self._pinned_reply, []
             if pinned:
                 reply = self._pinned_frames(reply, pinned)
-            self._sock.send_multipart([ident, *reply], copy=False)
+            send_frames(self._sock, [ident, *reply])
             del reply                     # our Frames: a tracker is done only once nothing here refers to its bytes
 
     def _pinned_frames(self, reply: list, pinned: list) -> list:

@@ -115,8 +115,12 @@ class ArenaServer:
                 if client is not None and self.store.place(found):      # (a frame-backed slot: into the arena)
                     objs.append(P.ObjMeta(key, found.dtype, found.shape, found.nbytes, found.offset))
                     continue
+                if source is not None:                     # a frame-backed slot: its own frame, its Put's digest
+                    payload.append(source)
+                    objs.append(P.ObjMeta(key, found.dtype, found.shape, found.nbytes, P.FRAME, found.digest))
+                    continue
                 data = self.store.bytes_of(found)          # the slot's bytes in place: no typed tensor built
-                payload.append(data if source is None else source)     # (a frame-backed slot: its own frame)
+                payload.append(data)
                 objs.append(P.ObjMeta(key, found.dtype, found.shape, found.nbytes, P.FRAME, P.wire_digest(key, data)))
                 continue
             data = found.detach().contiguous().reshape(-1).view(torch.uint8).numpy()

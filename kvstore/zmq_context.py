@@ -1,5 +1,5 @@
 """The one zmq context of a process, shared by every socket pdserve opens (store client and daemon, the
-engine core's client).
+engine core's client), and ``send_frames``, the store's multipart send.
 
 Why not a context per object: an object that owns a context and a socket and is dropped without
 ``close()`` inside a reference cycle hangs the process when the garbage collector reaches it. The
@@ -17,3 +17,15 @@ import zmq
 
 def shared_context() -> zmq.Context:
     return zmq.Context.instance()
+
+
+_MORE = int(zmq.SNDMORE)
+
+
+def send_frames(sock: zmq.Socket, frames: list) -> None:
+    """``sock.send_multipart(frames, copy=False)`` without its per-frame costs that buy nothing here: a type check of
+    every part and ``SNDMORE | flags`` on a Python enum (~1 us a frame; a Get reply of 64 KiB objects has 1024)."""
+    last = len(frames) - 1
+    send = sock.send
+    for i, frame in enumerate(frames):
+        send(frame, _MORE if i < last else 0, copy=False)
