@@ -215,6 +215,8 @@ class ArenaTier(KVStore):
     def _make_room(self, key: str, nbytes: int) -> bool:
         """Evict unpinned LRU objects until ``nbytes`` more fit within the arena's size (lock held)."""
         need = _extent(nbytes)
+        if self._used_bytes() + need <= self.arena.size:
+            return True                                 # (the common case, in one comparison)
         if need > self.arena.size - self._used_bytes() + self._evictable_bytes():
             return self._reject(key, nbytes)            # never fits: evicting would empty L1 for nothing
         while self._used_bytes() + need > self.arena.size:

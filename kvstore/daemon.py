@@ -206,8 +206,9 @@ class KVDaemon:
 
     def _put(self, req: P.Put, ident: bytes, frames: list):
         self._check_batch(len(req.objs))
+        limit = self.limits.max_object_bytes
         for meta in req.objs:
-            P.check_meta(meta, self.limits.max_object_bytes)
+            P.check_meta(meta, limit)
         framed = [m for m in req.objs if m.offset == P.FRAME]
         if len(framed) != len(frames):
             raise ValueError(f"{len(framed)} objects expect payload frames but {len(frames)} frames came")
