@@ -25,10 +25,11 @@ log = logging.getLogger(__name__)
 
 
 PART_BYTES = 4 << 20      # frames: a put batch goes as requests of about this many bytes, sent back to back
-GET_PARTS = 1             # frames: a get batch is asked as this many requests (of 8 keys at least), back to back.
-#                           One: with each reply checked in ~1-2 us an object, overlapping that check with the next
-#                           part's transfer gained less than each request cost (1 MiB objects, 60 alternations:
-#                           median 0.93 x raw pyzmq with one request, 0.81 with eight; 64 KiB: 0.79 and 0.73)
+GET_PARTS = 8             # frames: a get batch is asked as this many requests (of 8 keys at least), back to back:
+#                           each reply is waited for with the client's timeout, and pins an eighth of the daemon's
+#                           send budget (tests/test_review40c_*). One request measured faster on an idle box (1 MiB
+#                           objects: median 0.93 x raw pyzmq against 0.81) but turns a slow link's long batch into a
+#                           timeout, and a batch over the budget into a full copy.
 
 
 def put_batch(client, objs: list, start: int, seg: ShmSegment | None) -> int:
