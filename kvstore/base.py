@@ -71,6 +71,15 @@ class KVStore(abc.ABC):
         """``discard`` with the refused bytes known by a test, ``is_refused(copy)`` (one copy here: deleted)."""
         self.delete([key])
 
+    def delete_nowait(self, keys: list[str]) -> None:
+        """``delete`` without waiting on slower tiers (what the daemon's serve thread calls): reads through this
+        store miss ``keys`` at once; a store of tiers (``TieredStore``) removes its lower tiers' copies behind."""
+        self.delete(keys)
+
+    def discard_where_nowait(self, key: str, is_refused) -> None:
+        """``discard_where`` without waiting on slower tiers, as ``delete_nowait``."""
+        self.discard_where(key, is_refused)
+
     def lookup(self, chunk_keys: list[str], num_layers: int) -> int:
         """Number of leading chunks whose every layer object is present."""
         if num_layers <= 0:

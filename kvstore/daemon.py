@@ -302,7 +302,7 @@ class KVDaemon:
 
     def _delete(self, req: P.Delete, ident: bytes, frames: list):
         self._check_batch(len(req.keys))
-        self.store.delete(req.keys)
+        self.store.delete_nowait(req.keys)        # a slow lower tier never stalls the serve thread (tiered.py)
         return P.Reply(), []
 
     def _discard(self, req: P.Discard, ident: bytes, frames: list):
@@ -311,7 +311,7 @@ class KVDaemon:
             raise ValueError(f"discard of {len(req.keys)} keys with {len(req.digests)} digests")
         for key, digest in zip(req.keys, req.digests):
             check_key(key)
-            self.store.discard_where(key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d)
+            self.store.discard_where_nowait(key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d)
         return P.Reply(), []
 
     def _stats(self, req: P.Stats, ident: bytes, frames: list):

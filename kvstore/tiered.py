@@ -7,8 +7,11 @@ Who calls it: the engine's KV connector (embedded store, the default), the daemo
                                    └─ worker thread ──> L2.put, L3.put   (tiers that are up)
     get/borrow ──> L1 ──miss──> L2 ──miss──> L3 ; a lower-tier hit is promoted to L1
     contains/lookup: L1, then the lower tiers for what L1 lacks
-    delete: L1, wait for queued writes, then every lower tier
-    discard (a loader refused an object's seal): L1, then each lower tier's copy of the refused bytes
+    delete: L1 now; every lower tier by the worker, behind the writes queued before it (none lands after)
+    discard (a loader refused an object's seal): the same, each lower tier's copy of the refused bytes only
+    Until the worker has removed them, this store's reads miss those keys in the lower tiers (``_deleting``).
+    ``delete``/``discard_where`` wait for the worker (at most 30 s); the ``_nowait`` forms do not -- what
+    the daemon's serve thread calls, so a slow Redis never stalls every client behind one Delete.
 
 Write-through queue: an empty queue accepts any batch (one batch may exceed
 ``queue_bytes``); a non-empty queue that the batch would overflow drops it: memory stays
@@ -64,6 +67,7 @@ class TieredStore(ArenaSlots, KVStore):
         self._wt = {"dropped": 0, "lost": 0}
         self._tier_wt = {t.name: {"wt_written": 0, "wt_failed": 0, "wt_skipped_down": 0} for t in self.lower}
         self._unreported_lost: dict[int, int] = {}   # worker only: writer thread -> lost since its last flush
+        self._deleting: dict[str, int] = {}  # key -> its queued deletes/discards (under _lock): lower tiers miss it
         self._worker = threading.Thread(target=self._write_loop, name="kv-write-through", daemon=True)
         self._closed = False
         if self.lower:
@@ -92,30 +96,28 @@ class TieredStore(ArenaSlots, KVStore):
 
     def contains(self, keys: list[str]) -> list[bool]:
         present = self.l1.contains(keys)
+        deleting = self._being_deleted(keys)
         for tier in self.lower:
-            missing = [i for i, p in enumerate(present) if not p]
+            missing = [i for i, p in enumerate(present) if not p and keys[i] not in deleting]
             found = self._read(tier, "contains", [keys[i] for i in missing]) if missing else None
             for i, hit in zip(missing, found or []):
                 present[i] = hit
         return present
 
     def delete(self, keys: list[str]) -> None:
-        self.l1.delete(keys)
-        self._wait_queued(("barrier", _Marker()))
-        for tier in self.lower:
-            self._read(tier, "delete", keys)
+        self._remove("delete", keys, keys, wait=True)
+
+    def delete_nowait(self, keys: list[str]) -> None:
+        self._remove("delete", keys, keys, wait=False)
 
     def discard_where(self, key: str, is_refused) -> None:
         """L1's copy, then each lower tier's copy that ``is_refused`` (or that its tier cannot read): a sealed
         object's payload is checked by the loader's MAC alone (codec FLAG_SEALED), so a byte changed in Redis reaches
         the loader -- the other tiers' copies may be intact, and the next read takes them (and checks them)."""
-        self.l1.delete([key])
-        self._wait_queued(("barrier", _Marker()))
-        for tier in self.lower:
-            copy = self._read(tier, "get", [key])
-            if copy and copy[0] is not None and not is_refused(copy[0]):
-                continue                   # another object: the next reader's (its seal is checked then)
-            self._read(tier, "delete", [key])
+        self._remove("discard", (key, is_refused), [key], wait=True)
+
+    def discard_where_nowait(self, key: str, is_refused) -> None:
+        self._remove("discard", (key, is_refused), [key], wait=False)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """True iff every write this thread enqueued since its previous flush reached every lower tier.
@@ -153,10 +155,11 @@ class TieredStore(ArenaSlots, KVStore):
             tier.close()
 
     def _fill_from_lower(self, keys: list[str], out: list) -> list[int]:
-        """Fill L1 misses in ``out`` from L2, then L3; returns the indices filled."""
+        """Fill L1 misses in ``out`` from L2, then L3 (not keys being deleted); returns the indices filled."""
         filled: list[int] = []
+        deleting = self._being_deleted(keys)
         for tier in self.lower:
-            missing = [i for i, t in enumerate(out) if t is None]
+            missing = [i for i, t in enumerate(out) if t is None and keys[i] not in deleting]
             if not missing:
                 break
             found = self._read(tier, "get", [keys[i] for i in missing]) or []
@@ -165,6 +168,58 @@ class TieredStore(ArenaSlots, KVStore):
                     out[i] = tensor
                     filled.append(i)
         return filled
+
+    # -- deletes: L1 now, the lower tiers behind the queued writes -------------------------
+
+    def _remove(self, kind: str, arg, keys: list[str], wait: bool) -> None:
+        """L1's copies of ``keys`` now; the lower tiers' by the worker, after every write queued before this (so
+        none lands after it). Meanwhile this store's reads miss ``keys`` in the lower tiers. ``wait``: until the
+        worker is done, at most 30 s (a stalled tier: the removal still happens when it gets there)."""
+        self.l1.delete(keys)
+        if not self.lower:
+            return
+        if self._closed:                   # no worker: nothing queued is left to overtake
+            self._remove_lower(kind, arg)
+            return
+        with self._lock:
+            for key in keys:
+                self._deleting[key] = self._deleting.get(key, 0) + 1
+        marker = _Marker()
+        self._queue.put((kind, (arg, keys, marker)))
+        if wait:
+            marker.done.wait(30.0)
+
+    def _remove_lower(self, kind: str, arg) -> None:
+        if kind == "delete":
+            for tier in self.lower:
+                self._read(tier, "delete", arg)
+            return
+        key, is_refused = arg
+        for tier in self.lower:
+            copy = self._read(tier, "get", [key])
+            if copy and copy[0] is not None and not is_refused(copy[0]):
+                continue                   # another object: the next reader's (its seal is checked then)
+            self._read(tier, "delete", [key])
+
+    def _removed(self, kind: str, arg, keys: list[str], marker: "_Marker") -> None:
+        """The worker: one queued delete or discard."""
+        try:
+            self._remove_lower(kind, arg)
+        except Exception:  # noqa: BLE001 -- a refusal test that raised must not end the write-through worker
+            log.exception("KV %s of %d keys in the lower tiers failed", kind, len(keys))
+        finally:
+            with self._lock:
+                for key in keys:
+                    left = self._deleting.pop(key) - 1
+                    if left:
+                        self._deleting[key] = left
+            marker.done.set()
+
+    def _being_deleted(self, keys: list[str]) -> set[str]:
+        if not self._deleting:             # (the common case: no lock)
+            return set()
+        with self._lock:
+            return {k for k in keys if k in self._deleting}
 
     # -- write-through: callers enqueue, one worker thread writes ---------------------------
 
@@ -220,9 +275,10 @@ class TieredStore(ArenaSlots, KVStore):
                 self._write_batch(*arg)
             elif op == "dropped":
                 self._count_lost(*arg)
-            else:                          # "flush" reports and resets its writer's losses; "barrier" only waits
-                if op == "flush":
-                    arg.ok = self._unreported_lost.pop(arg.writer, 0) == 0
+            elif op in ("delete", "discard"):
+                self._removed(op, *arg)
+            else:                          # "flush": reports and resets its writer's losses
+                arg.ok = self._unreported_lost.pop(arg.writer, 0) == 0
                 arg.done.set()
 
     def _count_lost(self, n: int, writer: int) -> None:
@@ -271,7 +327,7 @@ class TieredStore(ArenaSlots, KVStore):
 
 
 class _Marker:
-    """A flush or barrier in the write-through queue; the worker sets ``done`` on reaching it."""
+    """A flush, delete or discard in the write-through queue; the worker sets ``done`` once it has done it."""
 
     def __init__(self) -> None:
         self.done = threading.Event()

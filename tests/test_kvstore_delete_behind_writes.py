@@ -1,0 +1,106 @@
+"""Deletes and discards go behind the write-through queue instead of waiting on it (kvstore/tiered.py).
+
+Before, ``TieredStore.delete`` and ``discard_where`` waited on the daemon's serve thread for every write queued
+ahead of them (up to 30 s) and then for each lower tier's own DEL: a stalled Redis stalled every client of the
+daemon behind one Delete. Now L1 is cleared at once, the lower tiers by the write-through worker in queue order,
+and reads through the store miss the key in the lower tiers until then. Exact cases use the write-through tests'
+gated tier; the daemon case runs ``pdserve kvstore`` against a redis-server of its own, stopped with SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from kvstore_fixtures import *  # noqa: F401,F403 - fixtures
+from kvstore_fixtures import TOKEN, DaemonProcess, unique_prefix, wait_for
+from pdserve.kvstore.client import DaemonClient
+from test_kvstore_writethrough import KB, FakeTier, _put, store_of  # noqa: F401 - the gated tier and its fixture
+
+
+def test_delete_nowait_returns_while_a_write_is_stuck_and_reads_miss_the_lower_copy(store_of):
+    l2 = FakeTier("l2")
+    store = store_of(l2)
+    _put(store, "k")
+    assert store.flush() and l2.contains(["k"]) == [True]
+    l2.gate.clear()
+    _put(store, "stuck")                              # the worker now holds this write in l2.put
+    assert l2.entered.wait(10)
+    store.delete_nowait(["k"])                        # returns: nothing waits on the stuck write
+    assert l2.contains(["k"]) == [True]               # (l2 still has it: the worker has not got there)
+    assert store.get(["k"]) == [None] and store.contains(["k"]) == [False]   # ...but reads miss it
+    l2.gate.set()
+    assert store.flush()
+    assert l2.contains(["k"]) == [False] and store.get(["k"]) == [None]
+
+
+def test_a_write_queued_before_a_delete_never_lands_after_it_and_one_queued_after_does(store_of):
+    l2 = FakeTier("l2")
+    store = store_of(l2)
+    l2.gate.clear()
+    _put(store, "first")                              # held in l2.put
+    assert l2.entered.wait(10)
+    store.put([("k", KB + 1)])                        # queued behind it
+    store.delete_nowait(["k"])                        # behind that write: it must not resurrect k
+    assert store.get(["k"]) == [None]
+    store.put([("k", KB + 2)])                        # a new object under k, queued after the delete
+    l2.gate.set()
+    assert store.flush()
+    assert torch.equal(l2.data["k"], KB + 2)          # the new object, not the deleted one
+    assert torch.equal(store.get(["k"])[0], KB + 2)
+
+
+def test_discard_nowait_removes_only_the_refused_copy_behind_the_queue(store_of):
+    l2, l3 = FakeTier("l2"), FakeTier("l3")
+    store = store_of(l2, l3)
+    _put(store, "k")
+    assert store.flush()
+    l2.data["k"] = KB + 99                            # l2's copy changed; l3's is intact
+    store.discard_where_nowait("k", lambda copy: torch.equal(copy, KB + 99))
+    assert store.flush()
+    assert l2.contains(["k"]) == [False] and l3.contains(["k"]) == [True]
+    assert torch.equal(store.get(["k"])[0], KB)       # the intact copy, promoted from l3
+
+
+def test_a_refusal_test_that_raises_does_not_end_the_worker(store_of):
+    l2 = FakeTier("l2")
+    store = store_of(l2)
+    _put(store, "k")
+    assert store.flush()
+
+    def broken(copy):
+        raise RuntimeError("a refusal test that raised")
+    store.discard_where_nowait("k", broken)
+    _put(store, "after")
+    assert store.flush() and l2.contains(["after"]) == [True]
+    assert store.get(["k"])[0] is not None            # the key is readable again once the discard is over
+
+
+def test_the_daemon_answers_a_delete_while_its_redis_is_stopped(own_redis):
+    """The serve thread answers Delete, and every other client, while the write-through worker is stuck on a
+    stopped Redis (1 s socket timeout); the deleted object is a miss though Redis still holds it."""
+    prefix = unique_prefix() + ":"
+    daemon = DaemonProcess("--kv-cpu-bytes", str(64 << 20), "--kv-redis", own_redis.url, "--kv-redis-prefix", prefix,
+                           "--log-level", "ERROR", token=TOKEN)
+    a, b = DaemonClient(daemon.url, token=TOKEN), DaemonClient(daemon.url, token=TOKEN)
+    redis = own_redis.client()
+    try:
+        a.put([(f"k{i}:0", torch.full((4096,), float(i))) for i in range(4)])
+        wait_for(lambda: len(redis.keys(prefix + "*")) == 4, what="the write-through reaching Redis")
+        os.kill(own_redis.proc.pid, signal.SIGSTOP)
+        try:
+            a.put([("stuck:0", torch.ones(4096))])    # the worker's SET now waits on the stopped server
+            a.delete(["k0:0"])
+            queued = b.stats()["writethrough"]["queued_objects"]
+            assert queued == 1, f"Delete was answered only once the stuck write was done (queued {queued})"
+            assert b.get(["k0:0"]) == [None] and b.contains(["k0:0"]) == [False]
+            assert torch.equal(b.get(["k1:0"])[0], torch.full((4096,), 1.0))
+        finally:
+            os.kill(own_redis.proc.pid, signal.SIGCONT)
+        assert b.ping()
+    finally:
+        a.close(), b.close()
+        redis.close()
+        daemon.stop()
