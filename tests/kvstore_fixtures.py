@@ -7,12 +7,14 @@ teardown, even when the test fails. Waits poll a condition with a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 
 import pytest
@@ -117,6 +119,30 @@ def daemon(redis_server, tmp_path_factory):
                          "--log-level", "WARNING", token=TOKEN)
     yield proc
     proc.stop()
+
+
+@contextlib.contextmanager
+def serving(daemon):
+    """``daemon.serve`` (a ``KVDaemon``) on a thread of this process for the block; then stopped and closed, its
+    store too."""
+    stop = threading.Event()
+    thread = threading.Thread(target=daemon.serve, args=(stop,), name="kv-daemon-serve")
+    thread.start()
+    try:
+        yield daemon
+    finally:
+        stop.set()
+        thread.join()
+        daemon.close()
+        daemon.store.close()
+
+
+def cycled_objects(name: str, n: int, size: int, distinct: int, seed: int):
+    """``n`` keys ``{name}-{i}:0`` and their objects: ``distinct`` random uint8 tensors of ``size`` bytes, in turn
+    (-> keys, the distinct objects; key i holds objects[i % distinct])."""
+    g = torch.Generator().manual_seed(seed)
+    objs = [torch.randint(0, 255, (size,), dtype=torch.uint8, generator=g) for _ in range(distinct)]
+    return [f"{name}-{i}:0" for i in range(n)], objs
 
 
 def unique_prefix() -> str:

@@ -12,12 +12,11 @@ into the arena by a TCP put, so a TCP get sends arena slots, pinned) and over ``
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 
-from kvstore_fixtures import TOKEN
+from kvstore_fixtures import TOKEN, cycled_objects, serving
 from pdserve.kvstore.client import DaemonClient
 from pdserve.kvstore.config import KVStoreConfig, build_store
 from pdserve.kvstore.daemon import TRACK_FROM, DaemonLimits, KVDaemon
@@ -29,22 +28,13 @@ assert TRACK_FROM <= SIZE < KEEP_FRAME_FROM
 
 @pytest.fixture
 def daemon():
-    d = KVDaemon(build_store(KVStoreConfig(cpu_bytes=N * SIZE + (64 << 20)), arena=True), port=0, token=TOKEN,
-                 limits=DaemonLimits(max_send_pinned_bytes=N * SIZE // 2))    # half the batch may be in flight
-    stop = threading.Event()
-    thread = threading.Thread(target=d.serve, args=(stop,))
-    thread.start()
-    yield d
-    stop.set()
-    thread.join()
-    d.close()
-    d.store.close()
+    with serving(KVDaemon(build_store(KVStoreConfig(cpu_bytes=N * SIZE + (64 << 20)), arena=True), port=0, token=TOKEN,
+                          limits=DaemonLimits(max_send_pinned_bytes=N * SIZE // 2))) as d:   # half the batch in flight
+        yield d
 
 
 def test_a_get_batch_of_two_budgets_of_arena_slots_is_sent_in_place_not_copied_whole(daemon):
-    keys = [f"r40c-budget-{i}:0" for i in range(N)]
-    g = torch.Generator().manual_seed(2)
-    objs = [torch.randint(0, 255, (SIZE,), dtype=torch.uint8, generator=g) for _ in range(4)]
+    keys, objs = cycled_objects("r40c-budget", N, SIZE, 4, seed=2)
     with DaemonClient(daemon.endpoint, token=TOKEN, timeout_s=20) as client:
         client.put([(k, objs[i % 4]) for i, k in enumerate(keys)])
         for _ in range(5):

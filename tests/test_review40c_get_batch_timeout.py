@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from kvstore_fixtures import TOKEN
+from kvstore_fixtures import TOKEN, cycled_objects, serving
 from pdserve.kvstore.client import DaemonClient
 from pdserve.kvstore.config import KVStoreConfig, build_store
 from pdserve.kvstore.daemon import KVDaemon
@@ -92,21 +92,13 @@ class RateLimitedRelay:
 
 @pytest.fixture
 def daemon():
-    d = KVDaemon(build_store(KVStoreConfig(cpu_bytes=N * SIZE + (64 << 20)), arena=True), port=0, token=TOKEN)
-    stop = threading.Event()
-    thread = threading.Thread(target=d.serve, args=(stop,))
-    thread.start()
-    yield d
-    stop.set()
-    thread.join()
-    d.close()
-    d.store.close()
+    with serving(KVDaemon(build_store(KVStoreConfig(cpu_bytes=N * SIZE + (64 << 20)), arena=True), port=0,
+                          token=TOKEN)) as d:
+        yield d
 
 
 def test_a_get_batch_whose_eighths_each_arrive_within_the_timeout_is_not_a_timeout(daemon):
-    keys = [f"r40c-slow-{i}:0" for i in range(N)]
-    g = torch.Generator().manual_seed(1)
-    objs = [torch.randint(0, 255, (SIZE,), dtype=torch.uint8, generator=g) for _ in range(8)]
+    keys, objs = cycled_objects("r40c-slow", N, SIZE, 8, seed=1)
     with DaemonClient(daemon.endpoint, token=TOKEN, timeout_s=20) as direct:
         direct.put([(k, objs[i % 8]) for i, k in enumerate(keys)])
     relay = RateLimitedRelay(daemon.endpoint, RATE)
