@@ -71,14 +71,17 @@ class KVStore(abc.ABC):
         """``discard`` with the refused bytes known by a test, ``is_refused(copy)`` (one copy here: deleted)."""
         self.delete([key])
 
-    def delete_nowait(self, keys: list[str]) -> None:
+    def delete_nowait(self, keys: list[str]) -> threading.Event | None:
         """``delete`` without waiting on slower tiers (what the daemon's serve thread calls): reads through this
-        store miss ``keys`` at once; a store of tiers (``TieredStore``) removes its lower tiers' copies behind."""
+        store miss ``keys`` at once; a store of tiers (``TieredStore``) removes its lower tiers' copies behind, and
+        returns an Event set once it has. None: done already."""
         self.delete(keys)
+        return None
 
-    def discard_where_nowait(self, key: str, is_refused) -> None:
+    def discard_where_nowait(self, key: str, is_refused) -> threading.Event | None:
         """``discard_where`` without waiting on slower tiers, as ``delete_nowait``."""
         self.discard_where(key, is_refused)
+        return None
 
     def lookup(self, chunk_keys: list[str], num_layers: int) -> int:
         """Number of leading chunks whose every layer object is present."""

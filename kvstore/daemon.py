@@ -15,6 +15,8 @@ by this daemon on Attach and looked up by (client identity, generation); segment
 dead client processes are reclaimed on Attach at the limit and every
 ``DaemonLimits.shm_reclaim_s`` in the serve loop. A store whose L1 is an arena (arena_tier.py) also
 serves MapArena/Reserve/Lease/Release (daemon_arena.py): local clients then write and read L1 in place.
+A Delete or Discard is answered once the store has removed the lower tiers' copies too, but the serve thread does
+not wait for that (``_held``): the store's write-through worker does it, and other clients are served meanwhile.
 TCP payloads go out zero-copy: an arena slot sent as a frame stays pinned until zmq's I/O thread is done
 with it (``_sending``: trackers swept by the serve thread; at most ``DaemonLimits.max_send_pinned_bytes`` in
 flight, the rest sent as copies), and a put's frames are given to L1 as they are (``keep_frames``: no copy; a
@@ -86,6 +88,9 @@ class KVDaemon:
         self._send_budget = limits.max_send_pinned_bytes if limits.max_send_pinned_bytes is not None else \
             (self._arena.arena.size // 4 if self._arena is not None else 0)
         self._pinned_reply: list = []     # slots the reply being built sends (handler -> serve)
+        self._held_until = None           # the Event the reply being built waits for (handler -> serve): a Delete's
+        #                                   or Discard's, set once the store removed the lower tiers' copies
+        self._held: list = []             # (ident, reply frames, that Event): sent once it is set (_answer_held)
         self._handlers = {P.Put: self._put, P.Get: self._get, P.Contains: self._contains,
                           P.Lookup: self._lookup, P.Delete: self._delete, P.Discard: self._discard,
                           P.Stats: self._stats,
@@ -103,11 +108,16 @@ class KVDaemon:
                 self._reclaim()
                 next_reclaim = time.monotonic() + self.limits.shm_reclaim_s
             self._sweep_sent()
-            if not self._sock.poll(100 if not self._sending else 1):
+            self._answer_held()
+            if not self._sock.poll(100 if not (self._sending or self._held) else 1):
                 continue
             frames = self._sock.recv_multipart(copy=False)
             ident, body = frames[0].bytes, frames[1:]
             reply = self.handle(ident, body)
+            held, self._held_until = self._held_until, None
+            if held is not None and not held.is_set():
+                self._held.append((ident, reply, held))    # the serve thread goes on; answered once it is done
+                continue
             pinned, self._pinned_reply = self._pinned_reply, []
             if pinned:
                 reply = self._pinned_frames(reply, pinned)
@@ -131,6 +141,19 @@ class KVDaemon:
         self._sending.append(([f.tracker for f in frames[1:] if f.tracker is not None], pinned, nbytes))
         self._sending_bytes += nbytes
         return frames
+
+    def _answer_held(self) -> None:
+        """Send the replies of Deletes and Discards whose lower-tier removal the store has done (tiered.py): a
+        client's Delete returns once it is done, and the serve thread never waits for it."""
+        if not self._held:
+            return
+        still = []
+        for ident, reply, done in self._held:
+            if done.is_set():
+                send_frames(self._sock, [ident, *reply])
+            else:
+                still.append((ident, reply, done))
+        self._held = still
 
     def _sweep_sent(self) -> None:
         """Unpin the slots of every reply zmq is done with, in whatever order they finish: a reply stuck on one
@@ -302,16 +325,18 @@ class KVDaemon:
 
     def _delete(self, req: P.Delete, ident: bytes, frames: list):
         self._check_batch(len(req.keys))
-        self.store.delete_nowait(req.keys)        # a slow lower tier never stalls the serve thread (tiered.py)
+        self._held_until = self.store.delete_nowait(req.keys)   # answered once done; the serve thread goes on
         return P.Reply(), []
 
     def _discard(self, req: P.Discard, ident: bytes, frames: list):
         self._check_batch(len(req.keys))
         if len(req.digests) != len(req.keys):
             raise ValueError(f"discard of {len(req.keys)} keys with {len(req.digests)} digests")
-        for key, digest in zip(req.keys, req.digests):
+        for key in req.keys:
             check_key(key)
-            self.store.discard_where_nowait(key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d)
+        for key, digest in zip(req.keys, req.digests):        # (queued in order: the last one done, all are)
+            self._held_until = self.store.discard_where_nowait(
+                key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d) or self._held_until
         return P.Reply(), []
 
     def _stats(self, req: P.Stats, ident: bytes, frames: list):

