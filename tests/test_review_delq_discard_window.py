@@ -17,43 +17,26 @@ from __future__ import annotations
 
 import time
 
-import redis
 import torch
 
 from kvstore_fixtures import *  # noqa: F401,F403 - fixtures (redis_server)
-from kvstore_fixtures import TOKEN, DaemonProcess, unique_prefix, wait_for
+from kvstore_fixtures import TOKEN
 from pdserve.kvstore.client import DaemonClient
-from test_review_redis_sealed import PAYLOAD, _flip, _sealed
+from test_review_redis_sealed import _sealed, flipped_in_redis
 
 BIG = (2, 4096, 8, 128)                               # bf16: 16 MiB, sealed (FLAG_SEALED: no checksum over it)
 
 
 def test_once_the_refused_copy_left_redis_the_intact_disk_copy_is_read(redis_server, tmp_path):
-    prefix = unique_prefix() + ":"
-    raw = redis.Redis(port=redis_server.port)
-    flags = ("--kv-cpu-bytes", str(256 << 20), "--kv-redis", redis_server.url, "--kv-redis-prefix", prefix,
-             "--kv-disk-dir", str(tmp_path / "kv"), "--log-level", "ERROR")
     obj = _sealed("c:0", shape=BIG)
-    daemon = DaemonProcess(*flags, token=TOKEN)
-    try:
-        with DaemonClient(daemon.url, token=TOKEN, timeout_s=20) as client:
-            client.put([("c:0", obj)])
-        wait_for(lambda: raw.exists(prefix + "c:0") and list((tmp_path / "kv").glob("*.kv")), what="write-through")
-    finally:
-        daemon.stop()
-    _flip(raw, prefix + "c:0", PAYLOAD + 1000)       # Redis's copy changed; the disk's is intact
-    daemon = DaemonProcess(*flags, token=TOKEN)      # empty L1: the read goes to Redis
-    try:
+    with flipped_in_redis(redis_server, tmp_path, obj, 256 << 20) as (daemon, raw, prefix):
         with DaemonClient(daemon.url, token=TOKEN, timeout_s=20) as client:
             refused = client.get(["c:0"])[0]
             assert refused is not None and not torch.equal(refused, obj)
             client.discard("c:0", refused)           # what the loader does on a failed seal
             deadline = time.monotonic() + 10
-            while raw.exists(prefix + "c:0"):        # the condition test_review_redis_sealed.py waits for
+            while raw.exists(prefix + "c:0"):        # the condition test_review_redis_sealed.py waited for
                 assert daemon.proc.poll() is None and time.monotonic() < deadline, "the refused copy stayed"
             got = client.get(["c:0"])[0]
             assert got is not None and torch.equal(got, obj), \
                 "the refused copy has left Redis, yet the intact disk copy is a miss (still masked by the discard)"
-    finally:
-        raw.close()
-        daemon.stop()

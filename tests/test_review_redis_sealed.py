@@ -7,6 +7,7 @@ prefix, real engines for the end-to-end cases, no mocks. What each one found or 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -298,18 +299,17 @@ def test_a_payload_flipped_in_redis_between_publish_and_load_is_recomputed(tiny_
         dstore.close()
 
 
-def test_through_a_daemon_a_payload_flipped_in_redis_does_not_cost_the_disk_copy(redis_server, tmp_path):
-    """Finding (the daemon's half of the one above): a node loading through ``--kv-store tcp://`` refused the object
-    the daemon read from Redis and sent Delete: the daemon removed every copy, the intact one on its disk too. Now
-    the client sends Discard with the refused bytes' digest; the daemon keeps the disk's copy, the next get has it."""
+@contextlib.contextmanager
+def flipped_in_redis(redis_server, tmp_path, obj: torch.Tensor, cpu_bytes: int):
+    """A daemon (Redis and disk tiers) that stored ``obj`` as ``c:0``, started again (L1 empty) once Redis's copy had
+    a payload byte flipped; the disk's copy is intact. -> (the daemon, a Redis client, the daemon's Redis prefix)."""
     from kvstore_fixtures import TOKEN, DaemonProcess, wait_for
     from pdserve.kvstore.client import DaemonClient
 
     prefix = unique_prefix() + ":"
     raw = redis.Redis(port=redis_server.port)
-    flags = ("--kv-cpu-bytes", str(64 << 20), "--kv-redis", redis_server.url, "--kv-redis-prefix", prefix,
+    flags = ("--kv-cpu-bytes", str(cpu_bytes), "--kv-redis", redis_server.url, "--kv-redis-prefix", prefix,
              "--kv-disk-dir", str(tmp_path / "kv"), "--log-level", "ERROR")
-    obj = _sealed("c:0")
     daemon = DaemonProcess(*flags, token=TOKEN)
     try:
         with DaemonClient(daemon.url, token=TOKEN, timeout_s=20) as client:
@@ -320,18 +320,29 @@ def test_through_a_daemon_a_payload_flipped_in_redis_does_not_cost_the_disk_copy
     _flip(raw, prefix + "c:0", PAYLOAD + 1000)
     daemon = DaemonProcess(*flags, token=TOKEN)                 # empty L1: the read goes to Redis
     try:
+        yield daemon, raw, prefix
+    finally:
+        raw.close()
+        daemon.stop()
+
+
+def test_through_a_daemon_a_payload_flipped_in_redis_does_not_cost_the_disk_copy(redis_server, tmp_path):
+    """Finding (the daemon's half of the one above): a node loading through ``--kv-store tcp://`` refused the object
+    the daemon read from Redis and sent Delete: the daemon removed every copy, the intact one on its disk too. Now
+    the client sends Discard with the refused bytes' digest; the daemon keeps the disk's copy, the next get has it.
+    (The daemon answers the Discard once its write-through worker removed Redis's copy: kvstore/tiered.py.)"""
+    from kvstore_fixtures import TOKEN
+    from pdserve.kvstore.client import DaemonClient
+
+    obj = _sealed("c:0")
+    with flipped_in_redis(redis_server, tmp_path, obj, 64 << 20) as (daemon, raw, prefix):
         with DaemonClient(daemon.url, token=TOKEN, timeout_s=20) as client:
             loader = _loader(client)
             try:
                 with client.borrow(["c:0"]) as objs:
                     assert loader.unsealed("c:0", objs[0], SHAPE[1]) is None
-                assert loader.integrity_failures == 1
-                # the daemon removes lower tiers' copies behind its write-through queue (kvstore/tiered.py), not on
-                # its serve thread: Redis's copy goes shortly after the Discard is answered
-                wait_for(lambda: raw.exists(prefix + "c:0") == 0, what="the refused copy leaving Redis")
+                assert loader.integrity_failures == 1 and raw.exists(prefix + "c:0") == 0
                 with client.borrow(["c:0"]) as objs:
                     assert objs[0] is not None and torch.equal(objs[0], obj)
             finally:
                 loader.stop()
-    finally:
-        daemon.stop()
