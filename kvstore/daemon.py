@@ -229,9 +229,8 @@ class KVDaemon:
 
     def _put(self, req: P.Put, ident: bytes, frames: list):
         self._check_batch(len(req.objs))
-        limit = self.limits.max_object_bytes
         for meta in req.objs:
-            P.check_meta(meta, limit)
+            P.check_meta(meta, self.limits.max_object_bytes)
         framed = [m for m in req.objs if m.offset == P.FRAME]
         if len(framed) != len(frames):
             raise ValueError(f"{len(framed)} objects expect payload frames but {len(frames)} frames came")
@@ -334,9 +333,11 @@ class KVDaemon:
             raise ValueError(f"discard of {len(req.keys)} keys with {len(req.digests)} digests")
         for key in req.keys:
             check_key(key)
-        for key, digest in zip(req.keys, req.digests):        # (queued in order: the last one done, all are)
-            self._held_until = self.store.discard_where_nowait(
-                key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d) or self._held_until
+        done = None                                           # queued in order: the last one done, all are
+        for key, digest in zip(req.keys, req.digests):
+            done = self.store.discard_where_nowait(
+                key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d) or done
+        self._held_until = done
         return P.Reply(), []
 
     def _stats(self, req: P.Stats, ident: bytes, frames: list):

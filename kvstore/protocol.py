@@ -246,8 +246,8 @@ def nbytes_of(meta: ObjMeta) -> int:
 def check_meta(meta: ObjMeta, max_object_bytes: int) -> None:
     """Reject a meta whose size disagrees with its dtype/shape or exceeds the limit."""
     shape = meta.shape
-    if not (meta.dtype == "uint8" and len(shape) == 1 and shape[0] == meta.nbytes >= 0):   # (a sealed object passes
-        dtype_of(meta.dtype)                                                                # in that one step)
+    if not (meta.dtype == "uint8" and len(shape) == 1 and shape[0] == meta.nbytes >= 0):   # (a sealed object: one step)
+        dtype_of(meta.dtype)
         if len(shape) > MAX_DIMS:
             raise ValueError(f"object {meta.key!r} has {len(shape)} dimensions; the store keeps at most {MAX_DIMS}")
         if any(d < 0 for d in shape):

@@ -110,10 +110,7 @@ def sealed_for(key: str, payload) -> bool:
     dcode, ndim = head[2], head[3]
     if head[0] != MAGIC or head[1] != SEAL_VERSION or dcode >= len(_ITEMSIZE) or ndim > _MAX_DIMS:
         return False
-    numel = 1
-    for d in head[4:4 + ndim]:
-        numel *= d
-    return nbytes == SEAL_BYTES + numel * _ITEMSIZE[dcode] and head[4 + _MAX_DIMS] == key_hash(key)
+    return nbytes == SEAL_BYTES + _numel(head[4:4 + ndim]) * _ITEMSIZE[dcode] and head[4 + _MAX_DIMS] == key_hash(key)
 
 
 def chunk_digest(macs: list[bytes]) -> str:

@@ -106,19 +106,19 @@ class TieredStore(ArenaSlots, KVStore):
         return present
 
     def delete(self, keys: list[str]) -> None:
-        self._remove("delete", keys, keys, wait=True)
+        self._remove(keys, wait=True)
 
     def delete_nowait(self, keys: list[str]) -> threading.Event | None:
-        return self._remove("delete", keys, keys, wait=False)
+        return self._remove(keys, wait=False)
 
     def discard_where(self, key: str, is_refused) -> None:
         """L1's copy, then each lower tier's copy that ``is_refused`` (or that its tier cannot read): a sealed
         object's payload is checked by the loader's MAC alone (codec FLAG_SEALED), so a byte changed in Redis reaches
         the loader -- the other tiers' copies may be intact, and the next read takes them (and checks them)."""
-        self._remove("discard", (key, is_refused), [key], wait=True)
+        self._remove([key], is_refused, wait=True)
 
     def discard_where_nowait(self, key: str, is_refused) -> threading.Event | None:
-        return self._remove("discard", (key, is_refused), [key], wait=False)
+        return self._remove([key], is_refused, wait=False)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """True iff every write this thread enqueued since its previous flush reached every lower tier.
@@ -172,48 +172,48 @@ class TieredStore(ArenaSlots, KVStore):
 
     # -- deletes: L1 now, the lower tiers behind the queued writes -------------------------
 
-    def _remove(self, kind: str, arg, keys: list[str], wait: bool) -> threading.Event | None:
+    def _remove(self, keys: list[str], is_refused=None, wait: bool = True) -> threading.Event | None:
         """L1's copies of ``keys`` now; the lower tiers' by the worker, after every write queued before this (so
-        none lands after it). Meanwhile this store's reads miss ``keys`` in the lower tiers. ``wait``: until the
-        worker is done, at most 30 s (a stalled tier: the removal still happens when it gets there). -> the Event
-        set once it is done; None when it is done already."""
+        none lands after it): all of them, or (``is_refused``: a discard) those that test refused. Meanwhile this
+        store's reads miss ``keys`` in the lower tiers. ``wait``: until the worker is done, at most 30 s (a stalled
+        tier: the removal still happens when it gets there). -> the Event set once it is done; None when it is
+        done already."""
         keys = list(keys)                  # ours: the caller may reuse its list once we return
-        arg = keys if kind == "delete" else arg
         self.l1.delete(keys)
         if not self.lower:
             return None
         if self._closed:                   # no worker: nothing queued is left to overtake
-            self._remove_lower(kind, arg)
+            self._remove_lower(keys, is_refused)
             return None
         with self._lock:
             for key in keys:
                 self._deleting[key] = self._deleting.get(key, 0) + 1
         marker = _Marker()
-        self._queue.put((kind, (arg, keys, marker)))
+        self._queue.put(("remove", (keys, is_refused, marker)))
         if wait:
             marker.done.wait(30.0)
         return marker.done
 
-    def _remove_lower(self, kind: str, arg) -> None:
+    def _remove_lower(self, keys: list[str], is_refused) -> None:
         """Remove from each lower tier that is up. A tier that is down misses it (and serves the object again once
         it is back: tests/test_review_delq_down_tier.py, a known gap)."""
-        if kind == "delete":
+        if is_refused is None:
             for tier in self.lower:
-                self._read(tier, "delete", arg)
+                self._read(tier, "delete", keys)
             return
-        key, is_refused = arg
+        key, = keys
         for tier in self.lower:
             copy = self._read(tier, "get", [key])
             if copy and copy[0] is not None and not is_refused(copy[0]):
                 continue                   # another object: the next reader's (its seal is checked then)
             self._read(tier, "delete", [key])
 
-    def _removed(self, kind: str, arg, keys: list[str], marker: "_Marker") -> None:
+    def _removed(self, keys: list[str], is_refused, marker: "_Marker") -> None:
         """The worker: one queued delete or discard."""
         try:
-            self._remove_lower(kind, arg)
+            self._remove_lower(keys, is_refused)
         except Exception:  # noqa: BLE001 -- a refusal test that raised must not end the write-through worker
-            log.exception("KV %s of %d keys in the lower tiers failed", kind, len(keys))
+            log.exception("KV removal of %d keys from the lower tiers failed", len(keys))
         finally:
             self._uncount(keys)
             marker.done.set()
@@ -285,8 +285,8 @@ class TieredStore(ArenaSlots, KVStore):
                 self._write_batch(*arg)
             elif op == "dropped":
                 self._count_lost(*arg)
-            elif op in ("delete", "discard"):
-                self._removed(op, *arg)
+            elif op == "remove":
+                self._removed(*arg)
             else:                          # "flush": reports and resets its writer's losses
                 arg.ok = self._unreported_lost.pop(arg.writer, 0) == 0
                 arg.done.set()
