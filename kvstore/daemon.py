@@ -29,6 +29,7 @@ Standalone: ``python -m pdserve.kvstore --port 5557`` (same flags as ``pdserve k
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -90,7 +91,8 @@ class KVDaemon:
         self._pinned_reply: list = []     # slots the reply being built sends (handler -> serve)
         self._held_until = None           # the Event the reply being built waits for (handler -> serve): a Delete's
         #                                   or Discard's, set once the store removed the lower tiers' copies
-        self._held: list = []             # (ident, reply frames, that Event): sent once it is set (_answer_held)
+        self._held: collections.deque = collections.deque()   # (ident, reply frames, that Event), in the order the
+        #                                   store's single worker sets them: sent from the left once set (_answer_held)
         self._handlers = {P.Put: self._put, P.Get: self._get, P.Contains: self._contains,
                           P.Lookup: self._lookup, P.Delete: self._delete, P.Discard: self._discard,
                           P.Stats: self._stats,
@@ -145,15 +147,9 @@ class KVDaemon:
     def _answer_held(self) -> None:
         """Send the replies of Deletes and Discards whose lower-tier removal the store has done (tiered.py): a
         client's Delete returns once it is done, and the serve thread never waits for it."""
-        if not self._held:
-            return
-        still = []
-        for ident, reply, done in self._held:
-            if done.is_set():
-                send_frames(self._sock, [ident, *reply])
-            else:
-                still.append((ident, reply, done))
-        self._held = still
+        while self._held and self._held[0][2].is_set():
+            ident, reply, _ = self._held.popleft()
+            send_frames(self._sock, [ident, *reply])
 
     def _sweep_sent(self) -> None:
         """Unpin the slots of every reply zmq is done with, in whatever order they finish: a reply stuck on one

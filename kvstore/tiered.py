@@ -70,7 +70,7 @@ class TieredStore(ArenaSlots, KVStore):
         self._unreported_lost: dict[int, int] = {}   # worker only: writer thread -> lost since its last flush
         self._deleting: dict[str, int] = {}  # key -> its queued deletes/discards (under _lock): lower tiers miss it
         self._worker = threading.Thread(target=self._write_loop, name="kv-write-through", daemon=True)
-        self._closed = False
+        self._closed = self._stopping = False
         if self.lower:
             self._worker.start()
 
@@ -149,7 +149,9 @@ class TieredStore(ArenaSlots, KVStore):
         if self._closed:
             return
         if self.lower:
-            self._queue.put(("stop", None))
+            with self._lock:               # a removal queued after "stop" would never run: _remove checks this
+                self._stopping = True
+                self._queue.put(("stop", None))
             self._worker.join(timeout=30.0)
         self._closed = True
         for tier in self.lower:
@@ -182,14 +184,17 @@ class TieredStore(ArenaSlots, KVStore):
         self.l1.delete(keys)
         if not self.lower:
             return None
-        if self._closed:                   # no worker: nothing queued is left to overtake
+        marker = _Marker()
+        with self._lock:                   # (against close(): queued before its "stop", or not at all)
+            queued = not self._stopping
+            if queued:
+                for key in keys:
+                    self._deleting[key] = self._deleting.get(key, 0) + 1
+                self._queue.put(("remove", (keys, is_refused, marker)))
+        if not queued:                     # closing: once the worker is done, nothing queued is left to overtake
+            self._worker.join(timeout=30.0)
             self._remove_lower(keys, is_refused)
             return None
-        with self._lock:
-            for key in keys:
-                self._deleting[key] = self._deleting.get(key, 0) + 1
-        marker = _Marker()
-        self._queue.put(("remove", (keys, is_refused, marker)))
         if wait:
             marker.done.wait(30.0)
         return marker.done

@@ -112,3 +112,24 @@ def test_the_daemon_serves_other_clients_while_a_delete_waits_on_its_stopped_red
         a.close(), b.close()
         redis.close()
         daemon.stop()
+
+
+def test_a_delete_racing_close_still_removes_the_lower_copy(store_of):
+    """(Final review, note 3) A delete arriving while ``close()`` has queued the worker's stop was queued behind it and
+    never ran: ``delete`` waited 30 s and the lower tier kept the object. Now it waits for the worker, then removes."""
+    l2 = FakeTier("l2")
+    store = store_of(l2)
+    _put(store, "k")
+    assert store.flush()
+    l2.gate.clear()
+    _put(store, "stuck")                              # the worker holds this write, so close() waits on it
+    assert l2.entered.wait(10)
+    closing = threading.Thread(target=store.close)
+    closing.start()
+    wait_for(lambda: store._stopping, what="close() queuing the worker's stop")
+    deleting = threading.Thread(target=store.delete, args=(["k"],))
+    deleting.start()
+    l2.gate.set()
+    deleting.join(10)
+    closing.join(10)
+    assert not deleting.is_alive() and "k" not in l2.data
