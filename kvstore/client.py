@@ -54,7 +54,7 @@ from pdserve.kvstore.base import KVStore, StatsDict
 from pdserve.kvstore.codec import tensor_bytes
 from pdserve.kvstore.keys import check_key
 from pdserve.kvstore.shm import ShmSegment
-from pdserve.kvstore.zmq_context import send_frames, shared_context
+from pdserve.kvstore.zmq_context import recv_frames, send_frames, shared_context
 
 log = logging.getLogger(__name__)
 SHM_RETRY_S = 30.0      # after a refused Attach, use frames this long before asking again
@@ -310,7 +310,7 @@ class DaemonClient(KVStore):
                     self._abandon(f"{type(req).__name__} timed out")
                 raise TimeoutError(f"KV daemon at {self.url} did not answer {type(req).__name__} "
                                    f"within {self.timeout_ms} ms")
-            reply_frames = self._sock.recv_multipart(copy=False)
+            reply_frames = recv_frames(self._sock)
             reply = P.REPLY_DECODER.decode(reply_frames[0].buffer)
             if reply.id == req.id:
                 break

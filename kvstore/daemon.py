@@ -47,7 +47,7 @@ from pdserve.kvstore.daemon_arena import ArenaServer
 from pdserve.kvstore.keys import check_key
 from pdserve.kvstore.session import Sessions, SessionError
 from pdserve.kvstore.shm import MAP_GRACE_S, NoSegment, SegmentTable, ShmSegment, align
-from pdserve.kvstore.zmq_context import send_frames, shared_context
+from pdserve.kvstore.zmq_context import recv_frames, send_frames, shared_context
 
 log = logging.getLogger(__name__)
 TRACK_FROM = 32 << 10       # arena frames from this size are sent in place (tracked: ~6 us a frame); smaller ones are copied
@@ -113,7 +113,7 @@ class KVDaemon:
             self._answer_held()
             if not self._sock.poll(100 if not (self._sending or self._held) else 1):
                 continue
-            frames = self._sock.recv_multipart(copy=False)
+            frames = recv_frames(self._sock)
             ident, body = frames[0].bytes, frames[1:]
             reply = self.handle(ident, body)
             held, self._held_until = self._held_until, None

@@ -1,5 +1,5 @@
 """The one zmq context of a process, shared by every socket pdserve opens (store client and daemon, the
-engine core's client), and ``send_frames``, the store's multipart send.
+engine core's client), and ``send_frames`` / ``recv_frames``, the store's multipart send and receive.
 
 Why not a context per object: an object that owns a context and a socket and is dropped without
 ``close()`` inside a reference cycle hangs the process when the garbage collector reaches it. The
@@ -29,3 +29,14 @@ def send_frames(sock: zmq.Socket, frames: list) -> None:
     send = sock.send
     for i, frame in enumerate(frames):
         send(frame, _MORE if i < last else 0, copy=False)
+
+
+def recv_frames(sock: zmq.Socket) -> list:
+    """``sock.recv_multipart(copy=False)``, asking each received frame whether another follows (``Frame.more``)
+    rather than the socket (``getsockopt(RCVMORE)``, a Python enum built per frame): 1.2-1.8 against 2.7-4.0 us a
+    frame here, and a put of 64 KiB objects brings 1024 frames per 64 MiB."""
+    recv = sock.recv
+    frames = [recv(0, copy=False)]
+    while frames[-1].more:
+        frames.append(recv(0, copy=False))
+    return frames
