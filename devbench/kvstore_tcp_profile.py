@@ -58,7 +58,12 @@ def _daemon(token: str, cpu_bytes: int, track_from: int | None, q) -> None:
     d.handle = timed("daemon handle (all)", d.handle)
     sock = d._sock
 
-    class Sock:                       # the serve loop's socket, its recv/send timed
+    if hasattr(D, "recv_frames"):     # the serve loop's receive and send, timed
+        D.recv_frames = timed("daemon recv", D.recv_frames)
+    if hasattr(D, "send_frames"):
+        D.send_frames = timed("daemon send", D.send_frames)
+
+    class Sock:                       # (an older build: the socket's own multipart calls)
         def __getattr__(self, name):
             return getattr(sock, name)
         recv_multipart = staticmethod(timed("daemon recv", sock.recv_multipart))
