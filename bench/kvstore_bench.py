@@ -2,9 +2,10 @@
 
 Who calls it: ``bench/cli.py`` (``pdserve bench kvstore``); ``python -m pdserve.bench.kvstore_bench`` runs
 the same. Each row moves ``--total-mib`` of objects of one size (64 KiB, 1 MiB, 8 MiB; fixed ``--seed``) in
-one batched call, best of ``--repeats`` rounds, and is divided by its baseline from this run. A round times
-every path's put, then every path's get, one call each, so a burst of load on the box lands on a path and its
-baseline alike (``measure``); each path moves objects of its own keys (``PREFIXES``). The objects are
+one batched call, ``--repeats`` rounds, and is divided by its baseline from this run: best by best, and the median
+over rounds of the path's ratio to its baseline in that round (paired: on a box whose speed swings 2x from one call
+to the next, each side's best can come from a moment of different load). A round times every path's put, then every
+path's get, one call each, so a burst of load on the box lands on a path and its baseline alike (``measure``); each path moves objects of its own keys (``PREFIXES``). The objects are
 sealed (kvstore/seal.py) as every KV object a node stores is; ``--unsealed`` moves plain tensors instead:
 
     path                 baseline          what the baseline is
@@ -82,11 +83,11 @@ class Step:
     close: Callable[[], None] = lambda: None
 
 
-def measure(steps: dict[str, Step], nbytes: int, repeats: int, label: str) -> dict[str, tuple[float, float]]:
-    """Best put and get GB/s of each path over ``repeats`` rounds; a round times every path's put, then every
-    path's get, so a burst of load on the box lands on a path and its baseline alike (not on whichever ran
-    during it, as when a path's repeats all ran before the next path's)."""
-    best = {path: [float("inf"), float("inf")] for path in steps}
+def measure(steps: dict[str, Step], repeats: int, label: str) -> dict[str, tuple[list[float], list[float]]]:
+    """Each path's put and get seconds, one per round; a round times every path's put, then every path's get, so a
+    burst of load on the box lands on a path and its baseline alike (not on whichever ran during it, as when a
+    path's repeats all ran before the next path's) -- and round r of a path pairs with round r of its baseline."""
+    times = {path: ([], []) for path in steps}
     for r in range(repeats):
         print(f"[{label}] round {r + 1}/{repeats}", file=sys.stderr, flush=True)
         for op in (0, 1):
@@ -94,10 +95,10 @@ def measure(steps: dict[str, Step], nbytes: int, repeats: int, label: str) -> di
                 fn = step.put if op == 0 else step.get
                 t0 = time.perf_counter()
                 fn()
-                best[path][op] = min(best[path][op], time.perf_counter() - t0)
+                times[path][op].append(time.perf_counter() - t0)
                 if r == 0 and op == 0:
                     step.check()
-    return {path: (nbytes / put / 1e9, nbytes / get / 1e9) for path, (put, get) in best.items()}
+    return times
 
 
 def memcpy(items) -> Step:
@@ -203,11 +204,11 @@ def run(args) -> dict:
                                                            items["redis tier"])}
             built = {path: make_step() for path, make_step in _picked(steps, args.paths).items()}
             try:
-                figures = measure(built, total_of(items[next(iter(built))]), rep, f"{n + 1}/{len(sizes)} {label}")
+                times = measure(built, rep, f"{n + 1}/{len(sizes)} {label}")
             finally:
                 for step in built.values():
                     step.close()
-            result["rows"] += [row(label, path, figures) for path in figures]
+            result["rows"] += [row(label, path, times, total_of(items[path])) for path in times]
     finally:
         tcp.close(), shm.close()
         for proc in (daemon, raw_proc):
@@ -221,7 +222,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="'' leaves the Redis rows out")
     p.add_argument("--total-mib", type=int, default=64, help="MiB moved per measurement")
     p.add_argument("--sizes", default="64KiB,1MiB,8MiB", help=f"object sizes, of {', '.join(SIZES)}")
-    p.add_argument("--repeats", type=int, default=5, help="rounds (each times every path once); best of them")
+    p.add_argument("--repeats", type=int, default=9, help="rounds (each times every path once): the best of them, "
+                   "and the median of each round's ratio to its baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--unsealed", action="store_true",
                    help="move plain tensors rather than sealed objects (what nodes store): the daemon's TCP "

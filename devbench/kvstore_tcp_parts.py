@@ -22,8 +22,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--size-kib", type=int, default=1024)
     p.add_argument("--total-mib", type=int, default=64)
-    p.add_argument("--parts", default="4,64", help="comma-separated part sizes: MiB, or MiB:objects (a part holds at "
-                   "most that many objects too)")
+    p.add_argument("--parts", default="4,64", help="comma-separated part sizes in MiB")
     p.add_argument("--calls", type=int, default=100, help="alternations (each: raw pyzmq, then every variant)")
     args = p.parse_args()
     from pdserve.bench.kvstore_bench import raw_zmq, sealed_objects, start_daemon, start_raw_zmq
@@ -35,20 +34,20 @@ def main() -> None:
     host_memory.tune()
     torch.set_num_threads(1)
     size, total, token = args.size_kib << 10, args.total_mib << 20, new_token()
-    parts = [_part(x) for x in args.parts.split(",")]
+    parts = [int(x) << 20 for x in args.parts.split(",")]
     daemon, url = start_daemon(4 * total, token)
     raw_proc, raw_url = start_raw_zmq()
     client = DaemonClient(url, token=token)
     raw = raw_zmq(raw_url, sealed_objects(size, total, 0, "z-"))
     items = sealed_objects(size, total, 0, "t-")
-    times: dict[tuple | str, list[float]] = {"raw pyzmq": [], **{part: [] for part in parts}}
+    times: dict[int | str, list[float]] = {"raw pyzmq": [], **{part: [] for part in parts}}
     try:
         client.put(items)
         raw.put()
         for _ in range(args.calls):
             times["raw pyzmq"].append(_timed(raw.put))
             for part in parts:
-                client_segment.PART_BYTES, client_segment.PART_OBJECTS = part
+                client_segment.PART_BYTES = part
                 times[part].append(_timed(lambda: client.put(items)))
         got = client.get([k for k, _ in items])
         assert all(torch.equal(g, t) for g, (_, t) in zip(got, items)), "a round trip changed the bytes"
@@ -62,15 +61,9 @@ def main() -> None:
     print(f"{args.size_kib} KiB objects, {args.total_mib} MiB a put, {args.calls} calls each")
     print(f"  raw pyzmq        min {min(base) * 1e3:6.1f} ms  median {statistics.median(base) * 1e3:6.1f} ms")
     for part, t in times.items():
-        cap = f"{part[1]:4d} objects" if part[1] < 1 << 30 else "any objects"
         mid = statistics.median(t)
-        print(f"  parts of {part[0] >> 20:3d} MiB / {cap}: min {min(t) * 1e3:6.1f} ms  median {mid * 1e3:6.1f} ms"
+        print(f"  parts of {part >> 20:3d} MiB: min {min(t) * 1e3:6.1f} ms  median {mid * 1e3:6.1f} ms"
               f"  x raw: {min(base) / min(t):.2f} (min) {statistics.median(base) / mid:.2f} (median)")
-
-
-def _part(text: str) -> tuple[int, int]:
-    mib, _, objects = text.partition(":")
-    return int(mib) << 20, int(objects or 1 << 30)
 
 
 def _timed(fn) -> float:

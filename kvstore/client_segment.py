@@ -3,8 +3,8 @@ every received payload passes.
 
 Who calls it: ``DaemonClient`` (client.py) under its lock when the daemon has no arena or the client no
 shared memory (a TCP client: frames only); ``own`` and ``payload`` also check the frames of the arena path
-(client_arena.py). Over TCP a put goes as requests of at most ``PART_OBJECTS`` objects and ``PART_BYTES``, and a
-get as ``GET_PARTS`` requests, all sent back to back; each get reply is checked in one pass (``framed_objects``).
+(client_arena.py). Over TCP a put goes as requests of about ``PART_BYTES`` and a get as ``GET_PARTS`` requests,
+all sent back to back; each get reply is checked in one pass (``framed_objects``).
 The segment belongs to the request holding the client's lock: a put writes its objects at 64-byte aligned
 offsets, a get's reply names where the daemon wrote them; what does not fit goes as frames (a get's
 DEFERRED objects are asked again). Every payload carries the xxh3 digest of key + bytes (0 for a sealed object of its key:
@@ -24,15 +24,12 @@ from pdserve.kvstore.shm import ShmSegment, align
 log = logging.getLogger(__name__)
 
 
-PART_BYTES = 64 << 20     # frames: a put batch goes as requests of at most this many bytes and PART_OBJECTS objects,
-PART_OBJECTS = 64         # sent back to back. Each part wakes the daemon's thread mid-transfer and its reply the
-#                           client's, on a box whose two cores also run both zmq I/O threads; but the daemon checks and
-#                           stores a part's objects only once all of it is in (~6-11 us an object here), so a part of
-#                           many small objects ends the put on a long serial tail. Measured with
-#                           devbench/kvstore_tcp_parts.py (calls alternated with raw pyzmq, median x raw):
-#                             1 MiB objects: 4 MiB parts x0.82-0.91, one 64 MiB part x0.88-0.92;
-#                             64 KiB objects: 4 MiB parts x0.92-0.95, 64 objects x0.96, one part of 1024 x0.78-0.85.
-#                           The largest part is unchanged: one object of --kv-max-object-bytes (64 MiB) always was one.
+PART_BYTES = 4 << 20      # frames: a put batch goes as requests of about this many bytes, sent back to back; each
+#                           reply is waited for with the client's timeout, so a slow link need only move a part within
+#                           it. One request per 64 MiB batch measured within the noise of this (devbench/
+#                           kvstore_tcp_parts.py, median x raw pyzmq over 100-150 alternated calls: 1 MiB objects
+#                           0.82-0.91 in 4 MiB parts, 0.88-0.92 as one; 8 MiB objects 1.03 against 0.95) and would
+#                           need a link 16x faster to meet the same timeout.
 GET_PARTS = 8             # frames: a get batch is asked as this many requests (of 8 keys at least), back to back:
 #                           each reply is waited for with the client's timeout, and pins an eighth of the daemon's
 #                           send budget (tests/test_review40c_*). One request measured faster on an idle box (1 MiB
@@ -62,13 +59,12 @@ def put_batch(client, objs: list, start: int, seg: ShmSegment | None) -> int:
 
 
 def _put_frames(client, objs: list, start: int) -> int:
-    """objs[start:] up to the batch limit as frames, in parts (``PART_OBJECTS``, ``PART_BYTES``) sent back to back
-    (each part's digests are computed while the previous part is on the wire, and checked by the daemon while the
-    next one arrives)."""
+    """objs[start:] up to the batch limit as frames, in parts sent back to back (each part's digests are computed
+    while the previous part is on the wire, and checked by the daemon while the next one arrives)."""
     batch = objs[start:start + client.max_batch]
     parts, size = [[]], 0
     for meta, data in batch:
-        if parts[-1] and (size + meta.nbytes > PART_BYTES or len(parts[-1]) >= PART_OBJECTS):
+        if parts[-1] and size + meta.nbytes > PART_BYTES:
             parts.append([])
             size = 0
         parts[-1].append((meta, data))
