@@ -17,6 +17,7 @@ dead client processes are reclaimed on Attach at the limit and every
 serves MapArena/Reserve/Lease/Release (daemon_arena.py): local clients then write and read L1 in place.
 A Delete or Discard is answered once the store has removed the lower tiers' copies too, but the serve thread does
 not wait for that (``_held``): the store's write-through worker does it, and other clients are served meanwhile.
+At stop, a held reply whose removal is not done within ``HELD_GRACE_S`` is answered ok=False, not left to time out.
 TCP payloads go out zero-copy: an arena slot sent as a frame stays pinned until zmq's I/O thread is done
 with it (``_sending``: trackers swept by the serve thread; at most ``DaemonLimits.max_send_pinned_bytes`` in
 flight, the rest sent as copies), and a put's frames are given to L1 as they are (``keep_frames``: no copy; a
@@ -50,6 +51,8 @@ from pdserve.kvstore.shm import MAP_GRACE_S, NoSegment, SegmentTable, ShmSegment
 from pdserve.kvstore.zmq_context import recv_frames, send_frames, shared_context
 
 log = logging.getLogger(__name__)
+HELD_GRACE_S = 1.0          # at stop, how long held Delete/Discard replies wait for the store to finish their removal
+CLOSE_LINGER_MS = 500       # at close, how long zmq may still spend sending the replies already queued
 TRACK_FROM = 32 << 10       # arena frames from this size are sent in place (tracked: ~6 us a frame); smaller ones are copied
 #                             (a 64 KiB copy took ~17 us here: devbench/kvstore_tcp_profile.py --track-from for an A/B)
 
@@ -125,6 +128,7 @@ class KVDaemon:
                 reply = self._pinned_frames(reply, pinned)
             send_frames(self._sock, [ident, *reply])
             del reply                     # our Frames: a tracker is done only once nothing here refers to its bytes
+        self._answer_held_at_stop()
 
     def _pinned_frames(self, reply: list, pinned: list) -> list:
         """A reply whose payload is arena slots' bytes: sent in place, the slots unpinned once zmq is done with
@@ -151,6 +155,19 @@ class KVDaemon:
             ident, reply, _ = self._held.popleft()
             send_frames(self._sock, [ident, *reply])
 
+    def _answer_held_at_stop(self) -> None:
+        """Stopping: the held replies whose removal the store finishes within ``HELD_GRACE_S`` go out as done; the
+        rest as a failure that says so, so their clients hear now rather than at their timeout (the store's close
+        may still finish those removals)."""
+        deadline = time.monotonic() + HELD_GRACE_S
+        while self._held:
+            ident, reply, done = self._held.popleft()
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                failed = P.Reply(id=P.REPLY_DECODER.decode(reply[0]).id, ok=False,
+                                 error="the daemon stopped before the lower tiers' copies were removed")
+                reply = [P.ENCODER.encode(failed)]
+            send_frames(self._sock, [ident, *reply])
+
     def _sweep_sent(self) -> None:
         """Unpin the slots of every reply zmq is done with, in whatever order they finish: a reply stuck on one
         client (a stopped process, a slow link) must not keep later replies' slots to other clients pinned."""
@@ -169,7 +186,7 @@ class KVDaemon:
         if self._arena is not None:
             self._arena.close()
         self._segments.close()
-        self._sock.close(linger=0)
+        self._sock.close(linger=CLOSE_LINGER_MS)     # (the last replies, _answer_held_at_stop's, still leave)
 
     def handle(self, ident: bytes, frames: list) -> list:
         """One request's frames -> the reply's frames; never raises."""

@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import torch
 
 from kvstore_fixtures import *  # noqa: F401,F403 - fixtures
 from kvstore_fixtures import TOKEN, DaemonProcess, unique_prefix, wait_for
-from pdserve.kvstore.client import DaemonClient
+from pdserve.kvstore.client import DaemonClient, DaemonError
+from pdserve.kvstore.daemon import HELD_GRACE_S, KVDaemon
 from test_kvstore_writethrough import KB, FakeTier, _put, store_of  # noqa: F401 - the gated tier and its fixture
 
 
@@ -133,3 +135,86 @@ def test_a_delete_racing_close_still_removes_the_lower_copy(store_of):
     deleting.join(10)
     closing.join(10)
     assert not deleting.is_alive() and "k" not in l2.data
+
+
+def test_a_delete_held_when_the_daemon_stops_is_answered_as_failed_not_left_to_time_out(store_of):
+    """(Open point of stop 49) A Delete held behind a stuck lower-tier write when the daemon is told to stop: its
+    client hears ``DaemonError`` naming the stop after ``HELD_GRACE_S``, not ``TimeoutError`` at its own timeout."""
+    l2 = FakeTier("l2")
+    daemon = KVDaemon(store_of(l2), port=0, token=TOKEN)
+    stop = threading.Event()
+    serve = threading.Thread(target=daemon.serve, args=(stop,))
+    serve.start()
+    client = DaemonClient(daemon.endpoint, token=TOKEN, timeout_s=30)
+    outcome = []
+
+    def delete():
+        try:
+            client.delete(["k:0"])
+            outcome.append("deleted")
+        except Exception as exc:  # noqa: BLE001 - what the client heard is the finding
+            outcome.append(exc)
+    try:
+        client.put([("k:0", KB)])
+        assert daemon.store.flush()
+        l2.gate.clear()
+        client.put([("stuck:0", KB)])                    # the worker holds this write: the Delete queues behind it
+        assert l2.entered.wait(10)
+        deleting = threading.Thread(target=delete)
+        deleting.start()
+        wait_for(lambda: daemon._held, what="the daemon holding the Delete's reply")
+        started = time.monotonic()
+        stop.set()
+        deleting.join(10)
+        waited = time.monotonic() - started
+        assert not deleting.is_alive() and waited < HELD_GRACE_S + 2, f"still waiting {waited:.1f} s after the stop"
+        assert isinstance(outcome[0], DaemonError) and "stopped" in str(outcome[0]), outcome
+    finally:
+        l2.gate.set()
+        stop.set()
+        serve.join(10)
+        client.close()
+        daemon.close()
+
+
+def test_a_held_delete_answer_leaves_a_daemon_process_that_exits(own_redis):
+    """The same through ``pdserve kvstore`` (its redis-server SIGSTOPped): SIGTERM while the Delete is held, and the
+    client hears within seconds -- done, if the store finished within the grace, else failed -- the reply leaving
+    the process as it exits (before, it was dropped: ``TimeoutError`` at the client's 30 s)."""
+    prefix = unique_prefix() + ":"
+    daemon = DaemonProcess("--kv-cpu-bytes", str(64 << 20), "--kv-redis", own_redis.url, "--kv-redis-prefix", prefix,
+                           "--log-level", "ERROR", token=TOKEN)
+    client = DaemonClient(daemon.url, token=TOKEN, timeout_s=30)
+    redis = own_redis.client()
+    outcome = []
+
+    def delete():
+        try:
+            client.delete(["k0:0"])
+            outcome.append("deleted")
+        except Exception as exc:  # noqa: BLE001 - what the client heard is the finding
+            outcome.append(exc)
+    try:
+        client.put([("k0:0", torch.ones(4096))])
+        wait_for(lambda: redis.exists(prefix + "k0:0"), what="the write-through reaching Redis")
+        os.kill(own_redis.proc.pid, signal.SIGSTOP)
+        try:
+            client.put([("stuck:0", torch.ones(4096))])      # the worker's SET now waits on the stopped server
+            deleting = threading.Thread(target=delete)
+            deleting.start()
+            probe = DaemonClient(daemon.url, token=TOKEN, timeout_s=10)
+            wait_for(lambda: probe.contains(["k0:0"]) == [False], what="the daemon taking the Delete")
+            probe.close()
+            assert deleting.is_alive(), "the Delete was answered before the store removed Redis's copy"
+            started = time.monotonic()
+            daemon.proc.terminate()
+            deleting.join(15)
+            waited = time.monotonic() - started
+        finally:
+            os.kill(own_redis.proc.pid, signal.SIGCONT)
+        assert not deleting.is_alive() and waited < 10, f"the client was still waiting {waited:.1f} s after the stop"
+        assert outcome[0] == "deleted" or isinstance(outcome[0], DaemonError) and "stopped" in str(outcome[0]), outcome
+    finally:
+        client.close()
+        redis.close()
+        daemon.stop()
