@@ -71,14 +71,14 @@ class KVStore(abc.ABC):
         """``discard`` with the refused bytes known by a test, ``is_refused(copy)`` (one copy here: deleted)."""
         self.delete([key])
 
-    def delete_nowait(self, keys: list[str]) -> threading.Event | None:
+    def delete_nowait(self, keys: list[str]) -> "Removal | None":
         """``delete`` without waiting on slower tiers (what the daemon's serve thread calls): reads through this
         store miss ``keys`` at once; a store of tiers (``TieredStore``) removes its lower tiers' copies behind, and
-        returns an Event set once it has. None: done already."""
+        returns a ``Removal`` set once it has. None: done already."""
         self.delete(keys)
         return None
 
-    def discard_where_nowait(self, key: str, is_refused) -> threading.Event | None:
+    def discard_where_nowait(self, key: str, is_refused) -> "Removal | None":
         """``discard_where`` without waiting on slower tiers, as ``delete_nowait``."""
         self.discard_where(key, is_refused)
         return None
@@ -131,3 +131,12 @@ class TierStats:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Removal(threading.Event):
+    """Set once a queued delete or discard has been over every lower tier; ``missed``: the tiers that were down for it
+    (the removal is kept for them and retried once they are back: kvstore/removals.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.missed: tuple[str, ...] = ()

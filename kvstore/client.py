@@ -71,6 +71,10 @@ class DaemonError(RuntimeError):
     """The daemon answered ``ok=False``; the message is its reason."""
 
 
+class RemovalPending(DaemonError):
+    """A Delete or Discard left L1 and the tiers that were up; a tier that was down gets it once back (``P.PENDING``)."""
+
+
 class _SegmentLost(DaemonError):
     """The daemon has no segment of our generation (restarted, or reclaimed it)."""
 
@@ -137,6 +141,8 @@ class DaemonClient(KVStore):
         self._batches([key])
         try:
             self._request(P.Discard(keys=[key], digests=[P.digest_of(key, tensor_bytes(refused))]))
+        except RemovalPending:
+            raise
         except DaemonError:
             self.delete([key])
 
@@ -315,7 +321,8 @@ class DaemonClient(KVStore):
             if reply.id == req.id:
                 break
         if not reply.ok:
-            kind = {P.NO_SEGMENT: _SegmentLost, P.NO_SESSION: _NoSession}.get(reply.code, DaemonError)
+            kind = {P.NO_SEGMENT: _SegmentLost, P.NO_SESSION: _NoSession, P.PENDING: RemovalPending}.get(reply.code,
+                                                                                                       DaemonError)
             raise kind(f"KV daemon at {self.url}: {reply.error}")
         return reply, reply_frames[1:]
 

@@ -92,10 +92,10 @@ class KVDaemon:
         self._send_budget = limits.max_send_pinned_bytes if limits.max_send_pinned_bytes is not None else \
             (self._arena.arena.size // 4 if self._arena is not None else 0)
         self._pinned_reply: list = []     # slots the reply being built sends (handler -> serve)
-        self._held_until = None           # the Event the reply being built waits for (handler -> serve): a Delete's
-        #                                   or Discard's, set once the store removed the lower tiers' copies
-        self._held: collections.deque = collections.deque()   # (ident, reply frames, that Event), in the order the
-        #                                   store's single worker sets them: sent from the left once set (_answer_held)
+        self._held_until: list = []       # the Removals the reply being built waits for (handler -> serve): a
+        #                                   Delete's or Discard's, set once the store has been over the lower tiers
+        self._held: collections.deque = collections.deque()   # (ident, reply frames, those Removals), in the order
+        #                                   the store's single worker sets them: sent from the left once set
         self._handlers = {P.Put: self._put, P.Get: self._get, P.Contains: self._contains,
                           P.Lookup: self._lookup, P.Delete: self._delete, P.Discard: self._discard,
                           P.Stats: self._stats,
@@ -119,9 +119,10 @@ class KVDaemon:
             frames = recv_frames(self._sock)
             ident, body = frames[0].bytes, frames[1:]
             reply = self.handle(ident, body)
-            held, self._held_until = self._held_until, None
-            if held is not None and not held.is_set():
+            held, self._held_until = self._held_until, []
+            if held:
                 self._held.append((ident, reply, held))    # the serve thread goes on; answered once it is done
+                self._answer_held()
                 continue
             pinned, self._pinned_reply = self._pinned_reply, []
             if pinned:
@@ -151,9 +152,9 @@ class KVDaemon:
     def _answer_held(self) -> None:
         """Send the replies of Deletes and Discards whose lower-tier removal the store has done (tiered.py): a
         client's Delete returns once it is done, and the serve thread never waits for it."""
-        while self._held and self._held[0][2].is_set():
-            ident, reply, _ = self._held.popleft()
-            send_frames(self._sock, [ident, *reply])
+        while self._held and self._held[0][2][-1].is_set():
+            ident, reply, held = self._held.popleft()
+            send_frames(self._sock, [ident, *_settled(reply, held)])
 
     def _answer_held_at_stop(self) -> None:
         """Stopping: the held replies whose removal the store finishes within ``HELD_GRACE_S`` go out as done; the
@@ -161,11 +162,10 @@ class KVDaemon:
         may still finish those removals)."""
         deadline = time.monotonic() + HELD_GRACE_S
         while self._held:
-            ident, reply, done = self._held.popleft()
-            if not done.wait(max(0.0, deadline - time.monotonic())):
-                failed = P.Reply(id=P.REPLY_DECODER.decode(reply[0]).id, ok=False,
-                                 error="the daemon stopped before the lower tiers' copies were removed")
-                reply = [P.ENCODER.encode(failed)]
+            ident, reply, held = self._held.popleft()
+            done = held[-1].wait(max(0.0, deadline - time.monotonic()))
+            reply = _settled(reply, held) if done else \
+                _failed(reply, "the daemon stopped before the lower tiers' copies were removed", "")
             send_frames(self._sock, [ident, *reply])
 
     def _sweep_sent(self) -> None:
@@ -337,7 +337,8 @@ class KVDaemon:
 
     def _delete(self, req: P.Delete, ident: bytes, frames: list):
         self._check_batch(len(req.keys))
-        self._held_until = self.store.delete_nowait(req.keys)   # answered once done; the serve thread goes on
+        done = self.store.delete_nowait(req.keys)         # answered once done; the serve thread goes on
+        self._held_until = [done] if done is not None else []
         return P.Reply(), []
 
     def _discard(self, req: P.Discard, ident: bytes, frames: list):
@@ -346,11 +347,11 @@ class KVDaemon:
             raise ValueError(f"discard of {len(req.keys)} keys with {len(req.digests)} digests")
         for key in req.keys:
             check_key(key)
-        done = None                                           # queued in order: the last one done, all are
+        held = []                                             # queued in order: the last one done, all are
         for key, digest in zip(req.keys, req.digests):
-            done = self.store.discard_where_nowait(
-                key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d) or done
-        self._held_until = done
+            held.append(self.store.discard_where_nowait(
+                key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d))
+        self._held_until = [r for r in held if r is not None]
         return P.Reply(), []
 
     def _stats(self, req: P.Stats, ident: bytes, frames: list):
@@ -375,6 +376,21 @@ class KVDaemon:
             log.info("KV daemon: ended the arena reservations and leases of exited clients")
         if n:
             log.info("KV daemon: reclaimed %d shm segments of exited clients", n)
+
+
+def _settled(reply: list, held: list) -> list:
+    """A held Delete's or Discard's reply once its removals are set: as built, or -- a lower tier was down for one of
+    them -- ok=False naming the tiers (``P.PENDING``: kept for them, retried once they are back)."""
+    missed = sorted({tier for removal in held for tier in removal.missed})
+    if not missed:
+        return reply
+    return _failed(reply, f"removed from L1 and the tiers that were up; {', '.join(missed)} missed it (down): "
+                          "retried once back, while this daemon runs", P.PENDING)
+
+
+def _failed(reply: list, error: str, code: str) -> list:
+    """``reply`` (built, encoded) as a failure with ``error``: the same request id."""
+    return [P.ENCODER.encode(P.Reply(id=P.REPLY_DECODER.decode(reply[0]).id, ok=False, error=error, code=code))]
 
 
 def _copies(payload: list) -> list:

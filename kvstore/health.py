@@ -41,6 +41,12 @@ class TierHealth:
             self._probing, self._prober = True, threading.get_ident()
             return True
 
+    def waiting(self) -> bool:
+        """Down, and no call may go through now (back-off running, or a probe in flight): what ``available`` would
+        refuse, asked without claiming the probe (a caller that then makes no call would hold it)."""
+        with self._lock:
+            return self.down and (self._probing or self._clock() < self._retry_at)
+
     def ok(self) -> None:
         with self._lock:
             if self.down and self._prober != threading.get_ident():

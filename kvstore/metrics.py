@@ -30,6 +30,7 @@ GAUGES = frozenset({
     "objects", "bytes", "pinned",                       # TierStats levels, MemoryTier
     "down", "consecutive_failures",                     # TierHealth
     "queued_bytes", "queued_objects",                   # TieredStore write-through queue
+    "removals_pending",                                 # TieredStore: removals kept for a tier that missed them
     "shm_clients", "arena_clients",                     # KVDaemon
     "arena_free_bytes", "frame_bytes",                  # ArenaTier (the daemon's L1 arena; frame-backed slots)
     "store_down", "store_consecutive_failures",         # KV connector's store health
@@ -40,7 +41,7 @@ COUNTERS = frozenset({
     "key_mismatch", "rejected",                         # TierStats events
     "marked_down",                                      # TierHealth
     "wt_written", "wt_failed", "wt_skipped_down",       # TieredStore, per lower tier (objects)
-    "dropped", "lost",                                  # TieredStore write-through (objects)
+    "dropped", "lost", "removals_abandoned",            # TieredStore write-through (objects; removals not retried)
     "requests", "shm_reclaimed", "shm_refused", "sends_copied",   # KVDaemon (sends_copied: replies past the pin cap)
     "arena_reserved", "arena_committed", "arena_cancelled", "arena_leased", "arena_expired",   # KVDaemon's arena
     "timeouts", "arena_maps", "shm_attaches", "shm_abandoned", "shm_objects", "frame_objects",   # DaemonClient

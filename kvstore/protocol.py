@@ -52,6 +52,8 @@ KEEP_FRAME_FROM = 64 << 10   # a received frame from this size is kept as an obj
 DEFERRED = -2       # ObjMeta.offset in a Get reply: did not fit in shm this time, ask again
 NO_SEGMENT = "no-segment"   # Reply.code: no segment of the request's generation; Attach again
 NO_SESSION = "no-session"   # Reply.code: no session for this client (daemon restarted, or forgot it); Hello again
+PENDING = "pending"         # Reply.code: a Delete/Discard left L1 and the tiers that were up; a tier that was down
+#                             missed it and gets it once it is back (kvstore/removals.py), if the daemon lives
 
 _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,

@@ -10,6 +10,8 @@ Who calls it: the engine's KV connector (embedded store, the default), the daemo
     delete: L1 now; every lower tier by the worker, behind the writes queued before it (none lands after)
     discard (a loader refused an object's seal): the same, each lower tier's copy of the refused bytes only
     Until the worker has removed them, this store's reads miss those keys in the lower tiers (``_deleting``).
+    A tier that misses a removal (down, or it raised) gets it again once it takes calls (removals.py): the key
+    stays hidden from the lower tiers meanwhile, and a later write of it that reaches the tier supersedes it.
     ``delete``/``discard_where`` wait for the worker (at most 30 s); the ``_nowait`` forms return an Event set
     once it is done -- the daemon's serve thread answers the Delete then, serving other clients meanwhile, so
     a slow Redis never stalls every client behind one Delete.
@@ -32,7 +34,7 @@ skipped meanwhile: a dead Redis costs hits, never a failed call. L1 errors do pr
 Stats: each lower tier's entry adds its health and its write-through outcomes in objects
 (``wt_written``, ``wt_failed``, ``wt_skipped_down``); ``writethrough`` has ``dropped``,
 ``lost`` (objects that did not reach every tier, drops included), ``queued_bytes``,
-``queued_objects``.
+``queued_objects``, ``removals_pending`` (kept for a tier that missed them) and ``removals_abandoned``.
 """
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ from collections.abc import Iterator
 
 import torch
 
-from pdserve.kvstore.base import KVStore, StatsDict
+from pdserve.kvstore.base import KVStore, Removal, StatsDict
 from pdserve.kvstore.tiered_arena import ArenaSlots
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.memory import MemoryTier
+from pdserve.kvstore.removals import PendingRemovals
 
 log = logging.getLogger(__name__)
 Items = list[tuple[str, torch.Tensor]]
+RETRY_S = 0.5               # an idle worker with removals kept for a down tier looks at the tier this often
+RETRY_BATCH = 1024          # keys per retried delete
 
 
 class TieredStore(ArenaSlots, KVStore):
@@ -68,7 +73,9 @@ class TieredStore(ArenaSlots, KVStore):
         self._wt = {"dropped": 0, "lost": 0}
         self._tier_wt = {t.name: {"wt_written": 0, "wt_failed": 0, "wt_skipped_down": 0} for t in self.lower}
         self._unreported_lost: dict[int, int] = {}   # worker only: writer thread -> lost since its last flush
-        self._deleting: dict[str, int] = {}  # key -> its queued deletes/discards (under _lock): lower tiers miss it
+        self._deleting: dict[str, int] = {}  # key -> its queued deletes/discards and kept removals (under _lock):
+        #                                      lower tiers miss it
+        self._pending = PendingRemovals([t.name for t in self.lower])    # worker only
         self._worker = threading.Thread(target=self._write_loop, name="kv-write-through", daemon=True)
         self._closed = self._stopping = False
         if self.lower:
@@ -108,7 +115,7 @@ class TieredStore(ArenaSlots, KVStore):
     def delete(self, keys: list[str]) -> None:
         self._remove(keys, wait=True)
 
-    def delete_nowait(self, keys: list[str]) -> threading.Event | None:
+    def delete_nowait(self, keys: list[str]) -> Removal | None:
         return self._remove(keys, wait=False)
 
     def discard_where(self, key: str, is_refused) -> None:
@@ -117,7 +124,7 @@ class TieredStore(ArenaSlots, KVStore):
         the loader -- the other tiers' copies may be intact, and the next read takes them (and checks them)."""
         self._remove([key], is_refused, wait=True)
 
-    def discard_where_nowait(self, key: str, is_refused) -> threading.Event | None:
+    def discard_where_nowait(self, key: str, is_refused) -> Removal | None:
         return self._remove([key], is_refused, wait=False)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -139,7 +146,9 @@ class TieredStore(ArenaSlots, KVStore):
         with self._lock:
             tier_wt = {name: dict(c) for name, c in self._tier_wt.items()}
             out["writethrough"] = {**self._wt, "queued_bytes": self._queued_bytes,
-                                   "queued_objects": self._queued_objects}
+                                   "queued_objects": self._queued_objects,
+                                   "removals_pending": self._pending.count,
+                                   "removals_abandoned": self._pending.abandoned}
         for tier in self.lower:
             for name, counters in tier.stats().items():
                 out[name] = {**counters, **self.health[tier.name].snapshot(), **tier_wt[tier.name]}
@@ -174,12 +183,12 @@ class TieredStore(ArenaSlots, KVStore):
 
     # -- deletes: L1 now, the lower tiers behind the queued writes -------------------------
 
-    def _remove(self, keys: list[str], is_refused=None, wait: bool = True) -> threading.Event | None:
+    def _remove(self, keys: list[str], is_refused=None, wait: bool = True) -> Removal | None:
         """L1's copies of ``keys`` now; the lower tiers' by the worker, after every write queued before this (so
         none lands after it): all of them, or (``is_refused``: a discard) those that test refused. Meanwhile this
         store's reads miss ``keys`` in the lower tiers. ``wait``: until the worker is done, at most 30 s (a stalled
-        tier: the removal still happens when it gets there). -> the Event set once it is done; None when it is
-        done already."""
+        tier: the removal still happens when it gets there). -> the Removal set once it is done (naming the tiers
+        that were down for it); None when it is done already."""
         keys = list(keys)                  # ours: the caller may reuse its list once we return
         self.l1.delete(keys)
         if not self.lower:
@@ -193,30 +202,78 @@ class TieredStore(ArenaSlots, KVStore):
                 self._queue.put(("remove", (keys, is_refused, marker)))
         if not queued:                     # closing: once the worker is done, nothing queued is left to overtake
             self._worker.join(timeout=30.0)
-            self._remove_lower(keys, is_refused)
+            self._remove_lower(keys, is_refused, keep=False)
             return None
         if wait:
             marker.done.wait(30.0)
         return marker.done
 
-    def _remove_lower(self, keys: list[str], is_refused) -> None:
-        """Remove from each lower tier that is up. A tier that is down misses it (and serves the object again once
-        it is back: tests/test_review_delq_down_tier.py, a known gap)."""
-        if is_refused is None:
-            for tier in self.lower:
-                self._read(tier, "delete", keys)
-            return
-        key, = keys
+    def _remove_lower(self, keys: list[str], is_refused, keep: bool = True) -> tuple[str, ...]:
+        """Remove from each lower tier; ``keep``: what a tier misses is kept for it and retried (``_retry_pending``).
+        -> the tiers that missed some of it."""
+        out = []
         for tier in self.lower:
-            copy = self._read(tier, "get", [key])
-            if copy and copy[0] is not None and not is_refused(copy[0]):
-                continue                   # another object: the next reader's (its seal is checked then)
-            self._read(tier, "delete", [key])
+            missed = self._remove_in(tier, keys, is_refused)
+            if missed:
+                out.append(tier.name)
+            if keep and missed and self.health[tier.name].down:     # (an up tier that refused it: not an outage)
+                fresh = [k for k in missed if self._pending.keep(tier.name, k, is_refused)]
+                with self._lock:
+                    for key in fresh:
+                        self._deleting[key] = self._deleting.get(key, 0) + 1
+        return tuple(out)
+
+    def _remove_in(self, tier: KVStore, keys: list[str], is_refused) -> list[str]:
+        """``keys`` out of ``tier`` (a discard: its copy only if ``is_refused``); -> the keys it missed (it was down,
+        or it raised)."""
+        if is_refused is None:
+            return keys if _missed(self._call(tier, "delete", keys)) else []
+        key, = keys
+        copy = self._call(tier, "get", [key])
+        if _missed(copy):
+            return keys
+        if copy[0] is not None and not is_refused(copy[0]):
+            return []                      # another object: the next reader's (its seal is checked then)
+        return keys if _missed(self._call(tier, "delete", [key])) else []
+
+    def _retry_pending(self) -> None:
+        """The worker, before each op and every ``RETRY_S`` when idle: each tier's kept removals, once it takes calls
+        again (one health check per tier; its deletes batched)."""
+        for name in self._pending.tiers():
+            tier = next(t for t in self.lower if t.name == name)
+            if self.health[name].waiting():
+                continue
+            deletes = self._pending.deletes(name)
+            for start in range(0, len(deletes), RETRY_BATCH):
+                batch = deletes[start:start + RETRY_BATCH]
+                if not self._retried(tier, batch, None):
+                    break
+            else:
+                for key, is_refused in self._pending.discards(name):
+                    if not self._retried(tier, [key], is_refused):
+                        break
+
+    def _retried(self, tier: KVStore, keys: list[str], is_refused) -> bool:
+        """One retry of kept removals; False when the tier is down again (they stay kept). Done, refused by an up
+        tier, or a refusal test that raised: settled (an up tier that refuses it would refuse it forever)."""
+        try:
+            missed = self._remove_in(tier, keys, is_refused)
+        except Exception:  # noqa: BLE001 -- a refusal test that raised must not end the write-through worker
+            log.exception("KV removal of %d keys kept for tier %s failed; dropped", len(keys), tier.name)
+            missed = []
+        if missed and self.health[tier.name].down:
+            return False
+        self._settled(tier.name, keys)
+        return True
+
+    def _settled(self, tier: str, keys: list[str]) -> None:
+        """``keys``' removals kept for ``tier`` are done or superseded: no longer hidden on its account."""
+        self._uncount(self._pending.resolved(tier, keys))
 
     def _removed(self, keys: list[str], is_refused, marker: "_Marker") -> None:
         """The worker: one queued delete or discard."""
         try:
-            self._remove_lower(keys, is_refused)
+            marker.done.missed = self._remove_lower(keys, is_refused)
         except Exception:  # noqa: BLE001 -- a refusal test that raised must not end the write-through worker
             log.exception("KV removal of %d keys from the lower tiers failed", len(keys))
         finally:
@@ -283,8 +340,15 @@ class TieredStore(ArenaSlots, KVStore):
 
     def _write_loop(self) -> None:
         while True:
-            op, arg = self._queue.get()
+            try:
+                op, arg = self._queue.get(timeout=RETRY_S if self._pending.count else None)
+            except queue.Empty:
+                self._retry_pending()
+                continue
+            if self._pending.count:
+                self._retry_pending()
             if op == "stop":
+                self._uncount(self._pending.abandon_all())
                 return
             if op == "put":
                 self._write_batch(*arg)
@@ -303,6 +367,10 @@ class TieredStore(ArenaSlots, KVStore):
         outcomes = [self._write_to(tier, items) for tier in self.lower]
         if release is not None:
             release()
+        if self._pending.count:            # a newer object in a tier voids the removal kept for its older one there
+            for tier, outcome in zip(self.lower, outcomes):
+                if outcome == "wt_written":
+                    self._settled(tier.name, [key for key, _ in items])
         lost = any(o != "wt_written" for o in outcomes)
         with self._lock:
             for tier, outcome in zip(self.lower, outcomes):
@@ -345,9 +413,13 @@ class _Marker:
     """A flush, delete or discard in the write-through queue; the worker sets ``done`` once it has done it."""
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.done = Removal()
         self.ok = False
         self.writer = threading.get_ident()      # whose losses a flush marker reports
 
 
 _DOWN, _FAILED = object(), object()
+
+
+def _missed(result) -> bool:
+    return result is _DOWN or result is _FAILED

@@ -13,12 +13,13 @@ Minimal fix: let the reply say what happened: ``_Marker.ok = not missed`` and th
 ("pending: <tier> down") when a tier missed it -- or hold the reply until the retry is done (``_Retry`` keeps the
 marker; the client's timeout covers a long outage, and a timed-out Delete is one the caller knows is unconfirmed).
 At least log (WARNING) the removals ``close()`` abandons.
+
+Fixed (stop 50), the first way: the reply says what happened (``RemovalPending``), the removal is kept and retried
+(kvstore/removals.py), and ``close()`` logs what it abandons.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 
 import redis
@@ -26,7 +27,7 @@ import pytest
 import torch
 
 from kvstore_fixtures import TOKEN, DaemonProcess, free_port, unique_prefix, wait_for
-from pdserve.kvstore.client import DaemonClient
+from pdserve.kvstore.client import DaemonClient, RemovalPending
 
 
 def _redis(port: int, data_dir) -> subprocess.Popen:
@@ -46,10 +47,10 @@ def _redis(port: int, data_dir) -> subprocess.Popen:
     return proc
 
 
-@pytest.mark.xfail(strict=True, reason="known gap, older than the queued deletes: a removal a lower tier misses "
-                   "while it is down is not retried (a retry queue was tried and reverted on review: "
-                   "tests/test_review_held_*)")
-def test_an_answered_delete_is_not_undone_when_redis_was_down(tmp_path):
+def test_a_delete_redis_missed_is_answered_pending_and_done_once_redis_is_back(tmp_path):
+    """(Fixed, stop 50) The Delete is no longer answered as done while Redis was down for it: ``RemovalPending`` names
+    the tier (the caller knows it is unconfirmed; were the daemon to stop now, Redis would keep the object). The daemon
+    keeps the removal for Redis and does it once Redis is back, with its data (AOF)."""
     port, prefix = free_port(), unique_prefix() + ":"
     server = _redis(port, tmp_path)
     daemon = DaemonProcess("--kv-cpu-bytes", str(64 << 20), "--kv-redis", f"redis://127.0.0.1:{port}/0",
@@ -61,12 +62,15 @@ def test_an_answered_delete_is_not_undone_when_redis_was_down(tmp_path):
             wait_for(lambda: raw.exists(prefix + "k:0") == 1, what="k:0 reaching Redis")
             server.kill()                            # Redis restarts (or fails over): connections refused
             server.wait(10)
-            client.delete(["k:0"])                   # answered: k:0 is deleted
+            with pytest.raises(RemovalPending, match="redis"):
+                client.delete(["k:0"])               # not "deleted": Redis missed it
+            assert client.get(["k:0"]) == [None]     # gone from L1, and hidden from Redis's copy meanwhile
+            assert client.stats()["writethrough"]["removals_pending"] == 1
+            server = _redis(port, tmp_path)          # Redis is back, with its data
+            wait_for(lambda: raw.exists(prefix + "k:0") == 0, what="the kept removal reaching Redis")
+            wait_for(lambda: client.stats()["writethrough"]["removals_pending"] == 0, what="the removal settled")
             assert client.get(["k:0"]) == [None]
-        os.kill(daemon.proc.pid, signal.SIGTERM)     # a clean stop, after the answer
-        daemon.proc.wait(40)
-        server = _redis(port, tmp_path)              # Redis is back, with its data
-        assert raw.exists(prefix + "k:0") == 0, "an answered Delete was undone: Redis still serves k:0"
+            client.delete(["k:0"])                   # with every tier up: answered as done
     finally:
         raw.close()
         daemon.stop()
