@@ -17,7 +17,9 @@ dead client processes are reclaimed on Attach at the limit and every
 serves MapArena/Reserve/Lease/Release (daemon_arena.py): local clients then write and read L1 in place.
 A Delete or Discard is answered once the store has removed the lower tiers' copies too, but the serve thread does
 not wait for that (``_held``): the store's write-through worker does it, and other clients are served meanwhile.
-At stop, a held reply whose removal is not done within ``HELD_GRACE_S`` is answered ok=False, not left to time out.
+A lower tier that was down for it has the removal kept and retried once it is back (tiered.py), and the reply says so
+(ok=False, ``P.PENDING``). At stop, a held reply whose removal is not done within ``HELD_GRACE_S`` is answered
+ok=False, not left to time out.
 TCP payloads go out zero-copy: an arena slot sent as a frame stays pinned until zmq's I/O thread is done
 with it (``_sending``: trackers swept by the serve thread; at most ``DaemonLimits.max_send_pinned_bytes`` in
 flight, the rest sent as copies), and a put's frames are given to L1 as they are (``keep_frames``: no copy; a
