@@ -133,8 +133,16 @@ class DaemonClient(KVStore):
         return found
 
     def delete(self, keys: list[str]) -> None:
+        """Every batch is sent; a batch a down tier missed (``RemovalPending``) is raised once all were sent: the
+        later batches are deleted too (tests/test_review42_delete_batches_pending.py)."""
+        pending = None
         for b in self._batches(keys):
-            self._request(P.Delete(keys=b))
+            try:
+                self._request(P.Delete(keys=b))
+            except RemovalPending as exc:
+                pending = pending or exc
+        if pending is not None:
+            raise pending
 
     def discard(self, key: str, refused: torch.Tensor) -> None:
         """Only the daemon's copies of ``refused``'s bytes (``P.Discard``); a daemon without Discard: Delete."""
