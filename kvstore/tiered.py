@@ -214,27 +214,30 @@ class TieredStore(ArenaSlots, KVStore):
         out = []
         for tier in self.lower:
             missed = self._remove_in(tier, keys, is_refused)
-            if missed:
+            if missed is not None:
                 out.append(tier.name)
-            if keep and missed and self.health[tier.name].down:     # (an up tier that refused it: not an outage)
-                fresh = [k for k in missed if self._pending.keep(tier.name, k, is_refused)]
+            if keep and _outage(missed):     # (an up tier that refused it: not an outage. Decided by this call's
+                #                               result, not by health.down: a reader's probe may have brought the
+                #                               tier up since -- tests/test_review42_probe_race.py)
+                fresh = [k for k in keys if self._pending.keep(tier.name, k, is_refused)]
                 with self._lock:
                     for key in fresh:
                         self._deleting[key] = self._deleting.get(key, 0) + 1
         return tuple(out)
 
-    def _remove_in(self, tier: KVStore, keys: list[str], is_refused) -> list[str]:
-        """``keys`` out of ``tier`` (a discard: its copy only if ``is_refused``); -> the keys it missed (it was down,
-        or it raised)."""
+    def _remove_in(self, tier: KVStore, keys: list[str], is_refused):
+        """``keys`` out of ``tier`` (a discard: its copy only if ``is_refused``); -> None when done, else why it
+        missed them: ``_DOWN`` (skipped), ``_FAILED`` (it raised: an outage) or ``_REFUSED`` (an up tier refused
+        the request)."""
         if is_refused is None:
-            return keys if _missed(self._call(tier, "delete", keys)) else []
+            return _why_missed(self._call(tier, "delete", keys))
         key, = keys
         copy = self._call(tier, "get", [key])
         if _missed(copy):
-            return keys
+            return copy
         if copy[0] is not None and not is_refused(copy[0]):
-            return []                      # another object: the next reader's (its seal is checked then)
-        return keys if _missed(self._call(tier, "delete", [key])) else []
+            return None                    # another object: the next reader's (its seal is checked then)
+        return _why_missed(self._call(tier, "delete", [key]))
 
     def _retry_pending(self) -> None:
         """The worker, before each op and every ``RETRY_S`` when idle: each tier's kept removals, once it takes calls
@@ -260,8 +263,8 @@ class TieredStore(ArenaSlots, KVStore):
             missed = self._remove_in(tier, keys, is_refused)
         except Exception:  # noqa: BLE001 -- a refusal test that raised must not end the write-through worker
             log.exception("KV removal of %d keys kept for tier %s failed; dropped", len(keys), tier.name)
-            missed = []
-        if missed and self.health[tier.name].down:
+            missed = None
+        if _outage(missed):                # (this call's result: see _remove_lower)
             return False
         self._settled(tier.name, keys)
         return True
@@ -384,15 +387,16 @@ class TieredStore(ArenaSlots, KVStore):
     def _write_to(self, tier: KVStore, items: Items) -> str:
         """The outcome's counter name: wt_written, wt_failed (the tier raised) or wt_skipped_down."""
         result = self._call(tier, "put", items)
-        return "wt_skipped_down" if result is _DOWN else "wt_failed" if result is _FAILED else "wt_written"
+        return "wt_skipped_down" if result is _DOWN else "wt_failed" if _missed(result) else "wt_written"
 
     def _read(self, tier: KVStore, method: str, arg):
         """``tier.method(arg)``, or None when the tier is down or failed."""
         result = self._call(tier, method, arg)
-        return None if result is _DOWN or result is _FAILED else result
+        return None if _missed(result) else result
 
     def _call(self, tier: KVStore, method: str, arg):
-        """``tier.method(arg)`` if the tier is up; _DOWN when skipped, _FAILED when it raised."""
+        """``tier.method(arg)`` if the tier is up; _DOWN when skipped, _FAILED when it raised, _REFUSED when it
+        raised ValueError (the request refused: not an outage)."""
         health = self.health[tier.name]
         if not health.available():
             return _DOWN
@@ -401,7 +405,7 @@ class TieredStore(ArenaSlots, KVStore):
         except ValueError as exc:  # the object cannot be stored there (dtype, dims): not an outage
             health.release()
             log.warning("KV tier %s refused %s: %s", tier.name, method, exc)
-            return _FAILED
+            return _REFUSED
         except Exception as exc:  # noqa: BLE001 - any backend failure marks the tier down
             health.failed(exc)
             return _FAILED
@@ -418,8 +422,18 @@ class _Marker:
         self.writer = threading.get_ident()      # whose losses a flush marker reports
 
 
-_DOWN, _FAILED = object(), object()
+_DOWN, _FAILED, _REFUSED = object(), object(), object()
 
 
 def _missed(result) -> bool:
-    return result is _DOWN or result is _FAILED
+    return result is _DOWN or result is _FAILED or result is _REFUSED
+
+
+def _why_missed(result):
+    """``_call``'s result -> the sentinel that says why it missed, or None when it went through."""
+    return result if _missed(result) else None
+
+
+def _outage(missed) -> bool:
+    """A removal missed for an outage (skipped as down, or the tier raised): kept for the tier and retried."""
+    return missed is _DOWN or missed is _FAILED
