@@ -1,8 +1,8 @@
 """Removals a lower tier missed (it was down, or it raised): kept per tier, retried by the write-through worker.
 
 Who calls it: ``TieredStore`` (tiered.py), from its write-through worker thread only -- nothing here is locked; the
-store counts each kept (tier, key) as one more reason to hide the key from its lower-tier reads (``_deleting``) and
-uncounts it when the removal is done, superseded or abandoned.
+store hides each kept (tier, key) from that tier's reads (``TieredStore._kept``; the other tiers did the removal)
+until the removal is done, superseded or abandoned.
 
     a delete/discard misses tier T ──> keep(T, key) ──> T takes calls again: one batched delete (``deletes``), each
                                                         discard's test on T's copy (``discards``) ──> resolved

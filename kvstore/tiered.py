@@ -11,7 +11,7 @@ Who calls it: the engine's KV connector (embedded store, the default), the daemo
     discard (a loader refused an object's seal): the same, each lower tier's copy of the refused bytes only
     Until the worker has removed them, this store's reads miss those keys in the lower tiers (``_deleting``).
     A tier that misses a removal (down, or it raised) gets it again once it takes calls (removals.py): the key
-    stays hidden from the lower tiers meanwhile, and a later write of it that reaches the tier supersedes it.
+    stays hidden from that tier meanwhile, and a later write of it that reaches the tier supersedes it.
     ``delete``/``discard_where`` wait for the worker (at most 30 s); the ``_nowait`` forms return an Event set
     once it is done -- the daemon's serve thread answers the Delete then, serving other clients meanwhile, so
     a slow Redis never stalls every client behind one Delete.
@@ -73,8 +73,9 @@ class TieredStore(ArenaSlots, KVStore):
         self._wt = {"dropped": 0, "lost": 0}
         self._tier_wt = {t.name: {"wt_written": 0, "wt_failed": 0, "wt_skipped_down": 0} for t in self.lower}
         self._unreported_lost: dict[int, int] = {}   # worker only: writer thread -> lost since its last flush
-        self._deleting: dict[str, int] = {}  # key -> its queued deletes/discards and kept removals (under _lock):
-        #                                      lower tiers miss it
+        self._deleting: dict[str, int] = {}  # key -> its queued deletes/discards (under _lock): lower tiers miss it
+        self._kept: dict[str, set[str]] = {t.name: set() for t in self.lower}   # tier -> keys whose removal is
+        #                                      kept for it (under _lock): that tier alone misses them
         self._pending = PendingRemovals([t.name for t in self.lower])    # worker only
         self._worker = threading.Thread(target=self._write_loop, name="kv-write-through", daemon=True)
         self._closed = self._stopping = False
@@ -104,9 +105,10 @@ class TieredStore(ArenaSlots, KVStore):
 
     def contains(self, keys: list[str]) -> list[bool]:
         present = self.l1.contains(keys)
-        deleting = self._being_deleted(keys)
+        deleting, kept = self._being_deleted(keys)
         for tier in self.lower:
-            missing = [i for i, p in enumerate(present) if not p and keys[i] not in deleting]
+            hidden = kept.get(tier.name, ())
+            missing = [i for i, p in enumerate(present) if not p and keys[i] not in deleting and keys[i] not in hidden]
             found = self._read(tier, "contains", [keys[i] for i in missing]) if missing else None
             for i, hit in zip(missing, found or []):
                 present[i] = hit
@@ -169,11 +171,14 @@ class TieredStore(ArenaSlots, KVStore):
     def _fill_from_lower(self, keys: list[str], out: list) -> list[int]:
         """Fill L1 misses in ``out`` from L2, then L3 (not keys being deleted); returns the indices filled."""
         filled: list[int] = []
-        deleting = self._being_deleted(keys)
+        deleting, kept = self._being_deleted(keys)
         for tier in self.lower:
-            missing = [i for i, t in enumerate(out) if t is None and keys[i] not in deleting]
-            if not missing:
+            hidden = kept.get(tier.name, ())
+            missing = [i for i, t in enumerate(out) if t is None and keys[i] not in deleting and keys[i] not in hidden]
+            if not missing and not any(t is None for t in out):
                 break
+            if not missing:
+                continue
             found = self._read(tier, "get", [keys[i] for i in missing]) or []
             for i, tensor in zip(missing, found):
                 if tensor is not None:
@@ -220,9 +225,8 @@ class TieredStore(ArenaSlots, KVStore):
                 #                               result, not by health.down: a reader's probe may have brought the
                 #                               tier up since -- tests/test_review42_probe_race.py)
                 fresh = [k for k in keys if self._pending.keep(tier.name, k, is_refused)]
-                with self._lock:
-                    for key in fresh:
-                        self._deleting[key] = self._deleting.get(key, 0) + 1
+                with self._lock:           # hidden from that tier only (the others did it: their newer objects
+                    self._kept[tier.name].update(fresh)   # are served -- test_review42_hidden_across_tiers.py)
         return tuple(out)
 
     def _remove_in(self, tier: KVStore, keys: list[str], is_refused):
@@ -271,7 +275,10 @@ class TieredStore(ArenaSlots, KVStore):
 
     def _settled(self, tier: str, keys: list[str]) -> None:
         """``keys``' removals kept for ``tier`` are done or superseded: no longer hidden on its account."""
-        self._uncount(self._pending.resolved(tier, keys))
+        done = self._pending.resolved(tier, keys)
+        if done:
+            with self._lock:
+                self._kept[tier].difference_update(done)
 
     def _removed(self, keys: list[str], is_refused, marker: "_Marker") -> None:
         """The worker: one queued delete or discard."""
@@ -290,11 +297,13 @@ class TieredStore(ArenaSlots, KVStore):
                 if left > 0:
                     self._deleting[key] = left
 
-    def _being_deleted(self, keys: list[str]) -> set[str]:
-        if not self._deleting:             # (the common case: no lock)
-            return set()
+    def _being_deleted(self, keys: list[str]) -> tuple[set[str], dict[str, set[str]]]:
+        """-> (keys every lower tier must miss: queued removals, {tier: keys that tier must miss: kept removals})."""
+        if not self._deleting and not any(self._kept.values()):    # (the common case: no lock)
+            return set(), {}
         with self._lock:
-            return {k for k in keys if k in self._deleting}
+            return ({k for k in keys if k in self._deleting},
+                    {t: {k for k in keys if k in kept} for t, kept in self._kept.items() if kept})
 
     # -- write-through: callers enqueue, one worker thread writes ---------------------------
 
@@ -351,7 +360,10 @@ class TieredStore(ArenaSlots, KVStore):
             if self._pending.count:
                 self._retry_pending()
             if op == "stop":
-                self._uncount(self._pending.abandon_all())
+                self._pending.abandon_all()
+                with self._lock:
+                    for kept in self._kept.values():
+                        kept.clear()
                 return
             if op == "put":
                 self._write_batch(*arg)
