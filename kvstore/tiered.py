@@ -47,7 +47,9 @@ from collections.abc import Iterator
 
 import torch
 
+from pdserve.kvstore import protocol as P
 from pdserve.kvstore.base import KVStore, Removal, StatsDict
+from pdserve.kvstore.codec import tensor_bytes
 from pdserve.kvstore.tiered_arena import ArenaSlots
 from pdserve.kvstore.health import TierHealth
 from pdserve.kvstore.memory import MemoryTier
@@ -119,6 +121,12 @@ class TieredStore(ArenaSlots, KVStore):
 
     def delete_nowait(self, keys: list[str]) -> Removal | None:
         return self._remove(keys, wait=False)
+
+    def discard(self, key: str, refused: torch.Tensor) -> None:
+        """``KVStore.discard`` by the refused bytes' digest (``protocol.digest_of``, as the daemon's Discard), not by
+        the tensor: a removal kept for a down tier then holds an int, not the object (removals.MAX_KEYS per tier)."""
+        digest = P.digest_of(key, tensor_bytes(refused))
+        self.discard_where(key, lambda copy: P.digest_of(key, tensor_bytes(copy)) == digest)
 
     def discard_where(self, key: str, is_refused) -> None:
         """L1's copy, then each lower tier's copy that ``is_refused`` (or that its tier cannot read): a sealed

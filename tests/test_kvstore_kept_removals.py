@@ -125,7 +125,7 @@ def test_removals_past_the_cap_and_at_close_are_abandoned_and_counted(monkeypatc
         store.close()
     assert store.stats()["writethrough"]["removals_abandoned"] == 5
     assert any("closing with 3 removals" in r.getMessage() for r in caplog.records)
-    assert not store._deleting                                  # nothing left hidden on their account
+    assert not store._deleting and not any(store._kept.values())   # nothing left hidden on their account
 
 
 def test_a_tier_that_refuses_a_removal_while_up_does_not_keep_it():
@@ -158,5 +158,31 @@ def test_the_worker_waits_idle_on_a_down_tier_without_spinning():
         before = len(checks)
         wait_for(lambda: len(checks) > before, what="an idle retry look")
         assert len(checks) - before < 5                         # RETRY_S = 0.5 s: a handful, not a busy loop
+    finally:
+        store.close()
+
+
+def test_a_kept_discard_holds_a_digest_not_the_refused_object():
+    """(Review 42's concern) ``TieredStore.discard`` tests a tier's copy by the refused bytes' digest: a discard kept
+    for a down tier keeps no reference to the refused tensor, and still removes only the refused copy."""
+    import gc
+    import weakref
+
+    tier = Outage("l2")
+    store, now = _store(tier)
+    try:
+        store.put([("bad", torch.full((8,), 7.0)), ("good", torch.full((8,), 3.0))])
+        assert store.flush()
+        tier.fail = True
+        refused = torch.full((8,), 7.0)
+        gone = weakref.ref(refused)
+        store.discard("bad", refused)
+        store.discard("good", torch.full((8,), 7.0))          # its copy is not these bytes: kept
+        del refused
+        gc.collect()
+        assert gone() is None, "the kept discard holds the refused tensor"
+        tier.fail, now[0] = False, 5.0
+        wait_for(lambda: _wt(store)["removals_pending"] == 0, what="the kept discards retried")
+        assert "bad" not in tier.data and torch.equal(tier.data["good"], torch.full((8,), 3.0))
     finally:
         store.close()
