@@ -29,8 +29,8 @@ class PendingRemovals:
         self.abandoned = 0
 
     def keep(self, tier: str, key: str, is_refused) -> bool:
-        """Keep ``key``'s removal for ``tier``; True when it is newly kept there (the caller hides the key once
-        more), False when it already was (merged) or the tier's list is full (abandoned, logged)."""
+        """Keep ``key``'s removal for ``tier``; True when it is newly kept there (the caller hides the key from
+        that tier), False when it already was (merged) or the tier's list is full (abandoned, logged)."""
         pending = self._by_tier[tier]
         if key in pending:
             if is_refused is None:
@@ -58,7 +58,7 @@ class PendingRemovals:
 
     def resolved(self, tier: str, keys: list[str]) -> list[str]:
         """``keys``' removals on ``tier`` are done, or void (a later write of them reached it); -> those that were
-        kept (the caller uncounts them)."""
+        kept (the caller stops hiding them from that tier)."""
         pending = self._by_tier[tier]
         if not pending:
             return []
