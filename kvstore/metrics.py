@@ -31,6 +31,7 @@ GAUGES = frozenset({
     "down", "consecutive_failures",                     # TierHealth
     "queued_bytes", "queued_objects",                   # TieredStore write-through queue
     "removals_pending",                                 # TieredStore: removals kept for a tier that missed them
+    "removals_queued",                                  # TieredStore: keys in queued deletes/discards
     "shm_clients", "arena_clients",                     # KVDaemon
     "arena_free_bytes", "frame_bytes",                  # ArenaTier (the daemon's L1 arena; frame-backed slots)
     "store_down", "store_consecutive_failures",         # KV connector's store health

@@ -34,7 +34,9 @@ skipped meanwhile: a dead Redis costs hits, never a failed call. L1 errors do pr
 Stats: each lower tier's entry adds its health and its write-through outcomes in objects
 (``wt_written``, ``wt_failed``, ``wt_skipped_down``); ``writethrough`` has ``dropped``,
 ``lost`` (objects that did not reach every tier, drops included), ``queued_bytes``,
-``queued_objects``, ``removals_pending`` (kept for a tier that missed them) and ``removals_abandoned``.
+``queued_objects``, ``removals_queued`` (keys in queued deletes/discards: at ``MAX_QUEUED_REMOVALS`` a new removal
+is refused whole, ``RemovalQueueFull``), ``removals_pending`` (kept for a tier that missed them) and
+``removals_abandoned``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,13 @@ log = logging.getLogger(__name__)
 Items = list[tuple[str, torch.Tensor]]
 RETRY_S = 0.5               # an idle worker with removals kept for a down tier looks at the tier this often
 RETRY_BATCH = 1024          # keys per retried delete
+MAX_QUEUED_REMOVALS = 131_072   # keys in queued deletes and discards (128 full Delete batches, tens of MB at most):
+#                                 a removal that would pass it is refused whole (RemovalQueueFull), nothing done
+
+
+class RemovalQueueFull(RuntimeError):
+    """A delete or discard refused, nothing done: the lower tiers' queued removals are at ``MAX_QUEUED_REMOVALS``
+    keys (a stalled tier). The caller may retry once they drain; the daemon answers it as an error."""
 
 
 class TieredStore(ArenaSlots, KVStore):
@@ -71,6 +80,7 @@ class TieredStore(ArenaSlots, KVStore):
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._queued_bytes = self._queued_objects = 0
+        self._queued_removals = 0          # keys in queued deletes/discards (under _lock), <= MAX_QUEUED_REMOVALS
         self._episode_dropped = 0          # objects dropped since the queue last accepted a batch
         self._wt = {"dropped": 0, "lost": 0}
         self._tier_wt = {t.name: {"wt_written": 0, "wt_failed": 0, "wt_skipped_down": 0} for t in self.lower}
@@ -157,6 +167,7 @@ class TieredStore(ArenaSlots, KVStore):
             tier_wt = {name: dict(c) for name, c in self._tier_wt.items()}
             out["writethrough"] = {**self._wt, "queued_bytes": self._queued_bytes,
                                    "queued_objects": self._queued_objects,
+                                   "removals_queued": self._queued_removals,
                                    "removals_pending": self._pending.count,
                                    "removals_abandoned": self._pending.abandoned}
         for tier in self.lower:
@@ -203,6 +214,8 @@ class TieredStore(ArenaSlots, KVStore):
         tier: the removal still happens when it gets there). -> the Removal set once it is done (naming the tiers
         that were down for it); None when it is done already."""
         keys = list(keys)                  # ours: the caller may reuse its list once we return
+        if self.lower:
+            self._reserve_removals(len(keys))
         self.l1.delete(keys)
         if not self.lower:
             return None
@@ -213,6 +226,8 @@ class TieredStore(ArenaSlots, KVStore):
                 for key in keys:
                     self._deleting[key] = self._deleting.get(key, 0) + 1
                 self._queue.put(("remove", (keys, is_refused, marker)))
+            else:
+                self._queued_removals -= len(keys)
         if not queued:                     # closing: once the worker is done, nothing queued is left to overtake
             self._worker.join(timeout=30.0)
             self._remove_lower(keys, is_refused, keep=False)
@@ -220,6 +235,17 @@ class TieredStore(ArenaSlots, KVStore):
         if wait:
             marker.done.wait(30.0)
         return marker.done
+
+    def _reserve_removals(self, n: int) -> None:
+        """Count ``n`` keys into the queued removals, or raise ``RemovalQueueFull`` (nothing done) when that would pass
+        ``MAX_QUEUED_REMOVALS`` -- a removal cannot be dropped as a write is, so a stalled tier refuses new ones
+        rather than queue without bound (an empty queue takes any one: a single Delete is at most a batch)."""
+        with self._lock:
+            if self._queued_removals and self._queued_removals + n > MAX_QUEUED_REMOVALS:
+                raise RemovalQueueFull(f"{self._queued_removals} keys already queued for removal from "
+                                       f"{', '.join(t.name for t in self.lower)}; limit {MAX_QUEUED_REMOVALS} "
+                                       f"(this removal of {n} keys was not done; retry once they drain)")
+            self._queued_removals += n
 
     def _remove_lower(self, keys: list[str], is_refused, keep: bool = True) -> tuple[str, ...]:
         """Remove from each lower tier; ``keep``: what a tier misses is kept for it and retried (``_retry_pending``).
@@ -300,6 +326,7 @@ class TieredStore(ArenaSlots, KVStore):
 
     def _uncount(self, keys: list[str]) -> None:
         with self._lock:
+            self._queued_removals -= len(keys)
             for key in keys:
                 left = self._deleting.pop(key, 1) - 1
                 if left > 0:

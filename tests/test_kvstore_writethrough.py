@@ -86,7 +86,8 @@ def test_batch_larger_than_the_limit_enters_an_empty_queue(store_of, tmp_path):
     assert store.flush()
     assert store.lower[0].contains(["big"]) == [True]
     assert store.stats()["writethrough"] == {"dropped": 0, "lost": 0, "queued_bytes": 0, "queued_objects": 0,
-                                               "removals_pending": 0, "removals_abandoned": 0}
+                                               "removals_queued": 0, "removals_pending": 0,
+                                               "removals_abandoned": 0}
 
 
 def test_full_queue_drops_warns_once_per_episode_and_flush_reports_it(store_of, caplog):
@@ -99,7 +100,8 @@ def test_full_queue_drops_warns_once_per_episode_and_flush_reports_it(store_of, 
     _put(store, "b")                                  # 1000 queued + 1000 > 1500: dropped
     _put(store, "c")
     assert store.stats()["writethrough"] == {"dropped": 2, "lost": 2, "queued_bytes": 1000, "queued_objects": 1,
-                                               "removals_pending": 0, "removals_abandoned": 0}
+                                               "removals_queued": 0, "removals_pending": 0,
+                                               "removals_abandoned": 0}
     assert len(_warnings(caplog)) == 1 and "--kv-writethrough-queue-bytes" in _warnings(caplog)[0]
     l2.gate.set()
     assert not store.flush()                          # b and c never reached l2
