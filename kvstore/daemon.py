@@ -350,6 +350,7 @@ class KVDaemon:
         for key in req.keys:
             check_key(key)
         held = []                                             # queued in order: the last one done, all are
+        #       (RemovalQueueFull part way: the error reply; those queued still happen -- a retry is idempotent)
         for key, digest in zip(req.keys, req.digests):
             held.append(self.store.discard_where_nowait(
                 key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d))
