@@ -83,6 +83,11 @@ class KVStore(abc.ABC):
         self.discard_where(key, is_refused)
         return None
 
+    def discards_nowait(self, refusals: list[tuple[str, object]]) -> "list[Removal | None]":
+        """``discard_where_nowait`` of each (key, is_refused): the daemon's Discard of several keys. A store with a
+        bounded removal queue (``TieredStore``) takes all of them or none."""
+        return [self.discard_where_nowait(key, is_refused) for key, is_refused in refusals]
+
     def lookup(self, chunk_keys: list[str], num_layers: int) -> int:
         """Number of leading chunks whose every layer object is present."""
         if num_layers <= 0:

@@ -75,6 +75,11 @@ class RemovalPending(DaemonError):
     """A Delete or Discard left L1 and the tiers that were up; a tier that was down gets it once back (``P.PENDING``)."""
 
 
+class RemovalRefused(DaemonError):
+    """A Delete or Discard refused whole, nothing done: the daemon's queued removals are at their bound
+    (``P.QUEUE_FULL``: a stalled tier); retry once they drain."""
+
+
 class _SegmentLost(DaemonError):
     """The daemon has no segment of our generation (restarted, or reclaimed it)."""
 
@@ -149,8 +154,8 @@ class DaemonClient(KVStore):
         self._batches([key])
         try:
             self._request(P.Discard(keys=[key], digests=[P.digest_of(key, tensor_bytes(refused))]))
-        except RemovalPending:
-            raise
+        except (RemovalPending, RemovalRefused):
+            raise                       # (a Delete instead would also remove the copies that are intact)
         except DaemonError:
             self.delete([key])
 
@@ -329,8 +334,8 @@ class DaemonClient(KVStore):
             if reply.id == req.id:
                 break
         if not reply.ok:
-            kind = {P.NO_SEGMENT: _SegmentLost, P.NO_SESSION: _NoSession, P.PENDING: RemovalPending}.get(reply.code,
-                                                                                                       DaemonError)
+            kind = {P.NO_SEGMENT: _SegmentLost, P.NO_SESSION: _NoSession, P.PENDING: RemovalPending,
+                    P.QUEUE_FULL: RemovalRefused}.get(reply.code, DaemonError)
             raise kind(f"KV daemon at {self.url}: {reply.error}")
         return reply, reply_frames[1:]
 

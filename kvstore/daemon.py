@@ -49,6 +49,7 @@ from pdserve.kvstore.codec import DEFAULT_MAX_OBJECT_BYTES, tensor_bytes
 from pdserve.kvstore.daemon_arena import ArenaServer
 from pdserve.kvstore.keys import check_key
 from pdserve.kvstore.session import Sessions, SessionError
+from pdserve.kvstore.tiered import RemovalQueueFull
 from pdserve.kvstore.shm import MAP_GRACE_S, NoSegment, SegmentTable, ShmSegment, align
 from pdserve.kvstore.zmq_context import recv_frames, send_frames, shared_context
 
@@ -210,7 +211,8 @@ class KVDaemon:
                 self.store.unpin(self._pinned_reply)
                 self._pinned_reply = []
             reply.code = P.NO_SEGMENT if isinstance(exc, NoSegment) else \
-                P.NO_SESSION if isinstance(exc, SessionError) and exc.no_session else ""
+                P.NO_SESSION if isinstance(exc, SessionError) and exc.no_session else \
+                P.QUEUE_FULL if isinstance(exc, RemovalQueueFull) else ""
         reply.id = req_id
         return [P.ENCODER.encode(reply), *payload]
 
@@ -349,11 +351,9 @@ class KVDaemon:
             raise ValueError(f"discard of {len(req.keys)} keys with {len(req.digests)} digests")
         for key in req.keys:
             check_key(key)
-        held = []                                             # queued in order: the last one done, all are
-        #       (RemovalQueueFull part way: the error reply; those queued still happen -- a retry is idempotent)
-        for key, digest in zip(req.keys, req.digests):
-            held.append(self.store.discard_where_nowait(
-                key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d))
+        held = self.store.discards_nowait(                   # all or none (RemovalQueueFull); queued in order:
+            [(key, lambda copy, k=key, d=digest: P.digest_of(k, tensor_bytes(copy)) == d)   # the last one done,
+             for key, digest in zip(req.keys, req.digests)])                                # all are
         self._held_until = [r for r in held if r is not None]
         return P.Reply(), []
 

@@ -54,6 +54,8 @@ NO_SEGMENT = "no-segment"   # Reply.code: no segment of the request's generation
 NO_SESSION = "no-session"   # Reply.code: no session for this client (daemon restarted, or forgot it); Hello again
 PENDING = "pending"         # Reply.code: a Delete/Discard left L1 and the tiers that were up; a tier that was down
 #                             missed it and gets it once it is back (kvstore/removals.py), if the daemon lives
+QUEUE_FULL = "queue-full"   # Reply.code: a Delete/Discard refused whole, nothing done: the store's queued removals are at
+#                             their bound (tiered.MAX_QUEUED_REMOVALS, a stalled tier); retry once they drain
 
 _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,

@@ -54,6 +54,7 @@ from pdserve.kvstore.base import KVStore, Removal, StatsDict
 from pdserve.kvstore.codec import tensor_bytes
 from pdserve.kvstore.tiered_arena import ArenaSlots
 from pdserve.kvstore.health import TierHealth
+from pdserve.kvstore.keys import check_key
 from pdserve.kvstore.memory import MemoryTier
 from pdserve.kvstore.removals import PendingRemovals
 
@@ -207,16 +208,37 @@ class TieredStore(ArenaSlots, KVStore):
 
     # -- deletes: L1 now, the lower tiers behind the queued writes -------------------------
 
-    def _remove(self, keys: list[str], is_refused=None, wait: bool = True) -> Removal | None:
+    def discards_nowait(self, refusals: list[tuple[str, object]]) -> list[Removal | None]:
+        """``discard_where_nowait`` of each (key, is_refused), refused whole (``RemovalQueueFull``: nothing done) when
+        the queued removals have no room for all of them -- the daemon's Discard of several keys."""
+        keys = [check_key(key) for key, _ in refusals]
+        if self.lower:
+            self._reserve_removals(len(keys))
+        done = []
+        try:
+            for key, is_refused in refusals:
+                done.append(self._remove([key], is_refused, wait=False, reserved=True))
+        finally:
+            if self.lower and len(done) < len(refusals):      # (one raised: the rest were never queued)
+                self._unreserve(len(refusals) - len(done) - 1)
+        return done
+
+    def _remove(self, keys: list[str], is_refused=None, wait: bool = True, reserved: bool = False) -> Removal | None:
         """L1's copies of ``keys`` now; the lower tiers' by the worker, after every write queued before this (so
         none lands after it): all of them, or (``is_refused``: a discard) those that test refused. Meanwhile this
         store's reads miss ``keys`` in the lower tiers. ``wait``: until the worker is done, at most 30 s (a stalled
-        tier: the removal still happens when it gets there). -> the Removal set once it is done (naming the tiers
-        that were down for it); None when it is done already."""
-        keys = list(keys)                  # ours: the caller may reuse its list once we return
-        if self.lower:
+        tier: the removal still happens when it gets there). ``reserved``: the caller counted ``keys`` into the
+        queued removals (``discards_nowait``). -> the Removal set once it is done (naming the tiers that were down
+        for it); None when it is done already. A bad key raises before anything is done or counted."""
+        keys = [check_key(key) for key in keys]      # ours: the caller may reuse its list once we return
+        if self.lower and not reserved:
             self._reserve_removals(len(keys))
-        self.l1.delete(keys)
+        try:
+            self.l1.delete(keys)
+        except BaseException:
+            if self.lower:
+                self._unreserve(len(keys))
+            raise
         if not self.lower:
             return None
         marker = _Marker()
@@ -227,7 +249,7 @@ class TieredStore(ArenaSlots, KVStore):
                     self._deleting[key] = self._deleting.get(key, 0) + 1
                 self._queue.put(("remove", (keys, is_refused, marker)))
             else:
-                self._queued_removals -= len(keys)
+                self._queued_removals -= len(keys)     # (never queued: the worker will not give them back)
         if not queued:                     # closing: once the worker is done, nothing queued is left to overtake
             self._worker.join(timeout=30.0)
             self._remove_lower(keys, is_refused, keep=False)
@@ -246,6 +268,10 @@ class TieredStore(ArenaSlots, KVStore):
                                        f"{', '.join(t.name for t in self.lower)}; limit {MAX_QUEUED_REMOVALS} "
                                        f"(this removal of {n} keys was not done; retry once they drain)")
             self._queued_removals += n
+
+    def _unreserve(self, n: int) -> None:
+        with self._lock:
+            self._queued_removals -= n
 
     def _remove_lower(self, keys: list[str], is_refused, keep: bool = True) -> tuple[str, ...]:
         """Remove from each lower tier; ``keep``: what a tier misses is kept for it and retried (``_retry_pending``).

@@ -17,7 +17,7 @@ import torch
 from kvstore_fixtures import *  # noqa: F401,F403 - fixtures
 from kvstore_fixtures import TOKEN, wait_for
 from pdserve.kvstore import tiered
-from pdserve.kvstore.client import DaemonClient, DaemonError
+from pdserve.kvstore.client import DaemonClient, RemovalRefused
 from pdserve.kvstore.daemon import KVDaemon
 from pdserve.kvstore.tiered import RemovalQueueFull
 from test_kvstore_writethrough import KB, FakeTier, _put, store_of  # noqa: F401 - the gated tier and its fixture
@@ -87,7 +87,7 @@ def test_a_daemon_refuses_deletes_past_the_bound_and_keeps_serving(store_of, mon
             deleting.append(threading.Thread(target=clients[i].delete, args=([f"k{2 * i}:0", f"k{2 * i + 1}:0"],)))
             deleting[-1].start()
         wait_for(lambda: len(daemon._held) == 2, what="the daemon holding both Delete replies")
-        with pytest.raises(DaemonError, match="RemovalQueueFull: 4 keys already queued .* limit 4"):
+        with pytest.raises(RemovalRefused, match="RemovalQueueFull: 4 keys already queued .* limit 4"):
             clients[2].delete(["k4:0"])
         assert len(daemon._held) == 2
         clients[3].put([("other:0", KB + 7)])              # the daemon still serves everyone else
