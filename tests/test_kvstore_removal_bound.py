@@ -9,13 +9,14 @@ queue drains. The lower tier is the write-through tests' gated ``FakeTier``; the
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
 import torch
 
 from kvstore_fixtures import *  # noqa: F401,F403 - fixtures
-from kvstore_fixtures import TOKEN, wait_for
+from kvstore_fixtures import TOKEN, serving, wait_for
 from pdserve.kvstore import tiered
 from pdserve.kvstore.client import DaemonClient, RemovalRefused
 from pdserve.kvstore.daemon import KVDaemon
@@ -71,13 +72,10 @@ def test_a_daemon_refuses_deletes_past_the_bound_and_keeps_serving(store_of, mon
     held Deletes are answered and a new Delete is taken."""
     monkeypatch.setattr(tiered, "MAX_QUEUED_REMOVALS", 4)
     l2 = FakeTier("l2")
-    daemon = KVDaemon(store_of(l2), port=0, token=TOKEN)
-    stop = threading.Event()
-    serve = threading.Thread(target=daemon.serve, args=(stop,))
-    serve.start()
-    clients = [DaemonClient(daemon.endpoint, token=TOKEN, timeout_s=30) for _ in range(4)]
     deleting: list[threading.Thread] = []
-    try:
+    with serving(KVDaemon(store_of(l2), port=0, token=TOKEN)) as daemon, opened(l2), contextlib.ExitStack() as open_:
+        clients = [open_.enter_context(contextlib.closing(DaemonClient(daemon.endpoint, token=TOKEN, timeout_s=30)))
+                   for _ in range(4)]
         clients[0].put([(f"k{i}:0", KB + i) for i in range(6)])
         assert daemon.store.flush()
         l2.gate.clear()
@@ -99,11 +97,13 @@ def test_a_daemon_refuses_deletes_past_the_bound_and_keeps_serving(store_of, mon
         assert not any(t.is_alive() for t in deleting)
         clients[2].delete(["k4:0"])
         assert clients[3].get(["k4:0"]) == [None] and "k4:0" not in l2.data
-    finally:
-        l2.gate.set()
-        stop.set()
-        serve.join(10)
-        for c in clients:
-            c.close()
-        daemon.close()
 
+
+@contextlib.contextmanager
+def opened(*tiers: FakeTier):
+    """The block; then the tiers' gates opened (a test may leave one closed), before the daemon or store stops."""
+    try:
+        yield
+    finally:
+        for tier in tiers:
+            tier.gate.set()

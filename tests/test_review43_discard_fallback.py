@@ -1,7 +1,7 @@
-"""Review 43: a Discard the daemon refuses with RemovalQueueFull makes ``DaemonClient.discard`` fall back to a Delete.
+"""Review 43: a Discard the daemon refused with RemovalQueueFull made ``DaemonClient.discard`` fall back to a Delete.
 
-``DaemonClient.discard`` treats *any* DaemonError from a Discard as "a daemon without Discard" and sends
-``Delete([key])``. Since the removal bound, a current daemon answers a Discard with an error (RemovalQueueFull) when
+``DaemonClient.discard`` treated *any* DaemonError from a Discard as "a daemon without Discard" and sent
+``Delete([key])`` (now the refusal has its own code, ``P.QUEUE_FULL`` -> ``RemovalRefused``, and is raised). Since the removal bound, a current daemon answers a Discard with an error (RemovalQueueFull) when
 the queue is full. If the queue drains between that refusal and the fallback (the worker keeps draining while the
 reply travels), the fallback Delete is taken and removes *every* tier's copy of the key -- including the intact copy a
 lower tier holds, which a Discard (only the refused bytes' copies) keeps: the decode loader's ``_discard`` of a
@@ -14,17 +14,19 @@ the queue to drain before the refusal is answered.
 
 from __future__ import annotations
 
-import threading
+import contextlib
 
+import pytest
 import torch
 
 from kvstore_fixtures import *  # noqa: F401,F403 - fixtures
-from kvstore_fixtures import TOKEN, wait_for
+from kvstore_fixtures import TOKEN, serving, wait_for
 from pdserve.kvstore import tiered
-from pdserve.kvstore.client import DaemonClient, DaemonError
+from pdserve.kvstore.client import DaemonClient, RemovalRefused
 from pdserve.kvstore.daemon import KVDaemon
 from pdserve.kvstore.memory import MemoryTier
 from pdserve.kvstore.tiered import RemovalQueueFull, TieredStore
+from test_kvstore_removal_bound import opened
 from test_kvstore_writethrough import KB, FakeTier
 
 
@@ -45,13 +47,9 @@ def test_a_refused_discard_never_becomes_a_delete_of_the_intact_copies(monkeypat
     monkeypatch.setattr(tiered, "MAX_QUEUED_REMOVALS", 1)
     l2 = FakeTier("l2")
     store = _DrainsRightAfterARefusal(MemoryTier(1 << 20), [l2], 256 << 20, 100.0, 100.0)
-    daemon = KVDaemon(store, port=0, token=TOKEN)
-    stop = threading.Event()
-    serve = threading.Thread(target=daemon.serve, args=(stop,))
-    serve.start()
-    client = DaemonClient(daemon.endpoint, token=TOKEN, timeout_s=30)
     good, bad = KB + 1, KB + 2
-    try:
+    with serving(KVDaemon(store, port=0, token=TOKEN)) as daemon, opened(l2), \
+            contextlib.closing(DaemonClient(daemon.endpoint, token=TOKEN, timeout_s=30)) as client:
         client.put([("k:0", good), ("other:0", KB + 3)])
         assert store.flush() and torch.equal(l2.data["k:0"], good)
         store.l1.adopt([("k:0", bad.clone())])             # L1's copy went bad; l2 keeps the intact one
@@ -59,17 +57,8 @@ def test_a_refused_discard_never_becomes_a_delete_of_the_intact_copies(monkeypat
         store.put([("stuck:0", KB)])                       # the worker holds this write: removals queue behind it
         assert l2.entered.wait(10)
         store.delete_nowait(["other:0"])                   # the bound (1 key) is reached
-        try:
-            client.discard("k:0", bad)                     # refused (RemovalQueueFull); the caller may hear it
-        except DaemonError:
-            pass
+        with pytest.raises(RemovalRefused, match="RemovalQueueFull"):
+            client.discard("k:0", bad)                     # refused: the caller hears it (no Delete instead)
         assert store.flush()
         assert "k:0" in l2.data, ("the refused Discard was turned into a Delete by DaemonClient.discard: the intact "
                                   "copy in l2 is gone")
-    finally:
-        l2.gate.set()
-        stop.set()
-        serve.join(10)
-        client.close()
-        daemon.close()
-        store.close()
