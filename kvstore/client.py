@@ -139,7 +139,9 @@ class DaemonClient(KVStore):
 
     def delete(self, keys: list[str]) -> None:
         """Every batch is sent; a batch a down tier missed (``RemovalPending``) is raised once all were sent: the
-        later batches are deleted too (tests/test_review42_delete_batches_pending.py)."""
+        later batches are deleted too (tests/test_review42_delete_batches_pending.py). Any other failure -- a batch
+        refused whole (``RemovalRefused``), a timeout -- raises at once: the batches before it are done, the later
+        ones not sent."""
         pending = None
         for b in self._batches(keys):
             try:

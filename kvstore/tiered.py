@@ -218,9 +218,10 @@ class TieredStore(ArenaSlots, KVStore):
         try:
             for key, is_refused in refusals:
                 done.append(self._remove([key], is_refused, wait=False, reserved=True))
-        finally:
-            if self.lower and len(done) < len(refusals):      # (one raised: the rest were never queued)
+        except BaseException:
+            if self.lower:                 # the one that raised gave its own key back; the rest were never queued
                 self._unreserve(len(refusals) - len(done) - 1)
+            raise
         return done
 
     def _remove(self, keys: list[str], is_refused=None, wait: bool = True, reserved: bool = False) -> Removal | None:
