@@ -4,15 +4,17 @@ The wire key (``auth.ClusterKey.wire_key``) never travels. A client first asks w
 port to prove it holds the key, then signs each request for that daemon process only:
 
     client                                               daemon (its nonce_d: random, one per process)
-    Hello(nonce_c)                               ──>     session[ident] = 0
+    Hello(nonce_c)                               ──>     hello'd[ident] = 0  (unproven: its own LRU)
                                                  <──     Reply(nonce=nonce_d, proof=MAC(k, "daemon", nonce_c, nonce_d))
     check proof (else: not the daemon -- nothing more is sent, ``DaemonError``)
-    Put/Get/...(id, token=MAC(k, "request", nonce_d, ident, id))  ──>  check MAC, id > session[ident]
+    Put/Get/...(id, token=MAC(k, "request", nonce_d, ident, id))  ──>  check MAC, id > last; proven[ident] = id
 
 So a process that takes the port while the daemon is down (a crash, a restart) can neither prove itself nor use
 what it receives: each token names the daemon process it was made for (nonce_d), the client's zmq identity and a
 request id that only grows (a replay, or a token moved to another connection, is refused). A daemon that lost a
-client's session (restarted, or evicted it past ``MAX_SESSIONS``) answers ``code=NO_SESSION``; the client says
+client's session (restarted, or evicted it past ``MAX_SESSIONS``) answers ``code=NO_SESSION``;
+Hello needs no key, so the sessions it starts are kept apart until a signed request proves them: a process without
+the token can churn only those, never evict a client that has proved the key (review 44). the client says
 Hello again and retries once. MACs are BLAKE3 keyed with the wire key; a daemon without a token skips all of it.
 """
 
@@ -26,7 +28,8 @@ from collections import OrderedDict
 import blake3
 
 NONCE_BYTES = 16
-MAX_SESSIONS = 4096                 # client identities a daemon remembers (a forgotten one says Hello again)
+MAX_SESSIONS = 4096                 # client identities a daemon remembers, proven and unproven apart (a forgotten
+#                                     one says Hello again)
 _ID = struct.Struct("<Q")
 
 
@@ -55,21 +58,21 @@ class Sessions:
 
     def __init__(self, wire_key: bytes) -> None:
         self.wire_key, self.nonce = wire_key, new_nonce()
-        self._last: OrderedDict[bytes, int] = OrderedDict()
+        self._hello: OrderedDict[bytes, None] = OrderedDict()    # said Hello, no signed request yet (LRU)
+        self._last: OrderedDict[bytes, int] = OrderedDict()      # proved the key: last request id accepted (LRU)
 
     def hello(self, ident: bytes, nonce_c: bytes) -> bytes:
-        """Start (or restart) ``ident``'s session; -> the proof that this daemon holds the key."""
+        """Start (or restart) ``ident``'s session, unproven until its first signed request; -> the proof that this
+        daemon holds the key."""
         if not NONCE_BYTES <= len(nonce_c) <= 64:
             raise ValueError(f"hello nonce of {len(nonce_c)} bytes; want {NONCE_BYTES}..64")
-        self._last[ident] = 0
-        self._last.move_to_end(ident)
-        while len(self._last) > MAX_SESSIONS:
-            self._last.popitem(last=False)
+        self._last.pop(ident, None)
+        _touch(self._hello, ident, None)
         return daemon_proof(self.wire_key, nonce_c, self.nonce)
 
     def admit(self, ident: bytes, request_id: int, token: str) -> None:
         """Raise ``SessionError`` unless ``token`` signs ``request_id`` for ``ident`` in a live session."""
-        last = self._last.get(ident)
+        last = self._last.get(ident, 0 if ident in self._hello else None)
         if last is None:
             raise SessionError("no session for this client (say hello first)", no_session=True)
         want = request_token(self.wire_key, self.nonce, ident, request_id)
@@ -77,8 +80,16 @@ class Sessions:
             raise PermissionError("bad or missing auth token (--kv-auth-token-file / PDSERVE_KV_AUTH_TOKEN)")
         if request_id <= last:
             raise PermissionError(f"request id {request_id} is not after {last}: a replay")
-        self._last[ident] = request_id
-        self._last.move_to_end(ident)
+        self._hello.pop(ident, None)
+        _touch(self._last, ident, request_id)
+
+
+def _touch(table: OrderedDict, ident: bytes, value) -> None:
+    """``table[ident] = value`` as its most recent entry; the least recent go past ``MAX_SESSIONS``."""
+    table[ident] = value
+    table.move_to_end(ident)
+    while len(table) > MAX_SESSIONS:
+        table.popitem(last=False)
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:

@@ -232,6 +232,8 @@ class TieredStore(ArenaSlots, KVStore):
         queued removals (``discards_nowait``). -> the Removal set once it is done (naming the tiers that were down
         for it); None when it is done already. A bad key raises before anything is done or counted."""
         keys = [check_key(key) for key in keys]      # ours: the caller may reuse its list once we return
+        if not keys:                                  # (nothing to remove: nothing queued or held -- review 44)
+            return None
         if self.lower and not reserved:
             self._reserve_removals(len(keys))
         try:

@@ -20,7 +20,6 @@ import time
 import pytest
 
 from hf_reference import hf_greedy, hf_model, random_prompt
-from polling import wait_until
 from pdserve.engine.config import CacheConfig, EngineConfig, ExecutionConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.parallel import messages as m
@@ -226,6 +225,14 @@ def test_enforce_eager_turns_the_replay_path_off(tiny_llama, prompts, expected, 
     assert err.count("decode eager (--enforce-eager") == 2 and "graph replay" not in err
 
 
+def _wait_between_steps(heartbeat, rank: int, limit_s: float = 10.0) -> None:
+    """Until ``rank`` waits for the next step's scheduler output: stopped earlier, it would stall in the last step."""
+    deadline = time.monotonic() + limit_s
+    while heartbeat.states()[rank].phase != "recv_scheduler_output":
+        assert time.monotonic() < deadline, heartbeat.states()[rank]
+        time.sleep(0.005)
+
+
 def test_a_rank_blocked_inside_a_replay_is_named_with_that_phase(tiny_llama, stand_in):
     """Stop rank 1 between steps; the next decode step's replay on rank 0 blocks in its first all-reduce (gloo
     waits on the host, as a replayed NCCL collective waits on the device): the heartbeat shows the replay phase and
@@ -237,8 +244,7 @@ def test_a_rank_blocked_inside_a_replay_is_named_with_that_phase(tiny_llama, sta
     try:
         for _ in range(3):                                          # the prefill and two decode steps
             engine.step()
-        wait_until(lambda: ex.heartbeat.states()[1].phase == "recv_scheduler_output", 10,   # rank 1 may still be
-                   "rank 1 waiting for the next step")            # leaving step 3's all-gather (a CI flake)
+        _wait_between_steps(ex.heartbeat, 1)        # rank 1 may still be leaving step 3's all-gather (CI flake)
         pid = ex.heartbeat.states()[1].pid
         os.kill(pid, signal.SIGSTOP)
         with pytest.raises(RankFailedError) as err:
